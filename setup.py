@@ -1,0 +1,42 @@
+"""Build the compiled core, ``kvpush._core``, from ``csrc/``.
+
+Metadata and dependencies live in ``pyproject.toml``; this file only declares the
+extension and reads two build flags:
+
+* ``KVPUSH_DEBUG=1``    -- assertions on, ``-O0 -g``.
+* ``KVPUSH_SANITIZE=1`` -- AddressSanitizer + UBSan (load with ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``).
+"""
+
+import os
+from glob import glob
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+debug = os.environ.get("KVPUSH_DEBUG") == "1"
+sanitize = os.environ.get("KVPUSH_SANITIZE") == "1"
+
+compile_args = ["-Wall", "-Wextra", "-Wno-unused-parameter"]
+link_args: list[str] = []
+macros = []
+if debug:
+    compile_args += ["-O0", "-g"]
+    macros.append(("KVPUSH_DEBUG", "1"))
+else:
+    compile_args += ["-O3"]
+    macros.append(("NDEBUG", "1"))
+if sanitize:
+    compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+    link_args += ["-fsanitize=address,undefined"]
+
+core = Pybind11Extension(
+    "kvpush._core",
+    sorted(glob("csrc/kvpush/*.cpp")) + ["csrc/bindings.cpp"],
+    include_dirs=["csrc"],
+    cxx_std=17,
+    define_macros=macros,
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+)
+
+setup(ext_modules=[core], cmdclass={"build_ext": build_ext})
