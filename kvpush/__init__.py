@@ -1,0 +1,76 @@
+"""kvpush: move LLM KV-cache blocks between a prefill engine and a decode engine over NIXL.
+
+Push (the producer WRITEs into blocks the consumer registered early, triggered by whichever
+of registration and prefill-done comes second) and pull (the consumer READs), per request.
+See ``docs/ARCHITECTURE.md``.
+"""
+
+from __future__ import annotations
+
+try:
+    from . import _core as _core
+except ImportError as _exc:  # pragma: no cover - depends on the build state
+    raise ImportError(
+        "kvpush's compiled core (kvpush._core) is not built. From the repository root run:\n"
+        "    python -m pip install --no-build-isolation -e .\n"
+        "(or: python setup.py build_ext --inplace). Cause: " + str(_exc)
+    ) from _exc
+
+from .agent import TransportConfig
+from .consumer import Consumer, ConsumerConfig
+from .errors import (
+    AuthenticationError,
+    ClosedError,
+    InvalidBlockIds,
+    KvpushError,
+    LayoutMismatch,
+    PeerUnavailable,
+    ProtocolError,
+    RequestAborted,
+    TransferFailed,
+    TransferTimeout,
+)
+from .layout import KVLayout, MemoryKind, Region, check_compatible
+from .messages import PullTicket
+from .producer import Producer, ProducerConfig
+from .progress import ProgressPolicy
+from .request import (
+    Release,
+    ReleaseReason,
+    RequestState,
+    TransferHandle,
+    TransferMode,
+    TransferResult,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "ClosedError",
+    "Consumer",
+    "ConsumerConfig",
+    "InvalidBlockIds",
+    "KVLayout",
+    "KvpushError",
+    "LayoutMismatch",
+    "MemoryKind",
+    "PeerUnavailable",
+    "Producer",
+    "ProducerConfig",
+    "ProgressPolicy",
+    "ProtocolError",
+    "PullTicket",
+    "Region",
+    "Release",
+    "ReleaseReason",
+    "RequestAborted",
+    "RequestState",
+    "TransferFailed",
+    "TransferHandle",
+    "TransferMode",
+    "TransferResult",
+    "TransferTimeout",
+    "TransportConfig",
+    "check_compatible",
+]

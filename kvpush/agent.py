@@ -1,0 +1,234 @@
+"""A thin wrapper over one NIXL agent, configured the way kvpush needs it.
+
+* NIXL's progress thread is **off**: its default polls without pause (~a core per agent,
+  idle or not). The kvpush loop thread drives progress instead (see :mod:`kvpush.progress`).
+* UCX error-handling mode defaults to ``none``: mode ``peer`` rules out UCX's shared-memory
+  transports on a host and needs the *target* to progress for every transfer (TCP), which
+  measured ~27x worse small-transfer latency here. Liveness comes from kvpush's heartbeats and
+  deadlines instead; a post toward a dead peer still fails fast (NIXL raises
+  ``nixlRemoteDisconnectError``), which the fault tests check.
+* Descriptor lists are prepared once per (layout, peer), region-major, and every request
+  names descriptors by index (``make_prepped_xfer``).
+
+Only the loop thread touches an agent after construction (NIXL's sync mode is NONE).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import PeerUnavailable, TransferFailed
+from .layout import KVLayout
+
+__all__ = ["Agent", "TransportConfig", "XferState"]
+
+log = logging.getLogger("kvpush.agent")
+
+_ERROR_MODES = ("none", "peer")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """How kvpush configures NIXL.
+
+    Parameters
+    ----------
+    backend
+        NIXL backend plugin (``"UCX"`` here; ``"LIBFABRIC"`` for EFA where installed).
+    ucx_error_mode
+        ``"none"`` (default: shared memory on a host, kvpush-level liveness) or ``"peer"``
+        (UCX detects dead peers itself; TCP on a host, target must progress).
+    """
+
+    backend: str = "UCX"
+    ucx_error_mode: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.ucx_error_mode not in _ERROR_MODES:
+            raise ValueError(
+                f"TransportConfig.ucx_error_mode must be one of {_ERROR_MODES}, "
+                f"got {self.ucx_error_mode!r}"
+            )
+        if not self.backend:
+            raise ValueError("TransportConfig.backend must be a backend name")
+
+
+class XferState(enum.Enum):
+    IN_PROGRESS = "PROC"
+    DONE = "DONE"
+    ERROR = "ERR"
+
+
+def _nixl() -> Any:
+    # nixl's logger prints an INFO line per agent; keep kvpush quiet unless asked.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    import nixl._api as nixl_api
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nixl_api
+
+
+class Agent:
+    """One NIXL agent with kvpush's configuration, its registered layout, and its peers.
+
+    Parameters
+    ----------
+    name
+        Unique agent name (peers address it by this name).
+    layout
+        The local KV cache; registered at construction, deregistered by :meth:`close`.
+    config
+        :class:`TransportConfig`.
+    """
+
+    def __init__(self, name: str, layout: KVLayout, config: TransportConfig) -> None:
+        api = _nixl()
+        self._api = api
+        self.name = name
+        self.layout = layout
+        conf = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                     backends=[])
+        self._agent = api.nixl_agent(name, conf)
+        params = {}
+        if config.backend == "UCX":
+            params["ucx_error_handling_mode"] = config.ucx_error_mode
+        try:
+            self._agent.create_backend(config.backend, params)
+        except Exception as exc:
+            raise TransferFailed(f"cannot create NIXL backend {config.backend}: {exc}") from exc
+        mem = layout.kind.value
+        self._mem = mem
+        self._reg = self._agent.register_memory(
+            [(r.addr, r.length, r.device_id, "") for r in layout.regions], mem
+        )
+        self._local_dlist = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", layout.descriptor_table(), mem
+        )
+        self._remote_dlists: dict[str, Any] = {}
+        self._closed = False
+
+    # -- peers -----------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        data: bytes = self._agent.get_agent_metadata()
+        return data
+
+    def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
+        """Load a peer's metadata and prepare its descriptor list; returns its agent name."""
+        try:
+            name: str = self._agent.add_remote_agent(metadata)
+            if isinstance(name, bytes):
+                name = name.decode()
+            self._release_remote(name)
+            self._remote_dlists[name] = self._agent.prep_xfer_dlist(
+                name, layout.descriptor_table(), layout.kind.value
+            )
+        except Exception as exc:
+            raise PeerUnavailable(f"cannot load peer metadata: {exc}") from exc
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        """Drop a peer's prepared list and metadata (after it died or left)."""
+        self._release_remote(name)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # already gone: nothing to undo
+            log.debug("remove_remote_agent(%s): %s", name, exc)
+
+    def _release_remote(self, name: str) -> None:
+        handle = self._remote_dlists.pop(name, None)
+        if handle is not None:
+            try:
+                handle.release()
+            except Exception as exc:
+                log.warning("releasing descriptor list of %s: %s", name, exc)
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._remote_dlists
+
+    # -- transfers -------------------------------------------------------------------------
+    def post(self, op: str, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray,
+             notif: bytes) -> Any:
+        """Create and post a transfer; returns its handle (state via :meth:`state`).
+
+        Raises :class:`PeerUnavailable` when the peer is gone, :class:`TransferFailed` when
+        NIXL refuses the request.
+        """
+        remote = self._remote_dlists.get(peer)
+        if remote is None:
+            raise PeerUnavailable(f"no connection to {peer!r}")
+        try:
+            handle = self._agent.make_prepped_xfer(
+                op, self._local_dlist, local_idx, remote, remote_idx, notif
+            )
+        except Exception as exc:
+            raise self._translate(exc, "prepare", peer) from exc
+        try:
+            status = self._agent.transfer(handle)
+        except Exception as exc:
+            self.release(handle)
+            raise self._translate(exc, "post", peer) from exc
+        if status == "ERR":
+            self.release(handle)
+            raise TransferFailed(f"NIXL refused to post a {op} to {peer!r}")
+        return handle
+
+    def state(self, handle: Any) -> XferState:
+        try:
+            return XferState(self._agent.check_xfer_state(handle))
+        except Exception as exc:
+            log.info("check_xfer_state: %s", exc)
+            return XferState.ERROR
+
+    def release(self, handle: Any) -> bool:
+        """Release (cancelling if still active) a transfer handle. False when NIXL could not
+        cancel it: the transfer may still be running and the handle must be polled again."""
+        try:
+            handle.release()
+        except Exception as exc:
+            log.debug("release of transfer handle: %s", exc)
+            return False
+        return True
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """New notifications by sender; also drives the agent's progress."""
+        try:
+            notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        except Exception as exc:
+            log.warning("get_new_notifs: %s", exc)
+            return {}
+        return notifs
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as exc:
+            raise self._translate(exc, "notify", peer) from exc
+
+    def _translate(self, exc: Exception, what: str, peer: str) -> Exception:
+        kind = type(exc).__name__
+        if "Disconnect" in kind or "NotFound" in kind:
+            return PeerUnavailable(f"{what} toward {peer!r} failed: peer disconnected ({kind})")
+        return TransferFailed(f"{what} toward {peer!r} failed: {kind}: {exc}")
+
+    # -- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._remote_dlists):
+            self.remove_peer(name)
+        try:
+            self._local_dlist.release()
+        except Exception as exc:
+            log.warning("releasing local descriptor list: %s", exc)
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception as exc:
+            log.warning("deregistering KV memory: %s", exc)
+        self._agent = None

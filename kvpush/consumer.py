@@ -1,0 +1,646 @@
+"""The decode side: connects to producers, registers destination blocks early (push) or
+READs source blocks (pull), counts completions, and reports each request exactly once.
+
+A result is reported only when the destination blocks are safe: READY once every expected
+part has landed (push: a ``Landed`` notification per producer part, counted in the compiled
+completion table; pull: NIXL reports the READ done), and any other state only once no WRITE
+for the request can still land (the producer acknowledged the abort, was declared dead, or
+``abort_grace_s`` passed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import _core
+from . import messages as m
+from .agent import TransportConfig, XferState
+from .endpoint import Endpoint, Timer
+from .errors import (
+    ClosedError,
+    InvalidBlockIds,
+    KvpushError,
+    LayoutMismatch,
+    PeerUnavailable,
+    ProtocolError,
+    RequestAborted,
+    TransferFailed,
+    TransferTimeout,
+)
+from .layout import KVLayout, check_compatible
+from .metrics import LIVE, Stats
+from .plan import plan_transfer, validate_block_ids
+from .progress import ProgressPolicy
+from .request import RequestState, TransferHandle, TransferMode, TransferResult
+
+__all__ = ["Consumer", "ConsumerConfig"]
+
+log = logging.getLogger("kvpush.consumer")
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """Consumer settings (all durations in seconds).
+
+    Parameters
+    ----------
+    request_timeout_s
+        Default deadline of a request, from ``expect``/``pull`` to its data having landed
+        (push: it covers the prefill itself).
+    connect_timeout_s
+        Default deadline of a handshake; Hellos are re-sent with backoff until then.
+    heartbeat_s
+        Interval of heartbeats to each producer.
+    peer_timeout_s
+        A producer silent this long is declared gone; its requests fail.
+    abort_grace_s
+        After an abort or timeout, how long to wait for the producer to confirm no WRITE is
+        in flight before reporting the request anyway.
+    lease_margin_s
+        Pull: a READ is started only if the ticket's lease has at least this long left.
+    """
+
+    name: str | None = None
+    request_timeout_s: float = 120.0
+    connect_timeout_s: float = 30.0
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 20.0
+    abort_grace_s: float = 5.0
+    lease_margin_s: float = 1.0
+    coalesce: bool = True
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    progress: ProgressPolicy = field(default_factory=ProgressPolicy)
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "connect_timeout_s", "heartbeat_s", "peer_timeout_s",
+                     "abort_grace_s"):
+            value = getattr(self, name)
+            if not 0 < value <= 86400:
+                raise ValueError(f"ConsumerConfig.{name} must be in (0, 86400] s, got {value}")
+        if self.heartbeat_s * 2 > self.peer_timeout_s:
+            raise ValueError("ConsumerConfig.peer_timeout_s must be at least 2 * heartbeat_s")
+        if self.lease_margin_s < 0:
+            raise ValueError("ConsumerConfig.lease_margin_s must be >= 0")
+
+
+@dataclass
+class _Producer:
+    address: str
+    socket: zmq.Socket[Any]
+    agent_name: str = ""
+    layout: KVLayout | None = None
+    last_seen: float = 0.0
+    waiters: list[Callable[[str | None, KvpushError | None], None]] = field(default_factory=list)
+    hello_timer: Timer | None = None
+    hb_seq: int = 0
+
+
+@dataclass
+class _Request:
+    handle: TransferHandle
+    ids: np.ndarray
+    producers: list[str]          # agent names, index = part
+    started: float
+    deadline: Timer
+    landed: set[int] = field(default_factory=set)    # parts whose data landed
+    settled: set[int] = field(default_factory=set)   # parts that will write nothing more
+    posted: set[int] = field(default_factory=set)    # parts announced in flight, not landed
+    read: Any = None              # pull: NIXL handle of the READ in flight
+    read_bytes: int = 0
+    closing: RequestState | None = None   # set once an abort/timeout/failure began
+    error: KvpushError | None = None
+    waiting_acks: set[str] = field(default_factory=set)
+    grace: Timer | None = None
+
+
+_FAILED_CODES = {
+    "aborted": (RequestState.ABORTED, RequestAborted),
+    "timeout": (RequestState.TIMED_OUT, TransferTimeout),
+    "lease_expired": (RequestState.TIMED_OUT, TransferTimeout),
+}
+
+
+class Consumer(Endpoint):
+    """The decode side of kvpush.
+
+    Parameters
+    ----------
+    layout
+        This side's KV cache (registered with NIXL for the Consumer's lifetime).
+    config
+        :class:`ConsumerConfig`.
+    on_finished
+        Called on the Consumer's loop thread with each :class:`~kvpush.request.TransferResult`
+        (keep it short; or leave it None and use handles / :meth:`get_finished`).
+    """
+
+    _role = "consumer"
+
+    def __init__(self, layout: KVLayout, config: ConsumerConfig | None = None, *,
+                 on_finished: Callable[[TransferResult], None] | None = None) -> None:
+        config = config or ConsumerConfig()
+        super().__init__(layout, name=config.name, transport=config.transport,
+                         progress=config.progress)
+        self.config = config
+        self._on_finished = on_finished
+        self._finished: deque[TransferResult] = deque()
+        self._stats = Stats()
+        self._producers: dict[str, _Producer] = {}     # by address
+        self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
+        self._requests: dict[str, _Request] = {}
+        self._completions = _core.CompletionTable()
+        self._posted = 0           # push parts announced in flight, not landed yet
+        self._reads: set[str] = set()
+        self._after(config.heartbeat_s, self._heartbeat)
+        self._finalized = False
+        self._start()
+
+    # -- engine API (any thread) -----------------------------------------------------------
+    def connect(self, address: str, timeout: float | None = None) -> str:
+        """Handshake with the producer at ``address`` (e.g. ``Producer.address``); returns
+        its name. Idempotent. Raises :class:`~kvpush.errors.LayoutMismatch` when the layouts
+        cannot exchange blocks and :class:`~kvpush.errors.PeerUnavailable` when the producer
+        does not answer within ``timeout``."""
+        if not isinstance(address, str) or "://" not in address:
+            raise ValueError(f"address must be a ZeroMQ endpoint like tcp://host:port, "
+                             f"got {address!r}")
+        timeout = self.config.connect_timeout_s if timeout is None else timeout
+        done: list[tuple[str | None, KvpushError | None]] = []
+        event = threading.Event()
+
+        def on_result(name: str | None, error: KvpushError | None) -> None:
+            done.append((name, error))
+            event.set()
+
+        self._call_soon(lambda: self._connect(address, timeout, on_result))
+        if not event.wait(timeout + 5.0):
+            raise PeerUnavailable(f"handshake with {address} did not finish in {timeout} s")
+        name, error = done[0]
+        if error is not None:
+            raise error
+        assert name is not None
+        return name
+
+    def expect(self, request_id: str, block_ids: Any, producers: str | Sequence[str], *,
+               timeout: float | None = None) -> TransferHandle:
+        """Push: the decode engine allocated ``block_ids`` for ``request_id``; register them
+        with each producer (a producer name from :meth:`connect`, or one per rank that owes
+        data: each is one part). Returns at once; the handle reports the result."""
+        rid = self._check_request_id(request_id)
+        ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
+        names = [producers] if isinstance(producers, str) else list(producers)
+        if not names:
+            raise ValueError("expect needs at least one producer")
+        timeout = self.config.request_timeout_s if timeout is None else float(timeout)
+        handle = TransferHandle(rid, TransferMode.PUSH)
+        self._call_soon(lambda: self._register(handle, ids, names, timeout))
+        return handle
+
+    def pull(self, ticket: m.PullTicket | bytes, block_ids: Any, *,
+             timeout: float | None = None) -> TransferHandle:
+        """Pull: READ the blocks a :class:`~kvpush.messages.PullTicket` names into
+        ``block_ids``. Connects to the ticket's producer first if needed (blocking)."""
+        if isinstance(ticket, (bytes, bytearray)):
+            ticket = m.PullTicket.from_bytes(bytes(ticket))
+        rid = self._check_request_id(ticket.request_id)
+        dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
+        src = m.decode_ids(ticket.block_ids)
+        if len(src) != len(dst):
+            raise InvalidBlockIds(f"the ticket names {len(src)} source blocks but block_ids "
+                                  f"has {len(dst)}")
+        timeout = self.config.request_timeout_s if timeout is None else float(timeout)
+        if ticket.producer not in self._by_name:
+            name = self.connect(ticket.address)
+            if name != ticket.producer:
+                raise PeerUnavailable(f"{ticket.address} is {name!r}, the ticket names "
+                                      f"{ticket.producer!r}")
+        lease_left = ticket.lease_s - (time.time() - ticket.issued_at) - self.config.lease_margin_s
+        handle = TransferHandle(rid, TransferMode.PULL)
+        self._call_soon(lambda: self._read(handle, ticket, src, dst, min(timeout, lease_left)))
+        return handle
+
+    def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
+        """Give up ``request_id``; its result (ABORTED) comes once the blocks are safe."""
+        self._call_soon(lambda: self._abort(request_id, RequestState.ABORTED,
+                                            RequestAborted(reason)))
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results since the last call (for engines that poll rather than take callbacks)."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return self._stats.as_dict()
+
+    @property
+    def pending(self) -> int:
+        return len(self._requests)
+
+    def producers(self) -> list[str]:
+        """Names of producers connected now."""
+        return list(self._by_name)
+
+    @staticmethod
+    def _check_request_id(request_id: Any) -> str:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidBlockIds("request_id must be a non-empty str")
+        return request_id
+
+    # -- loop: connections -----------------------------------------------------------------
+    def _connect(self, address: str, timeout: float,
+                 on_result: Callable[[str | None, KvpushError | None], None]) -> None:
+        peer = self._producers.get(address)
+        if peer is not None and peer.agent_name:
+            on_result(peer.agent_name, None)
+            return
+        if peer is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.name.encode())
+            sock.connect(address)
+            peer = _Producer(address, sock)
+            self._producers[address] = peer
+            self._add_socket(sock, lambda s, p=peer: self._on_dealer(p, s))
+            self._send_hello(peer, time.monotonic() + timeout, 0.05)
+        peer.waiters.append(on_result)
+
+    def _send_hello(self, peer: _Producer, deadline: float, delay: float) -> None:
+        if peer.agent_name or self._producers.get(peer.address) is not peer:
+            return
+        now = time.monotonic()
+        if now >= deadline:
+            self._connect_failed(peer, PeerUnavailable(f"no answer from {peer.address}"))
+            return
+        self._send(peer.socket, m.Hello(self.name, self._agent.metadata(), self.layout.to_wire()))
+        # Re-send with backoff: the producer may not be up yet, or a starved host may have
+        # missed it; a Hello is idempotent.
+        peer.hello_timer = self._at(min(deadline, now + delay),
+                                    lambda: self._send_hello(peer, deadline, min(delay * 2, 2.0)))
+
+    def _connect_failed(self, peer: _Producer, error: KvpushError) -> None:
+        if peer.hello_timer is not None:
+            peer.hello_timer.cancel()
+        self._producers.pop(peer.address, None)
+        self._remove_socket(peer.socket)
+        for waiter in peer.waiters:
+            waiter(None, error)
+        peer.waiters.clear()
+
+    def _on_dealer(self, peer: _Producer, sock: zmq.Socket[Any]) -> None:
+        for frames in self._recv_all(sock):
+            if self._producers.get(peer.address) is not peer:
+                return
+            try:
+                if len(frames) != 1:
+                    raise ProtocolError("expected one frame")
+                msg = m.decode(frames[0])
+            except ProtocolError as exc:
+                self._stats.messages_rejected += 1
+                log.warning("%s: rejected control frame: %s", self.name, exc)
+                continue
+            peer.last_seen = time.monotonic()
+            if isinstance(msg, m.HelloAck):
+                self._on_hello_ack(peer, msg)
+            elif isinstance(msg, m.HelloReject):
+                error: KvpushError = (LayoutMismatch(msg.field, msg.local, msg.remote)
+                                      if msg.field else PeerUnavailable(msg.reason))
+                self._connect_failed(peer, error)
+                return
+            elif not peer.agent_name:
+                self._stats.messages_rejected += 1
+            elif isinstance(msg, m.Posted):
+                req = self._requests.get(msg.request_id)
+                if (req is not None and 0 <= msg.part < len(req.producers)
+                        and msg.part not in req.settled and msg.part not in req.posted):
+                    req.posted.add(msg.part)
+                    self._posted += 1
+            elif isinstance(msg, m.Failed):
+                self._on_failed(peer, msg)
+            elif isinstance(msg, m.AbortAck):
+                self._on_ack(peer, msg.request_id)
+            elif isinstance(msg, m.HeartbeatAck):
+                pass
+            elif isinstance(msg, m.Bye):
+                self._lose_producer(peer, "producer closed")
+                return
+            else:
+                self._stats.messages_rejected += 1
+
+    def _on_hello_ack(self, peer: _Producer, msg: m.HelloAck) -> None:
+        if peer.agent_name:
+            return  # a duplicate answer to a re-sent Hello
+        try:
+            remote = KVLayout.from_wire(msg.layout)
+            check_compatible(self.layout, remote)
+            name = self._agent.add_peer(msg.agent_metadata, remote)
+        except KvpushError as exc:
+            self._connect_failed(peer, exc)
+            return
+        if name != msg.name:
+            self._agent.remove_peer(name)
+            self._connect_failed(peer, ProtocolError(f"producer calls itself {msg.name!r} but "
+                                                     f"its NIXL agent is {name!r}"))
+            return
+        if peer.hello_timer is not None:
+            peer.hello_timer.cancel()
+        peer.agent_name = name
+        peer.layout = remote
+        self._by_name[name] = peer
+        for waiter in peer.waiters:
+            waiter(name, None)
+        peer.waiters.clear()
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for peer in list(self._by_name.values()):
+            if now - peer.last_seen > self.config.peer_timeout_s:
+                self._lose_producer(peer, f"no answer for {self.config.peer_timeout_s} s")
+                continue
+            peer.hb_seq += 1
+            self._send(peer.socket, m.Heartbeat(peer.hb_seq))
+        self._after(self.config.heartbeat_s, self._heartbeat)
+
+    def _lose_producer(self, peer: _Producer, why: str) -> None:
+        if self._producers.get(peer.address) is not peer:
+            return
+        log.info("%s: lost producer %s: %s", self.name, peer.agent_name or peer.address, why)
+        self._stats.peers_lost += 1
+        name = peer.agent_name
+        del self._producers[peer.address]
+        self._by_name.pop(name, None)
+        self._remove_socket(peer.socket)
+        for rid, req in list(self._requests.items()):
+            if name not in req.producers:
+                continue
+            if req.read is not None and not self._agent.release(req.read):
+                continue  # the READ cannot be cancelled yet: its poll will finish it
+            error = PeerUnavailable(f"producer {name} lost: {why}")
+            req.waiting_acks.discard(name)
+            if req.closing is None:
+                self._close_request(rid, RequestState.FAILED, error, ask=False)
+            elif not req.waiting_acks:
+                self._finish(rid, req.closing, req.error)
+        self._agent.remove_peer(name)
+
+    # -- loop: push ------------------------------------------------------------------------
+    def _register(self, handle: TransferHandle, ids: np.ndarray, names: list[str],
+                  timeout: float) -> None:
+        rid = handle.request_id
+        now = time.monotonic()
+        if rid in self._requests:
+            self._report(handle, RequestState.FAILED,
+                         InvalidBlockIds(f"request {rid!r} is already pending"), now, 0)
+            return
+        missing = [n for n in names if n not in self._by_name]
+        if missing:
+            self._report(handle, RequestState.FAILED,
+                         PeerUnavailable(f"not connected to {missing}"), now, 0)
+            return
+        deadline = self._after(timeout, lambda: self._expire(rid))
+        self._requests[rid] = _Request(handle, ids, names, now, deadline)
+        LIVE.add("requests_pending", 1)
+        self._completions.expect(rid, len(names))
+        payload = m.encode_ids(ids)
+        for part, name in enumerate(names):
+            self._send(self._by_name[name].socket, m.Register(rid, payload, part, timeout))
+
+    def _on_failed(self, peer: _Producer, msg: m.Failed) -> None:
+        req = self._requests.get(msg.request_id)
+        if req is None or peer.agent_name not in req.producers:
+            return
+        if req.closing is not None:
+            self._on_ack(peer, msg.request_id)
+            return
+        state, cls = _FAILED_CODES.get(msg.code, (RequestState.FAILED, TransferFailed))
+        error = cls(f"producer {peer.agent_name}: {msg.code}: {msg.reason}")
+        self._settle(req, req.producers.index(peer.agent_name))
+        self._close_request(msg.request_id, state, error, ask=True)
+
+    def _on_ack(self, peer: _Producer, rid: str) -> None:
+        req = self._requests.get(rid)
+        if req is None or req.closing is None:
+            return
+        req.waiting_acks.discard(peer.agent_name)
+        if not req.waiting_acks:
+            self._finish(rid, req.closing, req.error)
+
+    # -- loop: pull ------------------------------------------------------------------------
+    def _read(self, handle: TransferHandle, ticket: m.PullTicket, src: np.ndarray,
+              dst: np.ndarray, budget: float) -> None:
+        rid = handle.request_id
+        now = time.monotonic()
+        peer = self._by_name.get(ticket.producer)
+        if rid in self._requests:
+            self._report(handle, RequestState.FAILED,
+                         InvalidBlockIds(f"request {rid!r} is already pending"), now, 0)
+            return
+        if peer is None or peer.layout is None:
+            self._report(handle, RequestState.FAILED,
+                         PeerUnavailable(f"not connected to {ticket.producer}"), now, 0)
+            return
+        if budget <= 0:
+            self._report(handle, RequestState.TIMED_OUT,
+                         TransferTimeout(f"the pull ticket's lease for {rid!r} has run out"),
+                         now, 0)
+            return
+        try:
+            plan = plan_transfer(dst, src, self.layout.num_blocks, peer.layout.num_blocks,
+                                 self.layout.num_regions, self.config.coalesce)
+        except InvalidBlockIds as exc:
+            self._report(handle, RequestState.FAILED, exc, now, 0)
+            return
+        deadline = self._after(budget, lambda: self._expire(rid))
+        req = _Request(handle, dst, [peer.agent_name], now, deadline)
+        self._requests[rid] = req
+        LIVE.add("requests_pending", 1)
+        self._send(peer.socket, m.PullBegin(rid))
+        notif = m.encode(m.PullDone(rid))
+        try:
+            if plan.num_blocks == 0:
+                self._agent.send_notification(peer.agent_name, notif)
+                self._finish(rid, RequestState.READY, None)
+                return
+            req.read = self._agent.post("READ", peer.agent_name, plan.local_indices,
+                                        plan.remote_indices, notif)
+        except KvpushError as exc:
+            self._close_request(rid, RequestState.FAILED, exc, ask=True)
+            return
+        req.read_bytes = plan.num_blocks * self.layout.bytes_per_block_id
+        self._reads.add(rid)
+        LIVE.add("transfers_in_flight", 1)
+        self._stats.transfers_posted += 1
+        self._stats.descriptors_posted += plan.num_descriptors
+
+    def _end_read(self, rid: str, req: _Request) -> None:
+        req.read = None
+        self._reads.discard(rid)
+        LIVE.add("transfers_in_flight", -1)
+
+    # -- loop: progress --------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return self._posted > 0 or bool(self._reads)
+
+    def _poll_transfers(self) -> bool:
+        moved = False
+        for rid in list(self._reads):
+            req = self._requests[rid]
+            state = self._agent.state(req.read)
+            if state is XferState.IN_PROGRESS:
+                continue
+            moved = True
+            self._agent.release(req.read)
+            self._end_read(rid, req)
+            if req.closing is not None:     # cancelled too late: it has finished now
+                self._close_request(rid, req.closing, req.error, ask=True)
+            elif state is XferState.DONE:
+                self._stats.bytes_moved += req.read_bytes
+                self._stats.blocks_moved += len(req.ids)
+                self._finish(rid, RequestState.READY, None)
+            else:
+                self._close_request(rid, RequestState.FAILED,
+                                    TransferFailed(f"READ for {rid!r} failed"), ask=True)
+        if self._posted:
+            for _sender, notes in self._agent.notifications().items():
+                for note in notes:
+                    moved = True
+                    self._on_notification(note)
+        return moved
+
+    def _on_notification(self, note: bytes) -> None:
+        try:
+            msg = m.decode(note)
+        except ProtocolError:
+            self._stats.messages_rejected += 1
+            return
+        if not isinstance(msg, m.Landed):
+            self._stats.messages_rejected += 1
+            return
+        req = self._requests.get(msg.request_id)
+        if req is None:
+            return
+        arrival = self._completions.arrive(msg.request_id, msg.part)
+        if arrival not in (_core.Arrival.PENDING, _core.Arrival.COMPLETE):
+            return
+        req.landed.add(msg.part)
+        self._settle(req, msg.part)
+        self._stats.blocks_moved += len(req.ids)
+        self._stats.bytes_moved += len(req.ids) * self.layout.bytes_per_block_id
+        if req.closing is not None:
+            req.waiting_acks.discard(req.producers[msg.part])
+            if not req.waiting_acks:
+                self._finish(msg.request_id, req.closing, req.error)
+        elif arrival == _core.Arrival.COMPLETE:
+            self._finish(msg.request_id, RequestState.READY, None)
+
+    def _settle(self, req: _Request, part: int) -> None:
+        """Part ``part`` of ``req`` will write nothing more."""
+        req.settled.add(part)
+        if part in req.posted:
+            req.posted.discard(part)
+            self._posted -= 1
+
+    # -- loop: endings ---------------------------------------------------------------------
+    def _expire(self, rid: str) -> None:
+        req = self._requests.get(rid)
+        if req is not None and req.closing is None:
+            what = "READ" if req.handle.mode is TransferMode.PULL else "data"
+            self._abort(rid, RequestState.TIMED_OUT,
+                        TransferTimeout(f"{what} for {rid!r} did not land in time"))
+
+    def _abort(self, rid: str, state: RequestState, error: KvpushError) -> None:
+        req = self._requests.get(rid)
+        if req is None or req.closing is not None:
+            return
+        self._close_request(rid, state, error, ask=True)
+
+    def _close_request(self, rid: str, state: RequestState, error: KvpushError | None,
+                       ask: bool) -> None:
+        """Begin ending a request that did not succeed: cancel a READ, ask producers that
+        may still WRITE to confirm they will not, and report once they have."""
+        req = self._requests[rid]
+        first = req.closing is None
+        req.closing, req.error = state, error
+        req.deadline.cancel()
+        if req.read is not None:
+            if not self._agent.release(req.read):
+                return  # still running: the poll ends it
+            self._end_read(rid, req)
+        if first and ask:
+            reason = str(error) if error else state.value
+            for part, name in enumerate(req.producers):
+                peer = self._by_name.get(name)
+                if peer is None:
+                    continue
+                self._send(peer.socket, m.Abort(rid, reason))
+                if req.handle.mode is TransferMode.PUSH and part not in req.settled:
+                    req.waiting_acks.add(name)
+        if not req.waiting_acks:
+            self._finish(rid, state, error)
+        elif req.grace is None:
+            req.grace = self._after(self.config.abort_grace_s, lambda: self._grace_over(rid))
+
+    def _grace_over(self, rid: str) -> None:
+        req = self._requests.get(rid)
+        if req is not None and req.closing is not None:
+            log.warning("%s: no abort confirmation for %r from %s", self.name, rid,
+                        sorted(req.waiting_acks))
+            self._finish(rid, req.closing, req.error)
+
+    def _finish(self, rid: str, state: RequestState, error: KvpushError | None) -> None:
+        req = self._requests.pop(rid)
+        req.deadline.cancel()
+        if req.grace is not None:
+            req.grace.cancel()
+        if req.handle.mode is TransferMode.PUSH:
+            self._completions.remove(rid)
+            self._posted -= len(req.posted)
+        LIVE.add("requests_pending", -1)
+        nbytes = req.read_bytes if req.handle.mode is TransferMode.PULL else (
+            len(req.ids) * self.layout.bytes_per_block_id * len(req.landed))
+        self._report(req.handle, state, error, req.started, nbytes)
+
+    def _report(self, handle: TransferHandle, state: RequestState, error: KvpushError | None,
+                started: float, nbytes: int) -> None:
+        counter = {
+            RequestState.READY: "requests_completed",
+            RequestState.FAILED: "requests_failed",
+            RequestState.TIMED_OUT: "requests_timed_out",
+            RequestState.ABORTED: "requests_aborted",
+        }[state]
+        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        result = TransferResult(handle.request_id, state, handle.mode, error,
+                                time.monotonic() - started, nbytes)
+        handle._set(result)
+        self._finished.append(result)
+        if self._on_finished is not None:
+            try:
+                self._on_finished(result)
+            except Exception:
+                log.exception("%s: on_finished callback raised", self.name)
+
+    # -- teardown --------------------------------------------------------------------------
+    def _on_close(self) -> None:
+        for peer in list(self._by_name.values()):
+            self._send(peer.socket, m.Bye(self.name))
+        for peer in list(self._producers.values()):
+            for waiter in peer.waiters:
+                waiter(None, ClosedError("consumer closed"))
+            peer.waiters.clear()
+        for rid, req in list(self._requests.items()):
+            if req.read is not None:
+                self._agent.release(req.read)
+                self._end_read(rid, req)
+            self._finish(rid, RequestState.ABORTED, ClosedError("consumer closed"))
+        self._by_name.clear()
+        self._producers.clear()

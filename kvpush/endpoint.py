@@ -1,0 +1,267 @@
+"""The machinery a Producer and a Consumer share: one loop thread that owns the NIXL agent
+and the control sockets, a command queue into it, timers, and the progress budget.
+
+Threads. The engine's threads call the public methods; those validate their arguments on the
+caller's thread (so bad input raises at once, with nothing posted), then hand a closure to the
+loop through a queue and an eventfd. Everything that touches NIXL or ZeroMQ runs on the loop
+thread, so neither needs locks. The loop blocks in ``zmq.Poller.poll`` when nothing is in
+flight and follows :class:`~kvpush.progress.ProgressPolicy` when something is.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from . import messages as m
+from .agent import Agent, TransportConfig
+from .errors import ClosedError, KvpushError
+from .layout import KVLayout
+from .metrics import LIVE
+from .progress import Backoff, ProgressPolicy
+
+__all__ = ["Endpoint", "Timer"]
+
+log = logging.getLogger("kvpush")
+
+
+class Timer:
+    """A one-shot callback at a monotonic deadline; :meth:`cancel` makes it a no-op."""
+
+    __slots__ = ("deadline", "fn", "cancelled")
+
+    def __init__(self, deadline: float, fn: Callable[[], None]) -> None:
+        self.deadline = deadline
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Endpoint:
+    """Base of :class:`~kvpush.Producer` and :class:`~kvpush.Consumer` (not public)."""
+
+    _role = "endpoint"
+
+    def __init__(self, layout: KVLayout, *, name: str | None, transport: TransportConfig,
+                 progress: ProgressPolicy) -> None:
+        self._finalized = True  # until a subclass finishes constructing: nothing to close
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.name = name or f"kvpush-{self._role}-{uuid.uuid4().hex[:12]}"
+        self._progress_policy = progress
+        self._backoff = Backoff(progress)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._timers: list[tuple[float, int, Timer]] = []
+        self._timer_seq = itertools.count()
+        self._agent = Agent(self.name, layout, transport)
+        LIVE.add("registrations", 1)
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._sockets: dict[zmq.Socket[Any], Callable[[zmq.Socket[Any]], None]] = {}
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
+        self._stop = False
+        self._loop_error: BaseException | None = None
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    # -- loop plumbing ---------------------------------------------------------------------
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread."""
+        if self._closed:
+            raise ClosedError(f"{self._role} {self.name} is closed")
+        self._commands.put(fn)
+        os.eventfd_write(self._wake_fd, 1)
+
+    def _call_and_wait(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run ``fn`` on the loop thread and return its result (or raise its exception)."""
+        done = threading.Event()
+        box: list[Any] = []
+
+        def call() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # handed back to the caller
+                box.append((False, exc))
+            done.set()
+
+        self._call_soon(call)
+        if not done.wait(timeout):
+            raise TimeoutError(f"{self._role} loop did not answer within {timeout} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _add_socket(self, sock: zmq.Socket[Any], handler: Callable[[zmq.Socket[Any]], None]) -> None:
+        self._sockets[sock] = handler
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _remove_socket(self, sock: zmq.Socket[Any]) -> None:
+        if self._sockets.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+        sock.close(linger=0)
+
+    def _at(self, deadline: float, fn: Callable[[], None]) -> Timer:
+        timer = Timer(deadline, fn)
+        heapq.heappush(self._timers, (deadline, next(self._timer_seq), timer))
+        return timer
+
+    def _after(self, delay: float, fn: Callable[[], None]) -> Timer:
+        return self._at(time.monotonic() + delay, fn)
+
+    def _busy(self) -> bool:
+        """True while something is in flight that only polling NIXL will finish."""
+        raise NotImplementedError
+
+    def _poll_transfers(self) -> bool:
+        """Poll NIXL (transfer states, notifications); True when anything moved."""
+        raise NotImplementedError
+
+    def _on_close(self) -> None:
+        """On the loop thread, before it exits: fail what is in flight, release handles."""
+        raise NotImplementedError
+
+    def _next_timeout(self) -> float | None:
+        timeout: float | None = self._backoff.next_delay() if self._busy() else None
+        while self._timers and self._timers[0][2].cancelled:
+            heapq.heappop(self._timers)
+        if self._timers:
+            until = max(0.0, self._timers[0][0] - time.monotonic())
+            timeout = until if timeout is None else min(timeout, until)
+        return timeout
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                timeout = self._next_timeout()
+                if timeout is not None and 0 < timeout < 1e-3:
+                    # zmq's poll counts whole milliseconds; short waits sleep instead.
+                    time.sleep(timeout)
+                    timeout = 0.0
+                events = dict(self._poller.poll(None if timeout is None else timeout * 1e3))
+                if events.pop(self._wake_fd, 0):
+                    try:
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
+                self._drain_commands()
+                for sock in list(events):
+                    handler = self._sockets.get(sock)
+                    if handler is not None:
+                        handler(sock)
+                if self._busy() and self._poll_transfers():
+                    self._backoff.progressed()
+                self._run_timers()
+        except BaseException as exc:  # a bug: record it, fail everything, never hang callers
+            log.exception("%s loop crashed", self.name)
+            self._loop_error = exc
+        finally:
+            self._closed = True
+            try:
+                self._drain_commands()
+                self._on_close()
+            except Exception:
+                log.exception("%s: error while closing", self.name)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except KvpushError as exc:
+                log.warning("%s: %s", self.name, exc)
+            self._backoff.progressed()
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, timer = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                timer.cancelled = True
+                timer.fn()
+
+    @staticmethod
+    def _recv_all(sock: zmq.Socket[Any]) -> list[list[bytes]]:
+        frames = []
+        while True:
+            try:
+                frames.append(sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return frames
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread, fail requests still in flight with
+        :class:`~kvpush.errors.ClosedError`, and release every NIXL registration."""
+        with self._close_lock:
+            if getattr(self, "_finalized", False):
+                return
+            self._finalized = True
+        if self._thread.is_alive():
+            self._stop = True
+            os.eventfd_write(self._wake_fd, 1)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("%s: loop thread did not stop within %s s", self.name, timeout)
+        self._closed = True
+        if not self._thread.is_alive():
+            # Commands that raced with the stop, or a loop that never started: end them here.
+            self._drain_commands()
+            self._on_close()
+        for sock in list(self._sockets):
+            self._remove_socket(sock)
+        self._agent.close()
+        LIVE.add("registrations", -1)
+        self._ctx.destroy(linger=0)
+        os.close(self._wake_fd)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_finalized", True):
+            warnings.warn(f"{self._role} {self.name} was not closed", ResourceWarning,
+                          stacklevel=2)
+            try:
+                self.close(timeout=2.0)
+            except Exception:
+                pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _send(self, sock: zmq.Socket[Any], msg: m.Message, identity: bytes | None = None) -> None:
+        frame = m.encode(msg)
+        try:
+            if identity is None:
+                sock.send(frame, zmq.NOBLOCK)
+            else:
+                sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.info("%s: dropping %s: %s", self.name, type(msg).__name__, exc)

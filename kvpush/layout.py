@@ -1,0 +1,334 @@
+"""How a paged KV cache lies in memory, and whether two sides' caches can exchange blocks.
+
+A cache is a tuple of :class:`Region` s -- contiguous pieces of registered memory -- that all
+hold the same number of blocks at the same stride. Block id ``b`` names the ``b``-th block of
+*every* region, so moving one block moves ``len(regions)`` pieces of memory. This one shape
+covers the common engines:
+
+* one region per layer holding K and V together (vLLM on CPU: ``[blocks, heads, tokens, 2*head]``),
+  ``kv_packed=True``;
+* separate K and V regions per layer (vLLM's GPU backends), ``kv_packed=False``;
+* a single region for a whole cache whose blocks are outermost, ``num_layers`` layers packed
+  inside each block (``kv_packed=True``, one region, ``layers_per_region=num_layers``).
+
+The two sides may hold different numbers of blocks; everything that decides how bytes are
+interpreted must match, and :func:`check_compatible` names the first field that does not.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .errors import LayoutMismatch
+
+__all__ = ["DTYPE_SIZES", "KVLayout", "MemoryKind", "Region", "check_compatible"]
+
+#: Element sizes of the dtypes a layout may name (KV caches in use today).
+DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class MemoryKind(str, enum.Enum):
+    """Where a region lives, in NIXL's words."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous piece of memory registered with NIXL.
+
+    Parameters
+    ----------
+    addr
+        Start address.
+    length
+        Length in bytes.
+    device_id
+        GPU index for VRAM, 0 for DRAM.
+    kind
+        :class:`MemoryKind`.
+    """
+
+    addr: int
+    length: int
+    device_id: int = 0
+    kind: MemoryKind = MemoryKind.DRAM
+
+    def __post_init__(self) -> None:
+        if self.addr <= 0:
+            raise ValueError(f"Region.addr must be a positive address, got {self.addr}")
+        if self.length <= 0:
+            raise ValueError(f"Region.length must be > 0, got {self.length}")
+        if self.device_id < 0:
+            raise ValueError(f"Region.device_id must be >= 0, got {self.device_id}")
+        object.__setattr__(self, "kind", MemoryKind(self.kind))
+
+    @classmethod
+    def of(cls, buffer: Any) -> Region:
+        """The region of a contiguous numpy array or torch tensor (CPU or CUDA).
+
+        The caller keeps ``buffer`` alive for as long as the region is registered.
+        """
+        if isinstance(buffer, np.ndarray):
+            if not buffer.flags.c_contiguous:
+                raise ValueError("Region.of: numpy array must be C-contiguous")
+            return cls(buffer.ctypes.data, buffer.nbytes)
+        data_ptr = getattr(buffer, "data_ptr", None)
+        if data_ptr is None:
+            raise TypeError(f"Region.of takes a numpy array or torch tensor, got {type(buffer)}")
+        if not buffer.is_contiguous():
+            raise ValueError("Region.of: tensor must be contiguous")
+        nbytes = buffer.numel() * buffer.element_size()
+        if buffer.device.type == "cuda":
+            return cls(data_ptr(), nbytes, buffer.device.index or 0, MemoryKind.VRAM)
+        if buffer.device.type != "cpu":
+            raise ValueError(f"Region.of: unsupported device {buffer.device}")
+        return cls(data_ptr(), nbytes)
+
+
+class LayoutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A layout as it travels in a handshake (addresses included: the peer prepares
+    descriptors for them)."""
+
+    regions: list[tuple[int, int, int, str]]
+    num_layers: int
+    num_blocks: int
+    block_bytes: int
+    block_stride: int
+    tokens_per_block: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    kv_packed: bool
+    layers_per_region: int
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A paged KV cache's shape in memory.
+
+    Parameters
+    ----------
+    regions
+        The registered memory regions, in a fixed order both sides agree on (layer-major;
+        K before V when ``kv_packed`` is False).
+    num_layers
+        Transformer layers held by the cache.
+    num_blocks
+        Blocks per region; block ids run over ``[0, num_blocks)``.
+    tokens_per_block
+        Tokens held by one block.
+    num_kv_heads
+        KV heads held by this side (its tensor-parallel shard).
+    head_size
+        Elements per head.
+    dtype
+        Element type, one of :data:`DTYPE_SIZES`.
+    kv_packed
+        True when K and V of a layer share one region; False when they are separate regions.
+    layers_per_region
+        Layers packed into one region (1 for per-layer tensors).
+    block_bytes
+        Bytes of one block in one region; computed from the fields above when omitted,
+        and checked against them when given.
+    block_stride
+        Distance in bytes between consecutive blocks of a region (default ``block_bytes``).
+    """
+
+    regions: tuple[Region, ...]
+    num_layers: int
+    num_blocks: int
+    tokens_per_block: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    kv_packed: bool = True
+    layers_per_region: int = 1
+    block_bytes: int = 0
+    block_stride: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regions", tuple(self.regions))
+        for name in ("num_layers", "num_blocks", "tokens_per_block", "num_kv_heads",
+                     "head_size", "layers_per_region"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVLayout.{name} must be an int >= 1, got {value!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(
+                f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}"
+            )
+        if self.num_layers % self.layers_per_region:
+            raise ValueError(
+                f"KVLayout.num_layers ({self.num_layers}) must be a multiple of "
+                f"layers_per_region ({self.layers_per_region})"
+            )
+        per_region_tensors = 1 if self.kv_packed else 2
+        expected = self.num_layers // self.layers_per_region * per_region_tensors
+        if len(self.regions) != expected:
+            kv = "K+V packed" if self.kv_packed else "K and V separate"
+            raise ValueError(
+                f"KVLayout.regions: expected {expected} regions ({self.num_layers} layers, "
+                f"{self.layers_per_region} per region, {kv}), got {len(self.regions)}"
+            )
+        kinds = {r.kind for r in self.regions}
+        if len(kinds) != 1:
+            raise ValueError("KVLayout.regions must all be of one memory kind")
+        natural = (
+            self.tokens_per_block * self.num_kv_heads * self.head_size
+            * DTYPE_SIZES[self.dtype] * (2 if self.kv_packed else 1) * self.layers_per_region
+        )
+        if self.block_bytes == 0:
+            object.__setattr__(self, "block_bytes", natural)
+        elif self.block_bytes != natural:
+            raise ValueError(
+                f"KVLayout.block_bytes ({self.block_bytes}) != tokens_per_block * num_kv_heads "
+                f"* head_size * itemsize{' * 2' if self.kv_packed else ''} * layers_per_region "
+                f"({natural})"
+            )
+        if self.block_stride == 0:
+            object.__setattr__(self, "block_stride", self.block_bytes)
+        elif self.block_stride < self.block_bytes:
+            raise ValueError(
+                f"KVLayout.block_stride ({self.block_stride}) must be >= block_bytes "
+                f"({self.block_bytes})"
+            )
+        need = (self.num_blocks - 1) * self.block_stride + self.block_bytes
+        for i, region in enumerate(self.regions):
+            if region.length < need:
+                raise ValueError(
+                    f"KVLayout.regions[{i}] holds {region.length} bytes, but {self.num_blocks} "
+                    f"blocks of {self.block_bytes} bytes at stride {self.block_stride} need {need}"
+                )
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def num_regions(self) -> int:
+        return len(self.regions)
+
+    @property
+    def kind(self) -> MemoryKind:
+        return self.regions[0].kind
+
+    @property
+    def bytes_per_block_id(self) -> int:
+        """Bytes moved for one block id (all regions)."""
+        return self.block_bytes * self.num_regions
+
+    def descriptor_table(self) -> np.ndarray:
+        """NIXL descriptors of every (region, block), region-major: an ``(R*B, 3)`` uint64
+        array of (address, length, device id). Index ``r * num_blocks + b``."""
+        base = np.array([r.addr for r in self.regions], dtype=np.uint64)
+        offsets = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.block_stride)
+        table = np.empty((self.num_regions * self.num_blocks, 3), dtype=np.uint64)
+        table[:, 0] = (base[:, None] + offsets[None, :]).ravel()
+        table[:, 1] = self.block_bytes
+        table[:, 2] = np.repeat(
+            np.array([r.device_id for r in self.regions], dtype=np.uint64), self.num_blocks
+        )
+        return table
+
+    # -- wire ------------------------------------------------------------------------------
+    def to_wire(self) -> LayoutWire:
+        return LayoutWire(
+            regions=[(r.addr, r.length, r.device_id, r.kind.value) for r in self.regions],
+            num_layers=self.num_layers,
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            block_stride=self.block_stride,
+            tokens_per_block=self.tokens_per_block,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            kv_packed=self.kv_packed,
+            layers_per_region=self.layers_per_region,
+        )
+
+    @classmethod
+    def from_wire(cls, wire: LayoutWire) -> KVLayout:
+        try:
+            regions = tuple(Region(a, n, d, MemoryKind(k)) for a, n, d, k in wire.regions)
+            return cls(
+                regions=regions,
+                num_layers=wire.num_layers,
+                num_blocks=wire.num_blocks,
+                tokens_per_block=wire.tokens_per_block,
+                num_kv_heads=wire.num_kv_heads,
+                head_size=wire.head_size,
+                dtype=wire.dtype,
+                kv_packed=wire.kv_packed,
+                layers_per_region=wire.layers_per_region,
+                block_bytes=wire.block_bytes,
+                block_stride=wire.block_stride,
+            )
+        except (ValueError, TypeError) as exc:
+            from .errors import ProtocolError
+
+            raise ProtocolError(f"peer sent an invalid layout: {exc}") from exc
+
+    @classmethod
+    def from_buffers(
+        cls,
+        buffers: Sequence[Any],
+        *,
+        num_layers: int,
+        num_blocks: int,
+        tokens_per_block: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: str,
+        kv_packed: bool = True,
+        layers_per_region: int = 1,
+    ) -> KVLayout:
+        """A layout over numpy arrays or torch tensors (one per region), each holding
+        ``num_blocks`` contiguous blocks."""
+        return cls(
+            regions=tuple(Region.of(b) for b in buffers),
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            tokens_per_block=tokens_per_block,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=dtype,
+            kv_packed=kv_packed,
+            layers_per_region=layers_per_region,
+        )
+
+
+#: Fields that decide how a block's bytes are read; they must match exactly.
+_MATCHING_FIELDS = (
+    "num_layers",
+    "kv_packed",
+    "layers_per_region",
+    "dtype",
+    "tokens_per_block",
+    "num_kv_heads",
+    "head_size",
+    "block_bytes",
+    "num_regions",
+    "kind",
+)
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise :class:`~kvpush.errors.LayoutMismatch` naming the first field on which the two
+    layouts cannot exchange blocks. Block counts and addresses may differ."""
+    for name in _MATCHING_FIELDS:
+        a, b = getattr(local, name), getattr(remote, name)
+        if a != b:
+            raise LayoutMismatch(name, a, b)

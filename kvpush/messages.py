@@ -1,0 +1,225 @@
+"""Control-plane messages: versioned, schema-checked, never pickle.
+
+Every message is a msgspec ``Struct`` in one tagged union, encoded as MessagePack behind a
+one-byte protocol version. :func:`decode` accepts only this schema: unknown tags, missing or
+extra fields, wrong types and other versions all raise :class:`~kvpush.errors.ProtocolError`,
+so a malformed or hostile frame can never reach the protocol logic as a half-valid object.
+
+Block ids travel as little-endian int64 bytes (compact, and decoded without a Python loop).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+from .errors import ProtocolError
+from .layout import LayoutWire
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "AbortAck",
+    "Bye",
+    "Failed",
+    "Heartbeat",
+    "HeartbeatAck",
+    "Hello",
+    "HelloAck",
+    "HelloReject",
+    "Landed",
+    "Message",
+    "Posted",
+    "PullBegin",
+    "PullDone",
+    "PullTicket",
+    "Register",
+    "decode",
+    "decode_ids",
+    "encode",
+    "encode_ids",
+]
+
+PROTOCOL_VERSION = 1
+_VERSION_BYTE = bytes([PROTOCOL_VERSION])
+_MAX_ID_COUNT = 1 << 24
+
+
+class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class Hello(_Msg, tag="hello"):
+    """Consumer -> producer: open a connection."""
+
+    name: str
+    agent_metadata: bytes
+    layout: LayoutWire
+
+
+class HelloAck(_Msg, tag="hello_ack"):
+    """Producer -> consumer: the connection is open."""
+
+    name: str
+    agent_metadata: bytes
+    layout: LayoutWire
+
+
+class HelloReject(_Msg, tag="hello_reject"):
+    """Producer -> consumer: the connection is refused (``field`` names a layout field, or
+    is empty for other reasons)."""
+
+    reason: str
+    field: str = ""
+    local: str = ""
+    remote: str = ""
+
+
+class Register(_Msg, tag="register"):
+    """Consumer -> producer (push): destination blocks for a request are allocated."""
+
+    request_id: str
+    block_ids: bytes
+    part: int
+    wait_s: float
+
+
+class Posted(_Msg, tag="posted"):
+    """Producer -> consumer: the WRITE of one part of a request is in flight (poll for its
+    landing)."""
+
+    request_id: str
+    part: int
+
+
+class Failed(_Msg, tag="failed"):
+    """Producer -> consumer: the producer will not (or could not) deliver a request's data."""
+
+    request_id: str
+    code: str
+    reason: str
+
+
+class Abort(_Msg, tag="abort"):
+    """Either direction: give up a request."""
+
+    request_id: str
+    reason: str
+
+
+class AbortAck(_Msg, tag="abort_ack"):
+    """Producer -> consumer: no WRITE for this request is or will be in flight."""
+
+    request_id: str
+
+
+class PullBegin(_Msg, tag="pull_begin"):
+    """Consumer -> producer (pull): a READ of the request's blocks is in flight."""
+
+    request_id: str
+
+
+class Heartbeat(_Msg, tag="hb"):
+    seq: int
+
+
+class HeartbeatAck(_Msg, tag="hb_ack"):
+    seq: int
+
+
+class Bye(_Msg, tag="bye"):
+    """Either direction: the sender is closing; drop its state."""
+
+    name: str
+
+
+# -- carried as NIXL notifications (delivered after the data has landed) -----------------
+class Landed(_Msg, tag="landed"):
+    """WRITE notification, producer -> consumer: this part of the request has landed."""
+
+    request_id: str
+    part: int
+
+
+class PullDone(_Msg, tag="pull_done"):
+    """READ notification, consumer -> producer: the consumer has read the request's blocks."""
+
+    request_id: str
+
+
+class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the router relays to the consumer in pull mode: where the source blocks are.
+
+    ``lease_s`` is how long the producer holds the blocks from ``issued_at`` (its wall
+    clock); the consumer refuses to start a READ it could not finish inside that lease.
+    """
+
+    producer: str
+    address: str
+    request_id: str
+    block_ids: bytes
+    lease_s: float
+    issued_at: float
+    version: int = PROTOCOL_VERSION
+
+    def to_bytes(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PullTicket:
+        try:
+            ticket = msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"invalid pull ticket: {exc}") from exc
+        if ticket.version != PROTOCOL_VERSION:
+            raise ProtocolError(f"pull ticket of protocol version {ticket.version}, "
+                                f"this side speaks {PROTOCOL_VERSION}")
+        return ticket
+
+
+Message = Union[  # noqa: UP007 - msgspec needs a runtime Union here
+    Hello, HelloAck, HelloReject, Register, Posted, Failed, Abort, AbortAck, PullBegin,
+    Heartbeat, HeartbeatAck, Bye, Landed, PullDone,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a message behind the protocol version byte."""
+    return _VERSION_BYTE + _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse a frame; anything but a well-formed message of this version raises
+    :class:`~kvpush.errors.ProtocolError`."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
+    if len(frame) < 2:
+        raise ProtocolError("empty or truncated control frame")
+    if frame[0] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"control frame of protocol version {frame[0]}, this side speaks {PROTOCOL_VERSION}"
+        )
+    try:
+        return _decoder.decode(memoryview(frame)[1:])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed control message: {exc}") from exc
+
+
+def encode_ids(ids: np.ndarray) -> bytes:
+    """Block ids as little-endian int64 bytes."""
+    return np.ascontiguousarray(ids, dtype="<i8").tobytes()
+
+
+def decode_ids(data: bytes) -> np.ndarray:
+    """Inverse of :func:`encode_ids`; a length that is not a whole number of ids raises
+    :class:`~kvpush.errors.ProtocolError`."""
+    if len(data) % 8:
+        raise ProtocolError(f"block id payload of {len(data)} bytes is not a multiple of 8")
+    if len(data) // 8 > _MAX_ID_COUNT:
+        raise ProtocolError(f"block id payload of {len(data) // 8} ids exceeds {_MAX_ID_COUNT}")
+    return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)

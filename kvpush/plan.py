@@ -1,0 +1,51 @@
+"""Block ids -> NIXL descriptor indices: the Python face of the compiled planner.
+
+The work happens in ``kvpush._core`` (C++): validation (dtype, range, duplicates, lengths),
+sorting, coalescing of runs that are adjacent on both sides, and the region-major index
+arrays ``make_prepped_xfer`` takes. NIXL merges consecutive descriptors with adjacent
+addresses into one, so a coalesced plan moves a run of blocks as one piece of memory.
+``kvpush._reference`` holds a numpy version of the same functions for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from .errors import InvalidBlockIds
+
+__all__ = ["as_block_ids", "plan_transfer", "validate_block_ids"]
+
+plan_transfer = _core.plan_transfer
+
+
+def as_block_ids(ids: Any, name: str) -> np.ndarray:
+    """Accept a 1-D int32/int64 numpy array as is, or a list/tuple of ints (copied to
+    int64); anything else raises :class:`~kvpush.errors.InvalidBlockIds`."""
+    if isinstance(ids, np.ndarray):
+        return ids
+    if isinstance(ids, (list, tuple)):
+        if len(ids) == 0:
+            return np.empty(0, dtype=np.int64)
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu" or arr.ndim != 1:
+            raise InvalidBlockIds(f"{name} must be a sequence of ints, got {arr.dtype} {arr.shape}")
+        return arr.astype(np.int64)
+    raise InvalidBlockIds(f"{name} must be a numpy int32/int64 array, got {type(ids).__name__}")
+
+
+def validate_block_ids(ids: Any, num_blocks: int, name: str) -> np.ndarray:
+    """Check ``ids`` (dtype, shape, range ``[0, num_blocks)``, no duplicates) on the
+    caller's thread, in compiled code; returns them as a read-only int64 copy the loop
+    thread can keep while the caller reuses its array."""
+    arr = as_block_ids(ids, name)
+    try:
+        _core.plan_transfer(arr, arr, num_blocks, num_blocks, 1, False)
+    except InvalidBlockIds as exc:
+        raise InvalidBlockIds(str(exc).replace("local_ids", name).replace("remote_ids", name)) \
+            from None
+    out = arr.astype(np.int64, copy=True)
+    out.flags.writeable = False
+    return out

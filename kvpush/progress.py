@@ -1,0 +1,83 @@
+"""How a kvpush loop spends CPU while transfers are in flight.
+
+NIXL's own progress thread polls without pause (about a core per agent, idle or not), so
+kvpush turns it off and drives progress from its one loop thread:
+
+* nothing in flight: the loop blocks in ``zmq.Poller.poll`` on its sockets and a wake-up
+  eventfd -- no polling at all, 0 % CPU;
+* right after something moved (a post, a completion, a message): poll back-to-back for
+  ``spin_s`` (lowest latency for the next completion);
+* then back off: sleep ``min_sleep_s``, doubling up to ``max_sleep_s`` between polls.
+
+Two presets: :meth:`ProgressPolicy.latency_first` (short sleeps, longer spin) and
+:meth:`ProgressPolicy.cpu_first` (no spin, longer sleeps). The default sits between.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+__all__ = ["Backoff", "ProgressPolicy"]
+
+
+@dataclass(frozen=True)
+class ProgressPolicy:
+    """Polling budget while transfers are in flight.
+
+    Parameters
+    ----------
+    spin_s
+        Seconds of back-to-back polling after any progress.
+    min_sleep_s
+        First sleep once spinning ends.
+    max_sleep_s
+        Cap of the doubling sleeps; bounds the latency added to a completion.
+    """
+
+    spin_s: float = 100e-6
+    min_sleep_s: float = 20e-6
+    max_sleep_s: float = 500e-6
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.spin_s <= 1.0:
+            raise ValueError(f"ProgressPolicy.spin_s must be in [0, 1] s, got {self.spin_s}")
+        if not 0 < self.min_sleep_s <= self.max_sleep_s:
+            raise ValueError(
+                "ProgressPolicy needs 0 < min_sleep_s <= max_sleep_s, got "
+                f"{self.min_sleep_s} and {self.max_sleep_s}"
+            )
+        if self.max_sleep_s > 0.1:
+            raise ValueError(f"ProgressPolicy.max_sleep_s must be <= 0.1 s, got {self.max_sleep_s}")
+
+    @classmethod
+    def latency_first(cls) -> ProgressPolicy:
+        return cls(spin_s=1e-3, min_sleep_s=10e-6, max_sleep_s=50e-6)
+
+    @classmethod
+    def cpu_first(cls) -> ProgressPolicy:
+        return cls(spin_s=0.0, min_sleep_s=100e-6, max_sleep_s=2e-3)
+
+
+class Backoff:
+    """The next poll delay under a :class:`ProgressPolicy`."""
+
+    __slots__ = ("_policy", "_last_progress", "_sleep")
+
+    def __init__(self, policy: ProgressPolicy) -> None:
+        self._policy = policy
+        self._last_progress = time.monotonic()
+        self._sleep = policy.min_sleep_s
+
+    def progressed(self) -> None:
+        """Something moved: spin again."""
+        self._last_progress = time.monotonic()
+        self._sleep = self._policy.min_sleep_s
+
+    def next_delay(self) -> float:
+        """Seconds to wait before the next poll (0.0 while spinning)."""
+        if time.monotonic() - self._last_progress < self._policy.spin_s:
+            return 0.0
+        delay = self._sleep
+        self._sleep = min(self._sleep * 2, self._policy.max_sleep_s)
+        return delay

@@ -1,0 +1,126 @@
+"""What an engine gets back about a request: modes, states, results, handles, releases."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import KvpushError, TransferTimeout
+
+__all__ = [
+    "Release",
+    "ReleaseReason",
+    "RequestState",
+    "TransferHandle",
+    "TransferMode",
+    "TransferResult",
+]
+
+
+class TransferMode(enum.Enum):
+    """PUSH: the producer WRITEs into blocks the consumer registered early.
+    PULL: the consumer READs blocks the producer exposes after prefill."""
+
+    PUSH = "push"
+    PULL = "pull"
+
+
+class RequestState(enum.Enum):
+    """A consumer-side request's state. Every state but PENDING is final."""
+
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    ABORTED = "aborted"
+
+
+class ReleaseReason(enum.Enum):
+    """Why the producer hands source blocks back to the engine."""
+
+    TRANSFERRED = "transferred"
+    ABORTED = "aborted"
+    LEASE_EXPIRED = "lease_expired"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Release:
+    """Source blocks the engine may free or reuse now (delivered exactly once per request)."""
+
+    request_id: str
+    reason: ReleaseReason
+    block_ids: np.ndarray
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """The final outcome of a consumer-side request.
+
+    Delivered once, and only when the destination blocks are safe to use (READY) or to free
+    (every other state): no WRITE for the request is still able to land.
+    """
+
+    request_id: str
+    state: RequestState
+    mode: TransferMode
+    error: KvpushError | None
+    elapsed_s: float
+    bytes_moved: int
+
+    @property
+    def ok(self) -> bool:
+        return self.state is RequestState.READY
+
+    def raise_for_state(self) -> None:
+        """Raise the request's error unless it is READY."""
+        if self.error is not None:
+            raise self.error
+
+
+class TransferHandle:
+    """The consumer's view of one request; :meth:`wait` blocks (with a timeout) for its
+    :class:`TransferResult`."""
+
+    __slots__ = ("_event", "_result", "mode", "request_id")
+
+    def __init__(self, request_id: str, mode: TransferMode) -> None:
+        self.request_id = request_id
+        self.mode = mode
+        self._event = threading.Event()
+        self._result: TransferResult | None = None
+
+    def _set(self, result: TransferResult) -> None:
+        self._result = result
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def result(self) -> TransferResult | None:
+        """The result, or None while the request is pending."""
+        return self._result
+
+    def wait(self, timeout: float) -> TransferResult:
+        """Wait up to ``timeout`` seconds; raises :class:`~kvpush.errors.TransferTimeout` if
+        the request is still pending then (the request itself goes on)."""
+        # Waits in slices so Ctrl-C reaches the caller.
+        remaining = timeout
+        while not self._event.wait(min(remaining, 0.2)):
+            remaining -= 0.2
+            if remaining <= 0:
+                raise TransferTimeout(
+                    f"request {self.request_id!r} still pending after waiting {timeout} s"
+                )
+        assert self._result is not None
+        return self._result
+
+    def __repr__(self) -> str:
+        state = self._result.state.value if self._result else "pending"
+        return f"TransferHandle({self.request_id!r}, {self.mode.value}, {state})"

@@ -1,0 +1,165 @@
+"""The public API's contract: bad input raises a precise KvpushError with nothing posted;
+incompatible layouts are refused at handshake; lifecycles release everything."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from harness import CANARY, check_blocks, fill, make_cache
+
+import kvpush
+from kvpush import RequestState, TransferMode
+
+
+@pytest.fixture()
+def pair() -> Iterator[tuple[kvpush.Producer, kvpush.Consumer, object, object, str]]:
+    src, dst = make_cache(num_blocks=32), make_cache(num_blocks=48)
+    fill(src, 3)
+    for buf in dst.buffers:
+        buf[:] = CANARY
+    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        name = c.connect(p.address, timeout=10)
+        yield p, c, src, dst, name
+
+
+def test_in_process_push_and_pull(pair: tuple) -> None:
+    p, c, _src, dst, name = pair
+    h = c.expect("a", np.array([0, 1, 2], dtype=np.int32), name)
+    assert p.prefill_done("a", np.array([7, 8, 9])) is None
+    assert h.wait(10).state is RequestState.READY
+    check_blocks(dst, np.array([0, 1, 2]), np.array([7, 8, 9]), 3)
+    ticket = p.prefill_done("b", [30, 2], mode=TransferMode.PULL)
+    assert ticket is not None
+    result = c.pull(ticket.to_bytes(), np.array([40, 41])).wait(10)
+    assert result.ok and result.mode is TransferMode.PULL
+    check_blocks(dst, np.array([40, 41]), np.array([30, 2]), 3)
+    reasons = {r.request_id: r.reason for r in p.get_released()}
+    assert reasons == {"a": kvpush.ReleaseReason.TRANSFERRED,
+                       "b": kvpush.ReleaseReason.TRANSFERRED}
+    assert [r.request_id for r in c.get_finished()] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (np.array([0, 99]), "out of range"),
+        (np.array([3, 3]), "duplicate"),
+        (np.array([1.0, 2.0]), "int32 or int64"),
+        (np.array([[1, 2]]), "1-D"),
+        (np.arange(10)[::2], "contiguous"),
+        ("1,2", "numpy"),
+        ([1.5], "ints"),
+        (np.array([-1]), "out of range"),
+    ],
+)
+def test_bad_block_ids_raise_before_posting(pair: tuple, ids: object, message: str) -> None:
+    p, c, _src, _dst, name = pair
+    with pytest.raises(kvpush.InvalidBlockIds, match=message):
+        p.prefill_done("bad", ids)
+    with pytest.raises(kvpush.InvalidBlockIds, match=message):
+        c.expect("bad", ids, name)
+    assert p.stats()["transfers_posted"] == 0
+    assert c.stats()["transfers_posted"] == 0
+    assert p.pending == 0 and c.pending == 0
+
+
+def test_mismatched_lengths_in_pull(pair: tuple) -> None:
+    p, c, *_ = pair
+    ticket = p.prefill_done("len", np.array([1, 2, 3]), mode=TransferMode.PULL)
+    with pytest.raises(kvpush.InvalidBlockIds, match="3 source blocks"):
+        c.pull(ticket, np.array([1, 2]))
+    assert c.stats()["transfers_posted"] == 0
+    p.abort("len")
+    assert bool(p.get_released())
+
+
+def test_registration_of_mismatched_length_fails_cleanly(pair: tuple) -> None:
+    p, c, _src, dst, name = pair
+    h = c.expect("mis", np.array([1, 2]), name)
+    p.prefill_done("mis", np.array([1, 2, 3]))
+    result = h.wait(10)
+    assert result.state is RequestState.FAILED
+    assert isinstance(result.error, kvpush.TransferFailed)
+    assert "differ in length" in str(result.error)
+    assert [r.reason for r in p.get_released()] == [kvpush.ReleaseReason.FAILED]
+    assert p.stats()["transfers_posted"] == 0
+    assert (dst.buffers[0][:3] == CANARY).all()
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("num_layers", dict(num_layers=3)),
+        ("dtype", dict(dtype="bfloat16", head_size=16)),
+        ("head_size", dict(head_size=32)),
+        ("num_kv_heads", dict(num_kv_heads=4)),
+        ("tokens_per_block", dict(tokens_per_block=8, head_size=8)),
+        ("kv_packed", dict(kv_packed=False)),
+    ],
+)
+def test_layout_mismatch_refused_at_handshake(field: str, kwargs: dict) -> None:
+    src = make_cache(num_blocks=16)
+    dst = make_cache(num_blocks=16, **kwargs)
+    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        with pytest.raises(kvpush.LayoutMismatch) as info:
+            c.connect(p.address, timeout=10)
+        assert info.value.field == field
+        assert field in str(info.value)
+        assert c.producers() == []
+
+
+def test_connect_to_nobody_times_out() -> None:
+    dst = make_cache(num_blocks=8)
+    with kvpush.Consumer(dst.layout) as c, pytest.raises(kvpush.PeerUnavailable):
+        c.connect("tcp://127.0.0.1:9", timeout=0.5)
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="lease_s"):
+        kvpush.ProducerConfig(lease_s=0)
+    with pytest.raises(ValueError, match="ucx_error_mode"):
+        kvpush.TransportConfig(ucx_error_mode="sometimes")
+    with pytest.raises(ValueError, match="max_sleep_s"):
+        kvpush.ProgressPolicy(min_sleep_s=0.01, max_sleep_s=0.001)
+    with pytest.raises(ValueError, match="heartbeat"):
+        kvpush.ConsumerConfig(heartbeat_s=5, peer_timeout_s=6)
+
+
+def test_layout_validation() -> None:
+    cache = make_cache(num_blocks=8)
+    with pytest.raises(ValueError, match="regions"):
+        kvpush.KVLayout(regions=cache.layout.regions[:1], num_layers=2, num_blocks=8,
+                        tokens_per_block=4, num_kv_heads=2, head_size=16, dtype="float16")
+    with pytest.raises(ValueError, match="dtype"):
+        kvpush.KVLayout(regions=cache.layout.regions, num_layers=2, num_blocks=8,
+                        tokens_per_block=4, num_kv_heads=2, head_size=16, dtype="float99")
+    with pytest.raises(ValueError, match="need"):
+        kvpush.KVLayout(regions=cache.layout.regions, num_layers=2, num_blocks=9,
+                        tokens_per_block=4, num_kv_heads=2, head_size=16, dtype="float16")
+
+
+def test_unclosed_endpoint_warns() -> None:
+    cache = make_cache(num_blocks=8)
+    c = kvpush.Consumer(cache.layout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c.__del__()
+    assert any(issubclass(w.category, ResourceWarning) for w in caught)
+    assert c.closed
+    del c
+    gc.collect()
+
+
+def test_close_releases_held_blocks() -> None:
+    cache = make_cache(num_blocks=8)
+    released = []
+    p = kvpush.Producer(cache.layout, on_release=released.append)
+    p.prefill_done("held", np.array([1, 2]))
+    p.close()
+    assert [(r.request_id, r.reason) for r in released] == [("held", kvpush.ReleaseReason.CLOSED)]
+    with pytest.raises(kvpush.ClosedError):
+        p.prefill_done("x", np.array([1]))
