@@ -24,8 +24,10 @@ import zmq
 from . import _core
 from . import messages as m
 from .agent import TransportConfig, XferState
+from .auth import Opener, Sealer, check_key, new_nonce, session_key
 from .endpoint import Endpoint, Timer
 from .errors import (
+    AuthenticationError,
     ClosedError,
     InvalidBlockIds,
     KvpushError,
@@ -38,7 +40,7 @@ from .errors import (
 )
 from .layout import KVLayout, check_compatible
 from .metrics import LIVE, Stats
-from .plan import plan_transfer, validate_block_ids
+from .plan import block_checksums, plan_transfer, validate_block_ids
 from .progress import ProgressPolicy
 from .request import RequestState, TransferHandle, TransferMode, TransferResult
 
@@ -67,6 +69,14 @@ class ConsumerConfig:
         in flight before reporting the request anyway.
     lease_margin_s
         Pull: a READ is started only if the ticket's lease has at least this long left.
+    verify
+        Check every received block against the producer's per-block checksums (push: asked
+        for in the registration; pull: the ticket must carry them, ``ProducerConfig.verify``).
+        A mismatch fails the request, never silently. Requests with several producer parts
+        are not verified (each part holds only a share of a block).
+    auth_key
+        Shared key (bytes, >= 16) to authenticate every control message and notification
+        (see :mod:`kvpush.auth`); must equal the producers'. None: no authentication.
     """
 
     name: str | None = None
@@ -77,10 +87,13 @@ class ConsumerConfig:
     abort_grace_s: float = 5.0
     lease_margin_s: float = 1.0
     coalesce: bool = True
+    verify: bool = False
+    auth_key: bytes | None = field(default=None, repr=False)
     transport: TransportConfig = field(default_factory=TransportConfig)
     progress: ProgressPolicy = field(default_factory=ProgressPolicy)
 
     def __post_init__(self) -> None:
+        check_key(self.auth_key, "ConsumerConfig")
         for name in ("request_timeout_s", "connect_timeout_s", "heartbeat_s", "peer_timeout_s",
                      "abort_grace_s"):
             value = getattr(self, name)
@@ -102,6 +115,12 @@ class _Producer:
     waiters: list[Callable[[str | None, KvpushError | None], None]] = field(default_factory=list)
     hello_timer: Timer | None = None
     hb_seq: int = 0
+    # With authentication (None without a key):
+    hello_nonces: list[bytes] = field(default_factory=list)
+    sealer: Sealer | None = None
+    opener: Opener | None = None
+    notif_sealer: Sealer | None = None
+    notif_opener: Opener | None = None
 
 
 @dataclass
@@ -120,6 +139,18 @@ class _Request:
     error: KvpushError | None = None
     waiting_acks: set[str] = field(default_factory=set)
     grace: Timer | None = None
+    checksums: bytes | None = None   # pull with verify: the ticket's source checksums
+    groups: int = 1                  # parts per producer (1, or one per layer)
+
+    def producer_of(self, part: int) -> str:
+        return self.producers[part // self.groups]
+
+    def parts_of(self, name: str) -> range:
+        p = self.producers.index(name)
+        return range(p * self.groups, (p + 1) * self.groups)
+
+    def settled_producer(self, name: str) -> bool:
+        return all(part in self.settled for part in self.parts_of(name))
 
 
 _FAILED_CODES = {
@@ -158,6 +189,7 @@ class Consumer(Endpoint):
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
         self._requests: dict[str, _Request] = {}
         self._completions = _core.CompletionTable()
+        self._key = config.auth_key
         self._posted = 0           # push parts announced in flight, not landed yet
         self._reads: set[str] = set()
         self._after(config.heartbeat_s, self._heartbeat)
@@ -191,18 +223,23 @@ class Consumer(Endpoint):
         return name
 
     def expect(self, request_id: str, block_ids: Any, producers: str | Sequence[str], *,
-               timeout: float | None = None) -> TransferHandle:
+               timeout: float | None = None, layerwise: bool = False) -> TransferHandle:
         """Push: the decode engine allocated ``block_ids`` for ``request_id``; register them
         with each producer (a producer name from :meth:`connect`, or one per rank that owes
-        data: each is one part). Returns at once; the handle reports the result."""
+        data). Returns at once; the handle reports the result.
+
+        ``layerwise``: each producer writes every layer as soon as it is final
+        (``Producer.layer_done``) and the request is READY once every layer of every
+        producer has landed."""
         rid = self._check_request_id(request_id)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
             raise ValueError("expect needs at least one producer")
         timeout = self.config.request_timeout_s if timeout is None else float(timeout)
+        groups = self.layout.num_layers if layerwise else 1
         handle = TransferHandle(rid, TransferMode.PUSH)
-        self._call_soon(lambda: self._register(handle, ids, names, timeout))
+        self._call_soon(lambda: self._register(handle, ids, names, timeout, groups))
         return handle
 
     def pull(self, ticket: m.PullTicket | bytes, block_ids: Any, *,
@@ -282,7 +319,15 @@ class Consumer(Endpoint):
         if now >= deadline:
             self._connect_failed(peer, PeerUnavailable(f"no answer from {peer.address}"))
             return
-        self._send(peer.socket, m.Hello(self.name, self._agent.metadata(), self.layout.to_wire()))
+        if self._key is None:
+            self._send(peer.socket, m.Hello(self.name, self._agent.metadata(),
+                                            self.layout.to_wire()))
+        else:
+            nonce = new_nonce()
+            peer.hello_nonces.append(nonce)
+            self._send(peer.socket, m.Hello(self.name, self._agent.metadata(),
+                                            self.layout.to_wire(), nonce, time.time()),
+                       sealer=Sealer(self._key, b"hello"))
         # Re-send with backoff: the producer may not be up yet, or a starved host may have
         # missed it; a Hello is idempotent.
         peer.hello_timer = self._at(min(deadline, now + delay),
@@ -304,7 +349,11 @@ class Consumer(Endpoint):
             try:
                 if len(frames) != 1:
                     raise ProtocolError("expected one frame")
-                msg = m.decode(frames[0])
+                msg = self._decode(peer, frames[0])
+            except AuthenticationError as exc:
+                self._stats.auth_rejected += 1
+                log.warning("%s: rejected control frame: %s", self.name, exc)
+                continue
             except ProtocolError as exc:
                 self._stats.messages_rejected += 1
                 log.warning("%s: rejected control frame: %s", self.name, exc)
@@ -313,15 +362,23 @@ class Consumer(Endpoint):
             if isinstance(msg, m.HelloAck):
                 self._on_hello_ack(peer, msg)
             elif isinstance(msg, m.HelloReject):
-                error: KvpushError = (LayoutMismatch(msg.field, msg.local, msg.remote)
-                                      if msg.field else PeerUnavailable(msg.reason))
+                if peer.agent_name:
+                    continue
+                error: KvpushError
+                if msg.field == "auth_key":
+                    error = AuthenticationError(f"{peer.address} refused the handshake: "
+                                                f"{msg.reason}")
+                elif msg.field:
+                    error = LayoutMismatch(msg.field, msg.local, msg.remote)
+                else:
+                    error = PeerUnavailable(msg.reason)
                 self._connect_failed(peer, error)
                 return
             elif not peer.agent_name:
                 self._stats.messages_rejected += 1
             elif isinstance(msg, m.Posted):
                 req = self._requests.get(msg.request_id)
-                if (req is not None and 0 <= msg.part < len(req.producers)
+                if (req is not None and 0 <= msg.part < len(req.producers) * req.groups
                         and msg.part not in req.settled and msg.part not in req.posted):
                     req.posted.add(msg.part)
                     self._posted += 1
@@ -336,6 +393,24 @@ class Consumer(Endpoint):
                 return
             else:
                 self._stats.messages_rejected += 1
+
+    def _decode(self, peer: _Producer, frame: bytes) -> m.Message:
+        if peer.agent_name or self._key is None:
+            return m.decode(frame, peer.opener)
+        # Handshake with a key: a sealed HelloAck echoing one of our nonces, or a plain
+        # HelloReject (a producer without our key can only say no).
+        if not m.is_sealed(frame):
+            msg = m.decode(frame)
+            if not isinstance(msg, m.HelloReject):
+                raise AuthenticationError(f"unauthenticated {type(msg).__name__}")
+            return msg
+        msg = m.decode(frame, Opener(self._key, b"hello-ack", replay=False))
+        if not isinstance(msg, m.HelloAck) or msg.echo not in peer.hello_nonces:
+            raise AuthenticationError("handshake answer does not match our Hello")
+        return msg
+
+    def _tell(self, peer: _Producer, msg: m.Message) -> None:
+        self._send(peer.socket, msg, sealer=peer.sealer)
 
     def _on_hello_ack(self, peer: _Producer, msg: m.HelloAck) -> None:
         if peer.agent_name:
@@ -354,6 +429,11 @@ class Consumer(Endpoint):
             return
         if peer.hello_timer is not None:
             peer.hello_timer.cancel()
+        if self._key is not None:
+            session = session_key(self._key, msg.echo, msg.nonce)
+            peer.sealer, peer.opener = Sealer(session, b"c2p"), Opener(session, b"p2c")
+            peer.notif_sealer = Sealer(session, b"c2p-notif")
+            peer.notif_opener = Opener(session, b"p2c-notif")
         peer.agent_name = name
         peer.layout = remote
         self._by_name[name] = peer
@@ -368,7 +448,7 @@ class Consumer(Endpoint):
                 self._lose_producer(peer, f"no answer for {self.config.peer_timeout_s} s")
                 continue
             peer.hb_seq += 1
-            self._send(peer.socket, m.Heartbeat(peer.hb_seq))
+            self._tell(peer, m.Heartbeat(peer.hb_seq))
         self._after(self.config.heartbeat_s, self._heartbeat)
 
     def _lose_producer(self, peer: _Producer, why: str) -> None:
@@ -395,7 +475,7 @@ class Consumer(Endpoint):
 
     # -- loop: push ------------------------------------------------------------------------
     def _register(self, handle: TransferHandle, ids: np.ndarray, names: list[str],
-                  timeout: float) -> None:
+                  timeout: float, groups: int) -> None:
         rid = handle.request_id
         now = time.monotonic()
         if rid in self._requests:
@@ -408,12 +488,14 @@ class Consumer(Endpoint):
                          PeerUnavailable(f"not connected to {missing}"), now, 0)
             return
         deadline = self._after(timeout, lambda: self._expire(rid))
-        self._requests[rid] = _Request(handle, ids, names, now, deadline)
+        self._requests[rid] = _Request(handle, ids, names, now, deadline, groups=groups)
         LIVE.add("requests_pending", 1)
-        self._completions.expect(rid, len(names))
+        self._completions.expect(rid, len(names) * groups)
         payload = m.encode_ids(ids)
-        for part, name in enumerate(names):
-            self._send(self._by_name[name].socket, m.Register(rid, payload, part, timeout))
+        verify = self.config.verify and len(names) * groups == 1
+        for index, name in enumerate(names):
+            self._tell(self._by_name[name],
+                       m.Register(rid, payload, index, timeout, verify, groups))
 
     def _on_failed(self, peer: _Producer, msg: m.Failed) -> None:
         req = self._requests.get(msg.request_id)
@@ -424,7 +506,8 @@ class Consumer(Endpoint):
             return
         state, cls = _FAILED_CODES.get(msg.code, (RequestState.FAILED, TransferFailed))
         error = cls(f"producer {peer.agent_name}: {msg.code}: {msg.reason}")
-        self._settle(req, req.producers.index(peer.agent_name))
+        for part in req.parts_of(peer.agent_name):  # this producer will write nothing more
+            self._settle(req, part)
         self._close_request(msg.request_id, state, error, ask=True)
 
     def _on_ack(self, peer: _Producer, rid: str) -> None:
@@ -460,12 +543,18 @@ class Consumer(Endpoint):
         except InvalidBlockIds as exc:
             self._report(handle, RequestState.FAILED, exc, now, 0)
             return
+        if self.config.verify and len(ticket.checksums) != 8 * len(dst):
+            self._report(handle, RequestState.FAILED, TransferFailed(
+                f"verify is on but the ticket for {rid!r} carries no per-block checksums "
+                "(set ProducerConfig.verify)"), now, 0)
+            return
         deadline = self._after(budget, lambda: self._expire(rid))
         req = _Request(handle, dst, [peer.agent_name], now, deadline)
+        req.checksums = ticket.checksums if self.config.verify else None
         self._requests[rid] = req
         LIVE.add("requests_pending", 1)
-        self._send(peer.socket, m.PullBegin(rid))
-        notif = m.encode(m.PullDone(rid))
+        self._tell(peer, m.PullBegin(rid))
+        notif = m.encode(m.PullDone(rid), peer.notif_sealer)
         try:
             if plan.num_blocks == 0:
                 self._agent.send_notification(peer.agent_name, notif)
@@ -506,20 +595,30 @@ class Consumer(Endpoint):
             elif state is XferState.DONE:
                 self._stats.bytes_moved += req.read_bytes
                 self._stats.blocks_moved += len(req.ids)
-                self._finish(rid, RequestState.READY, None)
+                mismatch = self._verify(req, req.checksums)
+                if mismatch is None:
+                    self._finish(rid, RequestState.READY, None)
+                else:
+                    self._close_request(rid, RequestState.FAILED, mismatch, ask=False)
             else:
                 self._close_request(rid, RequestState.FAILED,
                                     TransferFailed(f"READ for {rid!r} failed"), ask=True)
         if self._posted:
-            for _sender, notes in self._agent.notifications().items():
+            for sender, notes in self._agent.notifications().items():
                 for note in notes:
                     moved = True
-                    self._on_notification(note)
+                    self._on_notification(sender, note)
         return moved
 
-    def _on_notification(self, note: bytes) -> None:
+    def _on_notification(self, sender: str, note: bytes) -> None:
+        peer = self._by_name.get(sender)
         try:
-            msg = m.decode(note)
+            if self._key is not None and peer is None:
+                raise AuthenticationError(f"notification from unknown agent {sender!r}")
+            msg = m.decode(note, peer.notif_opener if peer is not None else None)
+        except AuthenticationError:
+            self._stats.auth_rejected += 1
+            return
         except ProtocolError:
             self._stats.messages_rejected += 1
             return
@@ -534,14 +633,38 @@ class Consumer(Endpoint):
             return
         req.landed.add(msg.part)
         self._settle(req, msg.part)
-        self._stats.blocks_moved += len(req.ids)
-        self._stats.bytes_moved += len(req.ids) * self.layout.bytes_per_block_id
+        if msg.part % req.groups == 0:
+            self._stats.blocks_moved += len(req.ids)
+        self._stats.bytes_moved += len(req.ids) * self.layout.bytes_per_block_id // req.groups
+        if req.closing is None and len(req.producers) * req.groups == 1 and self.config.verify:
+            mismatch = self._verify(req, msg.checksums)
+            if mismatch is not None:
+                self._close_request(msg.request_id, RequestState.FAILED, mismatch, ask=False)
+                return
         if req.closing is not None:
-            req.waiting_acks.discard(req.producers[msg.part])
+            name = req.producer_of(msg.part)
+            if req.settled_producer(name):
+                req.waiting_acks.discard(name)
             if not req.waiting_acks:
                 self._finish(msg.request_id, req.closing, req.error)
         elif arrival == _core.Arrival.COMPLETE:
             self._finish(msg.request_id, RequestState.READY, None)
+
+    def _verify(self, req: _Request, checksums: bytes | None) -> KvpushError | None:
+        """None when the landed blocks match the producer's checksums (or verify is off)."""
+        if checksums is None:
+            return None
+        if len(checksums) != 8 * len(req.ids):
+            return TransferFailed(f"{req.handle.request_id!r}: the producer sent "
+                                  f"{len(checksums) // 8} checksums for {len(req.ids)} blocks")
+        want = np.frombuffer(checksums, dtype="<u8")
+        got = block_checksums(self.layout, req.ids)
+        bad = np.nonzero(got != want)[0]
+        if len(bad) == 0:
+            return None
+        self._stats.checksum_mismatches += len(bad)
+        return TransferFailed(f"{req.handle.request_id!r}: {len(bad)} block(s) differ from the "
+                              f"source after transfer, e.g. block {int(req.ids[bad[0]])}")
 
     def _settle(self, req: _Request, part: int) -> None:
         """Part ``part`` of ``req`` will write nothing more."""
@@ -578,12 +701,12 @@ class Consumer(Endpoint):
             self._end_read(rid, req)
         if first and ask:
             reason = str(error) if error else state.value
-            for part, name in enumerate(req.producers):
+            for name in req.producers:
                 peer = self._by_name.get(name)
                 if peer is None:
                     continue
-                self._send(peer.socket, m.Abort(rid, reason))
-                if req.handle.mode is TransferMode.PUSH and part not in req.settled:
+                self._tell(peer, m.Abort(rid, reason))
+                if req.handle.mode is TransferMode.PUSH and not req.settled_producer(name):
                     req.waiting_acks.add(name)
         if not req.waiting_acks:
             self._finish(rid, state, error)
@@ -607,7 +730,7 @@ class Consumer(Endpoint):
             self._posted -= len(req.posted)
         LIVE.add("requests_pending", -1)
         nbytes = req.read_bytes if req.handle.mode is TransferMode.PULL else (
-            len(req.ids) * self.layout.bytes_per_block_id * len(req.landed))
+            len(req.ids) * self.layout.bytes_per_block_id * len(req.landed) // req.groups)
         self._report(req.handle, state, error, req.started, nbytes)
 
     def _report(self, handle: TransferHandle, state: RequestState, error: KvpushError | None,
@@ -632,7 +755,7 @@ class Consumer(Endpoint):
     # -- teardown --------------------------------------------------------------------------
     def _on_close(self) -> None:
         for peer in list(self._by_name.values()):
-            self._send(peer.socket, m.Bye(self.name))
+            self._tell(peer, m.Bye(self.name))
         for peer in list(self._producers.values()):
             for waiter in peer.waiters:
                 waiter(None, ClosedError("consumer closed"))

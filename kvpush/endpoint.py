@@ -26,6 +26,7 @@ import zmq
 
 from . import messages as m
 from .agent import Agent, TransportConfig
+from .auth import Sealer
 from .errors import ClosedError, KvpushError
 from .layout import KVLayout
 from .metrics import LIVE
@@ -256,8 +257,9 @@ class Endpoint:
     def closed(self) -> bool:
         return self._closed
 
-    def _send(self, sock: zmq.Socket[Any], msg: m.Message, identity: bytes | None = None) -> None:
-        frame = m.encode(msg)
+    def _send(self, sock: zmq.Socket[Any], msg: m.Message, identity: bytes | None = None,
+              sealer: Sealer | None = None) -> None:
+        frame = m.encode(msg, sealer)
         try:
             if identity is None:
                 sock.send(frame, zmq.NOBLOCK)

@@ -10,12 +10,12 @@ Block ids travel as little-endian int64 bytes (compact, and decoded without a Py
 
 from __future__ import annotations
 
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 import numpy as np
 
-from .errors import ProtocolError
+from .errors import AuthenticationError, ProtocolError
 from .layout import LayoutWire
 
 __all__ = [
@@ -40,10 +40,15 @@ __all__ = [
     "decode_ids",
     "encode",
     "encode_ids",
+    "is_sealed",
 ]
 
 PROTOCOL_VERSION = 1
-_VERSION_BYTE = bytes([PROTOCOL_VERSION])
+_PLAIN = bytes([PROTOCOL_VERSION, 0])
+_SEALED = bytes([PROTOCOL_VERSION, 1])
+
+if TYPE_CHECKING:
+    from .auth import Opener, Sealer
 _MAX_ID_COUNT = 1 << 24
 
 
@@ -57,6 +62,8 @@ class Hello(_Msg, tag="hello"):
     name: str
     agent_metadata: bytes
     layout: LayoutWire
+    nonce: bytes = b""        # with authentication: fresh per connection attempt
+    sent_at: float = 0.0      # wall clock, with authentication
 
 
 class HelloAck(_Msg, tag="hello_ack"):
@@ -65,6 +72,8 @@ class HelloAck(_Msg, tag="hello_ack"):
     name: str
     agent_metadata: bytes
     layout: LayoutWire
+    nonce: bytes = b""        # the producer's nonce (authentication)
+    echo: bytes = b""         # the Hello's nonce, echoed (authentication)
 
 
 class HelloReject(_Msg, tag="hello_reject"):
@@ -84,6 +93,8 @@ class Register(_Msg, tag="register"):
     block_ids: bytes
     part: int
     wait_s: float
+    verify: bool = False      # ask for per-block checksums with the completion
+    groups: int = 1           # WRITEs (and Landed parts) per producer: 1, or one per layer
 
 
 class Posted(_Msg, tag="posted"):
@@ -137,10 +148,13 @@ class Bye(_Msg, tag="bye"):
 
 # -- carried as NIXL notifications (delivered after the data has landed) -----------------
 class Landed(_Msg, tag="landed"):
-    """WRITE notification, producer -> consumer: this part of the request has landed."""
+    """WRITE notification, producer -> consumer: this part of the request has landed.
+    ``checksums``: per-block 64-bit checksums of the source blocks (little-endian uint64, in
+    registration order) when the consumer asked to verify."""
 
     request_id: str
     part: int
+    checksums: bytes = b""
 
 
 class PullDone(_Msg, tag="pull_done"):
@@ -162,6 +176,7 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_ids: bytes
     lease_s: float
     issued_at: float
+    checksums: bytes = b""    # per-block source checksums (ProducerConfig.verify)
     version: int = PROTOCOL_VERSION
 
     def to_bytes(self) -> bytes:
@@ -188,24 +203,46 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(msg: Message) -> bytes:
-    """Serialize a message behind the protocol version byte."""
-    return _VERSION_BYTE + _encoder.encode(msg)
+def encode(msg: Message, sealer: Sealer | None = None) -> bytes:
+    """Serialize a message: version byte, auth byte, then the MessagePack body (sealed with
+    an HMAC tag and counter when ``sealer`` is given)."""
+    body = _encoder.encode(msg)
+    if sealer is None:
+        return _PLAIN + body
+    return _SEALED + sealer.seal(body)
 
 
-def decode(frame: bytes) -> Message:
-    """Parse a frame; anything but a well-formed message of this version raises
-    :class:`~kvpush.errors.ProtocolError`."""
+def is_sealed(frame: bytes) -> bool:
+    return len(frame) >= 2 and frame[1] == 1
+
+
+def decode(frame: bytes, opener: Opener | None = None) -> Message:
+    """Parse a frame. Anything but a well-formed message of this version raises
+    :class:`~kvpush.errors.ProtocolError`; with ``opener``, an unauthenticated, forged or
+    replayed frame raises :class:`~kvpush.errors.AuthenticationError` (and without one, an
+    authenticated frame does: this side has no key to check it)."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
-    if len(frame) < 2:
+    if len(frame) < 3:
         raise ProtocolError("empty or truncated control frame")
     if frame[0] != PROTOCOL_VERSION:
         raise ProtocolError(
             f"control frame of protocol version {frame[0]}, this side speaks {PROTOCOL_VERSION}"
         )
+    flag = frame[1]
+    if flag == 0:
+        if opener is not None:
+            raise AuthenticationError("unauthenticated frame, but this side requires auth_key")
+        body: bytes | memoryview = memoryview(frame)[2:]
+    elif flag == 1:
+        if opener is None:
+            raise AuthenticationError(
+                "the peer authenticates its frames, but no auth_key is configured here")
+        body = opener.open(memoryview(frame)[2:])
+    else:
+        raise ProtocolError(f"unknown frame flag {flag}")
     try:
-        return _decoder.decode(memoryview(frame)[1:])
+        return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed control message: {exc}") from exc
 

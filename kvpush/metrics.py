@@ -47,6 +47,8 @@ class Stats:
     descriptors_posted: int = 0
     blocks_released: int = 0
     messages_rejected: int = 0
+    auth_rejected: int = 0
+    checksum_mismatches: int = 0
     peers_lost: int = 0
 
     def as_dict(self) -> dict[str, int]:

@@ -25,11 +25,19 @@ import zmq
 
 from . import messages as m
 from .agent import TransportConfig, XferState
+from .auth import HelloGuard, Opener, Sealer, check_key, new_nonce, session_key
 from .endpoint import Endpoint, Timer
-from .errors import InvalidBlockIds, KvpushError, LayoutMismatch, PeerUnavailable, ProtocolError
+from .errors import (
+    AuthenticationError,
+    InvalidBlockIds,
+    KvpushError,
+    LayoutMismatch,
+    PeerUnavailable,
+    ProtocolError,
+)
 from .layout import KVLayout, check_compatible
 from .metrics import LIVE, Stats
-from .plan import plan_transfer, validate_block_ids
+from .plan import block_checksums, plan_transfer, validate_block_ids
 from .progress import ProgressPolicy
 from .request import Release, ReleaseReason, TransferMode
 
@@ -60,6 +68,12 @@ class ProducerConfig:
         fails fast instead of waiting.
     coalesce
         Merge runs of blocks adjacent on both sides into one descriptor (off only to measure).
+    verify
+        Put per-block source checksums in pull tickets (push sends them whenever the
+        consumer asks), so a consumer can check every block it received.
+    auth_key
+        Shared key (bytes, >= 16) to authenticate every control message and notification
+        (see :mod:`kvpush.auth`); None: no authentication. Consumers must use the same key.
     """
 
     host: str = "127.0.0.1"
@@ -71,10 +85,13 @@ class ProducerConfig:
     peer_timeout_s: float = 20.0
     tombstone_s: float = 120.0
     coalesce: bool = True
+    verify: bool = False
+    auth_key: bytes | None = field(default=None, repr=False)
     transport: TransportConfig = field(default_factory=TransportConfig)
     progress: ProgressPolicy = field(default_factory=ProgressPolicy)
 
     def __post_init__(self) -> None:
+        check_key(self.auth_key, "ProducerConfig")
         for name in ("lease_s", "max_wait_s", "transfer_timeout_s", "peer_timeout_s",
                      "tombstone_s"):
             value = getattr(self, name)
@@ -90,14 +107,23 @@ class _Consumer:
     agent_name: str
     layout: KVLayout
     last_seen: float
+    # With authentication: per-connection session sealers (None without a key).
+    sealer: Sealer | None = None
+    opener: Opener | None = None
+    notif_sealer: Sealer | None = None
+    notif_opener: Opener | None = None
 
 
 @dataclass
 class _Source:
+    """Source blocks the engine handed over and kvpush holds until it releases them."""
+
     ids: np.ndarray
     mode: TransferMode
     lease: Timer
     pulling: bool = False
+    complete: bool = True            # False while only some layers are final (layer_done)
+    layers: set[int] = field(default_factory=set)   # final layers, while not complete
 
 
 @dataclass
@@ -106,18 +132,33 @@ class _Registration:
     ids: np.ndarray
     part: int
     wait: Timer
+    verify: bool
+    groups: int                      # 1: one WRITE; num_layers: a WRITE per layer
 
 
 @dataclass
 class _Write:
-    peer: _Consumer
     handle: Any
-    part: int
     nbytes: int
     nblocks: int
     deadline: Timer
-    posted_at: float
-    abort: str = ""  # who asked to abort while in flight: "consumer" / "producer"
+
+
+@dataclass
+class _Push:
+    """A push under way: registration and source matched, WRITEs posted group by group."""
+
+    reg: _Registration
+    plan: Any                        # kvpush._core.TransferPlan
+    posted: set[int] = field(default_factory=set)
+    writes: dict[int, _Write] = field(default_factory=dict)   # in flight, by group
+    # Once set, the push ends as soon as no WRITE is in flight:
+    # (message to the consumer: "ack" | a Failed code | "" for none, release reason, detail)
+    end: tuple[str, ReleaseReason, str] | None = None
+
+    @property
+    def peer(self) -> _Consumer:
+        return self.reg.peer
 
 
 class Producer(Endpoint):
@@ -146,11 +187,15 @@ class Producer(Endpoint):
         self._released: deque[Release] = deque()
         self._stats = Stats()
         self._consumers: dict[bytes, _Consumer] = {}
+        self._by_agent: dict[str, _Consumer] = {}
+        self._key = config.auth_key
+        self._hello_guard = HelloGuard()
         self._sources: dict[str, _Source] = {}
         self._registrations: dict[str, _Registration] = {}
-        self._writes: dict[str, _Write] = {}
+        self._pushes: dict[str, _Push] = {}
         self._pulls_watched = 0
-        self._tombstones: dict[str, tuple[str, str, float]] = {}
+        # request id -> (Failed code, reason, expiry, source already released)
+        self._tombstones: dict[str, tuple[str, str, float, bool]] = {}
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
@@ -186,10 +231,28 @@ class Producer(Endpoint):
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         self._call_soon(lambda: self._hold(request_id, ids, mode))
         if mode is TransferMode.PULL:
+            sums = block_checksums(self.layout, ids).astype("<u8").tobytes() \
+                if self.config.verify else b""
             return m.PullTicket(producer=self.name, address=self.address, request_id=request_id,
                                 block_ids=m.encode_ids(ids), lease_s=self.config.lease_s,
-                                issued_at=time.time())
+                                issued_at=time.time(), checksums=sums)
         return None
+
+    def layer_done(self, request_id: str, block_ids: Any, layer: int) -> None:
+        """Layer-wise push: layer ``layer``'s KV for ``request_id`` is final in
+        ``block_ids``. A consumer that registered layer by layer (``expect(...,
+        layerwise=True)``) gets that layer written at once, while later layers compute.
+        Call it for layers as they finish, then :meth:`prefill_done` with the same blocks as
+        usual (which also covers any layer not reported). Whole-request registrations just
+        wait for ``prefill_done``."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidBlockIds("request_id must be a non-empty str")
+        if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer!r}")
+        if self.layout.layers_per_region != 1:
+            raise ValueError("layer_done needs one layer per region (layers_per_region == 1)")
+        ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
+        self._call_soon(lambda: self._layer(request_id, ids, layer))
 
     def abort(self, request_id: str, reason: str = "aborted by producer") -> None:
         """Give up ``request_id`` wherever it is: blocks released with ``ABORTED`` (after any
@@ -218,13 +281,19 @@ class Producer(Endpoint):
                 self._stats.messages_rejected += 1
                 continue
             identity, frame = frames
+            peer = self._consumers.get(identity)
             try:
-                msg = m.decode(frame)
+                msg = self._decode(peer, frame)
+            except AuthenticationError as exc:
+                self._stats.auth_rejected += 1
+                log.warning("%s: rejected control frame: %s", self.name, exc)
+                if peer is None:  # tell a would-be peer why its handshake fails
+                    self._send(sock, m.HelloReject(str(exc), "auth_key"), identity)
+                continue
             except ProtocolError as exc:
                 self._stats.messages_rejected += 1
                 log.warning("%s: rejected control frame: %s", self.name, exc)
                 continue
-            peer = self._consumers.get(identity)
             if peer is not None:
                 peer.last_seen = time.monotonic()
             if isinstance(msg, m.Hello):
@@ -243,11 +312,25 @@ class Producer(Endpoint):
             elif isinstance(msg, m.PullBegin):
                 self._on_pull_begin(msg)
             elif isinstance(msg, m.Heartbeat):
-                self._send(sock, m.HeartbeatAck(msg.seq), identity)
+                self._tell(peer, m.HeartbeatAck(msg.seq))
             elif isinstance(msg, m.Bye):
                 self._drop_consumer(peer, "consumer closed")
             else:
                 self._stats.messages_rejected += 1
+
+    def _decode(self, peer: _Consumer | None, frame: bytes) -> m.Message:
+        if self._key is None:
+            return m.decode(frame)
+        if peer is not None and peer.opener is not None and m.is_sealed(frame):
+            try:
+                return m.decode(frame, peer.opener)
+            except AuthenticationError:
+                pass  # maybe a Hello from the same peer, restarted: sealed with the key
+        msg = m.decode(frame, Opener(self._key, b"hello", replay=False))
+        if not isinstance(msg, m.Hello):
+            raise AuthenticationError(f"{type(msg).__name__} sealed with the handshake key")
+        self._hello_guard.check(msg.nonce, msg.sent_at)
+        return msg
 
     def _on_hello(self, identity: bytes, msg: m.Hello) -> None:
         try:
@@ -268,53 +351,70 @@ class Producer(Endpoint):
         except PeerUnavailable as exc:
             self._send(self._router, m.HelloReject(str(exc)), identity)
             return
-        self._consumers[identity] = _Consumer(identity, agent_name, remote, time.monotonic())
-        self._send(self._router, m.HelloAck(self.name, self._agent.metadata(),
-                                            self.layout.to_wire()), identity)
+        peer = _Consumer(identity, agent_name, remote, time.monotonic())
+        ack = m.HelloAck(self.name, self._agent.metadata(), self.layout.to_wire())
+        ack_sealer = None
+        if self._key is not None:
+            nonce = new_nonce()
+            session = session_key(self._key, msg.nonce, nonce)
+            peer.sealer, peer.opener = Sealer(session, b"p2c"), Opener(session, b"c2p")
+            peer.notif_sealer = Sealer(session, b"p2c-notif")
+            peer.notif_opener = Opener(session, b"c2p-notif")
+            ack = m.HelloAck(self.name, self._agent.metadata(), self.layout.to_wire(),
+                             nonce=nonce, echo=msg.nonce)
+            ack_sealer = Sealer(self._key, b"hello-ack")
+        self._consumers[identity] = peer
+        self._by_agent[agent_name] = peer
+        self._send(self._router, ack, identity, ack_sealer)
 
     def _on_register(self, peer: _Consumer, msg: m.Register) -> None:
         rid = msg.request_id
         tomb = self._tombstones.get(rid)
         if tomb is not None:
-            self._send(self._router, m.Failed(rid, tomb[0], tomb[1]), peer.identity)
+            self._tell(peer, m.Failed(rid, tomb[0], tomb[1]))
             return
-        if rid in self._registrations or rid in self._writes:
-            self._send(self._router, m.Failed(rid, "duplicate", "request already registered"),
-                       peer.identity)
+        if rid in self._registrations or rid in self._pushes:
+            self._tell(peer, m.Failed(rid, "duplicate", "request already registered"))
             return
         source = self._sources.get(rid)
         if source is not None and source.mode is TransferMode.PULL:
-            self._send(self._router, m.Failed(rid, "mode_conflict",
-                                              "the producer exposed this request for pull"),
-                       peer.identity)
+            self._tell(peer, m.Failed(rid, "mode_conflict",
+                                      "the producer exposed this request for pull"))
+            return
+        if msg.groups != 1 and (msg.groups != self.layout.num_layers
+                                or self.layout.layers_per_region != 1):
+            self._tell(peer, m.Failed(rid, "invalid_groups",
+                                      f"{msg.groups} layer groups requested; this producer "
+                                      f"writes 1 or {self.layout.num_layers} (one per layer)"))
             return
         try:
             ids = m.decode_ids(msg.block_ids)
         except ProtocolError as exc:
-            self._send(self._router, m.Failed(rid, "invalid_ids", str(exc)), peer.identity)
+            self._tell(peer, m.Failed(rid, "invalid_ids", str(exc)))
             return
         wait = min(max(msg.wait_s, 0.0), self.config.max_wait_s)
         timer = self._after(wait, lambda: self._registration_expired(rid))
-        self._registrations[rid] = _Registration(peer, ids, msg.part, timer)
+        self._registrations[rid] = _Registration(peer, ids, msg.part, timer, msg.verify,
+                                                 msg.groups)
         LIVE.add("registrations_waiting", 1)
         if source is not None:
-            self._trigger(rid)
+            self._match(rid)
 
     def _on_consumer_abort(self, peer: _Consumer, msg: m.Abort) -> None:
         rid = msg.request_id
-        self._tomb(rid, "aborted", f"consumer: {msg.reason}")
-        write = self._writes.get(rid)
-        if write is not None and write.peer is peer:
-            write.abort = "consumer"
-            if self._agent.release(write.handle):
-                self._finish_write(rid, XferState.ERROR, cancelled=True)
-            return  # else: AbortAck once NIXL reports the WRITE finished
+        push = self._pushes.get(rid)
+        if push is not None and push.peer is not peer:
+            return
+        self._tomb(rid, "aborted", f"consumer: {msg.reason}", released=rid in self._sources)
+        if push is not None:  # AbortAck once no WRITE is in flight
+            self._end_push(rid, "ack", ReleaseReason.ABORTED, f"consumer: {msg.reason}")
+            return
         reg = self._registrations.get(rid)
         if reg is not None and reg.peer is peer:
             self._drop_registration(rid)
         if rid in self._sources:
             self._release(rid, ReleaseReason.ABORTED, f"consumer: {msg.reason}")
-        self._send(self._router, m.AbortAck(rid), peer.identity)
+        self._tell(peer, m.AbortAck(rid))
 
     def _on_pull_begin(self, msg: m.PullBegin) -> None:
         source = self._sources.get(msg.request_id)
@@ -330,93 +430,173 @@ class Producer(Endpoint):
 
     # -- loop: rendezvous ------------------------------------------------------------------
     def _hold(self, rid: str, ids: np.ndarray, mode: TransferMode) -> None:
-        tomb = self._tombstones.pop(rid, None)
-        if rid in self._sources or rid in self._writes:
+        """prefill_done, on the loop thread."""
+        tomb = self._tombstones.get(rid)
+        if tomb is not None and tomb[0] == "aborted":
+            if not tomb[3]:  # nothing was released for this request yet: these blocks go back
+                self._tombstones[rid] = (*tomb[:3], True)
+                self._emit(Release(rid, ReleaseReason.ABORTED, ids, tomb[1]))
+            return
+        self._tombstones.pop(rid, None)
+        source = self._sources.get(rid)
+        if source is not None and not source.complete and mode is TransferMode.PUSH \
+                and np.array_equal(source.ids, ids):
+            source.complete = True  # the last layers are final too
+            if rid in self._pushes:
+                self._pump(rid)
+            elif rid in self._registrations:
+                self._match(rid)
+            else:
+                self._renew_lease(rid, source)
+            return
+        if source is not None:
             log.warning("%s: prefill_done for %r twice; releasing the second set", self.name, rid)
             self._emit(Release(rid, ReleaseReason.FAILED, ids, "duplicate prefill_done"))
-            return
-        if tomb is not None and tomb[0] == "aborted":
-            self._tombstones[rid] = tomb
-            self._emit(Release(rid, ReleaseReason.ABORTED, ids, tomb[1]))
             return
         lease = self._after(self.config.lease_s, lambda: self._lease_expired(rid))
         self._sources[rid] = _Source(ids, mode, lease)
         LIVE.add("sources_held", 1)
-        reg = self._registrations.get(rid)
-        if reg is None:
-            return
-        if mode is TransferMode.PUSH:
-            self._trigger(rid)
-        else:
-            self._drop_registration(rid)
-            self._send(self._router, m.Failed(rid, "mode_conflict",
-                                              "the producer exposed this request for pull"),
-                       reg.peer.identity)
+        if rid in self._registrations:
+            self._match(rid)
 
-    def _trigger(self, rid: str) -> None:
-        """Both halves are here: map ids and post the WRITE."""
-        source = self._sources[rid]
-        reg = self._drop_registration(rid)
+    def _layer(self, rid: str, ids: np.ndarray, layer: int) -> None:
+        """layer_done, on the loop thread."""
+        if rid in self._tombstones:
+            return  # aborted or expired: prefill_done settles the blocks
+        source = self._sources.get(rid)
+        if source is None:
+            lease = self._after(self.config.lease_s, lambda: self._lease_expired(rid))
+            source = self._sources[rid] = _Source(ids, TransferMode.PUSH, lease, complete=False)
+            LIVE.add("sources_held", 1)
+        elif source.complete or not np.array_equal(source.ids, ids):
+            log.warning("%s: layer_done(%r, %d) does not match the blocks held; ignored",
+                        self.name, rid, layer)
+            return
+        source.layers.add(layer)
+        if rid in self._pushes:
+            self._pump(rid)
+        elif rid in self._registrations:
+            self._match(rid)
+
+    def _renew_lease(self, rid: str, source: _Source) -> None:
         source.lease.cancel()
-        peer = reg.peer
+        source.lease = self._after(self.config.lease_s, lambda: self._lease_expired(rid))
+
+    def _match(self, rid: str) -> None:
+        """Registration and source are both here: plan once, then post what is final."""
+        source = self._sources[rid]
+        reg = self._registrations.pop(rid)
+        LIVE.add("registrations_waiting", -1)
+        if source.mode is TransferMode.PULL:
+            reg.wait.cancel()
+            self._tell(reg.peer, m.Failed(rid, "mode_conflict",
+                                          "the producer exposed this request for pull"))
+            return
+        if reg.groups == 1 and not source.complete:
+            # Whole-request push: wait for prefill_done (the registration's deadline holds).
+            self._registrations[rid] = reg
+            LIVE.add("registrations_waiting", 1)
+            return
+        source.lease.cancel()
         try:
             plan = plan_transfer(source.ids, reg.ids, self.layout.num_blocks,
-                                 peer.layout.num_blocks, self.layout.num_regions,
+                                 reg.peer.layout.num_blocks, self.layout.num_regions,
                                  self.config.coalesce)
         except InvalidBlockIds as exc:
-            self._fail(rid, peer, "invalid_ids", str(exc))
+            reg.wait.cancel()
+            self._stats.requests_failed += 1
+            self._tell(reg.peer, m.Failed(rid, "invalid_ids", str(exc)))
+            self._release(rid, ReleaseReason.FAILED, str(exc))
             return
-        notif = m.encode(m.Landed(rid, reg.part))
-        if plan.num_blocks == 0:  # nothing to move, but the consumer still counts this part
-            try:
-                self._agent.send_notification(peer.agent_name, notif)
-            except KvpushError as exc:
-                self._fail(rid, peer, "transfer_failed", str(exc))
-                return
-            self._send(self._router, m.Posted(rid, reg.part), peer.identity)
-            self._release(rid, ReleaseReason.TRANSFERRED)
-            return
+        self._pushes[rid] = _Push(reg, plan)
+        self._pump(rid)
+
+    def _pump(self, rid: str) -> None:
+        """Post every group that is final and not posted yet."""
+        push = self._pushes[rid]
+        source = self._sources[rid]
+        groups = push.reg.groups
+        for group in range(groups):
+            if push.end is not None:
+                break
+            if group in push.posted or not (source.complete or group in source.layers):
+                continue
+            self._post(rid, push, group)
+        if len(push.posted) == groups:
+            push.reg.wait.cancel()  # nothing left to wait for from the engine
+        self._conclude(rid)
+
+    def _post(self, rid: str, push: _Push, group: int) -> None:
+        reg, plan, peer = push.reg, push.plan, push.peer
+        n = plan.num_blocks
+        if reg.groups == 1:
+            lo, hi = 0, self.layout.num_regions
+        else:
+            per_layer = self.layout.num_regions // self.layout.num_layers
+            lo, hi = group * per_layer, (group + 1) * per_layer
+        part = reg.part * reg.groups + group
+        sums = b""
+        if reg.verify and reg.groups == 1:
+            sums = block_checksums(self.layout, self._sources[rid].ids).astype("<u8").tobytes()
+        notif = m.encode(m.Landed(rid, part, sums), peer.notif_sealer)
+        push.posted.add(group)
         try:
-            handle = self._agent.post("WRITE", peer.agent_name, plan.local_indices,
-                                      plan.remote_indices, notif)
+            if n == 0:  # nothing to move, but the consumer still counts this part
+                self._agent.send_notification(peer.agent_name, notif)
+                self._tell(peer, m.Posted(rid, part))
+                return
+            handle = self._agent.post("WRITE", peer.agent_name,
+                                      plan.local_indices[lo * n:hi * n],
+                                      plan.remote_indices[lo * n:hi * n], notif)
         except PeerUnavailable as exc:
-            self._fail(rid, peer, "peer_unavailable", str(exc))
+            self._end_push(rid, "peer_unavailable", ReleaseReason.FAILED, str(exc))
             self._drop_consumer(peer, str(exc))
             return
         except KvpushError as exc:
-            self._fail(rid, peer, "transfer_failed", str(exc))
+            self._end_push(rid, "transfer_failed", ReleaseReason.FAILED, str(exc))
             return
-        nbytes = plan.num_blocks * self.layout.bytes_per_block_id
-        deadline = self._after(self.config.transfer_timeout_s, lambda: self._write_expired(rid))
-        self._writes[rid] = _Write(peer, handle, reg.part, nbytes, plan.num_blocks, deadline,
-                                   time.monotonic())
+        deadline = self._after(self.config.transfer_timeout_s,
+                               lambda: self._write_expired(rid, group))
+        nbytes = n * self.layout.block_bytes * (hi - lo)
+        push.writes[group] = _Write(handle, nbytes, n, deadline)
         LIVE.add("transfers_in_flight", 1)
         self._stats.transfers_posted += 1
-        self._stats.descriptors_posted += plan.num_descriptors
-        self._send(self._router, m.Posted(rid, reg.part), peer.identity)
+        self._stats.descriptors_posted += plan.num_runs * (hi - lo)
+        self._tell(peer, m.Posted(rid, part))
 
     # -- loop: progress --------------------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self._writes) or self._pulls_watched > 0
+        return self._in_flight > 0 or self._pulls_watched > 0
+
+    @property
+    def _in_flight(self) -> int:
+        return sum(len(p.writes) for p in self._pushes.values())
 
     def _poll_transfers(self) -> bool:
         moved = False
-        for rid, write in list(self._writes.items()):
-            state = self._agent.state(write.handle)
-            if state is not XferState.IN_PROGRESS:
-                self._agent.release(write.handle)
-                self._finish_write(rid, state)
-                moved = True
+        for rid, push in list(self._pushes.items()):
+            for group, write in list(push.writes.items()):
+                state = self._agent.state(write.handle)
+                if state is not XferState.IN_PROGRESS:
+                    self._agent.release(write.handle)
+                    self._write_finished(rid, group, state)
+                    moved = True
         if self._pulls_watched:
-            for _sender, notes in self._agent.notifications().items():
+            for sender, notes in self._agent.notifications().items():
                 for note in notes:
                     moved = True
-                    self._on_notification(note)
+                    self._on_notification(sender, note)
         return moved
 
-    def _on_notification(self, note: bytes) -> None:
+    def _on_notification(self, sender: str, note: bytes) -> None:
+        peer = self._by_agent.get(sender)
         try:
-            msg = m.decode(note)
+            if self._key is not None and peer is None:
+                raise AuthenticationError(f"notification from unknown agent {sender!r}")
+            msg = m.decode(note, peer.notif_opener if peer is not None else None)
+        except AuthenticationError:
+            self._stats.auth_rejected += 1
+            return
         except ProtocolError:
             self._stats.messages_rejected += 1
             return
@@ -430,82 +610,106 @@ class Producer(Endpoint):
             self._stats.bytes_moved += len(source.ids) * self.layout.bytes_per_block_id
             self._release(msg.request_id, ReleaseReason.TRANSFERRED)
 
-    def _finish_write(self, rid: str, state: XferState, cancelled: bool = False) -> None:
-        write = self._writes.pop(rid)
+    def _write_finished(self, rid: str, group: int, state: XferState,
+                        cancelled: bool = False) -> None:
+        push = self._pushes[rid]
+        write = push.writes.pop(group)
         write.deadline.cancel()
         LIVE.add("transfers_in_flight", -1)
-        peer = write.peer
-        if write.abort == "consumer":
-            self._send(self._router, m.AbortAck(rid), peer.identity)
-            self._release(rid, ReleaseReason.ABORTED, "consumer aborted")
-        elif write.abort == "producer":
-            self._send(self._router, m.Failed(rid, "aborted", "aborted by producer"),
-                       peer.identity)
-            self._release(rid, ReleaseReason.ABORTED, "producer aborted")
-        elif state is XferState.DONE:
-            self._stats.requests_completed += 1
-            self._stats.blocks_moved += write.nblocks
+        if state is XferState.DONE:
+            self._stats.blocks_moved += write.nblocks if group == 0 else 0
             self._stats.bytes_moved += write.nbytes
-            self._release(rid, ReleaseReason.TRANSFERRED)
-        else:
+        elif push.end is None:
             code = "timeout" if cancelled else "transfer_failed"
-            self._send(self._router, m.Failed(rid, code, f"WRITE {code}"), peer.identity)
-            self._release(rid, ReleaseReason.FAILED, f"WRITE {code}")
+            self._end_push(rid, code, ReleaseReason.FAILED, f"WRITE {code}")
+        self._conclude(rid)
+
+    def _end_push(self, rid: str, message: str, reason: ReleaseReason, detail: str) -> None:
+        """End a push that will not complete: cancel WRITEs in flight, conclude once none is."""
+        push = self._pushes[rid]
+        if push.end is None:
+            push.end = (message, reason, detail)
+            push.reg.wait.cancel()
+        for group, write in list(push.writes.items()):
+            if self._agent.release(write.handle):  # cancelled; else the poll finishes it
+                push.writes.pop(group)
+                write.deadline.cancel()
+                LIVE.add("transfers_in_flight", -1)
+        self._conclude(rid)
+
+    def _conclude(self, rid: str) -> None:
+        """Release the source and tell the consumer, once nothing is in flight."""
+        push = self._pushes.get(rid)
+        if push is None or push.writes:
+            return
+        if push.end is None:
+            if len(push.posted) < push.reg.groups:
+                return  # layers still to come
+            del self._pushes[rid]
+            self._stats.requests_completed += 1
+            self._release(rid, ReleaseReason.TRANSFERRED)
+            return
+        message, reason, detail = push.end
+        del self._pushes[rid]
+        if reason is ReleaseReason.FAILED:
+            self._stats.requests_failed += 1
+        if message == "ack":
+            self._tell(push.peer, m.AbortAck(rid))
+        elif message:
+            self._tell(push.peer, m.Failed(rid, message, detail))
+        if rid in self._sources:
+            self._release(rid, reason, detail)
 
     # -- loop: deadlines and aborts --------------------------------------------------------
-    def _write_expired(self, rid: str) -> None:
-        write = self._writes.get(rid)
-        if write is None:
+    def _write_expired(self, rid: str, group: int) -> None:
+        push = self._pushes.get(rid)
+        write = push.writes.get(group) if push is not None else None
+        if push is None or write is None:
             return
         if self._agent.release(write.handle):
             self._stats.requests_timed_out += 1
-            self._finish_write(rid, XferState.ERROR, cancelled=True)
+            self._write_finished(rid, group, XferState.ERROR, cancelled=True)
         else:  # NIXL could not cancel: the source must stay put until it can
-            write.deadline = self._after(1.0, lambda: self._write_expired(rid))
+            write.deadline = self._after(1.0, lambda: self._write_expired(rid, group))
 
     def _registration_expired(self, rid: str) -> None:
+        self._stats.requests_timed_out += 1
+        if rid in self._pushes:  # layer-wise: the last layers never came
+            self._end_push(rid, "timeout", ReleaseReason.FAILED, "prefill did not finish in time")
+            return
         reg = self._registrations.get(rid)
         if reg is None:
             return
         self._drop_registration(rid)
-        self._stats.requests_timed_out += 1
-        self._send(self._router, m.Failed(rid, "timeout", "prefill did not finish in time"),
-                   reg.peer.identity)
+        self._tell(reg.peer, m.Failed(rid, "timeout", "prefill did not finish in time"))
 
     def _lease_expired(self, rid: str) -> None:
-        source = self._sources.get(rid)
-        if source is None:
+        if rid not in self._sources or rid in self._pushes:
             return
         self._stats.requests_timed_out += 1
-        self._tomb(rid, "lease_expired", "source blocks were released after their lease")
+        self._tomb(rid, "lease_expired", "source blocks were released after their lease",
+                   released=True)
         self._release(rid, ReleaseReason.LEASE_EXPIRED)
 
     def _abort(self, rid: str, reason: str) -> None:
-        self._tomb(rid, "aborted", reason)
         self._stats.requests_aborted += 1
-        write = self._writes.get(rid)
-        if write is not None:
-            write.abort = "producer"
-            if self._agent.release(write.handle):
-                self._finish_write(rid, XferState.ERROR, cancelled=True)
+        self._tomb(rid, "aborted", reason, released=rid in self._sources)
+        if rid in self._pushes:
+            self._end_push(rid, "aborted", ReleaseReason.ABORTED, reason)
             return
         reg = self._registrations.get(rid)
         if reg is not None:
             self._drop_registration(rid)
-            self._send(self._router, m.Failed(rid, "aborted", reason), reg.peer.identity)
+            self._tell(reg.peer, m.Failed(rid, "aborted", reason))
         if rid in self._sources:
             self._release(rid, ReleaseReason.ABORTED, reason)
 
-    def _fail(self, rid: str, peer: _Consumer, code: str, reason: str) -> None:
-        self._stats.requests_failed += 1
-        self._send(self._router, m.Failed(rid, code, reason), peer.identity)
-        self._release(rid, ReleaseReason.FAILED, reason)
-
-    def _tomb(self, rid: str, code: str, reason: str) -> None:
+    def _tomb(self, rid: str, code: str, reason: str, released: bool) -> None:
+        """Remember an ended request (``released``: its source blocks went back already)."""
         now = time.monotonic()
         if len(self._tombstones) > 4096:  # forget the expired ones
             self._tombstones = {k: v for k, v in self._tombstones.items() if v[2] > now}
-        self._tombstones[rid] = (code, reason, now + self.config.tombstone_s)
+        self._tombstones[rid] = (code, reason, now + self.config.tombstone_s, released)
 
     def _drop_registration(self, rid: str) -> _Registration:
         reg = self._registrations.pop(rid)
@@ -521,6 +725,9 @@ class Producer(Endpoint):
         LIVE.add("sources_held", -1)
         self._stats.blocks_released += len(source.ids)
         self._emit(Release(rid, reason, source.ids, detail))
+
+    def _tell(self, peer: _Consumer, msg: m.Message) -> None:
+        self._send(self._router, msg, peer.identity, peer.sealer)
 
     def _emit(self, release: Release) -> None:
         self._released.append(release)
@@ -543,22 +750,22 @@ class Producer(Endpoint):
             return
         log.info("%s: dropping consumer %s: %s", self.name, peer.agent_name, why)
         self._stats.peers_lost += 1
-        for rid, write in list(self._writes.items()):
-            if write.peer is peer:
+        for rid, push in list(self._pushes.items()):
+            if push.peer is peer:
                 # The peer is gone: cancel; if NIXL cannot, the release waits for the poll.
-                write.abort = "lost"
-                if self._agent.release(write.handle):
-                    self._finish_write(rid, XferState.ERROR, cancelled=True)
+                self._end_push(rid, "", ReleaseReason.FAILED, f"consumer lost: {why}")
         for rid, reg in list(self._registrations.items()):
             if reg.peer is peer:
                 self._drop_registration(rid)
         del self._consumers[peer.identity]
+        if self._by_agent.get(peer.agent_name) is peer:
+            del self._by_agent[peer.agent_name]
         self._agent.remove_peer(peer.agent_name)
 
     def _debug_state(self, rid: str) -> str:
         """Where ``rid`` is (loop thread; for tests): writing, registered, held-push,
         held-pull, pulling or none."""
-        if rid in self._writes:
+        if rid in self._pushes:
             return "writing"
         if rid in self._registrations:
             return "registered"
@@ -570,13 +777,14 @@ class Producer(Endpoint):
     # -- teardown --------------------------------------------------------------------------
     def _on_close(self) -> None:
         for peer in list(self._consumers.values()):
-            self._send(self._router, m.Bye(self.name), peer.identity)
-        for rid, write in list(self._writes.items()):
-            write.abort = "producer"
-            if not self._agent.release(write.handle):
-                log.error("%s: WRITE for %r could not be cancelled at close", self.name, rid)
-            self._writes.pop(rid).deadline.cancel()
-            LIVE.add("transfers_in_flight", -1)
+            self._tell(peer, m.Bye(self.name))
+        for rid, push in list(self._pushes.items()):
+            for write in push.writes.values():
+                if not self._agent.release(write.handle):
+                    log.error("%s: WRITE for %r could not be cancelled at close", self.name, rid)
+                write.deadline.cancel()
+                LIVE.add("transfers_in_flight", -1)
+            del self._pushes[rid]
         for rid in list(self._registrations):
             self._drop_registration(rid)
         for rid in list(self._sources):

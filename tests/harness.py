@@ -122,6 +122,10 @@ def _producer_main(conn: Any, cache_kwargs: dict[str, Any], seed: int,
                         t = producer.prefill_done(rid, ids, kvpush.TransferMode(mode))
                         tickets.append(t.to_bytes() if t else None)
                     conn.send(("ok", tickets))
+                elif cmd == "layer_done":
+                    rid, ids, layer = args
+                    producer.layer_done(rid, ids, layer)
+                    conn.send(("ok", None))
                 elif cmd == "abort":
                     producer.abort(args)
                     conn.send(("ok", None))

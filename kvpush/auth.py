@@ -1,0 +1,132 @@
+"""Optional shared-key authentication of every control message and notification.
+
+With an ``auth_key`` configured on both sides, each frame carries a 64-bit counter and an
+HMAC-SHA256 tag over (direction label, counter, body):
+
+* the handshake is tagged with the shared key itself; the consumer's Hello carries a fresh
+  nonce and its wall-clock time (the producer refuses stale Hellos and nonces it has seen);
+  the producer's HelloAck echoes that nonce and adds its own;
+* every later frame is tagged with a per-connection session key,
+  ``HMAC(key, "kvpush session" | consumer nonce | producer nonce)``, so frames of one
+  connection cannot be replayed into another;
+* receivers accept each counter once (a sliding window, because NIXL notifications of
+  different transfers may arrive out of order). Forged, tampered and replayed frames raise
+  :class:`~kvpush.errors.AuthenticationError` and are counted, never acted on.
+
+Keys are bytes of at least 16; give both sides the same key out of band.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+import time
+
+from .errors import AuthenticationError
+
+__all__ = ["HelloGuard", "Opener", "Sealer", "check_key", "new_nonce", "session_key"]
+
+TAG_BYTES = 32
+COUNTER = struct.Struct(">Q")
+HELLO_MAX_SKEW_S = 120.0
+
+
+def check_key(key: bytes | None, owner: str) -> bytes | None:
+    if key is None:
+        return None
+    if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+        raise ValueError(f"{owner}.auth_key must be bytes of length >= 16 (or None)")
+    return bytes(key)
+
+
+def new_nonce() -> bytes:
+    return os.urandom(16)
+
+
+def session_key(key: bytes, consumer_nonce: bytes, producer_nonce: bytes) -> bytes:
+    return hmac.new(key, b"kvpush session\0" + consumer_nonce + producer_nonce,
+                    hashlib.sha256).digest()
+
+
+class Sealer:
+    """Tags the frames one side sends in one direction."""
+
+    __slots__ = ("_counter", "_key", "_label")
+
+    def __init__(self, key: bytes, label: bytes) -> None:
+        self._key = key
+        self._label = label
+        self._counter = 0
+
+    def seal(self, body: bytes) -> bytes:
+        """``counter | tag | body``."""
+        self._counter += 1
+        counter = COUNTER.pack(self._counter)
+        tag = hmac.new(self._key, self._label + counter + body, hashlib.sha256).digest()
+        return counter + tag + body
+
+
+class Opener:
+    """Checks the frames one side receives in one direction.
+
+    ``window`` counters behind the highest seen are still accepted once each; older ones
+    and repeats are replays.
+    """
+
+    __slots__ = ("_highest", "_key", "_label", "_replay", "_seen", "_window")
+
+    def __init__(self, key: bytes, label: bytes, window: int = 4096,
+                 replay: bool = True) -> None:
+        self._key = key
+        self._label = label
+        self._highest = 0
+        self._seen = 0  # bit i set: counter (highest - i) was seen
+        self._window = window
+        self._replay = replay  # False for handshakes, which HelloGuard / nonces protect
+
+    def open(self, sealed: bytes | memoryview) -> bytes:
+        """The body of a sealed frame; raises AuthenticationError if forged or replayed."""
+        data = bytes(sealed)
+        if len(data) < COUNTER.size + TAG_BYTES:
+            raise AuthenticationError("authenticated frame too short")
+        counter_bytes = data[:COUNTER.size]
+        tag = data[COUNTER.size:COUNTER.size + TAG_BYTES]
+        body = data[COUNTER.size + TAG_BYTES:]
+        want = hmac.new(self._key, self._label + counter_bytes + body, hashlib.sha256).digest()
+        if not hmac.compare_digest(tag, want):
+            raise AuthenticationError("bad authentication tag (forged, tampered, or wrong key)")
+        (counter,) = COUNTER.unpack(counter_bytes)
+        if not self._replay:
+            return body
+        if counter > self._highest:
+            shift = counter - self._highest
+            self._seen = ((self._seen << shift) | 1) & ((1 << self._window) - 1) \
+                if shift < self._window else 1
+            self._highest = counter
+        else:
+            back = self._highest - counter
+            if back >= self._window or (self._seen >> back) & 1:
+                raise AuthenticationError(f"replayed frame (counter {counter})")
+            self._seen |= 1 << back
+        return body
+
+
+class HelloGuard:
+    """Producer side: refuse stale Hellos and Hello nonces already used."""
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, float] = {}
+
+    def check(self, nonce: bytes, sent_at: float) -> None:
+        now = time.time()
+        if abs(now - sent_at) > HELLO_MAX_SKEW_S:
+            raise AuthenticationError(f"Hello is {now - sent_at:.0f} s old (clock skew or replay)")
+        if len(nonce) != 16:
+            raise AuthenticationError("Hello nonce must be 16 bytes")
+        if nonce in self._seen:
+            raise AuthenticationError("replayed Hello")
+        if len(self._seen) > 10000:
+            self._seen = {k: t for k, t in self._seen.items() if now - t < 2 * HELLO_MAX_SKEW_S}
+        self._seen[nonce] = now
