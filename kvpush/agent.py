@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PeerUnavailable, TransferFailed
-from .layout import KVLayout
+from .layout import KVLayout, head_overlap
 
 __all__ = ["Agent", "TransportConfig", "XferState"]
 
@@ -111,6 +111,9 @@ class Agent:
             "NIXL_INIT_AGENT", layout.descriptor_table(), mem
         )
         self._remote_dlists: dict[str, Any] = {}
+        # Heterogeneous TP: peers sharing only some heads get lists over that byte range.
+        self._local_dlists: dict[str, Any] = {}
+        self._bytes_per_block: dict[str, int] = {}
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
@@ -119,18 +122,32 @@ class Agent:
         return data
 
     def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
-        """Load a peer's metadata and prepare its descriptor list; returns its agent name."""
+        """Load a peer's metadata and prepare its descriptor list (over the KV heads both
+        sides hold); returns its agent name."""
+        overlap = head_overlap(self.layout, layout)
+        if overlap is None:
+            raise PeerUnavailable("the peer holds none of this side's KV heads")
+        local_offset, remote_offset, length = overlap
         try:
             name: str = self._agent.add_remote_agent(metadata)
             if isinstance(name, bytes):
                 name = name.decode()
             self._release_remote(name)
             self._remote_dlists[name] = self._agent.prep_xfer_dlist(
-                name, layout.descriptor_table(), layout.kind.value
+                name, layout.descriptor_table(remote_offset, length), layout.kind.value
             )
+            if (local_offset, length) != (0, self.layout.block_bytes):
+                self._local_dlists[name] = self._agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", self.layout.descriptor_table(local_offset, length),
+                    self._mem)
         except Exception as exc:
             raise PeerUnavailable(f"cannot load peer metadata: {exc}") from exc
+        self._bytes_per_block[name] = length * self.layout.num_regions
         return name
+
+    def bytes_per_block(self, peer: str) -> int:
+        """Bytes one block id moves to or from ``peer`` (all regions, shared heads only)."""
+        return self._bytes_per_block.get(peer, self.layout.bytes_per_block_id)
 
     def remove_peer(self, name: str) -> None:
         """Drop a peer's prepared list and metadata (after it died or left)."""
@@ -141,12 +158,14 @@ class Agent:
             log.debug("remove_remote_agent(%s): %s", name, exc)
 
     def _release_remote(self, name: str) -> None:
-        handle = self._remote_dlists.pop(name, None)
-        if handle is not None:
-            try:
-                handle.release()
-            except Exception as exc:
-                log.warning("releasing descriptor list of %s: %s", name, exc)
+        self._bytes_per_block.pop(name, None)
+        for lists in (self._remote_dlists, self._local_dlists):
+            handle = lists.pop(name, None)
+            if handle is not None:
+                try:
+                    handle.release()
+                except Exception as exc:
+                    log.warning("releasing descriptor list of %s: %s", name, exc)
 
     def has_peer(self, name: str) -> bool:
         return name in self._remote_dlists
@@ -164,7 +183,8 @@ class Agent:
             raise PeerUnavailable(f"no connection to {peer!r}")
         try:
             handle = self._agent.make_prepped_xfer(
-                op, self._local_dlist, local_idx, remote, remote_idx, notif
+                op, self._local_dlists.get(peer, self._local_dlist), local_idx, remote,
+                remote_idx, notif
             )
         except Exception as exc:
             raise self._translate(exc, "prepare", peer) from exc

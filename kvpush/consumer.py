@@ -133,8 +133,8 @@ class _Request:
     landed: set[int] = field(default_factory=set)    # parts whose data landed
     settled: set[int] = field(default_factory=set)   # parts that will write nothing more
     posted: set[int] = field(default_factory=set)    # parts announced in flight, not landed
-    read: Any = None              # pull: NIXL handle of the READ in flight
-    read_bytes: int = 0
+    reads: dict[str, Any] = field(default_factory=dict)  # pull: READs in flight, by producer
+    read_bytes: int = 0          # bytes moved into the destination so far
     closing: RequestState | None = None   # set once an abort/timeout/failure began
     error: KvpushError | None = None
     waiting_acks: set[str] = field(default_factory=set)
@@ -242,27 +242,40 @@ class Consumer(Endpoint):
         self._call_soon(lambda: self._register(handle, ids, names, timeout, groups))
         return handle
 
-    def pull(self, ticket: m.PullTicket | bytes, block_ids: Any, *,
-             timeout: float | None = None) -> TransferHandle:
-        """Pull: READ the blocks a :class:`~kvpush.messages.PullTicket` names into
-        ``block_ids``. Connects to the ticket's producer first if needed (blocking)."""
-        if isinstance(ticket, (bytes, bytearray)):
-            ticket = m.PullTicket.from_bytes(bytes(ticket))
-        rid = self._check_request_id(ticket.request_id)
+    def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
+             block_ids: Any, *, timeout: float | None = None) -> TransferHandle:
+        """Pull: READ the blocks named by a :class:`~kvpush.messages.PullTicket` (or by one
+        ticket per producer rank, for the same request) into ``block_ids``. Connects to a
+        ticket's producer first if needed (blocking)."""
+        batch = [tickets] if isinstance(tickets, (m.PullTicket, bytes, bytearray)) \
+            else list(tickets)
+        parsed = [m.PullTicket.from_bytes(bytes(t)) if isinstance(t, (bytes, bytearray))
+                  else t for t in batch]
+        if not parsed:
+            raise ValueError("pull needs at least one ticket")
+        rid = self._check_request_id(parsed[0].request_id)
+        if any(t.request_id != rid for t in parsed):
+            raise InvalidBlockIds("all tickets of one pull must be for the same request")
+        if len({t.producer for t in parsed}) != len(parsed):
+            raise InvalidBlockIds("two tickets of one pull name the same producer")
         dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        src = m.decode_ids(ticket.block_ids)
-        if len(src) != len(dst):
-            raise InvalidBlockIds(f"the ticket names {len(src)} source blocks but block_ids "
-                                  f"has {len(dst)}")
+        sources = [m.decode_ids(t.block_ids) for t in parsed]
+        for t, src in zip(parsed, sources, strict=True):
+            if len(src) != len(dst):
+                raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
+                                      f"blocks but block_ids has {len(dst)}")
         timeout = self.config.request_timeout_s if timeout is None else float(timeout)
-        if ticket.producer not in self._by_name:
-            name = self.connect(ticket.address)
-            if name != ticket.producer:
-                raise PeerUnavailable(f"{ticket.address} is {name!r}, the ticket names "
-                                      f"{ticket.producer!r}")
-        lease_left = ticket.lease_s - (time.time() - ticket.issued_at) - self.config.lease_margin_s
+        for t in parsed:
+            if t.producer not in self._by_name:
+                name = self.connect(t.address)
+                if name != t.producer:
+                    raise PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
+                                          f"{t.producer!r}")
+        now = time.time()
+        budget = min([timeout] + [t.lease_s - (now - t.issued_at) - self.config.lease_margin_s
+                                  for t in parsed])
         handle = TransferHandle(rid, TransferMode.PULL)
-        self._call_soon(lambda: self._read(handle, ticket, src, dst, min(timeout, lease_left)))
+        self._call_soon(lambda: self._read(handle, parsed, sources, dst, budget))
         return handle
 
     def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
@@ -287,6 +300,14 @@ class Consumer(Endpoint):
     def producers(self) -> list[str]:
         """Names of producers connected now."""
         return list(self._by_name)
+
+    def producer_layout(self, name: str) -> KVLayout:
+        """The KV layout a connected producer announced (e.g. its head shard, for
+        :func:`kvpush.layout.covering_producers`)."""
+        peer = self._by_name.get(name)
+        if peer is None or peer.layout is None:
+            raise PeerUnavailable(f"not connected to {name!r}")
+        return peer.layout
 
     @staticmethod
     def _check_request_id(request_id: Any) -> str:
@@ -463,7 +484,7 @@ class Consumer(Endpoint):
         for rid, req in list(self._requests.items()):
             if name not in req.producers:
                 continue
-            if req.read is not None and not self._agent.release(req.read):
+            if name in req.reads and not self._cancel_read(rid, req, name):
                 continue  # the READ cannot be cancelled yet: its poll will finish it
             error = PeerUnavailable(f"producer {name} lost: {why}")
             req.waiting_acks.discard(name)
@@ -519,62 +540,79 @@ class Consumer(Endpoint):
             self._finish(rid, req.closing, req.error)
 
     # -- loop: pull ------------------------------------------------------------------------
-    def _read(self, handle: TransferHandle, ticket: m.PullTicket, src: np.ndarray,
-              dst: np.ndarray, budget: float) -> None:
+    def _read(self, handle: TransferHandle, tickets: list[m.PullTicket],
+              sources: list[np.ndarray], dst: np.ndarray, budget: float) -> None:
         rid = handle.request_id
         now = time.monotonic()
-        peer = self._by_name.get(ticket.producer)
+        error: KvpushError | None = None
+        state = RequestState.FAILED
+        peers = [self._by_name.get(t.producer) for t in tickets]
+        plans = []
         if rid in self._requests:
-            self._report(handle, RequestState.FAILED,
-                         InvalidBlockIds(f"request {rid!r} is already pending"), now, 0)
-            return
-        if peer is None or peer.layout is None:
-            self._report(handle, RequestState.FAILED,
-                         PeerUnavailable(f"not connected to {ticket.producer}"), now, 0)
-            return
-        if budget <= 0:
-            self._report(handle, RequestState.TIMED_OUT,
-                         TransferTimeout(f"the pull ticket's lease for {rid!r} has run out"),
-                         now, 0)
-            return
-        try:
-            plan = plan_transfer(dst, src, self.layout.num_blocks, peer.layout.num_blocks,
-                                 self.layout.num_regions, self.config.coalesce)
-        except InvalidBlockIds as exc:
-            self._report(handle, RequestState.FAILED, exc, now, 0)
-            return
-        if self.config.verify and len(ticket.checksums) != 8 * len(dst):
-            self._report(handle, RequestState.FAILED, TransferFailed(
-                f"verify is on but the ticket for {rid!r} carries no per-block checksums "
-                "(set ProducerConfig.verify)"), now, 0)
+            error = InvalidBlockIds(f"request {rid!r} is already pending")
+        elif any(p is None or p.layout is None for p in peers):
+            error = PeerUnavailable(f"not connected to all of {[t.producer for t in tickets]}")
+        elif budget <= 0:
+            state, error = RequestState.TIMED_OUT, TransferTimeout(
+                f"the pull ticket's lease for {rid!r} has run out")
+        elif self.config.verify and len(tickets) == 1 and \
+                len(tickets[0].checksums) != 8 * len(dst):
+            error = TransferFailed(f"verify is on but the ticket for {rid!r} carries no "
+                                   "per-block checksums (set ProducerConfig.verify)")
+        else:
+            try:
+                for peer, src in zip(peers, sources, strict=True):
+                    assert peer is not None and peer.layout is not None
+                    plans.append(plan_transfer(dst, src, self.layout.num_blocks,
+                                               peer.layout.num_blocks, self.layout.num_regions,
+                                               self.config.coalesce))
+            except InvalidBlockIds as exc:
+                error = exc
+        if error is not None:
+            self._report(handle, state, error, now, 0)
             return
         deadline = self._after(budget, lambda: self._expire(rid))
-        req = _Request(handle, dst, [peer.agent_name], now, deadline)
-        req.checksums = ticket.checksums if self.config.verify else None
+        names = [t.producer for t in tickets]
+        req = _Request(handle, dst, names, now, deadline)
+        if self.config.verify and len(tickets) == 1:
+            req.checksums = tickets[0].checksums
         self._requests[rid] = req
         LIVE.add("requests_pending", 1)
-        self._tell(peer, m.PullBegin(rid))
-        notif = m.encode(m.PullDone(rid), peer.notif_sealer)
-        try:
-            if plan.num_blocks == 0:
-                self._agent.send_notification(peer.agent_name, notif)
-                self._finish(rid, RequestState.READY, None)
-                return
-            req.read = self._agent.post("READ", peer.agent_name, plan.local_indices,
+        for peer, plan in zip(peers, plans, strict=True):
+            assert peer is not None
+            self._tell(peer, m.PullBegin(rid))
+            notif = m.encode(m.PullDone(rid), peer.notif_sealer)
+            try:
+                if plan.num_blocks == 0:
+                    self._agent.send_notification(peer.agent_name, notif)
+                    continue
+                xfer = self._agent.post("READ", peer.agent_name, plan.local_indices,
                                         plan.remote_indices, notif)
-        except KvpushError as exc:
-            self._close_request(rid, RequestState.FAILED, exc, ask=True)
-            return
-        req.read_bytes = plan.num_blocks * self.layout.bytes_per_block_id
-        self._reads.add(rid)
-        LIVE.add("transfers_in_flight", 1)
-        self._stats.transfers_posted += 1
-        self._stats.descriptors_posted += plan.num_descriptors
+            except KvpushError as exc:
+                self._close_request(rid, RequestState.FAILED, exc, ask=True)
+                return
+            req.reads[peer.agent_name] = xfer
+            req.read_bytes += plan.num_blocks * self._agent.bytes_per_block(peer.agent_name)
+            LIVE.add("transfers_in_flight", 1)
+            self._stats.transfers_posted += 1
+            self._stats.descriptors_posted += plan.num_descriptors
+        if req.reads:
+            self._reads.add(rid)
+        else:
+            self._finish(rid, RequestState.READY, None)
 
-    def _end_read(self, rid: str, req: _Request) -> None:
-        req.read = None
-        self._reads.discard(rid)
+    def _end_read(self, rid: str, req: _Request, name: str) -> None:
+        del req.reads[name]
+        if not req.reads:
+            self._reads.discard(rid)
         LIVE.add("transfers_in_flight", -1)
+
+    def _cancel_read(self, rid: str, req: _Request, name: str) -> bool:
+        """Cancel one READ; False when NIXL cannot yet (its poll will end it)."""
+        if not self._agent.release(req.reads[name]):
+            return False
+        self._end_read(rid, req, name)
+        return True
 
     # -- loop: progress --------------------------------------------------------------------
     def _busy(self) -> bool:
@@ -584,25 +622,29 @@ class Consumer(Endpoint):
         moved = False
         for rid in list(self._reads):
             req = self._requests[rid]
-            state = self._agent.state(req.read)
-            if state is XferState.IN_PROGRESS:
+            for name, xfer in list(req.reads.items()):
+                state = self._agent.state(xfer)
+                if state is XferState.IN_PROGRESS:
+                    continue
+                moved = True
+                self._agent.release(xfer)
+                self._end_read(rid, req, name)
+                if state is not XferState.DONE and req.closing is None:
+                    self._close_request(rid, RequestState.FAILED,
+                                        TransferFailed(f"READ of {rid!r} from {name} failed"),
+                                        ask=True)
+            if req.reads:
                 continue
-            moved = True
-            self._agent.release(req.read)
-            self._end_read(rid, req)
-            if req.closing is not None:     # cancelled too late: it has finished now
+            if req.closing is not None:  # cancelled too late, or failed: it has ended now
                 self._close_request(rid, req.closing, req.error, ask=True)
-            elif state is XferState.DONE:
-                self._stats.bytes_moved += req.read_bytes
-                self._stats.blocks_moved += len(req.ids)
-                mismatch = self._verify(req, req.checksums)
-                if mismatch is None:
-                    self._finish(rid, RequestState.READY, None)
-                else:
-                    self._close_request(rid, RequestState.FAILED, mismatch, ask=False)
+                continue
+            self._stats.bytes_moved += req.read_bytes
+            self._stats.blocks_moved += len(req.ids)
+            mismatch = self._verify(req, req.checksums)
+            if mismatch is None:
+                self._finish(rid, RequestState.READY, None)
             else:
-                self._close_request(rid, RequestState.FAILED,
-                                    TransferFailed(f"READ for {rid!r} failed"), ask=True)
+                self._close_request(rid, RequestState.FAILED, mismatch, ask=False)
         if self._posted:
             for sender, notes in self._agent.notifications().items():
                 for note in notes:
@@ -635,7 +677,9 @@ class Consumer(Endpoint):
         self._settle(req, msg.part)
         if msg.part % req.groups == 0:
             self._stats.blocks_moved += len(req.ids)
-        self._stats.bytes_moved += len(req.ids) * self.layout.bytes_per_block_id // req.groups
+        nbytes = len(req.ids) * self._agent.bytes_per_block(sender) // req.groups
+        req.read_bytes += nbytes  # push: bytes landed so far
+        self._stats.bytes_moved += nbytes
         if req.closing is None and len(req.producers) * req.groups == 1 and self.config.verify:
             mismatch = self._verify(req, msg.checksums)
             if mismatch is not None:
@@ -695,10 +739,10 @@ class Consumer(Endpoint):
         first = req.closing is None
         req.closing, req.error = state, error
         req.deadline.cancel()
-        if req.read is not None:
-            if not self._agent.release(req.read):
-                return  # still running: the poll ends it
-            self._end_read(rid, req)
+        for name in list(req.reads):
+            self._cancel_read(rid, req, name)
+        if req.reads:
+            return  # still running: the poll ends it
         if first and ask:
             reason = str(error) if error else state.value
             for name in req.producers:
@@ -729,8 +773,7 @@ class Consumer(Endpoint):
             self._completions.remove(rid)
             self._posted -= len(req.posted)
         LIVE.add("requests_pending", -1)
-        nbytes = req.read_bytes if req.handle.mode is TransferMode.PULL else (
-            len(req.ids) * self.layout.bytes_per_block_id * len(req.landed) // req.groups)
+        nbytes = req.read_bytes
         self._report(req.handle, state, error, req.started, nbytes)
 
     def _report(self, handle: TransferHandle, state: RequestState, error: KvpushError | None,
@@ -761,9 +804,9 @@ class Consumer(Endpoint):
                 waiter(None, ClosedError("consumer closed"))
             peer.waiters.clear()
         for rid, req in list(self._requests.items()):
-            if req.read is not None:
-                self._agent.release(req.read)
-                self._end_read(rid, req)
+            for name in list(req.reads):
+                self._agent.release(req.reads[name])
+                self._end_read(rid, req, name)
             self._finish(rid, RequestState.ABORTED, ClosedError("consumer closed"))
         self._by_name.clear()
         self._producers.clear()

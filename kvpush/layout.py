@@ -27,7 +27,8 @@ import numpy as np
 
 from .errors import LayoutMismatch
 
-__all__ = ["DTYPE_SIZES", "KVLayout", "MemoryKind", "Region", "check_compatible"]
+__all__ = ["DTYPE_SIZES", "KVLayout", "MemoryKind", "Region", "check_compatible",
+           "covering_producers", "head_overlap"]
 
 #: Element sizes of the dtypes a layout may name (KV caches in use today).
 DTYPE_SIZES = {
@@ -116,6 +117,9 @@ class LayoutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str
     kv_packed: bool
     layers_per_region: int
+    head_start: int = 0
+    total_kv_heads: int = 0
+    head_major: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,14 @@ class KVLayout:
         and checked against them when given.
     block_stride
         Distance in bytes between consecutive blocks of a region (default ``block_bytes``).
+    head_start, total_kv_heads
+        Tensor parallelism: this side holds KV heads ``[head_start, head_start +
+        num_kv_heads)`` of ``total_kv_heads`` (default: all of them). Sides with different
+        shards exchange the heads they have in common (heterogeneous TP).
+    head_major
+        True when a block stores its heads one after another (``[heads, tokens, ...]``, as
+        vLLM's CPU cache does), so a range of heads is one contiguous byte range; needed for
+        heterogeneous TP.
     """
 
     regions: tuple[Region, ...]
@@ -161,6 +173,9 @@ class KVLayout:
     layers_per_region: int = 1
     block_bytes: int = 0
     block_stride: int = 0
+    head_start: int = 0
+    total_kv_heads: int = 0
+    head_major: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", tuple(self.regions))
@@ -172,6 +187,13 @@ class KVLayout:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(
                 f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}"
+            )
+        if self.total_kv_heads == 0:
+            object.__setattr__(self, "total_kv_heads", self.head_start + self.num_kv_heads)
+        if self.head_start < 0 or self.head_start + self.num_kv_heads > self.total_kv_heads:
+            raise ValueError(
+                f"KVLayout heads [{self.head_start}, {self.head_start + self.num_kv_heads}) do "
+                f"not fit in total_kv_heads={self.total_kv_heads}"
             )
         if self.num_layers % self.layers_per_region:
             raise ValueError(
@@ -230,14 +252,24 @@ class KVLayout:
         """Bytes moved for one block id (all regions)."""
         return self.block_bytes * self.num_regions
 
-    def descriptor_table(self) -> np.ndarray:
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head in one block of one region."""
+        return self.block_bytes // self.num_kv_heads
+
+    def descriptor_table(self, offset: int = 0, length: int | None = None) -> np.ndarray:
         """NIXL descriptors of every (region, block), region-major: an ``(R*B, 3)`` uint64
-        array of (address, length, device id). Index ``r * num_blocks + b``."""
-        base = np.array([r.addr for r in self.regions], dtype=np.uint64)
+        array of (address, length, device id). Index ``r * num_blocks + b``. ``offset`` and
+        ``length`` select a byte range inside every block (a head shard)."""
+        length = self.block_bytes - offset if length is None else length
+        if offset < 0 or length < 1 or offset + length > self.block_bytes:
+            raise ValueError(f"byte range [{offset}, {offset + length}) is not inside a "
+                             f"{self.block_bytes}-byte block")
+        base = np.array([r.addr for r in self.regions], dtype=np.uint64) + np.uint64(offset)
         offsets = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.block_stride)
         table = np.empty((self.num_regions * self.num_blocks, 3), dtype=np.uint64)
         table[:, 0] = (base[:, None] + offsets[None, :]).ravel()
-        table[:, 1] = self.block_bytes
+        table[:, 1] = length
         table[:, 2] = np.repeat(
             np.array([r.device_id for r in self.regions], dtype=np.uint64), self.num_blocks
         )
@@ -257,6 +289,9 @@ class KVLayout:
             dtype=self.dtype,
             kv_packed=self.kv_packed,
             layers_per_region=self.layers_per_region,
+            head_start=self.head_start,
+            total_kv_heads=self.total_kv_heads,
+            head_major=self.head_major,
         )
 
     @classmethod
@@ -275,6 +310,9 @@ class KVLayout:
                 layers_per_region=wire.layers_per_region,
                 block_bytes=wire.block_bytes,
                 block_stride=wire.block_stride,
+                head_start=wire.head_start,
+                total_kv_heads=wire.total_kv_heads,
+                head_major=wire.head_major,
             )
         except (ValueError, TypeError) as exc:
             from .errors import ProtocolError
@@ -294,6 +332,9 @@ class KVLayout:
         dtype: str,
         kv_packed: bool = True,
         layers_per_region: int = 1,
+        head_start: int = 0,
+        total_kv_heads: int = 0,
+        head_major: bool = True,
     ) -> KVLayout:
         """A layout over numpy arrays or torch tensors (one per region), each holding
         ``num_blocks`` contiguous blocks."""
@@ -307,6 +348,9 @@ class KVLayout:
             dtype=dtype,
             kv_packed=kv_packed,
             layers_per_region=layers_per_region,
+            head_start=head_start,
+            total_kv_heads=total_kv_heads,
+            head_major=head_major,
         )
 
 
@@ -317,9 +361,8 @@ _MATCHING_FIELDS = (
     "layers_per_region",
     "dtype",
     "tokens_per_block",
-    "num_kv_heads",
+    "total_kv_heads",
     "head_size",
-    "block_bytes",
     "num_regions",
     "kind",
 )
@@ -327,8 +370,53 @@ _MATCHING_FIELDS = (
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Raise :class:`~kvpush.errors.LayoutMismatch` naming the first field on which the two
-    layouts cannot exchange blocks. Block counts and addresses may differ."""
+    layouts cannot exchange blocks. Block counts, addresses and (for head-major layouts)
+    head shards may differ."""
     for name in _MATCHING_FIELDS:
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             raise LayoutMismatch(name, a, b)
+    same_shard = (local.head_start, local.num_kv_heads) == (remote.head_start,
+                                                           remote.num_kv_heads)
+    if same_shard:
+        if local.block_bytes != remote.block_bytes:
+            raise LayoutMismatch("block_bytes", local.block_bytes, remote.block_bytes)
+        return
+    if not (local.head_major and remote.head_major):
+        raise LayoutMismatch("head_major", local.head_major, remote.head_major)
+    if head_overlap(local, remote) is None:
+        raise LayoutMismatch(
+            "head_start", (local.head_start, local.num_kv_heads),
+            (remote.head_start, remote.num_kv_heads))
+
+
+def covering_producers(local: KVLayout, producers: dict[str, KVLayout]) -> list[str]:
+    """The fewest producers (by name) whose head shards cover ``local``'s heads, each head
+    from one producer only: with replicated KV heads (GQA with TP > KV heads) every head is
+    sent once, not once per rank that holds it. Raises ValueError if some head is missing.
+    """
+    need = set(range(local.head_start, local.head_start + local.num_kv_heads))
+    chosen: list[str] = []
+    while need:
+        best, gain = None, set()
+        for name in sorted(producers):
+            lay = producers[name]
+            held = need & set(range(lay.head_start, lay.head_start + lay.num_kv_heads))
+            if len(held) > len(gain):
+                best, gain = name, held
+        if best is None:
+            raise ValueError(f"no producer holds KV heads {sorted(need)}")
+        chosen.append(best)
+        need -= gain
+    return chosen
+
+
+def head_overlap(local: KVLayout, remote: KVLayout) -> tuple[int, int, int] | None:
+    """The KV heads two sides hold in common, as (byte offset in a local block, byte offset
+    in a remote block, byte length); None when they share no head."""
+    lo = max(local.head_start, remote.head_start)
+    hi = min(local.head_start + local.num_kv_heads, remote.head_start + remote.num_kv_heads)
+    if lo >= hi:
+        return None
+    size = local.head_bytes
+    return ((lo - local.head_start) * size, (lo - remote.head_start) * size, (hi - lo) * size)

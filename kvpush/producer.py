@@ -557,7 +557,8 @@ class Producer(Endpoint):
             return
         deadline = self._after(self.config.transfer_timeout_s,
                                lambda: self._write_expired(rid, group))
-        nbytes = n * self.layout.block_bytes * (hi - lo)
+        nbytes = n * self._agent.bytes_per_block(peer.agent_name) * (hi - lo) \
+            // self.layout.num_regions
         push.writes[group] = _Write(handle, nbytes, n, deadline)
         LIVE.add("transfers_in_flight", 1)
         self._stats.transfers_posted += 1
@@ -607,7 +608,7 @@ class Producer(Endpoint):
         if source is not None and source.mode is TransferMode.PULL:
             self._stats.requests_completed += 1
             self._stats.blocks_moved += len(source.ids)
-            self._stats.bytes_moved += len(source.ids) * self.layout.bytes_per_block_id
+            self._stats.bytes_moved += len(source.ids) * self._agent.bytes_per_block(sender)
             self._release(msg.request_id, ReleaseReason.TRANSFERRED)
 
     def _write_finished(self, rid: str, group: int, state: XferState,

@@ -106,7 +106,7 @@ def test_registration_of_mismatched_length_fails_cleanly(pair: tuple) -> None:
         ("num_layers", dict(num_layers=3)),
         ("dtype", dict(dtype="bfloat16", head_size=16)),
         ("head_size", dict(head_size=32)),
-        ("num_kv_heads", dict(num_kv_heads=4)),
+        ("total_kv_heads", dict(num_kv_heads=4)),
         ("tokens_per_block", dict(tokens_per_block=8, head_size=8)),
         ("kv_packed", dict(kv_packed=False)),
     ],

@@ -1,0 +1,100 @@
+"""Heterogeneous tensor parallelism: producer and consumer hold different KV-head shards
+(2->1, 1->2, 4->2, and GQA with replicated heads); each producer writes exactly the heads
+both hold into the right offset of the consumer's blocks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+from harness import CANARY, fill, make_cache
+
+import kvpush
+from kvpush import RequestState, TransferMode
+from kvpush.layout import covering_producers
+
+TOTAL = 4  # KV heads of the model
+
+
+def shard(tp: int, rank: int, total: int = TOTAL) -> tuple[int, int]:
+    """(head_start, num_heads) of a TP rank; with tp > total, heads are replicated."""
+    if tp <= total:
+        per = total // tp
+        return rank * per, per
+    return rank * total // tp, 1
+
+
+def heads_of(cache, region: int, block: int) -> dict[int, bytes]:
+    lay = cache.layout
+    raw = cache.buffers[region][block]
+    return {lay.head_start + h: raw[h * lay.head_bytes:(h + 1) * lay.head_bytes].tobytes()
+            for h in range(lay.num_kv_heads)}
+
+
+@pytest.mark.parametrize(("p_tp", "c_tp"), [(2, 1), (1, 2), (4, 2), (8, 2), (2, 4)])
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_heterogeneous_tp(p_tp: int, c_tp: int, mode: TransferMode) -> None:
+    def cache(tp: int, rank: int, blocks: int):
+        start, n = shard(tp, rank)
+        return make_cache(num_blocks=blocks, num_layers=2, num_kv_heads=n,
+                          head_start=start, total_kv_heads=TOTAL)
+
+    src = [cache(p_tp, r, 16) for r in range(p_tp)]
+    dst = [cache(c_tp, r, 24) for r in range(c_tp)]
+    for c in src:  # ranks that replicate a head hold the same bytes for it
+        fill(c, 50 + c.layout.head_start)
+    for c in dst:
+        for buf in c.buffers:
+            buf[:] = CANARY
+    src_ids, dst_ids = np.array([3, 4, 9]), np.array([20, 0, 7])
+    with contextlib.ExitStack() as stack:
+        producers = [stack.enter_context(kvpush.Producer(c.layout)) for c in src]
+        consumers = [stack.enter_context(kvpush.Consumer(c.layout)) for c in dst]
+        handles = []
+        for ci, consumer in enumerate(consumers):
+            names = {}
+            for p in producers:
+                try:
+                    names[consumer.connect(p.address)] = p
+                except kvpush.LayoutMismatch as exc:  # shares no head with this consumer
+                    assert exc.field == "head_start"
+            chosen = covering_producers(
+                dst[ci].layout, {n: consumer.producer_layout(n) for n in names})
+            rid = f"tp-{ci}"
+            if mode is TransferMode.PUSH:
+                handles.append(consumer.expect(rid, dst_ids, chosen))
+                for n in chosen:
+                    names[n].prefill_done(rid, src_ids)
+            else:  # one READ per producer rank, one request
+                tickets = [names[n].prefill_done(rid, src_ids, TransferMode.PULL)
+                           for n in chosen]
+                handles.append(consumer.pull(tickets, dst_ids))
+        for h in handles:
+            assert h.wait(10).state is RequestState.READY
+        # Every head of every consumer block holds the producer's bytes for that head.
+        expected: dict[int, dict[int, bytes]] = {}
+        for r in range(src[0].layout.num_regions):
+            for s, d in zip(src_ids, dst_ids, strict=True):
+                want: dict[int, bytes] = {}
+                for c in src:
+                    want.update(heads_of(c, r, s))
+                for c in dst:
+                    got = heads_of(c, r, d)
+                    for h, data in got.items():
+                        assert data == want[h], f"region {r} block {d} head {h}"
+                expected[r] = want
+        # Bytes moved: each consumer received exactly its own heads, once.
+        for c, consumer in zip(dst, consumers, strict=True):
+            assert consumer.stats()["bytes_moved"] == len(dst_ids) * c.layout.bytes_per_block_id
+
+
+def test_covering_producers_picks_each_head_once() -> None:
+    lay = lambda start, n: make_cache(num_blocks=2, num_kv_heads=n, head_start=start,  # noqa: E731
+                                      total_kv_heads=TOTAL).layout
+    consumer = lay(0, 4)
+    producers = {"r0": lay(0, 1), "r1": lay(0, 1), "r2": lay(1, 1), "r3": lay(1, 1),
+                 "r4": lay(2, 2), "r5": lay(2, 2)}
+    assert covering_producers(consumer, producers) == ["r4", "r0", "r2"]
+    with pytest.raises(ValueError, match="no producer holds KV heads"):
+        covering_producers(consumer, {"r0": lay(0, 1)})
