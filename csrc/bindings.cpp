@@ -1,0 +1,331 @@
+// kvpush._core: the Python face of csrc/kvpush. Only argument conversion and error
+// translation live here; every rule about what is valid lives in the core, which
+// reports it as a Status. The typed interface is kvpush/_core.pyi; a pure-Python twin
+// that must behave identically is kvpush/_reference.py.
+#include <pybind11/native_enum.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "kvpush/checksum.hpp"
+#include "kvpush/completion.hpp"
+#include "kvpush/plan.hpp"
+#include "kvpush/status.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+// Below this many output entries, dropping and retaking the GIL costs more than it frees.
+constexpr double kReleaseGilEntries = 4096;
+
+[[noreturn]] void raise_invalid_block_ids(const std::string& message) {
+    // Imported when needed, not at module load: kvpush.errors is plain Python and the
+    // package imports _core, so an eager import here would be circular.
+    const py::object cls = py::module_::import("kvpush.errors").attr("InvalidBlockIds");
+    py::set_error(cls, message.c_str());
+    throw py::error_already_set();
+}
+
+// Bad data -> InvalidBlockIds; missing or clashing keys -> KeyError.
+void throw_if_error(const kvpush::Status& status) {
+    using kvpush::StatusCode;
+    switch (status.code) {
+        case StatusCode::Ok:
+            return;
+        case StatusCode::AlreadyExists:
+        case StatusCode::NotFound:
+            throw py::key_error(status.message);
+        case StatusCode::InvalidArgument:
+        case StatusCode::OutOfRange:
+        case StatusCode::Duplicate:
+        case StatusCode::LengthMismatch:
+            break;
+    }
+    raise_invalid_block_ids(status.message);
+}
+
+// Python ints are unbounded and the core takes int64. Clamping keeps an absurd value
+// absurd, so it fails the same check, with the same message, as in the reference (which
+// clamps the same way) instead of failing pybind11's conversion with a TypeError.
+int64_t to_int64(const py::handle& value) {
+    const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+    if (!index) throw py::error_already_set();
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+    if (overflow > 0) return std::numeric_limits<int64_t>::max();
+    if (overflow < 0) return std::numeric_limits<int64_t>::min();
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    return v;
+}
+
+std::string describe_non_1d(const py::handle& obj) {
+    if (!py::isinstance<py::array>(obj)) return py::repr(py::type::handle_of(obj));
+    const auto arr = py::reinterpret_borrow<py::array>(obj);
+    return std::to_string(arr.ndim()) + "-D array of " + std::string(py::str(arr.dtype()));
+}
+
+// Never converts: a float or 2-D array, or a list, is a caller bug that a silent cast
+// would hide.
+kvpush::BlockIdView block_ids_arg(const py::handle& obj, const char* name) {
+    const std::string expected = std::string(name) + " must be a 1-D int32 or int64 array, got ";
+    if (!py::isinstance<py::array>(obj) || py::reinterpret_borrow<py::array>(obj).ndim() != 1) {
+        raise_invalid_block_ids(expected + describe_non_1d(obj));
+    }
+    const auto arr = py::reinterpret_borrow<py::array>(obj);
+    const bool is_int32 = py::isinstance<py::array_t<int32_t>>(obj);
+    if (!is_int32 && !py::isinstance<py::array_t<int64_t>>(obj)) {
+        raise_invalid_block_ids(expected + std::string(py::str(arr.dtype())));
+    }
+    if ((arr.flags() & py::array::c_style) == 0) {
+        raise_invalid_block_ids(std::string(name) + " must be C-contiguous");
+    }
+    const auto n = static_cast<std::size_t>(arr.shape(0));
+    if (is_int32) return kvpush::BlockIdView::of(static_cast<const int32_t*>(arr.data()), n);
+    return kvpush::BlockIdView::of(static_cast<const int64_t*>(arr.data()), n);
+}
+
+// A plan is shared between threads and must not change under them. Clears the flag the
+// way numpy's PyArray_CLEARFLAGS and pybind11's Eigen casters do; going through
+// arr.flags.writeable from C++ cost 0.6 us per array, a third of a small plan.
+template <class T>
+py::array_t<T> read_only(py::array_t<T> arr) {
+    py::detail::array_proxy(arr.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    return arr;
+}
+
+// Runs `work` without the GIL when there is enough of it to be worth the switch.
+template <class F>
+void run_maybe_without_gil(bool release, F&& work) {
+    if (release) {
+        const py::gil_scoped_release no_gil;
+        work();
+    } else {
+        work();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// plan_transfer
+
+// What Python sees of a kvpush::TransferPlan: the same data, as numpy arrays.
+struct PyTransferPlan {
+    py::array local_indices;
+    py::array remote_indices;
+    py::array runs;
+    int64_t num_blocks;
+    int64_t num_regions;
+    int64_t num_runs;
+};
+
+static_assert(std::is_standard_layout_v<kvpush::Run> && sizeof(kvpush::Run) == 3 * sizeof(int64_t),
+              "runs are copied byte for byte into a (num_runs, 3) int64 array");
+
+PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remote_ids,
+                             const py::object& local_num_blocks,
+                             const py::object& remote_num_blocks, const py::object& num_regions,
+                             bool coalesce) {
+    // Arrays are checked before the counts are converted (the documented error order),
+    // and viewed only after: a count's __index__ is arbitrary Python that could swap an
+    // array's buffer or dtype in between.
+    block_ids_arg(local_ids, "local_ids");
+    block_ids_arg(remote_ids, "remote_ids");
+    kvpush::PlanRequest request;
+    request.local_num_blocks = to_int64(local_num_blocks);
+    request.remote_num_blocks = to_int64(remote_num_blocks);
+    request.num_regions = to_int64(num_regions);
+    request.coalesce = coalesce;
+    request.local_ids = block_ids_arg(local_ids, "local_ids");
+    request.remote_ids = block_ids_arg(remote_ids, "remote_ids");
+
+    // The ids stay alive without the GIL (the caller's arguments hold them), and the core
+    // reads each once into its own copy, so a thread writing to them cannot break the plan.
+    const bool release = static_cast<double>(request.local_ids.size) *
+                             static_cast<double>(request.num_regions) >=
+                         kReleaseGilEntries;
+    kvpush::TransferPlan plan;
+    kvpush::Status status;
+    run_maybe_without_gil(release, [&] { status = kvpush::plan_transfer(request, &plan); });
+    throw_if_error(status);
+
+    // np.empty-like: write_indices fills every entry, straight into numpy's buffers.
+    const auto num_indices = static_cast<py::ssize_t>(plan.num_indices());
+    py::array_t<int32_t> local_indices(num_indices);
+    py::array_t<int32_t> remote_indices(num_indices);
+    int32_t* local_out = local_indices.mutable_data();
+    int32_t* remote_out = remote_indices.mutable_data();
+    run_maybe_without_gil(release, [&] { plan.write_indices(local_out, remote_out); });
+
+    const auto num_runs = static_cast<py::ssize_t>(plan.runs.size());
+    py::array_t<int64_t> runs({num_runs, py::ssize_t{3}});
+    if (num_runs > 0) {
+        std::memcpy(runs.mutable_data(), plan.runs.data(), plan.runs.size() * sizeof(kvpush::Run));
+    }
+
+    return PyTransferPlan{read_only(std::move(local_indices)),
+                          read_only(std::move(remote_indices)),
+                          read_only(std::move(runs)),
+                          plan.num_blocks(),
+                          plan.num_regions,
+                          plan.num_runs()};
+}
+
+void register_plan(py::module_& m) {
+    py::class_<PyTransferPlan>(m, "TransferPlan", py::is_final(),
+                               "Descriptor indices for one transfer; see kvpush/_core.pyi.")
+        .def_readonly("local_indices", &PyTransferPlan::local_indices)
+        .def_readonly("remote_indices", &PyTransferPlan::remote_indices)
+        .def_readonly("runs", &PyTransferPlan::runs)
+        .def_readonly("num_blocks", &PyTransferPlan::num_blocks)
+        .def_readonly("num_regions", &PyTransferPlan::num_regions)
+        .def_readonly("num_runs", &PyTransferPlan::num_runs)
+        .def_property_readonly("num_descriptors",
+                               [](const PyTransferPlan& p) { return p.num_runs * p.num_regions; })
+        .def("__repr__", [](const PyTransferPlan& p) {
+            return "TransferPlan(num_blocks=" + std::to_string(p.num_blocks) +
+                   ", num_regions=" + std::to_string(p.num_regions) +
+                   ", num_runs=" + std::to_string(p.num_runs) + ")";
+        });
+
+    m.def("plan_transfer", &plan_transfer, py::arg("local_ids"), py::arg("remote_ids"),
+          py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
+          py::arg("coalesce") = true,
+          "Map and coalesce block-id pairs into NIXL descriptor indices; see kvpush/_core.pyi.");
+}
+
+// ---------------------------------------------------------------------------------------
+// CompletionTable
+//
+// The GIL stays held: the critical sections are a hash lookup and a bit flip, cheaper
+// than releasing it, and no holder of the table's mutex ever waits for the GIL.
+
+void register_completion(py::module_& m) {
+    using kvpush::Arrival;
+    using kvpush::CompletionTable;
+
+    py::native_enum<Arrival>(m, "Arrival", "enum.Enum", "What one arrive() call did.")
+        .value("PENDING", Arrival::Pending)
+        .value("COMPLETE", Arrival::Complete)
+        .value("DUPLICATE", Arrival::Duplicate)
+        .value("UNKNOWN", Arrival::Unknown)
+        .value("OUT_OF_RANGE", Arrival::OutOfRange)
+        .finalize();
+
+    py::class_<CompletionTable>(m, "CompletionTable", py::is_final(),
+                                "Thread-safe count of arrived parts per key; see kvpush/_core.pyi.")
+        .def(py::init<>())
+        .def(
+            "expect",
+            [](CompletionTable& t, const py::str& key, const py::object& parts) {
+                // Named steps: argument evaluation order would otherwise decide which of
+                // two bad arguments is reported, and the reference checks the key first.
+                const std::string k(key);
+                const kvpush::Status status = t.expect(k, to_int64(parts));
+                // Here a bad count is a plain ValueError: it is not about block ids.
+                if (status.code == kvpush::StatusCode::InvalidArgument) {
+                    throw py::value_error(status.message);
+                }
+                throw_if_error(status);
+            },
+            py::arg("key"), py::arg("parts"))
+        .def(
+            "arrive",
+            [](CompletionTable& t, const py::str& key, const py::object& part) {
+                const std::string k(key);
+                return t.arrive(k, to_int64(part));
+            },
+            py::arg("key"), py::arg("part"))
+        .def(
+            "remove",
+            [](CompletionTable& t, const py::str& key) { return t.remove(std::string(key)); },
+            py::arg("key"))
+        .def(
+            "progress",
+            [](const CompletionTable& t, const py::str& key) -> py::object {
+                const auto p = t.progress(std::string(key));
+                if (!p) return py::none();
+                return py::make_tuple(p->arrived, p->expected);
+            },
+            py::arg("key"))
+        .def("__len__", &CompletionTable::size)
+        .def(
+            "__contains__",
+            [](const CompletionTable& t, const py::str& key) {
+                return t.contains(std::string(key));
+            },
+            py::arg("key"))
+        .def("__repr__", [](const CompletionTable& t) {
+            return "CompletionTable(len=" + std::to_string(t.size()) + ")";
+        });
+}
+
+// ---------------------------------------------------------------------------------------
+// block_checksums
+
+const uint64_t* base_addresses_arg(const py::handle& obj, std::size_t* num_regions) {
+    if (!py::isinstance<py::array>(obj) || py::reinterpret_borrow<py::array>(obj).ndim() != 1) {
+        raise_invalid_block_ids("base_addresses must be a 1-D uint64 array, got " +
+                                describe_non_1d(obj));
+    }
+    const auto arr = py::reinterpret_borrow<py::array>(obj);
+    if (!py::isinstance<py::array_t<uint64_t>>(obj)) {
+        raise_invalid_block_ids("base_addresses must be a 1-D uint64 array, got " +
+                                std::string(py::str(arr.dtype())));
+    }
+    if ((arr.flags() & py::array::c_style) == 0) {
+        raise_invalid_block_ids("base_addresses must be C-contiguous");
+    }
+    *num_regions = static_cast<std::size_t>(arr.shape(0));
+    return static_cast<const uint64_t*>(arr.data());
+}
+
+py::array_t<uint64_t> block_checksums(const py::object& base_addresses,
+                                      const py::object& block_stride,
+                                      const py::object& block_bytes, const py::object& block_ids,
+                                      const py::object& num_blocks) {
+    // Checked before and viewed after the counts' conversion, as in plan_transfer.
+    kvpush::ChecksumRequest request;
+    base_addresses_arg(base_addresses, &request.num_regions);
+    block_ids_arg(block_ids, "block_ids");
+    request.block_stride = to_int64(block_stride);
+    request.block_bytes = to_int64(block_bytes);
+    request.num_blocks = to_int64(num_blocks);
+    request.base_addresses = base_addresses_arg(base_addresses, &request.num_regions);
+    request.block_ids = block_ids_arg(block_ids, "block_ids");
+
+    py::array_t<uint64_t> out(static_cast<py::ssize_t>(request.block_ids.size));
+    uint64_t* out_data = out.mutable_data();
+    kvpush::Status status;
+    {
+        const py::gil_scoped_release release;  // hashing reads megabytes; let others run
+        status = kvpush::block_checksums(request, out_data);
+    }
+    throw_if_error(status);
+    return out;
+}
+
+void register_checksum(py::module_& m) {
+    m.def("block_checksums", &block_checksums, py::arg("base_addresses"), py::arg("block_stride"),
+          py::arg("block_bytes"), py::arg("block_ids"), py::arg("num_blocks"),
+          "One 64-bit checksum per block id over all regions; see kvpush/_core.pyi.");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "Compiled core of kvpush: transfer planning, completion counting, checksums.";
+    m.attr("__version__") = "0.1.0";
+#ifdef KVPUSH_DEBUG
+    m.attr("DEBUG") = true;
+#else
+    m.attr("DEBUG") = false;
+#endif
+    register_plan(m);
+    register_completion(m);
+    register_checksum(m);
+}

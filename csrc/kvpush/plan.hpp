@@ -1,0 +1,92 @@
+// Block-id mapping and coalescing: turns a request "move local block local_ids[i] to
+// remote block remote_ids[i] in every region" into the two int32 descriptor-index lists
+// that NIXL's make_prepped_xfer takes.
+//
+// Each side's descriptor list is prepared once, region-major, so the descriptor of
+// (region r, block b) is r * side_num_blocks + b. Coalescing orders the pairs so that
+// blocks adjacent on both sides get adjacent descriptor indices; NIXL then merges them
+// into one larger transfer, which is what makes scattered KV blocks fast to move.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kvpush/status.hpp"
+
+namespace kvpush {
+
+// A borrowed, read-only view of caller-owned block ids, int32 or int64.
+struct BlockIdView {
+    const void* data = nullptr;
+    std::size_t size = 0;
+    bool is_int64 = false;
+
+    static BlockIdView of(const int32_t* p, std::size_t n) { return {p, n, false}; }
+    static BlockIdView of(const int64_t* p, std::size_t n) { return {p, n, true}; }
+};
+
+// Copies `ids` into `out`, checking each against [0, num_blocks). Every id is read
+// exactly once: the bindings call the core without the GIL, so another thread may write
+// to the buffer meanwhile, and everything after the check must use the checked copy.
+// `name` appears in the message, e.g. "local_ids[3] = 70 is out of range [0, 64)".
+Status copy_block_ids(const BlockIdView& ids, const char* name, int64_t num_blocks,
+                      std::vector<int64_t>* out);
+
+struct PlanRequest {
+    BlockIdView local_ids;
+    BlockIdView remote_ids;
+    int64_t local_num_blocks = 0;
+    int64_t remote_num_blocks = 0;
+    int64_t num_regions = 0;
+    bool coalesce = true;
+};
+
+// A stretch of `length` blocks that are consecutive on both sides.
+struct Run {
+    int64_t local_start;
+    int64_t remote_start;
+    int64_t length;
+};
+
+// A validated, ordered request. Compact (O(n)): the per-region descriptor index lists
+// are written on demand by write_indices, straight into the caller's buffers.
+struct TransferPlan {
+    // Pair k moves local block local_blocks[k] to remote block remote_blocks[k], in every
+    // region; k runs in emitted order (sorted by local id when coalescing).
+    std::vector<int32_t> local_blocks;
+    std::vector<int32_t> remote_blocks;
+    // Maximal runs of pairs that advance by one on both sides, in emitted order.
+    std::vector<Run> runs;
+    int64_t local_num_blocks = 0;
+    int64_t remote_num_blocks = 0;
+    int64_t num_regions = 0;
+
+    int64_t num_blocks() const { return static_cast<int64_t>(local_blocks.size()); }
+    int64_t num_runs() const { return static_cast<int64_t>(runs.size()); }
+    int64_t num_descriptors() const { return num_runs() * num_regions; }
+    // Length of each descriptor index list: n * num_regions (<= INT32_MAX once validated).
+    std::size_t num_indices() const {
+        return local_blocks.size() * static_cast<std::size_t>(num_regions);
+    }
+    // Writes the two region-major lists NIXL's make_prepped_xfer takes: entry r * n + k is
+    // r * side_num_blocks + side_blocks[k]. Each buffer must hold num_indices() entries.
+    void write_indices(int32_t* local_out, int32_t* remote_out) const;
+};
+
+// How duplicate block ids are found (and, with coalescing, how pairs are ordered).
+// Bitmap is O(n + num_blocks / 64) and wins when ids are dense in [0, num_blocks);
+// Sort is O(n log n) and wins when num_blocks dwarfs n. Auto picks per side; the
+// explicit choices exist so tests can check both give the same plan.
+enum class IdSetMethod { Auto, Bitmap, Sort };
+
+// Validates the request and builds the plan. Checks, first failure wins:
+// length mismatch; num_regions, local_num_blocks, remote_num_blocks >= 1;
+// num_regions * local_num_blocks, then * remote_num_blocks, <= INT32_MAX;
+// local ids in range; remote ids in range; no duplicate local id; no duplicate remote id.
+// A duplicate is reported at the first position, in array order, whose id occurred before.
+// On failure `out` is unspecified.
+Status plan_transfer(const PlanRequest& request, TransferPlan* out,
+                     IdSetMethod method = IdSetMethod::Auto);
+
+}  // namespace kvpush

@@ -1,0 +1,491 @@
+// Unit test of the Python-free core (csrc/kvpush), built and run by csrc/tests/run.sh
+// under AddressSanitizer and UBSan. No framework: CHECK records a failure and goes on;
+// main returns nonzero if any check failed.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvpush/checksum.hpp"
+#include "kvpush/completion.hpp"
+#include "kvpush/plan.hpp"
+#include "kvpush/status.hpp"
+
+namespace {
+
+int g_failures = 0;
+
+template <class A, class B>
+void check_eq(const A& a, const B& b, const char* expr_a, const char* expr_b, const char* file,
+              int line) {
+    if (a == b) return;
+    std::ostringstream msg;
+    msg << file << ":" << line << ": CHECK_EQ(" << expr_a << ", " << expr_b << ") failed: '"
+        << a << "' != '" << b << "'\n";
+    std::fputs(msg.str().c_str(), stderr);
+    ++g_failures;
+}
+
+#define CHECK(cond)                                                                   \
+    do {                                                                              \
+        if (!(cond)) {                                                                \
+            std::fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
+            ++g_failures;                                                             \
+        }                                                                             \
+    } while (0)
+
+#define CHECK_EQ(a, b) check_eq((a), (b), #a, #b, __FILE__, __LINE__)
+
+using kvpush::Arrival;
+using kvpush::BlockIdView;
+using kvpush::CompletionTable;
+using kvpush::IdSetMethod;
+using kvpush::PlanRequest;
+using kvpush::Status;
+using kvpush::StatusCode;
+using kvpush::TransferPlan;
+
+const char* code_name(StatusCode code) {
+    switch (code) {
+        case StatusCode::Ok: return "Ok";
+        case StatusCode::InvalidArgument: return "InvalidArgument";
+        case StatusCode::OutOfRange: return "OutOfRange";
+        case StatusCode::Duplicate: return "Duplicate";
+        case StatusCode::LengthMismatch: return "LengthMismatch";
+        case StatusCode::AlreadyExists: return "AlreadyExists";
+        case StatusCode::NotFound: return "NotFound";
+    }
+    return "?";
+}
+
+// ------------------------------------------------------------------------------------
+// plan_transfer
+
+struct Plan {
+    Status status;
+    TransferPlan plan;
+    std::vector<int32_t> local_indices;
+    std::vector<int32_t> remote_indices;
+};
+
+template <class L, class R>
+Plan make_plan(const std::vector<L>& local, const std::vector<R>& remote, int64_t local_blocks,
+               int64_t remote_blocks, int64_t regions, bool coalesce,
+               IdSetMethod method = IdSetMethod::Auto) {
+    PlanRequest req;
+    req.local_ids = BlockIdView::of(local.data(), local.size());
+    req.remote_ids = BlockIdView::of(remote.data(), remote.size());
+    req.local_num_blocks = local_blocks;
+    req.remote_num_blocks = remote_blocks;
+    req.num_regions = regions;
+    req.coalesce = coalesce;
+    Plan p;
+    p.status = kvpush::plan_transfer(req, &p.plan, method);
+    if (p.status.ok()) {
+        p.local_indices.assign(p.plan.num_indices(), -1);
+        p.remote_indices.assign(p.plan.num_indices(), -1);
+        p.plan.write_indices(p.local_indices.data(), p.remote_indices.data());
+    }
+    return p;
+}
+
+// What a plan must be, computed the slow obvious way.
+void check_against_naive(const std::vector<int64_t>& local, const std::vector<int64_t>& remote,
+                         int64_t lb, int64_t rb, int64_t regions, bool coalesce,
+                         IdSetMethod method) {
+    const Plan p = make_plan(local, remote, lb, rb, regions, coalesce, method);
+    CHECK(p.status.ok());
+    if (!p.status.ok()) return;
+    std::vector<std::pair<int64_t, int64_t>> pairs;
+    for (std::size_t i = 0; i < local.size(); ++i) pairs.emplace_back(local[i], remote[i]);
+    if (coalesce) std::sort(pairs.begin(), pairs.end());
+    const std::size_t n = pairs.size();
+    CHECK_EQ(p.plan.num_blocks(), static_cast<int64_t>(n));
+    CHECK_EQ(p.local_indices.size(), n * static_cast<std::size_t>(regions));
+    bool indices_ok = true;
+    for (int64_t r = 0; r < regions; ++r) {
+        for (std::size_t k = 0; k < n; ++k) {
+            const std::size_t at = static_cast<std::size_t>(r) * n + k;
+            indices_ok &= p.local_indices[at] == r * lb + pairs[k].first;
+            indices_ok &= p.remote_indices[at] == r * rb + pairs[k].second;
+        }
+    }
+    CHECK(indices_ok);
+    std::vector<kvpush::Run> runs;
+    for (std::size_t k = 0; k < n; ++k) {
+        if (k > 0 && pairs[k].first == pairs[k - 1].first + 1 &&
+            pairs[k].second == pairs[k - 1].second + 1) {
+            ++runs.back().length;
+        } else {
+            runs.push_back({pairs[k].first, pairs[k].second, 1});
+        }
+    }
+    CHECK_EQ(p.plan.runs.size(), runs.size());
+    bool runs_ok = p.plan.runs.size() == runs.size();
+    for (std::size_t i = 0; runs_ok && i < runs.size(); ++i) {
+        runs_ok = p.plan.runs[i].local_start == runs[i].local_start &&
+                  p.plan.runs[i].remote_start == runs[i].remote_start &&
+                  p.plan.runs[i].length == runs[i].length;
+    }
+    CHECK(runs_ok);
+    CHECK_EQ(p.plan.num_descriptors(), static_cast<int64_t>(runs.size()) * regions);
+}
+
+void test_plan_small_examples() {
+    // Pairs (3,10) (1,8) (2,9) (7,0): sorted, 1..3 -> 8..10 is one run, 7 -> 0 another.
+    const std::vector<int64_t> local{3, 1, 2, 7};
+    const std::vector<int32_t> remote{10, 8, 9, 0};
+    Plan p = make_plan(local, remote, 8, 16, 2, true);
+    CHECK(p.status.ok());
+    CHECK((p.local_indices == std::vector<int32_t>{1, 2, 3, 7, 9, 10, 11, 15}));
+    CHECK((p.remote_indices == std::vector<int32_t>{8, 9, 10, 0, 24, 25, 26, 16}));
+    CHECK_EQ(p.plan.num_runs(), 2);
+    CHECK_EQ(p.plan.runs[0].local_start, 1);
+    CHECK_EQ(p.plan.runs[0].remote_start, 8);
+    CHECK_EQ(p.plan.runs[0].length, 3);
+    CHECK_EQ(p.plan.num_descriptors(), 4);
+
+    // Without coalescing the given order stays; (1,8) (2,9) is still a run in that order.
+    p = make_plan(local, remote, 8, 16, 2, false);
+    CHECK(p.status.ok());
+    CHECK((p.local_indices == std::vector<int32_t>{3, 1, 2, 7, 11, 9, 10, 15}));
+    CHECK((p.remote_indices == std::vector<int32_t>{10, 8, 9, 0, 26, 24, 25, 16}));
+    CHECK_EQ(p.plan.num_runs(), 3);
+
+    // Empty requests are valid.
+    p = make_plan(std::vector<int32_t>{}, std::vector<int64_t>{}, 4, 4, 3, true);
+    CHECK(p.status.ok());
+    CHECK_EQ(p.plan.num_runs(), 0);
+    CHECK_EQ(p.plan.num_indices(), std::size_t{0});
+
+    // The largest index space allowed: ids at the very top of int32.
+    const int64_t top = std::numeric_limits<int32_t>::max();
+    p = make_plan(std::vector<int64_t>{top - 1, top - 2}, std::vector<int64_t>{0, 1}, top, 2, 1,
+                  true);
+    CHECK(p.status.ok());
+    CHECK((p.local_indices == std::vector<int32_t>{static_cast<int32_t>(top - 2),
+                                                   static_cast<int32_t>(top - 1)}));
+    CHECK_EQ(p.plan.num_runs(), 2);  // local rises, remote falls
+}
+
+void check_error(const Plan& p, StatusCode code, const std::string& message) {
+    CHECK_EQ(code_name(p.status.code), code_name(code));
+    CHECK_EQ(p.status.message, message);
+}
+
+void test_plan_errors() {
+    using V = std::vector<int64_t>;
+    check_error(make_plan(V{1, 2, 3}, V{1, 2, 3, 4}, 8, 8, 1, true), StatusCode::LengthMismatch,
+                "local_ids and remote_ids differ in length: 3 != 4");
+    check_error(make_plan(V{1}, V{1}, 8, 8, 0, true), StatusCode::InvalidArgument,
+                "num_regions must be >= 1, got 0");
+    check_error(make_plan(V{1}, V{1}, -3, 8, 1, true), StatusCode::InvalidArgument,
+                "local_num_blocks must be >= 1, got -3");
+    check_error(make_plan(V{1}, V{1}, 8, 0, 1, true), StatusCode::InvalidArgument,
+                "remote_num_blocks must be >= 1, got 0");
+    check_error(make_plan(V{1}, V{1}, 40000000, 8, 64, true), StatusCode::InvalidArgument,
+                "num_regions * local_num_blocks = 64 * 40000000 does not fit in int32 "
+                "descriptor indices");
+    const int64_t max64 = std::numeric_limits<int64_t>::max();
+    check_error(make_plan(V{1}, V{1}, 8, max64, max64, true), StatusCode::InvalidArgument,
+                "num_regions * local_num_blocks = 9223372036854775807 * 8 does not fit in "
+                "int32 descriptor indices");
+    check_error(make_plan(V{0, 1, 2, 70}, V{0, 1, 2, 3}, 64, 64, 1, true), StatusCode::OutOfRange,
+                "local_ids[3] = 70 is out of range [0, 64)");
+    check_error(make_plan(V{0, 1, 2, 3}, V{0, -1, 2, 3}, 64, 64, 1, true),
+                StatusCode::OutOfRange, "remote_ids[1] = -1 is out of range [0, 64)");
+    // Range comes before duplicates, local before remote.
+    check_error(make_plan(V{5, 5}, V{0, 99}, 64, 64, 1, true), StatusCode::OutOfRange,
+                "remote_ids[1] = 99 is out of range [0, 64)");
+    for (IdSetMethod method : {IdSetMethod::Bitmap, IdSetMethod::Sort}) {
+        // 9 repeats at position 3 before 5 repeats at 4: the first repeat in array order.
+        check_error(make_plan(V{5, 9, 1, 9, 5}, V{0, 1, 2, 3, 4}, 64, 64, 1, true, method),
+                    StatusCode::Duplicate,
+                    "local_ids has duplicate block id 9 (positions 1 and 3)");
+        check_error(make_plan(V{0, 1, 2, 3, 4}, V{1, 5, 6, 7, 5}, 64, 64, 1, false, method),
+                    StatusCode::Duplicate,
+                    "remote_ids has duplicate block id 5 (positions 1 and 4)");
+        check_error(make_plan(V{0, 0}, V{1, 1}, 64, 64, 1, false, method), StatusCode::Duplicate,
+                    "local_ids has duplicate block id 0 (positions 0 and 1)");
+    }
+}
+
+void test_plan_matches_naive() {
+    std::mt19937_64 rng(12345);
+    for (int round = 0; round < 300; ++round) {
+        const int64_t lb = 1 + static_cast<int64_t>(rng() % 300);
+        const int64_t rb = 1 + static_cast<int64_t>(rng() % 300);
+        const int64_t regions = 1 + static_cast<int64_t>(rng() % 5);
+        const auto most = static_cast<uint64_t>(std::min(lb, rb));
+        const auto n = static_cast<std::size_t>(rng() % (most + 1));
+        std::vector<int64_t> local(static_cast<std::size_t>(lb));
+        std::vector<int64_t> remote(static_cast<std::size_t>(rb));
+        std::iota(local.begin(), local.end(), 0);
+        std::iota(remote.begin(), remote.end(), 0);
+        if (round % 3 == 0) {
+            // Mostly-contiguous requests, which coalescing is for.
+            const auto room = static_cast<uint64_t>(rb - static_cast<int64_t>(n) + 1);
+            const auto shift = static_cast<int64_t>(rng() % room);
+            std::shuffle(local.begin(), local.end(), rng);
+            local.resize(n);
+            std::sort(local.begin(), local.end());
+            for (std::size_t i = 0; i < n; ++i) remote[i] = shift + static_cast<int64_t>(i);
+            remote.resize(n);
+            std::shuffle(local.begin(), local.end(), rng);
+        } else {
+            std::shuffle(local.begin(), local.end(), rng);
+            std::shuffle(remote.begin(), remote.end(), rng);
+            local.resize(n);
+            remote.resize(n);
+        }
+        for (bool coalesce : {true, false}) {
+            for (IdSetMethod m : {IdSetMethod::Auto, IdSetMethod::Bitmap, IdSetMethod::Sort}) {
+                check_against_naive(local, remote, lb, rb, regions, coalesce, m);
+            }
+        }
+    }
+    // Sparse ids over a large space: Auto picks the sort there.
+    std::vector<int64_t> local{1999999, 5, 123456, 6, 7};
+    std::vector<int64_t> remote{0, 10, 20, 11, 12};
+    check_against_naive(local, remote, 2000000, 100, 3, true, IdSetMethod::Auto);
+    check_against_naive(local, remote, 2000000, 100, 3, false, IdSetMethod::Auto);
+}
+
+// ------------------------------------------------------------------------------------
+// CompletionTable
+
+void test_completion_basics() {
+    CompletionTable t;
+    CHECK(t.expect("a", 3).ok());
+    CHECK_EQ(code_name(t.expect("a", 2).code), code_name(StatusCode::AlreadyExists));
+    CHECK_EQ(t.expect("a", 2).message, std::string("completion key 'a' is already expected"));
+    CHECK_EQ(t.expect("b", 0).message, std::string("parts must be in [1, 16777216], got 0"));
+    CHECK_EQ(code_name(t.expect("b", CompletionTable::kMaxParts + 1).code),
+             code_name(StatusCode::InvalidArgument));
+    CHECK(!t.contains("b"));
+    CHECK(t.arrive("a", 1) == Arrival::Pending);
+    CHECK(t.arrive("a", 1) == Arrival::Duplicate);
+    CHECK(t.arrive("a", 3) == Arrival::OutOfRange);
+    CHECK(t.arrive("a", -1) == Arrival::OutOfRange);
+    CHECK(t.arrive("zzz", 0) == Arrival::Unknown);
+    CHECK(t.arrive("a", 0) == Arrival::Pending);
+    CHECK_EQ(t.progress("a")->arrived, 2);
+    CHECK(t.arrive("a", 2) == Arrival::Complete);
+    CHECK(t.arrive("a", 2) == Arrival::Duplicate);
+    CHECK(t.arrive("a", 0) == Arrival::Duplicate);
+    CHECK_EQ(t.progress("a")->arrived, 3);
+    CHECK_EQ(t.progress("a")->expected, 3);
+    CHECK(!t.progress("b").has_value());
+    CHECK_EQ(t.size(), std::size_t{1});
+    CHECK(t.remove("a"));
+    CHECK(!t.remove("a"));
+    CHECK(t.arrive("a", 0) == Arrival::Unknown);
+    CHECK_EQ(t.size(), std::size_t{0});
+
+    // Many parts span several bitset words; keys may hold any bytes.
+    const std::string key("k\0ey", 4);
+    CHECK(t.expect(key, 64 * 8 + 3).ok());
+    for (int64_t part = 64 * 8 + 2; part > 0; --part) {
+        CHECK(t.arrive(key, part) == Arrival::Pending);
+    }
+    CHECK(!t.contains("k"));
+    CHECK(t.arrive(key, 0) == Arrival::Complete);
+}
+
+void test_completion_threads() {
+    // Each of kThreads threads delivers every part of every key once (so each part kThreads
+    // times, interleaved); exactly one Complete per key must come out, and the totals add up.
+    constexpr int kThreads = 8;
+    constexpr int kKeys = 64;
+    constexpr int kParts = 100;
+    CompletionTable t;
+    for (int k = 0; k < kKeys; ++k) CHECK(t.expect("key" + std::to_string(k), kParts).ok());
+    std::atomic<int> complete{0};
+    std::atomic<int> pending{0};
+    std::atomic<int> duplicate{0};
+    std::atomic<int> other{0};
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kThreads; ++i) {
+        threads.emplace_back([&, i] {
+            std::mt19937 rng(static_cast<unsigned>(i));
+            std::vector<std::pair<int, int>> work;
+            for (int k = 0; k < kKeys; ++k) {
+                for (int p = 0; p < kParts; ++p) work.emplace_back(k, p);
+            }
+            std::shuffle(work.begin(), work.end(), rng);
+            for (const auto& [k, p] : work) {
+                switch (t.arrive("key" + std::to_string(k), p)) {
+                    case Arrival::Complete: ++complete; break;
+                    case Arrival::Pending: ++pending; break;
+                    case Arrival::Duplicate: ++duplicate; break;
+                    default: ++other; break;
+                }
+                if (p % 50 == 0) (void)t.progress("key" + std::to_string(k));
+            }
+        });
+    }
+    for (auto& th : threads) th.join();
+    CHECK_EQ(complete.load(), kKeys);
+    CHECK_EQ(pending.load(), kKeys * (kParts - 1));
+    CHECK_EQ(duplicate.load(), kKeys * kParts * (kThreads - 1));
+    CHECK_EQ(other.load(), 0);
+}
+
+// ------------------------------------------------------------------------------------
+// block_checksums
+
+// The hash as checksum.hpp defines it, one byte at a time, without lanes unrolled.
+uint64_t naive_checksum(const std::vector<const unsigned char*>& blocks, std::size_t block_bytes) {
+    const auto rotl = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
+    const auto round = [&](uint64_t v, uint64_t w) {
+        return rotl(v + w * kvpush::kChecksumMul2, 31) * kvpush::kChecksumMul1;
+    };
+    uint64_t lanes[4];
+    for (int j = 0; j < 4; ++j) {
+        lanes[j] = kvpush::kChecksumSeed + static_cast<uint64_t>(j) * kvpush::kChecksumMul2;
+    }
+    for (const unsigned char* block : blocks) {
+        const std::size_t words = (block_bytes + 7) / 8;
+        for (std::size_t k = 0; k < words; ++k) {
+            uint64_t w = 0;
+            for (std::size_t byte = 0; byte < 8; ++byte) {
+                const std::size_t at = 8 * k + byte;
+                if (at < block_bytes) w |= static_cast<uint64_t>(block[at]) << (8 * byte);
+            }
+            lanes[k % 4] = round(lanes[k % 4], w);
+        }
+    }
+    uint64_t h = static_cast<uint64_t>(blocks.size()) * block_bytes * kvpush::kChecksumMul1;
+    for (uint64_t lane : lanes) h = round(h, lane);
+    h ^= h >> 32;
+    h *= kvpush::kChecksumMul2;
+    h ^= h >> 29;
+    h *= kvpush::kChecksumMul1;
+    h ^= h >> 32;
+    return h;
+}
+
+struct Cache {
+    std::vector<std::vector<unsigned char>> regions;
+    std::vector<uint64_t> bases;
+};
+
+Cache make_cache(std::size_t num_regions, std::size_t num_blocks, std::size_t stride,
+                 std::mt19937_64& rng) {
+    Cache c;
+    for (std::size_t r = 0; r < num_regions; ++r) {
+        std::vector<unsigned char> bytes(num_blocks * stride);
+        for (auto& b : bytes) b = static_cast<unsigned char>(rng());
+        c.regions.push_back(std::move(bytes));
+    }
+    for (auto& region : c.regions) c.bases.push_back(reinterpret_cast<uint64_t>(region.data()));
+    return c;
+}
+
+Status checksums(const Cache& c, int64_t stride, int64_t bytes, const std::vector<int64_t>& ids,
+                 int64_t num_blocks, std::vector<uint64_t>* out) {
+    kvpush::ChecksumRequest req;
+    req.base_addresses = c.bases.data();
+    req.num_regions = c.bases.size();
+    req.block_stride = stride;
+    req.block_bytes = bytes;
+    req.block_ids = BlockIdView::of(ids.data(), ids.size());
+    req.num_blocks = num_blocks;
+    out->assign(ids.size(), 0);
+    return kvpush::block_checksums(req, out->data());
+}
+
+void test_checksums() {
+    std::mt19937_64 rng(7);
+    for (std::size_t block_bytes : {1, 7, 8, 9, 24, 31, 32, 33, 64, 100, 4096}) {
+        const std::size_t stride = block_bytes + (block_bytes % 3);
+        const std::size_t num_blocks = 5;
+        Cache c = make_cache(3, num_blocks, stride, rng);
+        // Cut the last region right after block 4's bytes, so ASan flags any read past them.
+        c.regions[2] = std::vector<unsigned char>(c.regions[2].begin(),
+                                                  c.regions[2].begin() + 4 * stride + block_bytes);
+        c.bases[2] = reinterpret_cast<uint64_t>(c.regions[2].data());
+        const std::vector<int64_t> ids{4, 0, 2, 2, 1};
+        std::vector<uint64_t> got;
+        CHECK(checksums(c, static_cast<int64_t>(stride), static_cast<int64_t>(block_bytes), ids,
+                        num_blocks, &got)
+                  .ok());
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+            std::vector<const unsigned char*> blocks;
+            for (const auto& region : c.regions) {
+                blocks.push_back(region.data() + static_cast<std::size_t>(ids[i]) * stride);
+            }
+            CHECK_EQ(got[i], naive_checksum(blocks, block_bytes));
+        }
+        CHECK_EQ(got[2], got[3]);
+        CHECK(got[0] != got[1]);
+
+        // One flipped bit changes that block's checksum only.
+        c.regions[1][2 * stride + block_bytes - 1] ^= 0x10;
+        std::vector<uint64_t> flipped;
+        CHECK(checksums(c, static_cast<int64_t>(stride), static_cast<int64_t>(block_bytes), ids,
+                        num_blocks, &flipped)
+                  .ok());
+        CHECK(flipped[2] != got[2]);
+        CHECK_EQ(flipped[0], got[0]);
+        CHECK_EQ(flipped[4], got[4]);
+        // Bytes between block_bytes and stride are not part of the block.
+        if (stride > block_bytes) {
+            c.regions[0][block_bytes] ^= 0xff;
+            CHECK(checksums(c, static_cast<int64_t>(stride), static_cast<int64_t>(block_bytes),
+                            ids, num_blocks, &flipped)
+                      .ok());
+            CHECK_EQ(flipped[1], got[1]);
+        }
+        // Region order matters.
+        std::swap(c.bases[0], c.bases[1]);
+        CHECK(checksums(c, static_cast<int64_t>(stride), static_cast<int64_t>(block_bytes), ids,
+                        num_blocks, &flipped)
+                  .ok());
+        CHECK(flipped[0] != got[0]);
+    }
+
+    // Errors, in order.
+    Cache c = make_cache(1, 4, 16, rng);
+    std::vector<uint64_t> out;
+    const std::vector<int64_t> ids{0, 3};
+    Cache none;
+    CHECK_EQ(checksums(none, 16, 16, ids, 4, &out).message,
+             std::string("base_addresses is empty: need at least one region"));
+    CHECK_EQ(checksums(c, 16, 0, ids, 4, &out).message,
+             std::string("block_bytes must be >= 1, got 0"));
+    CHECK_EQ(checksums(c, 8, 16, ids, 4, &out).message,
+             std::string("block_stride must be >= block_bytes, got 8 < 16"));
+    CHECK_EQ(checksums(c, 16, 16, ids, 0, &out).message,
+             std::string("num_blocks must be >= 1, got 0"));
+    CHECK_EQ(checksums(c, int64_t{1} << 62, 16, ids, 4, &out).message,
+             std::string("num_blocks * block_stride = 4 * 4611686018427387904 does not fit in "
+                         "int64 byte offsets"));
+    CHECK_EQ(checksums(c, 16, 16, std::vector<int64_t>{0, 4}, 4, &out).message,
+             std::string("block_ids[1] = 4 is out of range [0, 4)"));
+    CHECK(checksums(c, 16, 16, std::vector<int64_t>{}, 4, &out).ok());
+}
+
+}  // namespace
+
+int main() {
+    test_plan_small_examples();
+    test_plan_errors();
+    test_plan_matches_naive();
+    test_completion_basics();
+    test_completion_threads();
+    test_checksums();
+    if (g_failures != 0) {
+        std::fprintf(stderr, "test_core: %d check(s) failed\n", g_failures);
+        return 1;
+    }
+    std::puts("test_core: all checks passed");
+    return 0;
+}

@@ -1,0 +1,188 @@
+"""Compiled core of kvpush (C++, ``csrc/``): transfer planning, completion counting,
+per-block checksums.
+
+``kvpush._reference`` implements the same interface in numpy; tests hold the two equal.
+Ints are taken as ``operator.index`` does and clamped to int64, so an absurdly large one
+fails the relevant range check rather than the conversion.
+"""
+
+import enum
+from typing import Final, final
+
+import numpy as np
+from numpy.typing import NDArray
+
+__version__: Final[str]
+#: True when built with ``KVPUSH_DEBUG=1`` (assertions on, ``-O0 -g``).
+DEBUG: Final[bool]
+
+_BlockIds = NDArray[np.int32] | NDArray[np.int64]
+
+@final
+class TransferPlan:
+    """Descriptor indices for one transfer: what :func:`plan_transfer` returns.
+
+    Read-only; its arrays are not writeable either, so a plan can be shared freely.
+    """
+
+    @property
+    def local_indices(self) -> NDArray[np.int32]:
+        """Region-major local descriptor indices, ``num_blocks * num_regions`` of them:
+        entry ``r * num_blocks + k`` is ``r * local_num_blocks + local_block[k]``."""
+
+    @property
+    def remote_indices(self) -> NDArray[np.int32]:
+        """The remote counterpart of :attr:`local_indices`."""
+
+    @property
+    def runs(self) -> NDArray[np.int64]:
+        """Shape ``(num_runs, 3)``: ``local_start, remote_start, length`` of each maximal
+        stretch of pairs advancing by one on both sides, in emitted order (block ids, the
+        same in every region)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Block pairs in the request."""
+
+    @property
+    def num_regions(self) -> int:
+        """Regions each pair is moved in."""
+
+    @property
+    def num_runs(self) -> int:
+        """Runs per region (with ``coalesce=False``, runs in the given order)."""
+
+    @property
+    def num_descriptors(self) -> int:
+        """``num_runs * num_regions``: what NIXL moves after merging adjacent descriptors."""
+
+def plan_transfer(
+    local_ids: _BlockIds,
+    remote_ids: _BlockIds,
+    local_num_blocks: int,
+    remote_num_blocks: int,
+    num_regions: int,
+    coalesce: bool = True,
+) -> TransferPlan:
+    """Map block-id pairs to NIXL descriptor indices, optionally coalescing runs.
+
+    Each side's descriptor list is region-major: (region ``r``, block ``b``) is descriptor
+    ``r * side_num_blocks + b``. The GIL is released for large requests.
+
+    Parameters
+    ----------
+    local_ids, remote_ids : NDArray[np.int32] | NDArray[np.int64]
+        1-D, C-contiguous, native byte order, same length (the two dtypes may differ);
+        pair ``i`` moves local block ``local_ids[i]`` to remote block ``remote_ids[i]``
+        in every region. No id may repeat on one side. Never converted: a list, a float
+        or a 2-D array is rejected.
+    local_num_blocks, remote_num_blocks : int
+        Blocks per region on each side; ids must lie in ``[0, side_num_blocks)``.
+    num_regions : int
+        Memory regions of the cache (e.g. one per layer, or K and V per layer);
+        ``num_regions * side_num_blocks`` must fit in int32.
+    coalesce : bool, default True
+        Sort pairs by local id, so blocks adjacent on both sides get adjacent descriptor
+        indices, which NIXL merges into one transfer. Otherwise keep the given order.
+
+    Returns
+    -------
+    TransferPlan
+
+    Raises
+    ------
+    kvpush.errors.InvalidBlockIds
+        For the first failed check, in this order: dtype/shape/contiguity of
+        ``local_ids`` then ``remote_ids``; length mismatch; ``num_regions``,
+        ``local_num_blocks``, ``remote_num_blocks`` >= 1; local then remote index space
+        fits int32; local ids in range; remote ids in range; no repeated local id; no
+        repeated remote id (reported at its first repeat, with both positions).
+    TypeError
+        If a count is not an integer.
+    """
+
+class Arrival(enum.Enum):
+    """What one :meth:`CompletionTable.arrive` call did."""
+
+    PENDING = 0
+    """Counted; parts are still outstanding."""
+    COMPLETE = 1
+    """Counted, and it was the last part. Returned once per key."""
+    DUPLICATE = 2
+    """That part had already arrived; nothing changed."""
+    UNKNOWN = 3
+    """No such key: never expected, or already removed."""
+    OUT_OF_RANGE = 4
+    """The part index is outside ``[0, parts)``."""
+
+@final
+class CompletionTable:
+    """Thread-safe count of the parts of each keyed transfer that have arrived.
+
+    Each part index in ``[0, parts)`` counts once; the arrival that completes a key
+    returns :attr:`Arrival.COMPLETE` exactly once, later ones :attr:`Arrival.DUPLICATE`.
+    A key stays, complete or not, until :meth:`remove`.
+    """
+
+    def __init__(self) -> None: ...
+    def expect(self, key: str, parts: int) -> None:
+        """Start counting ``parts`` parts for ``key``.
+
+        Raises
+        ------
+        ValueError
+            If ``parts`` is not in ``[1, 2**24]``.
+        KeyError
+            If ``key`` is already held.
+        """
+
+    def arrive(self, key: str, part: int) -> Arrival:
+        """Count part ``part`` of ``key``. Never raises for an unknown key or a bad part:
+        the result says what happened."""
+
+    def remove(self, key: str) -> bool:
+        """Forget ``key``; return whether it was held."""
+
+    def progress(self, key: str) -> tuple[int, int] | None:
+        """Return ``(arrived, expected)`` for ``key``, or None if it is not held."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, key: str) -> bool: ...
+
+def block_checksums(
+    base_addresses: NDArray[np.uint64],
+    block_stride: int,
+    block_bytes: int,
+    block_ids: _BlockIds,
+    num_blocks: int,
+) -> NDArray[np.uint64]:
+    """One 64-bit checksum per block id, over that block in every region.
+
+    Reads raw memory without the GIL; the caller guarantees every addressed block is
+    readable host memory. The hash is defined in ``csrc/kvpush/checksum.hpp``.
+
+    Parameters
+    ----------
+    base_addresses : NDArray[np.uint64]
+        1-D: the address of block 0 of each region, in the order the hash visits them.
+    block_stride : int
+        Bytes from one block to the next in a region; at least ``block_bytes``.
+    block_bytes : int
+        Bytes hashed per block per region; at least 1.
+    block_ids : NDArray[np.int32] | NDArray[np.int64]
+        1-D, C-contiguous; ids in ``[0, num_blocks)``, repeats allowed.
+    num_blocks : int
+        Blocks per region.
+
+    Returns
+    -------
+    NDArray[np.uint64]
+        ``checksums[i]`` belongs to ``block_ids[i]``.
+
+    Raises
+    ------
+    kvpush.errors.InvalidBlockIds
+        For a bad array, no regions, ``block_bytes < 1``, ``block_stride < block_bytes``,
+        ``num_blocks < 1``, ``num_blocks * block_stride`` beyond int64, or an id out of
+        range; checked in that order.
+    """

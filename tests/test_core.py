@@ -1,0 +1,659 @@
+"""kvpush._core (C++) against kvpush._reference (numpy): same results, same errors.
+
+Generated inputs go through both implementations; where one raises, the other must raise
+the same class with the same message. The Python-free C++ core has its own test,
+csrc/tests/run.sh, which the last test here runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import shutil
+import subprocess
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvpush import _core, _reference
+from kvpush.errors import InvalidBlockIds
+
+ROOT = Path(__file__).resolve().parents[1]
+IMPLS = [pytest.param(_core, id="compiled"), pytest.param(_reference, id="reference")]
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+    """("ok", result) or ("raised", (exception class, message))."""
+    try:
+        return "ok", fn(*args)
+    except Exception as exc:  # compared, not swallowed
+        return "raised", (type(exc), str(exc))
+
+
+def assert_same_plan(got: Any, want: Any) -> None:
+    for name in ("local_indices", "remote_indices", "runs"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype, name
+        assert a.shape == b.shape, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+        assert not a.flags.writeable, name
+    for name in ("num_blocks", "num_regions", "num_runs", "num_descriptors"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert repr(got) == repr(want)
+
+
+def assert_same_outcome(fn_name: str, *args: Any) -> tuple[str, Any]:
+    got = outcome(getattr(_core, fn_name), *args)
+    want = outcome(getattr(_reference, fn_name), *args)
+    assert got[0] == want[0], (got, want)
+    if got[0] == "raised":
+        assert got[1] == want[1]
+    elif fn_name == "plan_transfer":
+        assert_same_plan(got[1], want[1])
+    else:
+        assert got[1].dtype == want[1].dtype
+        np.testing.assert_array_equal(got[1], want[1])
+    return got
+
+
+# ---------------------------------------------------------------------------------------
+# plan_transfer
+
+
+def _ids(rng: np.random.Generator, n: int, num_blocks: int, runny: bool) -> np.ndarray:
+    """n distinct ids in [0, num_blocks): scattered, or mostly consecutive (runny)."""
+    if not runny:
+        return rng.choice(num_blocks, n, replace=False)
+    window = min(num_blocks, n + int(rng.integers(0, 4)))
+    start = int(rng.integers(0, num_blocks - window + 1))
+    return np.sort(rng.choice(window, n, replace=False)) + start
+
+
+@st.composite
+def plan_args(draw: st.DrawFn) -> tuple[Any, ...]:
+    sizes = st.one_of(st.integers(1, 40), st.integers(1, 3000), st.integers(1, 2**21))
+    local_blocks, remote_blocks = draw(sizes), draw(sizes)
+    regions = draw(st.integers(1, 6))
+    most = min(local_blocks, remote_blocks, 300)
+    # Left alone, Hypothesis draws n = 0 a third of the time; empty has its own test.
+    n = draw(st.integers(0, most) if draw(st.integers(0, 9)) == 0 else st.integers(1, most))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32)))
+    runny = draw(st.booleans())
+    local = _ids(rng, n, local_blocks, runny)
+    remote = _ids(rng, n, remote_blocks, runny)
+    perm = rng.permutation(n) if draw(st.booleans()) else np.arange(n)
+    local, remote = local[perm], remote[perm]
+
+    # Break it now and then, sometimes twice, so the order of checks is exercised.
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
+        fault = draw(
+            st.sampled_from(
+                ["range", "negative", "dup", "dup", "dup", "length", "regions", "fit", "blocks"]
+            )
+        )
+        target = draw(st.sampled_from(["local", "remote"]))
+        ids = local if target == "local" else remote
+        if fault in ("range", "negative", "dup") and ids.size == 0:
+            continue
+        at = draw(st.integers(0, ids.size - 1)) if ids.size else 0
+        if fault == "range":
+            ids[at] = (local_blocks if target == "local" else remote_blocks) + draw(
+                st.integers(0, 3)
+            )
+        elif fault == "negative":
+            ids[at] = -draw(st.integers(1, 3))
+        elif fault == "dup" and ids.size > 1:
+            ids[at] = ids[draw(st.integers(0, ids.size - 1))]
+        elif fault == "length":
+            ids = np.append(ids, 0)
+        elif fault == "regions":
+            regions = draw(st.integers(-2, 0))
+        elif fault == "fit":
+            regions = draw(st.integers(2**31 // max(local_blocks, remote_blocks) + 1, 2**40))
+        elif fault == "blocks":
+            if target == "local":
+                local_blocks = draw(st.integers(-2, 0))
+            else:
+                remote_blocks = draw(st.integers(-2, 0))
+        if target == "local":
+            local = ids
+        else:
+            remote = ids
+
+    local = local.astype(draw(st.sampled_from([np.int32, np.int64])))
+    remote = remote.astype(draw(st.sampled_from([np.int32, np.int64])))
+    return local, remote, local_blocks, remote_blocks, regions, draw(st.booleans())
+
+
+@SETTINGS
+@given(plan_args())
+def test_plan_matches_reference(args: tuple[Any, ...]) -> None:
+    kind, result = assert_same_outcome("plan_transfer", *args)
+    # Shows what was covered under --hypothesis-show-statistics.
+    event("ok" if kind == "ok" else re.sub(r"-?\d+", "N", result[1]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plan_example(impl: ModuleType) -> None:
+    local = np.array([3, 1, 2, 7], dtype=np.int64)
+    remote = np.array([10, 8, 9, 0], dtype=np.int32)
+    plan = impl.plan_transfer(local, remote, 8, 16, 2)
+    assert plan.local_indices.tolist() == [1, 2, 3, 7, 9, 10, 11, 15]
+    assert plan.remote_indices.tolist() == [8, 9, 10, 0, 24, 25, 26, 16]
+    assert plan.runs.tolist() == [[1, 8, 3], [7, 0, 1]]
+    assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (4, 2, 2, 4)
+    assert repr(plan) == "TransferPlan(num_blocks=4, num_regions=2, num_runs=2)"
+
+    plan = impl.plan_transfer(local, remote, 8, 16, 2, coalesce=False)
+    assert plan.local_indices.tolist() == [3, 1, 2, 7, 11, 9, 10, 15]
+    assert plan.runs.tolist() == [[3, 10, 1], [1, 8, 2], [7, 0, 1]]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plan_empty(impl: ModuleType) -> None:
+    plan = impl.plan_transfer(np.empty(0, np.int64), np.empty(0, np.int32), 4, 4, 3)
+    assert plan.local_indices.shape == (0,)
+    assert plan.local_indices.dtype == np.int32
+    assert plan.runs.shape == (0, 3)
+    assert plan.runs.dtype == np.int64
+    assert (plan.num_blocks, plan.num_runs, plan.num_descriptors) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plan_is_read_only(impl: ModuleType) -> None:
+    plan = impl.plan_transfer(np.arange(4), np.arange(4), 8, 8, 2)
+    with pytest.raises(ValueError, match="read-only"):
+        plan.local_indices[0] = 5
+    with pytest.raises(AttributeError):
+        plan.num_blocks = 3
+
+
+def test_plan_qwen_sized_matches_reference() -> None:
+    rng = np.random.default_rng(0)
+    local = rng.choice(20000, 512, replace=False)
+    remote = rng.choice(20000, 512, replace=False).astype(np.int32)
+    for coalesce in (True, False):
+        assert_same_outcome("plan_transfer", local, remote, 20000, 20000, 64, coalesce)
+
+
+def test_plan_from_threads() -> None:
+    # Large enough that the GIL is released inside; results must not depend on timing.
+    rng = np.random.default_rng(1)
+    cases = [
+        (rng.choice(5000, 300, replace=False), rng.choice(6000, 300, replace=False))
+        for _ in range(8)
+    ]
+    want = [_reference.plan_transfer(lo, re, 5000, 6000, 32) for lo, re in cases]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(5):
+            got = list(pool.map(lambda c: _core.plan_transfer(c[0], c[1], 5000, 6000, 32), cases))
+            for g, w in zip(got, want, strict=True):
+                assert_same_plan(g, w)
+
+
+GOOD = np.arange(3, dtype=np.int64)
+BAD_ARRAYS = [
+    pytest.param([0, 1, 2], "got <class 'list'>", id="list"),
+    pytest.param((0, 1, 2), "got <class 'tuple'>", id="tuple"),
+    pytest.param(None, "got <class 'NoneType'>", id="none"),
+    pytest.param(np.int64(1), "got <class 'numpy.int64'>", id="numpy-scalar"),
+    pytest.param(np.array(1), "got 0-D array of int64", id="0-d"),
+    pytest.param(np.zeros((3, 1), np.int64), "got 2-D array of int64", id="2-d"),
+    pytest.param(np.zeros((3, 1), np.float32), "got 2-D array of float32", id="2-d-float"),
+    pytest.param(np.arange(3, dtype=np.float64), "got float64", id="float64"),
+    pytest.param(np.arange(3, dtype=np.uint64), "got uint64", id="uint64"),
+    pytest.param(np.arange(3, dtype=np.uint32), "got uint32", id="uint32"),
+    pytest.param(np.arange(3, dtype=np.int16), "got int16", id="int16"),
+    pytest.param(np.ones(3, dtype=bool), "got bool", id="bool"),
+    pytest.param(np.arange(3, dtype=">i8"), "got >i8", id="big-endian"),
+    pytest.param(np.arange(6)[::2], "C-contiguous", id="strided"),
+]
+
+
+@pytest.mark.parametrize(("bad", "fragment"), BAD_ARRAYS)
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_plan_rejects_bad_arrays(bad: Any, fragment: str, side: str) -> None:
+    args = (bad, GOOD) if side == "local" else (GOOD, bad)
+    kind, (cls, message) = assert_same_outcome("plan_transfer", *args, 8, 8, 1)
+    assert kind == "raised"
+    assert cls is InvalidBlockIds
+    assert message.startswith(f"{side}_ids must be")
+    assert message.endswith(fragment)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plan_accepts_int_dtype_aliases(impl: ModuleType) -> None:
+    ids = np.arange(3)
+    for dtype in (np.intc, np.longlong, np.int_, "<i4", "=i8"):
+        impl.plan_transfer(ids.astype(dtype), ids, 8, 8, 1)
+    impl.plan_transfer(np.arange(3)[::1], np.arange(5)[1:4], 8, 8, 1)  # 1-D views are fine
+
+
+ERRORS = [
+    pytest.param(
+        ([1, 2, 3], [1, 2, 3, 4], 8, 8, 1), "local_ids and remote_ids differ in length: 3 != 4"
+    ),
+    pytest.param(([1], [1], 8, 8, 0), "num_regions must be >= 1, got 0"),
+    pytest.param(([1], [1], 0, 8, 1), "local_num_blocks must be >= 1, got 0"),
+    pytest.param(([1], [1], 8, -1, 1), "remote_num_blocks must be >= 1, got -1"),
+    pytest.param(
+        ([1], [1], 40_000_000, 8, 64),
+        "num_regions * local_num_blocks = 64 * 40000000 does not fit in int32 descriptor indices",
+    ),
+    pytest.param(
+        ([1], [1], 8, 2**31, 1),
+        "num_regions * remote_num_blocks = 1 * 2147483648 does not fit in int32 descriptor indices",
+    ),
+    pytest.param(
+        ([1], [1], 2**70, 8, 1),  # clamped to int64 by both
+        "num_regions * local_num_blocks = 1 * 9223372036854775807 does not fit in int32 "
+        "descriptor indices",
+    ),
+    pytest.param(
+        ([0, 1, 2, 70], [0, 1, 2, 3], 64, 64, 1), "local_ids[3] = 70 is out of range [0, 64)"
+    ),
+    pytest.param(([0, 1], [0, -1], 64, 64, 1), "remote_ids[1] = -1 is out of range [0, 64)"),
+    pytest.param(([5, 5], [0, 99], 64, 64, 1), "remote_ids[1] = 99 is out of range [0, 64)"),
+    pytest.param(
+        ([5, 9, 1, 9, 5], [0, 1, 2, 3, 4], 64, 64, 1),
+        "local_ids has duplicate block id 9 (positions 1 and 3)",
+    ),
+    pytest.param(
+        ([0, 1, 2, 3, 4], [1, 5, 6, 7, 5], 64, 64, 1),
+        "remote_ids has duplicate block id 5 (positions 1 and 4)",
+    ),
+    pytest.param(
+        ([3, 3], [1, 1], 2**20, 2**20, 1),  # sparse: found by sorting, same report
+        "local_ids has duplicate block id 3 (positions 0 and 1)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), ERRORS)
+def test_plan_error_messages(args: tuple[Any, ...], message: str) -> None:
+    local, remote, *rest = args
+    kind, (cls, got) = assert_same_outcome(
+        "plan_transfer", np.array(local, np.int64), np.array(remote, np.int32), *rest
+    )
+    assert (kind, cls, got) == ("raised", InvalidBlockIds, message)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plan_counts_must_be_integers(impl: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        impl.plan_transfer(GOOD, GOOD, 8.0, 8, 1)
+    with pytest.raises(TypeError):
+        impl.plan_transfer(GOOD, GOOD, 8, 8, "1")
+    plan = impl.plan_transfer(GOOD, GOOD, np.int64(8), np.int32(8), True)  # __index__ is fine
+    assert plan.num_regions == 1
+
+
+# ---------------------------------------------------------------------------------------
+# CompletionTable
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_completion_table(impl: ModuleType) -> None:
+    arrival = impl.Arrival
+    table = impl.CompletionTable()
+    table.expect("a", 3)
+    assert "a" in table and "b" not in table and len(table) == 1
+    assert table.arrive("a", 1) is arrival.PENDING
+    assert table.arrive("a", 1) is arrival.DUPLICATE
+    assert table.arrive("a", 3) is arrival.OUT_OF_RANGE
+    assert table.arrive("a", -1) is arrival.OUT_OF_RANGE
+    assert table.arrive("a", 2**70) is arrival.OUT_OF_RANGE
+    assert table.arrive("a", -(2**70)) is arrival.OUT_OF_RANGE
+    assert table.arrive("b", 0) is arrival.UNKNOWN
+    assert table.progress("a") == (1, 3)
+    assert table.arrive("a", np.int64(0)) is arrival.PENDING
+    assert table.arrive("a", 2) is arrival.COMPLETE
+    assert table.arrive("a", 2) is arrival.DUPLICATE
+    assert table.progress("a") == (3, 3)
+    assert table.progress("b") is None
+    assert table.remove("a") is True
+    assert table.remove("a") is False
+    assert table.arrive("a", 0) is arrival.UNKNOWN
+    assert len(table) == 0
+
+    big = 64 * 8 + 3  # several bitset words
+    table.expect("big", big)
+    results = [table.arrive("big", p) for p in reversed(range(big))]
+    assert results[:-1] == [arrival.PENDING] * (big - 1)
+    assert results[-1] is arrival.COMPLETE
+
+
+def test_arrival_enums_match() -> None:
+    got = [(a.name, a.value) for a in _core.Arrival]
+    assert got == [(a.name, a.value) for a in _reference.Arrival]
+    assert [name for name, _ in got] == [
+        "PENDING",
+        "COMPLETE",
+        "DUPLICATE",
+        "UNKNOWN",
+        "OUT_OF_RANGE",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("parts", "error", "message"),
+    [
+        (0, ValueError, "parts must be in [1, 16777216], got 0"),
+        (-5, ValueError, "parts must be in [1, 16777216], got -5"),
+        (2**24 + 1, ValueError, "parts must be in [1, 16777216], got 16777217"),
+        (2**80, ValueError, "parts must be in [1, 16777216], got 9223372036854775807"),
+        (2, KeyError, "\"completion key 'held' is already expected\""),
+    ],
+)
+def test_completion_expect_errors(parts: int, error: type[Exception], message: str) -> None:
+    for impl in (_core, _reference):
+        table = impl.CompletionTable()
+        table.expect("held", 1)
+        with pytest.raises(error) as info:
+            table.expect("held", parts)
+        assert info.type is error  # plain ValueError, not InvalidBlockIds
+        assert str(info.value) == message
+        assert len(table) == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_completion_key_types(impl: ModuleType) -> None:
+    table = impl.CompletionTable()
+    for bad in (b"key", 1, None):
+        with pytest.raises(TypeError):
+            table.expect(bad, 1)
+        with pytest.raises(TypeError):
+            table.arrive(bad, 0)
+    with pytest.raises(UnicodeEncodeError):
+        table.expect("\ud800", 1)
+    with pytest.raises(TypeError):
+        table.expect("k", 1.0)
+    table.expect("k\x00\u00e9\U0001f600", 2)  # any encodable str, NULs included
+    assert table.progress("k\x00\u00e9\U0001f600") == (0, 2)
+    assert table.progress("k") is None
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["expect", "arrive", "remove", "progress", "contains", "len"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.integers(-2, 6),
+    ),
+    max_size=60,
+)
+
+
+@SETTINGS
+@given(OPS)
+def test_completion_matches_reference(ops: list[tuple[str, str, int]]) -> None:
+    tables = (_core.CompletionTable(), _reference.CompletionTable())
+    for op, key, number in ops:
+        results = []
+        for table in tables:
+            if op == "expect":
+                result: Any = outcome(table.expect, key, number)
+            elif op == "arrive":
+                result = table.arrive(key, number).name
+            elif op == "remove":
+                result = table.remove(key)
+            elif op == "progress":
+                result = table.progress(key)
+            elif op == "contains":
+                result = key in table
+            else:
+                result = len(table)
+            results.append(result)
+        assert results[0] == results[1], (op, key, number)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_completion_threads_hammering(impl: ModuleType) -> None:
+    threads_n, keys, parts = 8, 40, 64
+    table = impl.CompletionTable()
+    for k in range(keys):
+        table.expect(f"key{k}", parts)
+    counts: Counter[str] = Counter()
+    completed: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(threads_n + 1)
+
+    def deliver(seed: int) -> None:
+        work = [(f"key{k}", p) for k in range(keys) for p in range(parts)]
+        random.Random(seed).shuffle(work)
+        local: Counter[str] = Counter()
+        done = []
+        start.wait()
+        for key, part in work:
+            result = table.arrive(key, part)
+            local[result.name] += 1
+            if result.name == "COMPLETE":
+                done.append(key)
+        with lock:
+            counts.update(local)
+            completed.extend(done)
+
+    churn_results: list[bool] = []
+
+    def churn() -> None:
+        # Other keys come and go meanwhile; they must not disturb the counted ones.
+        start.wait()
+        for i in range(2000):
+            table.expect(f"other{i}", 2)
+            pending = table.arrive(f"other{i}", 0).name == "PENDING"
+            churn_results.append(pending and table.remove(f"other{i}"))
+
+    # threads_n deliverers: threads_n - 1 threads plus this one; and one churner.
+    workers = [threading.Thread(target=deliver, args=(i,)) for i in range(threads_n - 1)]
+    workers.append(threading.Thread(target=churn))
+    for w in workers:
+        w.start()
+    deliver(threads_n - 1)
+    for w in workers:
+        w.join()
+
+    assert churn_results == [True] * 2000
+    assert sorted(completed) == sorted(f"key{k}" for k in range(keys))
+    assert counts["COMPLETE"] == keys
+    assert counts["PENDING"] == keys * (parts - 1)
+    assert counts["DUPLICATE"] == keys * parts * (threads_n - 1)
+    assert set(counts) == {"COMPLETE", "PENDING", "DUPLICATE"}
+    assert len(table) == keys
+    assert all(table.progress(f"key{k}") == (parts, parts) for k in range(keys))
+
+
+# ---------------------------------------------------------------------------------------
+# block_checksums
+
+
+def make_cache(
+    rng: np.random.Generator, regions: int, num_blocks: int, stride: int
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Separate buffers per region (as real caches have) and their base addresses."""
+    buffers = [rng.integers(0, 256, num_blocks * stride, dtype=np.uint8) for _ in range(regions)]
+    return buffers, np.array([b.ctypes.data for b in buffers], dtype=np.uint64)
+
+
+@SETTINGS
+@given(
+    regions=st.integers(1, 4),
+    num_blocks=st.integers(1, 12),
+    block_bytes=st.integers(1, 80),
+    pad=st.integers(0, 9),
+    seed=st.integers(0, 2**32),
+    id_list=st.lists(st.integers(-1, 13), max_size=20),
+    dtype=st.sampled_from([np.int32, np.int64]),
+)
+def test_checksums_match_reference(
+    regions: int,
+    num_blocks: int,
+    block_bytes: int,
+    pad: int,
+    seed: int,
+    id_list: list[int],
+    dtype: type[np.integer[Any]],
+) -> None:
+    stride = block_bytes + pad
+    buffers, bases = make_cache(np.random.default_rng(seed), regions, num_blocks, stride)
+    ids = np.array(id_list, dtype=dtype)
+    assert_same_outcome("block_checksums", bases, stride, block_bytes, ids, num_blocks)
+    del buffers  # kept alive until here: the addresses point into them
+
+
+def test_checksums_detect_changes() -> None:
+    rng = np.random.default_rng(3)
+    stride, nbytes = 40, 37
+    buffers, bases = make_cache(rng, 3, 6, stride)
+    ids = np.arange(6)
+    before = _core.block_checksums(bases, stride, nbytes, ids, 6)
+    assert len(set(before.tolist())) == 6
+
+    buffers[2][4 * stride + nbytes - 1] ^= 1  # last hashed byte of block 4, region 2
+    after = _core.block_checksums(bases, stride, nbytes, ids, 6)
+    assert (after != before).tolist() == [False, False, False, False, True, False]
+
+    buffers[0][nbytes] ^= 0xFF  # padding between blocks is not hashed
+    np.testing.assert_array_equal(_core.block_checksums(bases, stride, nbytes, ids, 6), after)
+
+    swapped = bases[[1, 0, 2]]  # region order matters
+    assert (_core.block_checksums(swapped, stride, nbytes, ids, 6) != after).all()
+    np.testing.assert_array_equal(_reference.block_checksums(bases, stride, nbytes, ids, 6), after)
+
+
+def test_checksums_large_block_matches_reference() -> None:
+    buffers, bases = make_cache(np.random.default_rng(4), 2, 4, 4096)
+    ids = np.array([3, 0, 3], dtype=np.int32)
+    (kind, sums) = assert_same_outcome("block_checksums", bases, 4096, 4096, ids, 4)
+    assert kind == "ok"
+    assert sums[0] == sums[2] != sums[1]
+    del buffers
+
+
+CHECKSUM_ERRORS = [
+    pytest.param(
+        ([1, 2], 16, 16, [0], 4), "base_addresses must be a 1-D uint64 array, got <class 'list'>"
+    ),
+    pytest.param(
+        (np.zeros(1, np.int64), 16, 16, [0], 4),
+        "base_addresses must be a 1-D uint64 array, got int64",
+    ),
+    pytest.param(
+        (np.zeros((1, 1), np.uint64), 16, 16, [0], 4),
+        "base_addresses must be a 1-D uint64 array, got 2-D array of uint64",
+    ),
+    pytest.param(
+        (np.zeros(4, np.uint64)[::2], 16, 16, [0], 4), "base_addresses must be C-contiguous"
+    ),
+    pytest.param(
+        (None, 16, 16, [0.5], 4),
+        "base_addresses must be a 1-D uint64 array, got <class 'NoneType'>",
+    ),
+    pytest.param(
+        (np.zeros(0, np.uint64), 16, 16, [0], 4),
+        "base_addresses is empty: need at least one region",
+    ),
+    pytest.param(("bases", 16, 0, [0], 4), "block_bytes must be >= 1, got 0"),
+    pytest.param(("bases", 8, 16, [0], 4), "block_stride must be >= block_bytes, got 8 < 16"),
+    pytest.param(("bases", 16, 16, [0], 0), "num_blocks must be >= 1, got 0"),
+    pytest.param(
+        ("bases", 2**62, 16, [0], 4),
+        "num_blocks * block_stride = 4 * 4611686018427387904 does not fit in int64 byte offsets",
+    ),
+    pytest.param(("bases", 16, 16, [0, 4], 4), "block_ids[1] = 4 is out of range [0, 4)"),
+    pytest.param(("bases", 16, 16, [-1], 4), "block_ids[0] = -1 is out of range [0, 4)"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), CHECKSUM_ERRORS)
+def test_checksum_error_messages(args: tuple[Any, ...], message: str) -> None:
+    buffers, bases = make_cache(np.random.default_rng(5), 1, 4, 16)
+    base_arg, stride, nbytes, ids, num_blocks = args
+    if isinstance(base_arg, str):
+        base_arg = bases
+    id_arg = np.array(ids)
+    kind, (cls, got) = assert_same_outcome(
+        "block_checksums", base_arg, stride, nbytes, id_arg, num_blocks
+    )
+    assert (kind, cls, got) == ("raised", InvalidBlockIds, message)
+    del buffers
+
+
+def test_checksum_rejects_float_ids() -> None:
+    buffers, bases = make_cache(np.random.default_rng(6), 1, 4, 16)
+    got = assert_same_outcome("block_checksums", bases, 16, 16, np.array([0.0]), 4)
+    assert got == (
+        "raised",
+        (InvalidBlockIds, "block_ids must be a 1-D int32 or int64 array, got float64"),
+    )
+    del buffers
+
+
+# ---------------------------------------------------------------------------------------
+# module surface
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_module_constants(impl: ModuleType) -> None:
+    assert impl.__version__ == "0.1.0"
+    assert isinstance(impl.DEBUG, bool)
+
+
+def _stub_names() -> tuple[set[str], dict[str, set[str]]]:
+    """Module-level names of kvpush/_core.pyi, and the members each class declares."""
+    stub = ast.parse((ROOT / "kvpush" / "_core.pyi").read_text())
+    names: set[str] = set()
+    members: dict[str, set[str]] = {}
+    for node in stub.body:
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ClassDef):
+            names.add(node.name)
+            members[node.name] = {m.name for m in node.body if isinstance(m, ast.FunctionDef)}
+            members[node.name] |= {
+                t.id
+                for m in node.body
+                if isinstance(m, ast.Assign)
+                for t in m.targets
+                if isinstance(t, ast.Name)
+            }
+    return names, members
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stub_matches_module(impl: ModuleType) -> None:
+    names, members = _stub_names()
+    assert names <= set(dir(impl))
+    instances = {
+        "TransferPlan": impl.plan_transfer(GOOD, GOOD, 8, 8, 1),
+        "CompletionTable": impl.CompletionTable(),
+        "Arrival": impl.Arrival,
+    }
+    assert set(instances) == set(members)
+    for cls, declared in members.items():
+        missing = {m for m in declared if not hasattr(instances[cls], m)}
+        assert not missing, f"{impl.__name__}.{cls} lacks {sorted(missing)}"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
+def test_cpp_core_under_sanitizers() -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "csrc" / "tests" / "run.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all checks passed" in proc.stdout
