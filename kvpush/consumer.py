@@ -329,9 +329,12 @@ class Consumer(Endpoint):
             sock.connect(address)
             peer = _Producer(address, sock)
             self._producers[address] = peer
-            self._add_socket(sock, lambda s, p=peer: self._on_dealer(p, s))
+            self._add_socket(sock, self._dealer_handler(peer))
             self._send_hello(peer, time.monotonic() + timeout, 0.05)
         peer.waiters.append(on_result)
+
+    def _dealer_handler(self, peer: _Producer) -> Callable[[zmq.Socket[Any]], None]:
+        return lambda sock: self._on_dealer(peer, sock)
 
     def _send_hello(self, peer: _Producer, deadline: float, delay: float) -> None:
         if peer.agent_name or self._producers.get(peer.address) is not peer:

@@ -40,7 +40,7 @@ log = logging.getLogger("kvpush")
 class Timer:
     """A one-shot callback at a monotonic deadline; :meth:`cancel` makes it a no-op."""
 
-    __slots__ = ("deadline", "fn", "cancelled")
+    __slots__ = ("cancelled", "deadline", "fn")
 
     def __init__(self, deadline: float, fn: Callable[[], None]) -> None:
         self.deadline = deadline
@@ -112,7 +112,8 @@ class Endpoint:
             raise value
         return value
 
-    def _add_socket(self, sock: zmq.Socket[Any], handler: Callable[[zmq.Socket[Any]], None]) -> None:
+    def _add_socket(self, sock: zmq.Socket[Any],
+                    handler: Callable[[zmq.Socket[Any]], None]) -> None:
         self._sockets[sock] = handler
         self._poller.register(sock, zmq.POLLIN)
 
@@ -158,7 +159,8 @@ class Endpoint:
                     # zmq's poll counts whole milliseconds; short waits sleep instead.
                     time.sleep(timeout)
                     timeout = 0.0
-                events = dict(self._poller.poll(None if timeout is None else timeout * 1e3))
+                events = dict(self._poller.poll(None if timeout is None
+                                                else int(timeout * 1e3)))
                 if events.pop(self._wake_fd, 0):
                     try:
                         os.eventfd_read(self._wake_fd)

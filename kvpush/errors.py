@@ -8,15 +8,15 @@ from __future__ import annotations
 
 __all__ = [
     "AuthenticationError",
+    "ClosedError",
     "InvalidBlockIds",
     "KvpushError",
     "LayoutMismatch",
-    "ProtocolError",
     "PeerUnavailable",
+    "ProtocolError",
     "RequestAborted",
     "TransferFailed",
     "TransferTimeout",
-    "ClosedError",
 ]
 
 

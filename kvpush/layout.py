@@ -398,7 +398,8 @@ def covering_producers(local: KVLayout, producers: dict[str, KVLayout]) -> list[
     need = set(range(local.head_start, local.head_start + local.num_kv_heads))
     chosen: list[str] = []
     while need:
-        best, gain = None, set()
+        best: str | None = None
+        gain: set[int] = set()
         for name in sorted(producers):
             lay = producers[name]
             held = need & set(range(lay.head_start, lay.head_start + lay.num_kv_heads))

@@ -56,7 +56,7 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=Tru
     pass
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     """Consumer -> producer: open a connection."""
 
     name: str
@@ -66,7 +66,7 @@ class Hello(_Msg, tag="hello"):
     sent_at: float = 0.0      # wall clock, with authentication
 
 
-class HelloAck(_Msg, tag="hello_ack"):
+class HelloAck(_Msg, tag="hello_ack", frozen=True):
     """Producer -> consumer: the connection is open."""
 
     name: str
@@ -76,7 +76,7 @@ class HelloAck(_Msg, tag="hello_ack"):
     echo: bytes = b""         # the Hello's nonce, echoed (authentication)
 
 
-class HelloReject(_Msg, tag="hello_reject"):
+class HelloReject(_Msg, tag="hello_reject", frozen=True):
     """Producer -> consumer: the connection is refused (``field`` names a layout field, or
     is empty for other reasons)."""
 
@@ -86,7 +86,7 @@ class HelloReject(_Msg, tag="hello_reject"):
     remote: str = ""
 
 
-class Register(_Msg, tag="register"):
+class Register(_Msg, tag="register", frozen=True):
     """Consumer -> producer (push): destination blocks for a request are allocated."""
 
     request_id: str
@@ -97,7 +97,7 @@ class Register(_Msg, tag="register"):
     groups: int = 1           # WRITEs (and Landed parts) per producer: 1, or one per layer
 
 
-class Posted(_Msg, tag="posted"):
+class Posted(_Msg, tag="posted", frozen=True):
     """Producer -> consumer: the WRITE of one part of a request is in flight (poll for its
     landing)."""
 
@@ -105,7 +105,7 @@ class Posted(_Msg, tag="posted"):
     part: int
 
 
-class Failed(_Msg, tag="failed"):
+class Failed(_Msg, tag="failed", frozen=True):
     """Producer -> consumer: the producer will not (or could not) deliver a request's data."""
 
     request_id: str
@@ -113,41 +113,41 @@ class Failed(_Msg, tag="failed"):
     reason: str
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, tag="abort", frozen=True):
     """Either direction: give up a request."""
 
     request_id: str
     reason: str
 
 
-class AbortAck(_Msg, tag="abort_ack"):
+class AbortAck(_Msg, tag="abort_ack", frozen=True):
     """Producer -> consumer: no WRITE for this request is or will be in flight."""
 
     request_id: str
 
 
-class PullBegin(_Msg, tag="pull_begin"):
+class PullBegin(_Msg, tag="pull_begin", frozen=True):
     """Consumer -> producer (pull): a READ of the request's blocks is in flight."""
 
     request_id: str
 
 
-class Heartbeat(_Msg, tag="hb"):
+class Heartbeat(_Msg, tag="hb", frozen=True):
     seq: int
 
 
-class HeartbeatAck(_Msg, tag="hb_ack"):
+class HeartbeatAck(_Msg, tag="hb_ack", frozen=True):
     seq: int
 
 
-class Bye(_Msg, tag="bye"):
+class Bye(_Msg, tag="bye", frozen=True):
     """Either direction: the sender is closing; drop its state."""
 
     name: str
 
 
 # -- carried as NIXL notifications (delivered after the data has landed) -----------------
-class Landed(_Msg, tag="landed"):
+class Landed(_Msg, tag="landed", frozen=True):
     """WRITE notification, producer -> consumer: this part of the request has landed.
     ``checksums``: per-block 64-bit checksums of the source blocks (little-endian uint64, in
     registration order) when the consumer asked to verify."""
@@ -157,7 +157,7 @@ class Landed(_Msg, tag="landed"):
     checksums: bytes = b""
 
 
-class PullDone(_Msg, tag="pull_done"):
+class PullDone(_Msg, tag="pull_done", frozen=True):
     """READ notification, consumer -> producer: the consumer has read the request's blocks."""
 
     request_id: str

@@ -204,7 +204,7 @@ class Producer(Endpoint):
                 self._router.bind(f"tcp://{config.host}:{config.port}")
             else:
                 self._router.bind(f"tcp://{config.host}:*")
-            self.address: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self._finalized = False
             self.close()

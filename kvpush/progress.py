@@ -62,7 +62,7 @@ class ProgressPolicy:
 class Backoff:
     """The next poll delay under a :class:`ProgressPolicy`."""
 
-    __slots__ = ("_policy", "_last_progress", "_sleep")
+    __slots__ = ("_last_progress", "_policy", "_sleep")
 
     def __init__(self, policy: ProgressPolicy) -> None:
         self._policy = policy

@@ -98,6 +98,16 @@ def check_canaries(cache: Cache, touched: np.ndarray) -> None:
                                  f"{np.nonzero(mask)[0][bad][:10]}")
 
 
+def drain_released(p: kvpush.Producer, want: int, timeout: float = 10) -> list[kvpush.Release]:
+    """Releases of an in-process Producer until ``want`` have come (or ``timeout``)."""
+    out: list[kvpush.Release] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < want and time.monotonic() < deadline:
+        out += p.get_released()
+        time.sleep(0.005)
+    return out
+
+
 # -- a Producer in a child process ----------------------------------------------------------
 def _producer_main(conn: Any, cache_kwargs: dict[str, Any], seed: int,
                    config_kwargs: dict[str, Any]) -> None:

@@ -4,25 +4,15 @@ incompatible layouts are refused at handshake; lifecycles release everything."""
 from __future__ import annotations
 
 import gc
-import time
 import warnings
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import CANARY, check_blocks, fill, make_cache
+from harness import CANARY, check_blocks, drain_released, fill, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
-
-
-def drain_released(p: kvpush.Producer, want: int, timeout: float = 10) -> list[kvpush.Release]:
-    out: list[kvpush.Release] = []
-    deadline = time.monotonic() + timeout
-    while len(out) < want and time.monotonic() < deadline:
-        out += p.get_released()
-        time.sleep(0.005)
-    return out
 
 
 @pytest.fixture()

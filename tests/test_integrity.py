@@ -49,7 +49,7 @@ def test_corrupted_source_is_caught() -> None:
 
 
 def test_verify_needs_checksums_in_the_ticket() -> None:
-    p, c, _src, dst = pair(verify_producer=False)
+    p, c, _src, _dst = pair(verify_producer=False)
     with p, c:
         c.connect(p.address)
         ticket = p.prefill_done("nosums", np.array([4]), TransferMode.PULL)

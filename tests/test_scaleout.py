@@ -54,7 +54,7 @@ def test_layerwise_push_across_processes(producer: ChildProducer) -> None:
         assert handle.wait(10).state is RequestState.READY
         check_blocks(cache, dst, src, SEED)
         assert producer.call("stats")["transfers_posted"] - before == CACHE["num_layers"]
-        assert [r for r in producer.released(1) if r[0] == "lw"][0][1] == "transferred"
+        assert next(r for r in producer.released(1) if r[0] == "lw")[1] == "transferred"
 
 
 def test_layerwise_registration_after_some_layers(producer: ChildProducer) -> None:
@@ -68,7 +68,7 @@ def test_layerwise_registration_after_some_layers(producer: ChildProducer) -> No
         producer.call("prefill_done", ("late", src, "push"))
         assert handle.wait(10).state is RequestState.READY
         check_blocks(cache, dst, src, SEED)
-        assert [r for r in producer.released(1) if r[0] == "late"][0][1] == "transferred"
+        assert next(r for r in producer.released(1) if r[0] == "late")[1] == "transferred"
 
 
 def test_layerwise_prefill_never_finishes(producer: ChildProducer) -> None:
