@@ -24,6 +24,7 @@ from .errors import (
     InvalidBlockIds,
     KvpushError,
     LayoutMismatch,
+    OutOfBlocks,
     PeerUnavailable,
     ProtocolError,
     RequestAborted,
@@ -32,6 +33,7 @@ from .errors import (
 )
 from .layout import KVLayout, MemoryKind, Region, check_compatible
 from .messages import PullTicket
+from .prefix import BlockPool, PrefixIndex, block_hashes, reusable_blocks
 from .producer import Producer, ProducerConfig
 from .progress import ProgressPolicy
 from .request import (
@@ -47,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "BlockPool",
     "ClosedError",
     "Consumer",
     "ConsumerConfig",
@@ -55,7 +58,9 @@ __all__ = [
     "KvpushError",
     "LayoutMismatch",
     "MemoryKind",
+    "OutOfBlocks",
     "PeerUnavailable",
+    "PrefixIndex",
     "Producer",
     "ProducerConfig",
     "ProgressPolicy",
@@ -72,5 +77,7 @@ __all__ = [
     "TransferResult",
     "TransferTimeout",
     "TransportConfig",
+    "block_hashes",
     "check_compatible",
+    "reusable_blocks",
 ]

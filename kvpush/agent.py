@@ -25,8 +25,9 @@ import numpy as np
 
 from .errors import PeerUnavailable, TransferFailed
 from .layout import KVLayout, head_overlap
+from .plan import plan_split_transfer, plan_transfer
 
-__all__ = ["Agent", "TransportConfig", "XferState"]
+__all__ = ["Agent", "Link", "TransportConfig", "XferState"]
 
 log = logging.getLogger("kvpush.agent")
 
@@ -57,6 +58,33 @@ class TransportConfig:
             )
         if not self.backend:
             raise ValueError("TransportConfig.backend must be a backend name")
+
+
+@dataclass(frozen=True)
+class Link:
+    """How this side's prepared descriptors pair with one peer's.
+
+    Same tokens per block: one descriptor per (region, block), over the byte range of the
+    KV heads both sides hold. Different tokens per block (one a multiple ``k`` of the
+    other): one descriptor per (region, block, slot, head); the coarse side has ``k``
+    slots per block (``local_split`` / ``remote_split``).
+    """
+
+    remote_num_blocks: int
+    desc_bytes: int            # bytes one descriptor moves
+    heads: int = 0             # > 0: per-head descriptors (split blocks)
+    local_split: int = 1
+    remote_split: int = 1
+
+    def plan(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_blocks: int,
+             num_regions: int, coalesce: bool) -> Any:
+        """The request's descriptor index arrays (compiled; raises InvalidBlockIds)."""
+        if self.heads:
+            return plan_split_transfer(local_ids, remote_ids, num_blocks,
+                                       self.remote_num_blocks, num_regions, self.heads,
+                                       self.local_split, self.remote_split)
+        return plan_transfer(local_ids, remote_ids, num_blocks, self.remote_num_blocks,
+                             num_regions, coalesce)
 
 
 class XferState(enum.Enum):
@@ -111,9 +139,9 @@ class Agent:
             "NIXL_INIT_AGENT", layout.descriptor_table(), mem
         )
         self._remote_dlists: dict[str, Any] = {}
-        # Heterogeneous TP: peers sharing only some heads get lists over that byte range.
+        # Peers sharing only some heads, or with other block sizes, get lists of their own.
         self._local_dlists: dict[str, Any] = {}
-        self._bytes_per_block: dict[str, int] = {}
+        self._links: dict[str, Link] = {}
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
@@ -122,32 +150,49 @@ class Agent:
         return data
 
     def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
-        """Load a peer's metadata and prepare its descriptor list (over the KV heads both
-        sides hold); returns its agent name."""
-        overlap = head_overlap(self.layout, layout)
-        if overlap is None:
-            raise PeerUnavailable("the peer holds none of this side's KV heads")
-        local_offset, remote_offset, length = overlap
+        """Load a peer's metadata and prepare its descriptor lists (over the KV heads both
+        sides hold, per head when block sizes differ); returns its agent name."""
+        local, remote = self.layout, layout
+        if local.tokens_per_block != remote.tokens_per_block:
+            k = max(local.tokens_per_block, remote.tokens_per_block) // min(
+                local.tokens_per_block, remote.tokens_per_block)
+            local_split = k if local.tokens_per_block > remote.tokens_per_block else 1
+            remote_split = k if local_split == 1 else 1
+            heads = local.num_kv_heads
+            local_table = local.split_table(local_split)
+            remote_table = remote.split_table(remote_split)
+            link = Link(remote.num_blocks, int(local_table[0, 1]), heads, local_split,
+                        remote_split)
+        else:
+            overlap = head_overlap(local, remote)
+            if overlap is None:
+                raise PeerUnavailable("the peer holds none of this side's KV heads")
+            local_offset, remote_offset, length = overlap
+            remote_table = remote.descriptor_table(remote_offset, length)
+            local_table = None if (local_offset, length) == (0, local.block_bytes) else \
+                local.descriptor_table(local_offset, length)
+            link = Link(remote.num_blocks, length)
         try:
             name: str = self._agent.add_remote_agent(metadata)
             if isinstance(name, bytes):
                 name = name.decode()
             self._release_remote(name)
             self._remote_dlists[name] = self._agent.prep_xfer_dlist(
-                name, layout.descriptor_table(remote_offset, length), layout.kind.value
-            )
-            if (local_offset, length) != (0, self.layout.block_bytes):
+                name, remote_table, remote.kind.value)
+            if local_table is not None:
                 self._local_dlists[name] = self._agent.prep_xfer_dlist(
-                    "NIXL_INIT_AGENT", self.layout.descriptor_table(local_offset, length),
-                    self._mem)
+                    "NIXL_INIT_AGENT", local_table, self._mem)
         except Exception as exc:
             raise PeerUnavailable(f"cannot load peer metadata: {exc}") from exc
-        self._bytes_per_block[name] = length * self.layout.num_regions
+        self._links[name] = link
         return name
 
-    def bytes_per_block(self, peer: str) -> int:
-        """Bytes one block id moves to or from ``peer`` (all regions, shared heads only)."""
-        return self._bytes_per_block.get(peer, self.layout.bytes_per_block_id)
+    def link(self, peer: str) -> Link:
+        """How descriptors pair with ``peer``'s; PeerUnavailable when not connected."""
+        link = self._links.get(peer)
+        if link is None:
+            raise PeerUnavailable(f"no connection to {peer!r}")
+        return link
 
     def remove_peer(self, name: str) -> None:
         """Drop a peer's prepared list and metadata (after it died or left)."""
@@ -158,7 +203,7 @@ class Agent:
             log.debug("remove_remote_agent(%s): %s", name, exc)
 
     def _release_remote(self, name: str) -> None:
-        self._bytes_per_block.pop(name, None)
+        self._links.pop(name, None)
         for lists in (self._remote_dlists, self._local_dlists):
             handle = lists.pop(name, None)
             if handle is not None:

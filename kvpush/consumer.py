@@ -40,7 +40,7 @@ from .errors import (
 )
 from .layout import KVLayout, check_compatible
 from .metrics import LIVE, Stats
-from .plan import block_checksums, plan_transfer, validate_block_ids
+from .plan import block_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .request import RequestState, TransferHandle, TransferMode, TransferResult
 
@@ -260,17 +260,19 @@ class Consumer(Endpoint):
             raise InvalidBlockIds("two tickets of one pull name the same producer")
         dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         sources = [m.decode_ids(t.block_ids) for t in parsed]
-        for t, src in zip(parsed, sources, strict=True):
-            if len(src) != len(dst):
-                raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
-                                      f"blocks but block_ids has {len(dst)}")
         timeout = self.config.request_timeout_s if timeout is None else float(timeout)
-        for t in parsed:
+        for t, src in zip(parsed, sources, strict=True):
             if t.producer not in self._by_name:
                 name = self.connect(t.address)
                 if name != t.producer:
                     raise PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
                                           f"{t.producer!r}")
+            peer = self._by_name.get(t.producer)
+            same_blocks = peer is None or peer.layout is None or \
+                peer.layout.tokens_per_block == self.layout.tokens_per_block
+            if same_blocks and len(src) != len(dst):
+                raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
+                                      f"blocks but block_ids has {len(dst)}")
         now = time.time()
         budget = min([timeout] + [t.lease_s - (now - t.issued_at) - self.config.lease_margin_s
                                   for t in parsed])
@@ -402,7 +404,9 @@ class Consumer(Endpoint):
                 self._stats.messages_rejected += 1
             elif isinstance(msg, m.Posted):
                 req = self._requests.get(msg.request_id)
-                if (req is not None and 0 <= msg.part < len(req.producers) * req.groups
+                if msg.empty and req is not None:
+                    self._on_landed(peer.agent_name, m.Landed(msg.request_id, msg.part))
+                elif (req is not None and 0 <= msg.part < len(req.producers) * req.groups
                         and msg.part not in req.settled and msg.part not in req.posted):
                     req.posted.add(msg.part)
                     self._posted += 1
@@ -565,11 +569,11 @@ class Consumer(Endpoint):
         else:
             try:
                 for peer, src in zip(peers, sources, strict=True):
-                    assert peer is not None and peer.layout is not None
-                    plans.append(plan_transfer(dst, src, self.layout.num_blocks,
-                                               peer.layout.num_blocks, self.layout.num_regions,
-                                               self.config.coalesce))
-            except InvalidBlockIds as exc:
+                    assert peer is not None
+                    plans.append(self._agent.link(peer.agent_name).plan(
+                        dst, src, self.layout.num_blocks, self.layout.num_regions,
+                        self.config.coalesce))
+            except KvpushError as exc:
                 error = exc
         if error is not None:
             self._report(handle, state, error, now, 0)
@@ -584,10 +588,11 @@ class Consumer(Endpoint):
         for peer, plan in zip(peers, plans, strict=True):
             assert peer is not None
             self._tell(peer, m.PullBegin(rid))
-            notif = m.encode(m.PullDone(rid), peer.notif_sealer)
+            nbytes = len(plan.local_indices) * self._agent.link(peer.agent_name).desc_bytes
+            notif = m.encode(m.PullDone(rid, nbytes), peer.notif_sealer)
             try:
-                if plan.num_blocks == 0:
-                    self._agent.send_notification(peer.agent_name, notif)
+                if plan.num_blocks == 0:  # see Posted.empty: no NIXL traffic for nothing
+                    self._tell(peer, m.PullDone(rid, 0))
                     continue
                 xfer = self._agent.post("READ", peer.agent_name, plan.local_indices,
                                         plan.remote_indices, notif)
@@ -595,7 +600,7 @@ class Consumer(Endpoint):
                 self._close_request(rid, RequestState.FAILED, exc, ask=True)
                 return
             req.reads[peer.agent_name] = xfer
-            req.read_bytes += plan.num_blocks * self._agent.bytes_per_block(peer.agent_name)
+            req.read_bytes += nbytes
             LIVE.add("transfers_in_flight", 1)
             self._stats.transfers_posted += 1
             self._stats.descriptors_posted += plan.num_descriptors
@@ -670,8 +675,14 @@ class Consumer(Endpoint):
         if not isinstance(msg, m.Landed):
             self._stats.messages_rejected += 1
             return
+        self._on_landed(sender, msg)
+
+    def _on_landed(self, sender: str, msg: m.Landed) -> None:
+        """Part ``msg.part`` of a push has landed (NIXL notification after its WRITE, or an
+        empty part announced over the control socket)."""
         req = self._requests.get(msg.request_id)
-        if req is None:
+        if req is None or not 0 <= msg.part < len(req.producers) * req.groups \
+                or req.producer_of(msg.part) != sender:
             return
         arrival = self._completions.arrive(msg.request_id, msg.part)
         if arrival not in (_core.Arrival.PENDING, _core.Arrival.COMPLETE):
@@ -680,9 +691,8 @@ class Consumer(Endpoint):
         self._settle(req, msg.part)
         if msg.part % req.groups == 0:
             self._stats.blocks_moved += len(req.ids)
-        nbytes = len(req.ids) * self._agent.bytes_per_block(sender) // req.groups
-        req.read_bytes += nbytes  # push: bytes landed so far
-        self._stats.bytes_moved += nbytes
+        req.read_bytes += msg.nbytes  # push: bytes landed so far
+        self._stats.bytes_moved += msg.nbytes
         if req.closing is None and len(req.producers) * req.groups == 1 and self.config.verify:
             mismatch = self._verify(req, msg.checksums)
             if mismatch is not None:

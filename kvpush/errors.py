@@ -12,6 +12,7 @@ __all__ = [
     "InvalidBlockIds",
     "KvpushError",
     "LayoutMismatch",
+    "OutOfBlocks",
     "PeerUnavailable",
     "ProtocolError",
     "RequestAborted",
@@ -61,6 +62,11 @@ class TransferTimeout(KvpushError, TimeoutError):
 
 class RequestAborted(KvpushError):
     """The request was aborted by one of the two sides."""
+
+
+class OutOfBlocks(KvpushError, RuntimeError):
+    """A :class:`~kvpush.prefix.BlockPool` cannot hand out the blocks asked for, even after
+    reclaiming every unpinned cached block."""
 
 
 class ClosedError(KvpushError, RuntimeError):

@@ -257,6 +257,26 @@ class KVLayout:
         """Bytes of one KV head in one block of one region."""
         return self.block_bytes // self.num_kv_heads
 
+    def split_table(self, split: int) -> np.ndarray:
+        """Descriptors of every (region, block, slot, head) when each block is cut into
+        ``split`` token slots per head: index ``((r * num_blocks + b) * split + s) * heads
+        + h``, each ``head_bytes // split`` long (head-major blocks only)."""
+        if not self.head_major or self.head_bytes % split:
+            raise ValueError(f"cannot cut {self.head_bytes}-byte heads into {split} slots")
+        piece = self.head_bytes // split
+        base = np.array([r.addr for r in self.regions], dtype=np.uint64)
+        blocks = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.block_stride)
+        slots = np.arange(split, dtype=np.uint64) * np.uint64(piece)
+        heads = np.arange(self.num_kv_heads, dtype=np.uint64) * np.uint64(self.head_bytes)
+        addr = (base[:, None, None, None] + blocks[None, :, None, None]
+                + slots[None, None, :, None] + heads[None, None, None, :]).ravel()
+        table = np.empty((addr.size, 3), dtype=np.uint64)
+        table[:, 0] = addr
+        table[:, 1] = piece
+        table[:, 2] = np.repeat(np.array([r.device_id for r in self.regions], dtype=np.uint64),
+                                self.num_blocks * split * self.num_kv_heads)
+        return table
+
     def descriptor_table(self, offset: int = 0, length: int | None = None) -> np.ndarray:
         """NIXL descriptors of every (region, block), region-major: an ``(R*B, 3)`` uint64
         array of (address, length, device id). Index ``r * num_blocks + b``. ``offset`` and
@@ -360,7 +380,6 @@ _MATCHING_FIELDS = (
     "kv_packed",
     "layers_per_region",
     "dtype",
-    "tokens_per_block",
     "total_kv_heads",
     "head_size",
     "num_regions",
@@ -378,6 +397,14 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
             raise LayoutMismatch(name, a, b)
     same_shard = (local.head_start, local.num_kv_heads) == (remote.head_start,
                                                            remote.num_kv_heads)
+    if local.tokens_per_block != remote.tokens_per_block:
+        # Blocks of k times the tokens: exchanged head by head, token slot by token slot.
+        small, big = sorted((local.tokens_per_block, remote.tokens_per_block))
+        if big % small or not (local.head_major and remote.head_major) or not same_shard \
+                or local.layers_per_region != 1:
+            raise LayoutMismatch("tokens_per_block", local.tokens_per_block,
+                                 remote.tokens_per_block)
+        return
     if same_shard:
         if local.block_bytes != remote.block_bytes:
             raise LayoutMismatch("block_bytes", local.block_bytes, remote.block_bytes)

@@ -103,6 +103,10 @@ class Posted(_Msg, tag="posted", frozen=True):
 
     request_id: str
     part: int
+    # Nothing to write for this part (e.g. a full prefix hit): it counts as landed now.
+    # Sent over the control socket because a NIXL notification alone would need the
+    # producer to keep progressing its agent until a first connection is up.
+    empty: bool = False
 
 
 class Failed(_Msg, tag="failed", frozen=True):
@@ -155,12 +159,14 @@ class Landed(_Msg, tag="landed", frozen=True):
     request_id: str
     part: int
     checksums: bytes = b""
+    nbytes: int = 0           # bytes this part moved
 
 
 class PullDone(_Msg, tag="pull_done", frozen=True):
     """READ notification, consumer -> producer: the consumer has read the request's blocks."""
 
     request_id: str
+    nbytes: int = 0           # bytes the READ moved
 
 
 class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -17,9 +17,20 @@ from . import _core
 from .errors import InvalidBlockIds
 from .layout import KVLayout
 
-__all__ = ["as_block_ids", "block_checksums", "plan_transfer", "validate_block_ids"]
+__all__ = ["as_block_ids", "block_checksums", "plan_split_transfer", "plan_transfer",
+           "validate_block_ids"]
 
 plan_transfer = _core.plan_transfer
+
+
+def plan_split_transfer(local_ids: Any, remote_ids: Any, local_num_blocks: int,
+                        remote_num_blocks: int, num_regions: int, heads: int,
+                        local_split: int, remote_split: int) -> _core.TransferPlan:
+    """Plan a request between sides whose blocks hold different token counts (one a
+    multiple of the other): per (region, block, slot, head) descriptors, in C++."""
+    return _core.plan_split_transfer(local_ids, remote_ids, local_num_blocks,
+                                     remote_num_blocks, num_regions, heads, local_split,
+                                     remote_split)
 
 
 def as_block_ids(ids: Any, name: str) -> np.ndarray:

@@ -37,7 +37,7 @@ from .errors import (
 )
 from .layout import KVLayout, check_compatible
 from .metrics import LIVE, Stats
-from .plan import block_checksums, plan_transfer, validate_block_ids
+from .plan import block_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .request import Release, ReleaseReason, TransferMode
 
@@ -311,6 +311,8 @@ class Producer(Endpoint):
                 self._on_consumer_abort(peer, msg)
             elif isinstance(msg, m.PullBegin):
                 self._on_pull_begin(msg)
+            elif isinstance(msg, m.PullDone):  # an empty pull: no READ carried it
+                self._on_pull_done(msg)
             elif isinstance(msg, m.Heartbeat):
                 self._tell(peer, m.HeartbeatAck(msg.seq))
             elif isinstance(msg, m.Bye):
@@ -499,10 +501,10 @@ class Producer(Endpoint):
             return
         source.lease.cancel()
         try:
-            plan = plan_transfer(source.ids, reg.ids, self.layout.num_blocks,
-                                 reg.peer.layout.num_blocks, self.layout.num_regions,
-                                 self.config.coalesce)
-        except InvalidBlockIds as exc:
+            plan = self._agent.link(reg.peer.agent_name).plan(
+                source.ids, reg.ids, self.layout.num_blocks, self.layout.num_regions,
+                self.config.coalesce)
+        except KvpushError as exc:
             reg.wait.cancel()
             self._stats.requests_failed += 1
             self._tell(reg.peer, m.Failed(rid, "invalid_ids", str(exc)))
@@ -528,7 +530,7 @@ class Producer(Endpoint):
 
     def _post(self, rid: str, push: _Push, group: int) -> None:
         reg, plan, peer = push.reg, push.plan, push.peer
-        n = plan.num_blocks
+        n = len(plan.local_indices) // self.layout.num_regions  # descriptors per region
         if reg.groups == 1:
             lo, hi = 0, self.layout.num_regions
         else:
@@ -538,12 +540,15 @@ class Producer(Endpoint):
         sums = b""
         if reg.verify and reg.groups == 1:
             sums = block_checksums(self.layout, self._sources[rid].ids).astype("<u8").tobytes()
-        notif = m.encode(m.Landed(rid, part, sums), peer.notif_sealer)
+        try:
+            nbytes = (hi - lo) * n * self._agent.link(peer.agent_name).desc_bytes
+        except PeerUnavailable:
+            nbytes = 0
+        notif = m.encode(m.Landed(rid, part, sums, nbytes), peer.notif_sealer)
         push.posted.add(group)
         try:
             if n == 0:  # nothing to move, but the consumer still counts this part
-                self._agent.send_notification(peer.agent_name, notif)
-                self._tell(peer, m.Posted(rid, part))
+                self._tell(peer, m.Posted(rid, part, empty=True))
                 return
             handle = self._agent.post("WRITE", peer.agent_name,
                                       plan.local_indices[lo * n:hi * n],
@@ -557,9 +562,7 @@ class Producer(Endpoint):
             return
         deadline = self._after(self.config.transfer_timeout_s,
                                lambda: self._write_expired(rid, group))
-        nbytes = n * self._agent.bytes_per_block(peer.agent_name) * (hi - lo) \
-            // self.layout.num_regions
-        push.writes[group] = _Write(handle, nbytes, n, deadline)
+        push.writes[group] = _Write(handle, nbytes, plan.num_blocks, deadline)
         LIVE.add("transfers_in_flight", 1)
         self._stats.transfers_posted += 1
         self._stats.descriptors_posted += plan.num_runs * (hi - lo)
@@ -604,11 +607,14 @@ class Producer(Endpoint):
         if not isinstance(msg, m.PullDone):
             self._stats.messages_rejected += 1
             return
+        self._on_pull_done(msg)
+
+    def _on_pull_done(self, msg: m.PullDone) -> None:
         source = self._sources.get(msg.request_id)
         if source is not None and source.mode is TransferMode.PULL:
             self._stats.requests_completed += 1
             self._stats.blocks_moved += len(source.ids)
-            self._stats.bytes_moved += len(source.ids) * self._agent.bytes_per_block(sender)
+            self._stats.bytes_moved += msg.nbytes
             self._release(msg.request_id, ReleaseReason.TRANSFERRED)
 
     def _write_finished(self, rid: str, group: int, state: XferState,

@@ -97,7 +97,7 @@ def test_registration_of_mismatched_length_fails_cleanly(pair: tuple) -> None:
         ("dtype", dict(dtype="bfloat16", head_size=16)),
         ("head_size", dict(head_size=32)),
         ("total_kv_heads", dict(num_kv_heads=4)),
-        ("tokens_per_block", dict(tokens_per_block=8, head_size=8)),
+        ("tokens_per_block", dict(tokens_per_block=6)),  # not a multiple of 4
         ("kv_packed", dict(kv_packed=False)),
     ],
 )
@@ -163,3 +163,19 @@ def test_close_releases_held_blocks() -> None:
     assert [(r.request_id, r.reason) for r in released] == [("held", kvpush.ReleaseReason.CLOSED)]
     with pytest.raises(kvpush.ClosedError):
         p.prefill_done("x", np.array([1]))
+
+
+def test_empty_requests_as_first_traffic() -> None:
+    """A full prefix hit as the very first request of a pair: nothing to move, and no NIXL
+    connection yet; the protocol still completes on both sides."""
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
+    empty = np.array([], dtype=np.int64)
+    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        name = c.connect(p.address)
+        handle = c.expect("e1", empty, name)
+        p.prefill_done("e1", empty)
+        assert handle.wait(5).state is RequestState.READY
+        ticket = p.prefill_done("e2", empty, TransferMode.PULL)
+        assert c.pull(ticket, empty).wait(5).state is RequestState.READY
+        assert [r.reason for r in drain_released(p, 2)] == [kvpush.ReleaseReason.TRANSFERRED] * 2
+        assert p.stats()["requests_completed"] == 2
