@@ -153,6 +153,7 @@ class Agent:
         """Load a peer's metadata and prepare its descriptor lists (over the KV heads both
         sides hold, per head when block sizes differ); returns its agent name."""
         local, remote = self.layout, layout
+        local_table: np.ndarray | None  # None: the shared whole-block list serves
         if local.tokens_per_block != remote.tokens_per_block:
             k = max(local.tokens_per_block, remote.tokens_per_block) // min(
                 local.tokens_per_block, remote.tokens_per_block)

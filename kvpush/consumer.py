@@ -25,7 +25,7 @@ from . import _core
 from . import messages as m
 from .agent import TransportConfig, XferState
 from .auth import Opener, Sealer, check_key, new_nonce, session_key
-from .endpoint import Endpoint, Timer
+from .endpoint import RESULT_QUEUE, Endpoint, Timer, queue_result
 from .errors import (
     AuthenticationError,
     ClosedError,
@@ -183,7 +183,7 @@ class Consumer(Endpoint):
                          progress=config.progress)
         self.config = config
         self._on_finished = on_finished
-        self._finished: deque[TransferResult] = deque()
+        self._finished: deque[TransferResult] = deque(maxlen=RESULT_QUEUE)
         self._stats = Stats()
         self._producers: dict[str, _Producer] = {}     # by address
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
@@ -801,12 +801,13 @@ class Consumer(Endpoint):
         result = TransferResult(handle.request_id, state, handle.mode, error,
                                 time.monotonic() - started, nbytes)
         handle._set(result)
-        self._finished.append(result)
-        if self._on_finished is not None:
-            try:
-                self._on_finished(result)
-            except Exception:
-                log.exception("%s: on_finished callback raised", self.name)
+        if self._on_finished is None:
+            queue_result(self._finished, result, self.name, "get_finished")
+            return
+        try:
+            self._on_finished(result)
+        except Exception:
+            log.exception("%s: on_finished callback raised", self.name)
 
     # -- teardown --------------------------------------------------------------------------
     def _on_close(self) -> None:

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +33,20 @@ from .layout import KVLayout
 from .metrics import LIVE
 from .progress import Backoff, ProgressPolicy
 
-__all__ = ["Endpoint", "Timer"]
+__all__ = ["RESULT_QUEUE", "Endpoint", "Timer", "queue_result"]
 
 log = logging.getLogger("kvpush")
+
+#: Results kept for ``get_finished`` / ``get_released`` when no callback takes them; an
+#: engine that uses neither (handles only) must not grow memory without bound.
+RESULT_QUEUE = 1 << 16
+
+
+def queue_result(queue: deque[Any], item: Any, owner: str, drain: str) -> None:
+    if len(queue) == queue.maxlen:
+        log.warning("%s: %s() not drained: dropping the oldest of %d results", owner, drain,
+                    queue.maxlen)
+    queue.append(item)
 
 
 class Timer:

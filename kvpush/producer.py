@@ -26,7 +26,7 @@ import zmq
 from . import messages as m
 from .agent import TransportConfig, XferState
 from .auth import HelloGuard, Opener, Sealer, check_key, new_nonce, session_key
-from .endpoint import Endpoint, Timer
+from .endpoint import RESULT_QUEUE, Endpoint, Timer, queue_result
 from .errors import (
     AuthenticationError,
     InvalidBlockIds,
@@ -184,7 +184,7 @@ class Producer(Endpoint):
                          progress=config.progress)
         self.config = config
         self._on_release = on_release
-        self._released: deque[Release] = deque()
+        self._released: deque[Release] = deque(maxlen=RESULT_QUEUE)
         self._stats = Stats()
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
@@ -737,12 +737,13 @@ class Producer(Endpoint):
         self._send(self._router, msg, peer.identity, peer.sealer)
 
     def _emit(self, release: Release) -> None:
-        self._released.append(release)
-        if self._on_release is not None:
-            try:
-                self._on_release(release)
-            except Exception:
-                log.exception("%s: on_release callback raised", self.name)
+        if self._on_release is None:
+            queue_result(self._released, release, self.name, "get_released")
+            return
+        try:
+            self._on_release(release)
+        except Exception:
+            log.exception("%s: on_release callback raised", self.name)
 
     # -- loop: peers -----------------------------------------------------------------------
     def _check_peers(self) -> None:
