@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -175,6 +176,61 @@ PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remo
                           plan.num_runs()};
 }
 
+// ---------------------------------------------------------------------------------------
+// plan_split_transfer: the same TransferPlan out, from blocks split into per-head slots.
+
+PyTransferPlan plan_split_transfer(const py::object& local_ids, const py::object& remote_ids,
+                                   const py::object& local_num_blocks,
+                                   const py::object& remote_num_blocks,
+                                   const py::object& num_regions, const py::object& heads,
+                                   const py::object& local_split,
+                                   const py::object& remote_split) {
+    // Checked, converted, then viewed, for the reasons given in plan_transfer.
+    block_ids_arg(local_ids, "local_ids");
+    block_ids_arg(remote_ids, "remote_ids");
+    kvpush::SplitPlanRequest request;
+    request.local_num_blocks = to_int64(local_num_blocks);
+    request.remote_num_blocks = to_int64(remote_num_blocks);
+    request.num_regions = to_int64(num_regions);
+    request.heads = to_int64(heads);
+    request.local_split = to_int64(local_split);
+    request.remote_split = to_int64(remote_split);
+    request.local_ids = block_ids_arg(local_ids, "local_ids");
+    request.remote_ids = block_ids_arg(remote_ids, "remote_ids");
+
+    // Output size, n * heads * num_regions, with n the longer (fine) side; doubles, since
+    // nothing is validated yet and the product may not fit an integer.
+    const auto n = static_cast<double>(std::max(request.local_ids.size, request.remote_ids.size));
+    const bool release = n * static_cast<double>(request.heads) *
+                             static_cast<double>(request.num_regions) >=
+                         kReleaseGilEntries;
+    kvpush::SplitTransferPlan plan;
+    kvpush::Status status;
+    run_maybe_without_gil(release,
+                          [&] { status = kvpush::plan_split_transfer(request, &plan); });
+    throw_if_error(status);
+
+    const auto num_indices = static_cast<py::ssize_t>(plan.num_indices());
+    py::array_t<int32_t> local_indices(num_indices);
+    py::array_t<int32_t> remote_indices(num_indices);
+    int32_t* local_out = local_indices.mutable_data();
+    int32_t* remote_out = remote_indices.mutable_data();
+    run_maybe_without_gil(release, [&] { plan.write_indices(local_out, remote_out); });
+
+    const auto num_runs = static_cast<py::ssize_t>(plan.runs.size());
+    py::array_t<int64_t> runs({num_runs, py::ssize_t{3}});
+    if (num_runs > 0) {
+        std::memcpy(runs.mutable_data(), plan.runs.data(), plan.runs.size() * sizeof(kvpush::Run));
+    }
+
+    return PyTransferPlan{read_only(std::move(local_indices)),
+                          read_only(std::move(remote_indices)),
+                          read_only(std::move(runs)),
+                          plan.num_blocks(),
+                          plan.num_regions,
+                          plan.num_runs()};
+}
+
 void register_plan(py::module_& m) {
     py::class_<PyTransferPlan>(m, "TransferPlan", py::is_final(),
                                "Descriptor indices for one transfer; see kvpush/_core.pyi.")
@@ -196,6 +252,12 @@ void register_plan(py::module_& m) {
           py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
           py::arg("coalesce") = true,
           "Map and coalesce block-id pairs into NIXL descriptor indices; see kvpush/_core.pyi.");
+
+    m.def("plan_split_transfer", &plan_split_transfer, py::arg("local_ids"), py::arg("remote_ids"),
+          py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
+          py::arg("heads"), py::arg("local_split"), py::arg("remote_split"),
+          "Map fine blocks to per-head slots of coarse blocks as NIXL descriptor indices; "
+          "see kvpush/_core.pyi.");
 }
 
 // ---------------------------------------------------------------------------------------

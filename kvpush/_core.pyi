@@ -23,6 +23,8 @@ class TransferPlan:
     """Descriptor indices for one transfer: what :func:`plan_transfer` returns.
 
     Read-only; its arrays are not writeable either, so a plan can be shared freely.
+    :func:`plan_split_transfer` returns one too; how its attributes read there (per-head
+    indices, runs in descriptor indices) is in that function's docstring.
     """
 
     @property
@@ -97,6 +99,78 @@ def plan_transfer(
         ``local_num_blocks``, ``remote_num_blocks`` >= 1; local then remote index space
         fits int32; local ids in range; remote ids in range; no repeated local id; no
         repeated remote id (reported at its first repeat, with both positions).
+    TypeError
+        If a count is not an integer.
+    """
+
+def plan_split_transfer(
+    local_ids: _BlockIds,
+    remote_ids: _BlockIds,
+    local_num_blocks: int,
+    remote_num_blocks: int,
+    num_regions: int,
+    heads: int,
+    local_split: int,
+    remote_split: int,
+) -> TransferPlan:
+    """Map fine blocks to per-head slots of coarse blocks as NIXL descriptor indices.
+
+    The two sides hold the same tokens, but one side's block (the *coarse* side, whose
+    split is ``k``) holds ``k`` times the tokens of the other's (the *fine* side, split 1).
+    Every block is head-major: ``heads`` heads one after another, each holding its tokens
+    contiguously. So fine block ``i`` of the request lives, for each head, in slot
+    ``i % k`` of coarse block ``coarse_ids[i // k]``: ``heads`` separate byte ranges, one
+    descriptor each. Each side's descriptor list is prepared at that granularity:
+    (region ``r``, block ``b``, slot ``s``, head ``h``) is descriptor
+    ``((r * side_num_blocks + b) * side_split + s) * heads + h``. Nothing is sorted or
+    coalesced: slots must stay with their coarse block, so pairs keep the given order.
+    The GIL is released for large requests.
+
+    Parameters
+    ----------
+    local_ids, remote_ids : NDArray[np.int32] | NDArray[np.int64]
+        1-D, C-contiguous, native byte order, as for :func:`plan_transfer`; no id may
+        repeat on one side. The fine side has ``n`` ids; the coarse side exactly
+        ``ceil(n / k)`` (its last block may be partly used). With both splits 1 they are
+        plain pairs and remote counts as the coarse side, so both have ``n``.
+    local_num_blocks, remote_num_blocks : int
+        Blocks per region on each side; ids must lie in ``[0, side_num_blocks)``.
+    num_regions : int
+        Memory regions of the cache.
+    heads : int
+        Heads per block, at least 1.
+    local_split, remote_split : int
+        Slots per block on each side, at least 1; at most one of them above 1.
+        ``num_regions * side_num_blocks * side_split * heads`` must fit in int32.
+
+    Returns
+    -------
+    TransferPlan
+        ``local_indices``, ``remote_indices``: ``num_regions * n * heads`` int32 each,
+        region-major, then pair ``i`` in the given order, then head ``h``; entry
+        ``(r * n + i) * heads + h`` is the descriptor of region ``r``, head ``h`` of pair
+        ``i`` on that side.
+        ``runs``: shape ``(num_runs, 3)``, the maximal stretches of region 0's emitted
+        (local, remote) descriptor index pairs, entries ``0 .. n * heads - 1``, in which
+        both indices advance by exactly one from each pair to the next; each is
+        ``local_start, remote_start, length`` with the starts region-0 descriptor indices
+        and the length a count of descriptors (a multiple of ``heads``: a pair's heads
+        always advance together). Every other region has the same stretches shifted by
+        ``r * side_num_blocks * side_split * heads``; stretches never span regions. With
+        ``heads == 1`` and both splits 1, this is exactly :func:`plan_transfer` with
+        ``coalesce=False``.
+        ``num_blocks``: ``n``. ``num_runs``: runs per region. ``num_descriptors``:
+        ``num_runs * num_regions``.
+
+    Raises
+    ------
+    kvpush.errors.InvalidBlockIds
+        For the first failed check, in this order: dtype/shape/contiguity of
+        ``local_ids`` then ``remote_ids``; ``num_regions``, ``local_num_blocks``,
+        ``remote_num_blocks``, ``heads``, ``local_split``, ``remote_split`` >= 1; not both
+        splits above 1; coarse side length ``ceil(n / k)``; local then remote index space
+        fits int32; local ids in range; remote ids in range; no repeated local id; no
+        repeated remote id (messages as for :func:`plan_transfer`).
     TypeError
         If a count is not an integer.
     """

@@ -10,6 +10,13 @@ of ``local_ids`` then ``remote_ids``; length mismatch; ``num_regions``,
 ``local_num_blocks``, ``remote_num_blocks`` at least 1; the local then the remote
 descriptor index space fits in int32; local ids in range; remote ids in range; no repeated
 local id; no repeated remote id.
+
+``plan_split_transfer`` takes the same arrays, checked first in the same way, then:
+``num_regions``, ``local_num_blocks``, ``remote_num_blocks``, ``heads``, ``local_split``,
+``remote_split`` at least 1; not both splits above 1; the coarse side (the one whose split
+is above 1, else remote) holds exactly ``ceil(n / k)`` ids, ``n`` the fine side's count;
+``num_regions * side_num_blocks * side_split * heads`` fits in int32, local then remote;
+then ranges and repeats as for ``plan_transfer``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ __all__ = [
     "TransferPlan",
     "__version__",
     "block_checksums",
+    "plan_split_transfer",
     "plan_transfer",
 ]
 
@@ -110,6 +118,9 @@ def _check_unique(ids: NDArray[np.int64], name: str) -> None:
 @dataclass(frozen=True, repr=False, eq=False)
 class TransferPlan:
     """Descriptor indices for one transfer: what :func:`plan_transfer` returns.
+
+    :func:`plan_split_transfer` returns one too, with per-head indices and runs; its
+    docstring says how the attributes read there.
 
     Attributes
     ----------
@@ -223,6 +234,120 @@ def plan_transfer(
     region = np.arange(regions, dtype=np.int64)[:, None]
     local_indices = (region * local_blocks + local).ravel().astype(np.int32)
     remote_indices = (region * remote_blocks + remote).ravel().astype(np.int32)
+    for arr in (local_indices, remote_indices, runs):
+        _read_only(arr)
+    return TransferPlan(
+        local_indices=local_indices,
+        remote_indices=remote_indices,
+        runs=runs,
+        num_blocks=n,
+        num_regions=regions,
+        num_runs=len(runs),
+    )
+
+
+def plan_split_transfer(
+    local_ids: NDArray[np.int32] | NDArray[np.int64],
+    remote_ids: NDArray[np.int32] | NDArray[np.int64],
+    local_num_blocks: int,
+    remote_num_blocks: int,
+    num_regions: int,
+    heads: int,
+    local_split: int,
+    remote_split: int,
+) -> TransferPlan:
+    """Map fine blocks to per-head slots of coarse blocks as NIXL descriptor indices.
+
+    One side's block holds ``k`` times the tokens of the other's; the side whose split is
+    ``k`` is coarse. Fine id ``i`` pairs with slot ``i % k`` of coarse block
+    ``coarse_ids[i // k]``. On each side, (region ``r``, block ``b``, slot ``s``, head
+    ``h``) is descriptor ``((r * side_num_blocks + b) * side_split + s) * heads + h``.
+
+    Returns
+    -------
+    TransferPlan
+        ``local_indices``, ``remote_indices``: ``num_regions * n * heads`` each, region,
+        then pair ``i`` in the given order, then head. ``runs``: maximal stretches of
+        region 0's emitted (local, remote) descriptor index pairs advancing by one on
+        both sides, as ``local_start, remote_start, length`` in region-0 descriptor
+        indices and descriptors. ``num_blocks`` is ``n``.
+
+    Raises
+    ------
+    InvalidBlockIds
+        For the first failed check, in the order given in the module docstring.
+    """
+    local = _block_ids(local_ids, "local_ids")
+    remote = _block_ids(remote_ids, "remote_ids")
+    local_blocks = _index(local_num_blocks)
+    remote_blocks = _index(remote_num_blocks)
+    regions = _index(num_regions)
+    head_count = _index(heads)
+    splits = {"local": _index(local_split), "remote": _index(remote_split)}
+
+    _require_positive("num_regions", regions)
+    _require_positive("local_num_blocks", local_blocks)
+    _require_positive("remote_num_blocks", remote_blocks)
+    _require_positive("heads", head_count)
+    _require_positive("local_split", splits["local"])
+    _require_positive("remote_split", splits["remote"])
+    if splits["local"] > 1 and splits["remote"] > 1:
+        raise InvalidBlockIds(
+            "local_split and remote_split cannot both exceed 1, "
+            f"got {splits['local']} and {splits['remote']}"
+        )
+    coarse, fine = ("local", "remote") if splits["local"] > 1 else ("remote", "local")
+    sizes = {"local": local.size, "remote": remote.size}
+    n, k = sizes[fine], splits[coarse]
+    expected = -(-n // k)
+    if sizes[coarse] != expected:
+        raise InvalidBlockIds(
+            f"{coarse}_ids has {sizes[coarse]} entries, but {n} {fine}_ids at "
+            f"{coarse}_split = {k} need ceil({n} / {k}) = {expected}"
+        )
+    for side, blocks in (("local", local_blocks), ("remote", remote_blocks)):
+        if regions * blocks * splits[side] * head_count > _INT32_MAX:
+            raise InvalidBlockIds(
+                f"num_regions * {side}_num_blocks * {side}_split * heads = "
+                f"{regions} * {blocks} * {splits[side]} * {head_count} "
+                "does not fit in int32 descriptor indices"
+            )
+    _check_range(local, "local_ids", local_blocks)
+    _check_range(remote, "remote_ids", remote_blocks)
+    _check_unique(local, "local_ids")
+    _check_unique(remote, "remote_ids")
+
+    # Unit = block * split + slot: descriptor index of head 0 in region 0, over heads.
+    position = np.arange(n, dtype=np.int64)
+    units = {
+        side: ids[position // splits[side]] * splits[side] + position % splits[side]
+        for side, ids in (("local", local), ("remote", remote))
+    }
+    region = np.arange(regions, dtype=np.int64)[:, None, None]
+    head = np.arange(head_count, dtype=np.int64)
+    local_indices = (
+        ((region * local_blocks * splits["local"] + units["local"][:, None]) * head_count + head)
+        .ravel()
+        .astype(np.int32)
+    )
+    remote_indices = (
+        ((region * remote_blocks * splits["remote"] + units["remote"][:, None]) * head_count + head)
+        .ravel()
+        .astype(np.int32)
+    )
+
+    # Region 0's pairs written out, one per descriptor, and split wherever either side
+    # fails to advance by one.
+    local_row = local_indices[: n * head_count].astype(np.int64)
+    remote_row = remote_indices[: n * head_count].astype(np.int64)
+    if n:
+        breaks = (np.diff(local_row) != 1) | (np.diff(remote_row) != 1)
+        starts = np.flatnonzero(np.concatenate(([True], breaks)))
+        lengths = np.diff(np.append(starts, local_row.size))
+        runs = np.stack([local_row[starts], remote_row[starts], lengths], axis=1).astype(np.int64)
+    else:
+        runs = np.empty((0, 3), dtype=np.int64)
+
     for arr in (local_indices, remote_indices, runs):
         _read_only(arr)
     return TransferPlan(

@@ -300,6 +300,338 @@ def test_plan_counts_must_be_integers(impl: ModuleType) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# plan_split_transfer
+
+
+def assert_same_split_outcome(*args: Any) -> tuple[str, Any]:
+    got = outcome(_core.plan_split_transfer, *args)
+    want = outcome(_reference.plan_split_transfer, *args)
+    assert got[0] == want[0], (got, want)
+    if got[0] == "raised":
+        assert got[1] == want[1]
+    else:
+        assert_same_plan(got[1], want[1])
+    return got
+
+
+def split_by_definition(*args: Any) -> tuple[list[int], list[int], list[list[int]]]:
+    """Index lists and runs of a valid split request, straight from the definitions."""
+    local, remote, local_blocks, remote_blocks, regions, heads, local_split, remote_split = args
+    n = max(len(local), len(remote)) if max(local_split, remote_split) == 1 else None
+    if n is None:
+        n = len(remote) if local_split > 1 else len(local)
+
+    def desc(side: str, r: int, i: int, h: int) -> int:
+        ids, blocks, split = (
+            (local, local_blocks, local_split)
+            if side == "local"
+            else (remote, remote_blocks, remote_split)
+        )
+        block, slot = int(ids[i // split]), i % split
+        return ((r * blocks + block) * split + slot) * heads + h
+
+    order = [(r, i, h) for r in range(regions) for i in range(n) for h in range(heads)]
+    local_indices = [desc("local", *e) for e in order]
+    remote_indices = [desc("remote", *e) for e in order]
+    runs: list[list[int]] = []
+    for a, b in zip(local_indices[: n * heads], remote_indices[: n * heads], strict=True):
+        if runs and a == runs[-1][0] + runs[-1][2] and b == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, b, 1])
+    return local_indices, remote_indices, runs
+
+
+@st.composite
+def split_args(draw: st.DrawFn) -> tuple[Any, ...]:
+    k, heads, regions = draw(st.integers(1, 8)), draw(st.integers(1, 8)), draw(st.integers(1, 4))
+    coarse_side = draw(st.sampled_from(["local", "remote"]))
+    n = draw(st.integers(0, 40) if draw(st.integers(0, 9)) == 0 else st.integers(1, 40))
+    m = -(-n // k)
+    spare = st.one_of(st.integers(0, 8), st.integers(0, 300), st.integers(0, 2**20))
+    fine_blocks, coarse_blocks = max(1, n + draw(spare)), max(1, m + draw(spare))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32)))
+    runny = draw(st.booleans())
+    fine, coarse = _ids(rng, n, fine_blocks, runny), _ids(rng, m, coarse_blocks, runny)
+    if draw(st.booleans()):
+        fine = fine[rng.permutation(n)]
+    if draw(st.booleans()):
+        coarse = coarse[rng.permutation(m)]
+    if coarse_side == "local":
+        local, remote, local_blocks, remote_blocks = coarse, fine, coarse_blocks, fine_blocks
+        splits = [k, 1]
+    else:
+        local, remote, local_blocks, remote_blocks = fine, coarse, fine_blocks, coarse_blocks
+        splits = [1, k]
+
+    # Break it now and then, sometimes twice, so the order of checks is exercised.
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
+        fault = draw(
+            st.sampled_from(
+                [
+                    *("range", "negative", "dup", "dup", "length", "length"),
+                    *("regions", "heads", "split", "both-split", "fit", "blocks"),
+                ]
+            )
+        )
+        target = draw(st.sampled_from(["local", "remote"]))
+        side = 0 if target == "local" else 1
+        ids = local if target == "local" else remote
+        if fault in ("range", "negative", "dup") and ids.size == 0:
+            continue
+        at = draw(st.integers(0, ids.size - 1)) if ids.size else 0
+        if fault == "range":
+            ids[at] = (local_blocks if target == "local" else remote_blocks) + draw(
+                st.integers(0, 3)
+            )
+        elif fault == "negative":
+            ids[at] = -draw(st.integers(1, 3))
+        elif fault == "dup" and ids.size > 1:
+            ids[at] = ids[draw(st.integers(0, ids.size - 1))]
+        elif fault == "length":
+            ids = np.append(ids, 0) if draw(st.booleans()) or ids.size == 0 else ids[:-1]
+        elif fault == "regions":
+            regions = draw(st.integers(-2, 0))
+        elif fault == "heads":
+            heads = draw(st.integers(-2, 0))
+        elif fault == "split":
+            splits[side] = draw(st.integers(-2, 0))
+        elif fault == "both-split":
+            splits[side] = max(splits[side], draw(st.integers(2, 9)))
+            splits[1 - side] = max(splits[1 - side], draw(st.integers(2, 9)))
+        elif fault == "fit":
+            regions = draw(st.integers(2**31 // max(local_blocks, remote_blocks) + 1, 2**40))
+        elif fault == "blocks":
+            if target == "local":
+                local_blocks = draw(st.integers(-2, 0))
+            else:
+                remote_blocks = draw(st.integers(-2, 0))
+        if target == "local":
+            local = ids
+        else:
+            remote = ids
+
+    local = local.astype(draw(st.sampled_from([np.int32, np.int64])))
+    remote = remote.astype(draw(st.sampled_from([np.int32, np.int64])))
+    return local, remote, local_blocks, remote_blocks, regions, heads, splits[0], splits[1]
+
+
+@SETTINGS
+@given(split_args())
+def test_split_plan_matches_reference(args: tuple[Any, ...]) -> None:
+    kind, result = assert_same_split_outcome(*args)
+    event("ok" if kind == "ok" else re.sub(r"-?\d+", "N", result[1]))
+    if kind == "ok":
+        local_indices, remote_indices, runs = split_by_definition(*args)
+        assert result.local_indices.tolist() == local_indices
+        assert result.remote_indices.tolist() == remote_indices
+        assert result.runs.tolist() == runs
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_plan_example(impl: ModuleType) -> None:
+    # Remote blocks hold 2 local blocks' tokens, 2 heads, 2 regions. Units (block * split
+    # + slot): local 5 6 7 2 (split 1), remote 3.0 3.1 0.0 0.1 = 6 7 0 1.
+    local = np.array([5, 6, 7, 2], dtype=np.int64)
+    remote = np.array([3, 0], dtype=np.int32)
+    plan = impl.plan_split_transfer(local, remote, 8, 4, 2, 2, 1, 2)
+    # Region 1 is region 0 shifted by 8 units x 2 heads on both sides.
+    region0 = [10, 11, 12, 13, 14, 15, 4, 5]
+    assert plan.local_indices.tolist() == region0 + [i + 16 for i in region0]
+    region0 = [12, 13, 14, 15, 0, 1, 2, 3]
+    assert plan.remote_indices.tolist() == region0 + [i + 16 for i in region0]
+    # Units 5,6 -> 6,7 advance together: one run of 2 pairs x 2 heads; then 7 -> 0, 2 -> 1.
+    assert plan.runs.tolist() == [[10, 12, 4], [14, 0, 2], [4, 2, 2]]
+    assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (4, 2, 3, 6)
+    assert repr(plan) == "TransferPlan(num_blocks=4, num_regions=2, num_runs=3)"
+
+    # The mirror image: the coarse side local, an odd count leaving slot 1 of block 0 unused.
+    plan = impl.plan_split_transfer(remote, local[:3], 4, 8, 1, 1, 2, 1)
+    assert plan.local_indices.tolist() == [6, 7, 0]
+    assert plan.remote_indices.tolist() == [5, 6, 7]
+    assert plan.runs.tolist() == [[6, 5, 2], [0, 7, 1]]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_plan_without_split_is_per_head_plan(impl: ModuleType) -> None:
+    rng = np.random.default_rng(7)
+    # Scattered ids around one stretch consecutive on both sides.
+    others = rng.permutation(np.r_[0:30, 36:50])[:14], rng.permutation(np.r_[0:40, 46:60])[:14]
+    local = np.concatenate([others[0][:3], np.arange(30, 36), others[0][3:]])
+    remote = np.concatenate([others[1][:3], np.arange(40, 46), others[1][3:]])
+    plain = impl.plan_transfer(local, remote, 50, 60, 3, coalesce=False)
+    split = impl.plan_split_transfer(local, remote, 50, 60, 3, 1, 1, 1)
+    assert_same_plan(split, plain)
+    heads = 4
+    split = impl.plan_split_transfer(local, remote, 50, 60, 3, heads, 1, 1)
+    per_head = (plain.local_indices[:, None] * heads + np.arange(heads)).ravel()
+    np.testing.assert_array_equal(split.local_indices, per_head)
+    np.testing.assert_array_equal(split.runs, plain.runs * heads)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_plan_empty(impl: ModuleType) -> None:
+    plan = impl.plan_split_transfer(np.empty(0, np.int64), np.empty(0, np.int32), 4, 4, 3, 2, 3, 1)
+    assert plan.local_indices.shape == plan.remote_indices.shape == (0,)
+    assert plan.local_indices.dtype == np.int32
+    assert plan.runs.shape == (0, 3)
+    assert plan.runs.dtype == np.int64
+    assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (0, 3, 0, 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_plan_is_read_only(impl: ModuleType) -> None:
+    plan = impl.plan_split_transfer(np.arange(4), np.arange(2), 8, 8, 2, 2, 1, 2)
+    for name in ("local_indices", "remote_indices", "runs"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(plan, name)[0] = 5
+    with pytest.raises(AttributeError):
+        plan.num_blocks = 3
+
+
+def test_split_plan_qwen_sized_matches_reference() -> None:
+    # 64 regions x 8 heads x 512 blocks: well past the GIL-release threshold.
+    rng = np.random.default_rng(8)
+    fine = rng.choice(20000, 512, replace=False)
+    coarse = rng.choice(10000, 256, replace=False).astype(np.int32)
+    assert_same_split_outcome(fine, coarse, 20000, 10000, 64, 8, 1, 2)
+    assert_same_split_outcome(coarse, fine, 10000, 20000, 64, 8, 2, 1)
+
+
+def test_split_plan_from_threads() -> None:
+    rng = np.random.default_rng(9)
+    cases = [
+        (rng.choice(3000, 300, replace=False), rng.choice(1000, 75, replace=False))
+        for _ in range(8)
+    ]
+    want = [_reference.plan_split_transfer(f, c, 3000, 1000, 8, 4, 1, 4) for f, c in cases]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(3):
+            got = list(
+                pool.map(
+                    lambda c: _core.plan_split_transfer(c[0], c[1], 3000, 1000, 8, 4, 1, 4), cases
+                )
+            )
+            for g, w in zip(got, want, strict=True):
+                assert_same_plan(g, w)
+
+
+@pytest.mark.parametrize(("bad", "fragment"), BAD_ARRAYS)
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_split_plan_rejects_bad_arrays(bad: Any, fragment: str, side: str) -> None:
+    args = (bad, GOOD) if side == "local" else (GOOD, bad)
+    # Counts that are invalid too: the arrays are checked first.
+    kind, (cls, message) = assert_same_split_outcome(*args, 0, 8, 1, 0, 2, 2)
+    assert kind == "raised"
+    assert cls is InvalidBlockIds
+    assert message.startswith(f"{side}_ids must be")
+    assert message.endswith(fragment)
+
+
+_TOP = 2**31 - 1  # INT32_MAX, a prime: only 1 * _TOP * 1 * 1 reaches it exactly
+SPLIT_ERRORS = [
+    pytest.param(([0, 1], [0], 8, 8, 0, 1, 1, 2), "num_regions must be >= 1, got 0"),
+    pytest.param(([0, 1], [0], 0, 8, 1, 1, 1, 2), "local_num_blocks must be >= 1, got 0"),
+    pytest.param(([0, 1], [0], 8, -1, 1, 1, 1, 2), "remote_num_blocks must be >= 1, got -1"),
+    pytest.param(([0, 1], [0], 8, 8, 1, 0, 1, 2), "heads must be >= 1, got 0"),
+    pytest.param(([0, 1], [0], 8, 8, 1, 1, 0, 2), "local_split must be >= 1, got 0"),
+    pytest.param(([0, 1], [0], 8, 8, 1, 1, 1, -2), "remote_split must be >= 1, got -2"),
+    pytest.param(
+        ([0, 1], [0], 8, 8, 1, 1, 2, 3),
+        "local_split and remote_split cannot both exceed 1, got 2 and 3",
+    ),
+    pytest.param(
+        ([0, 1, 2, 3, 4], [0, 1], 8, 8, 1, 1, 1, 2),
+        "remote_ids has 2 entries, but 5 local_ids at remote_split = 2 need ceil(5 / 2) = 3",
+    ),
+    pytest.param(
+        ([0, 1], [0, 1, 2], 8, 8, 1, 1, 4, 1),
+        "local_ids has 2 entries, but 3 remote_ids at local_split = 4 need ceil(3 / 4) = 1",
+    ),
+    pytest.param(
+        ([0, 1, 2], [0, 1], 8, 8, 1, 1, 1, 1),
+        "remote_ids has 2 entries, but 3 local_ids at remote_split = 1 need ceil(3 / 1) = 3",
+    ),
+    pytest.param(
+        ([], [0], 8, 8, 1, 1, 1, 2),
+        "remote_ids has 1 entries, but 0 local_ids at remote_split = 2 need ceil(0 / 2) = 0",
+    ),
+    pytest.param(  # length before fit
+        ([0, 1, 2], [0], 2**40, 8, 1, 1, 1, 2),
+        "remote_ids has 1 entries, but 3 local_ids at remote_split = 2 need ceil(3 / 2) = 2",
+    ),
+    pytest.param(
+        ([1], [1], 40_000_000, 8, 8, 8, 1, 1),
+        "num_regions * local_num_blocks * local_split * heads = 8 * 40000000 * 1 * 8 does not "
+        "fit in int32 descriptor indices",
+    ),
+    pytest.param(
+        ([0, 1], [0], 8, 2**28, 1, 1, 1, 8),
+        "num_regions * remote_num_blocks * remote_split * heads = 1 * 268435456 * 8 * 1 does not "
+        "fit in int32 descriptor indices",
+    ),
+    pytest.param(
+        ([_TOP - 1], [0], _TOP, 1, 1, 2, 1, 1),
+        "num_regions * local_num_blocks * local_split * heads = 1 * 2147483647 * 1 * 2 does not "
+        "fit in int32 descriptor indices",
+    ),
+    pytest.param(
+        ([0], [0], 8, 8, 1, 2**70, 1, 1),  # clamped to int64 by both
+        "num_regions * local_num_blocks * local_split * heads = 1 * 8 * 1 * 9223372036854775807 "
+        "does not fit in int32 descriptor indices",
+    ),
+    pytest.param(
+        ([0], [0], 8, 8, 2**62, 2**62, 1, 2**62),  # each factor fits, the product does not
+        "num_regions * local_num_blocks * local_split * heads = 4611686018427387904 * 8 * 1 * "
+        "4611686018427387904 does not fit in int32 descriptor indices",
+    ),
+    pytest.param(([0, 8], [0], 8, 8, 1, 1, 1, 2), "local_ids[1] = 8 is out of range [0, 8)"),
+    pytest.param(([0, 1], [-1], 8, 8, 1, 1, 1, 2), "remote_ids[0] = -1 is out of range [0, 8)"),
+    pytest.param(  # range before repeats
+        ([5, 5], [99], 8, 8, 1, 1, 1, 5), "remote_ids[0] = 99 is out of range [0, 8)"
+    ),
+    pytest.param(
+        ([5, 9, 1, 9, 5], [0, 1, 2], 64, 64, 1, 1, 1, 2),
+        "local_ids has duplicate block id 9 (positions 1 and 3)",
+    ),
+    pytest.param(
+        ([0, 1, 2, 3, 4], [4, 2, 4], 64, 64, 1, 1, 1, 2),
+        "remote_ids has duplicate block id 4 (positions 0 and 2)",
+    ),
+    pytest.param(
+        ([7, 7], [1, 2, 3, 1], 2**20, 2**20, 1, 1, 2, 1),  # sparse: found by sorting
+        "local_ids has duplicate block id 7 (positions 0 and 1)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), SPLIT_ERRORS)
+def test_split_plan_error_messages(args: tuple[Any, ...], message: str) -> None:
+    local, remote, *rest = args
+    kind, (cls, got) = assert_same_split_outcome(
+        np.array(local, np.int64), np.array(remote, np.int32), *rest
+    )
+    assert (kind, cls, got) == ("raised", InvalidBlockIds, message)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_plan_largest_index_space(impl: ModuleType) -> None:
+    plan = impl.plan_split_transfer(np.array([_TOP - 1, 0]), np.array([0]), _TOP, 1, 1, 1, 1, 2)
+    assert plan.local_indices.tolist() == [_TOP - 1, 0]
+    assert plan.remote_indices.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_plan_counts_must_be_integers(impl: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        impl.plan_split_transfer(GOOD, GOOD, 8, 8, 1, 2.0, 1, 1)
+    with pytest.raises(TypeError):
+        impl.plan_split_transfer(GOOD, GOOD[:2], 8, 8, 1, 1, 1, "2")
+    plan = impl.plan_split_transfer(GOOD, GOOD[:2], np.int64(8), 8, True, np.int32(2), 1, 2)
+    assert (plan.num_regions, plan.local_indices.size) == (1, 6)
+
+
+# ---------------------------------------------------------------------------------------
 # CompletionTable
 
 

@@ -251,4 +251,155 @@ void TransferPlan::write_indices(int32_t* local_out, int32_t* remote_out) const 
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// plan_split_transfer
+
+namespace {
+
+// The split index space, num_regions * num_blocks * split * heads, must fit in int32 too.
+// All four are >= 1 here; floor(floor(m / a) / b) == floor(m / (a * b)), so dividing the
+// limit factor by factor is exact and, unlike multiplying, cannot overflow.
+Status require_split_index_fit(int64_t num_regions, const char* blocks_name,
+                               int64_t num_blocks, const char* split_name, int64_t split,
+                               int64_t heads) {
+    const int64_t room = std::numeric_limits<int32_t>::max() / num_regions / split / heads;
+    if (num_blocks <= room) return Status::Ok();
+    return Status::InvalidArgument(
+        std::string("num_regions * ") + blocks_name + " * " + split_name + " * heads = " +
+        std::to_string(num_regions) + " * " + std::to_string(num_blocks) + " * " +
+        std::to_string(split) + " * " + std::to_string(heads) +
+        " does not fit in int32 descriptor indices");
+}
+
+std::size_t first_repeat(const std::vector<int64_t>& ids, IdSetMethod method,
+                         int64_t num_blocks) {
+    if (resolve(method, ids.size(), num_blocks) == IdSetMethod::Bitmap) {
+        BlockBitmap seen(num_blocks);
+        return first_repeat_bitmap(ids, &seen);
+    }
+    std::vector<uint64_t> keys;
+    return first_repeat_sort(ids, &keys);
+}
+
+// Pair i's unit on one side: slot i % split of block ids[i / split]. Validation bounded
+// num_blocks * split by INT32_MAX, so the unit fits in int32.
+void fill_units(const std::vector<int64_t>& ids, int64_t split, std::size_t n,
+                std::vector<int32_t>* units) {
+    units->resize(n);
+    const auto s = static_cast<std::size_t>(split);
+    for (std::size_t i = 0; i < n; ++i) {
+        (*units)[i] = static_cast<int32_t>(ids[i / s] * split + static_cast<int64_t>(i % s));
+    }
+}
+
+// Region 0's row first; every other region's is that row plus a constant, a plain loop
+// the compiler vectorizes, instead of recomputing unit * heads + h per entry.
+void write_split_side(const std::vector<int32_t>& units, int64_t units_per_region,
+                      int64_t heads, int64_t num_regions, int32_t* out) {
+    // Validation bounded num_regions * units_per_region * heads by INT32_MAX.
+    const auto h = static_cast<int32_t>(heads);
+    const std::size_t row = units.size() * static_cast<std::size_t>(heads);
+    int32_t* at = out;
+    for (const int32_t unit : units) {
+        const int32_t base = unit * h;
+        for (int32_t j = 0; j < h; ++j) *at++ = base + j;
+    }
+    for (int64_t r = 1; r < num_regions; ++r) {
+        const auto shift = static_cast<int32_t>(r * units_per_region * heads);
+        int32_t* dst = out + static_cast<std::size_t>(r) * row;
+        for (std::size_t k = 0; k < row; ++k) dst[k] = out[k] + shift;
+    }
+}
+
+}  // namespace
+
+Status plan_split_transfer(const SplitPlanRequest& req, SplitTransferPlan* out,
+                           IdSetMethod method) {
+    // The length rule depends on the splits, so unlike plan_transfer the scalars come first.
+    Status s = require_positive("num_regions", req.num_regions);
+    if (s.ok()) s = require_positive("local_num_blocks", req.local_num_blocks);
+    if (s.ok()) s = require_positive("remote_num_blocks", req.remote_num_blocks);
+    if (s.ok()) s = require_positive("heads", req.heads);
+    if (s.ok()) s = require_positive("local_split", req.local_split);
+    if (s.ok()) s = require_positive("remote_split", req.remote_split);
+    if (!s.ok()) return s;
+    if (req.local_split > 1 && req.remote_split > 1) {
+        return Status::InvalidArgument("local_split and remote_split cannot both exceed 1, got " +
+                                       std::to_string(req.local_split) + " and " +
+                                       std::to_string(req.remote_split));
+    }
+
+    const bool local_coarse = req.local_split > 1;
+    const BlockIdView& fine = local_coarse ? req.remote_ids : req.local_ids;
+    const BlockIdView& coarse = local_coarse ? req.local_ids : req.remote_ids;
+    const int64_t k = local_coarse ? req.local_split : req.remote_split;
+    const std::size_t n = fine.size;
+    const auto uk = static_cast<uint64_t>(k);
+    const auto expected = static_cast<std::size_t>(n / uk + (n % uk != 0 ? 1 : 0));
+    if (coarse.size != expected) {
+        const std::string coarse_side = local_coarse ? "local" : "remote";
+        const std::string fine_side = local_coarse ? "remote" : "local";
+        return Status::LengthMismatch(
+            coarse_side + "_ids has " + std::to_string(coarse.size) + " entries, but " +
+            std::to_string(n) + " " + fine_side + "_ids at " + coarse_side + "_split = " +
+            std::to_string(k) + " need ceil(" + std::to_string(n) + " / " + std::to_string(k) +
+            ") = " + std::to_string(expected));
+    }
+
+    s = require_split_index_fit(req.num_regions, "local_num_blocks", req.local_num_blocks,
+                                "local_split", req.local_split, req.heads);
+    if (s.ok()) {
+        s = require_split_index_fit(req.num_regions, "remote_num_blocks", req.remote_num_blocks,
+                                    "remote_split", req.remote_split, req.heads);
+    }
+    if (!s.ok()) return s;
+
+    std::vector<int64_t> local;
+    std::vector<int64_t> remote;
+    s = copy_block_ids(req.local_ids, "local_ids", req.local_num_blocks, &local);
+    if (s.ok()) s = copy_block_ids(req.remote_ids, "remote_ids", req.remote_num_blocks, &remote);
+    if (!s.ok()) return s;
+    std::size_t repeat = first_repeat(local, method, req.local_num_blocks);
+    if (repeat != kNoRepeat) return duplicate_error("local_ids", local, repeat);
+    repeat = first_repeat(remote, method, req.remote_num_blocks);
+    if (repeat != kNoRepeat) return duplicate_error("remote_ids", remote, repeat);
+
+    fill_units(local, req.local_split, n, &out->local_units);
+    fill_units(remote, req.remote_split, n, &out->remote_units);
+
+    // Within a pair the heads always advance together on both sides, so region 0's index
+    // pairs break only between pairs, and exactly where a unit fails to advance by one:
+    // runs over units, scaled by heads, are the runs over descriptor indices.
+    const std::vector<int32_t>& lu = out->local_units;
+    const std::vector<int32_t>& ru = out->remote_units;
+    std::vector<Run>& runs = out->runs;
+    runs.resize(n);  // at most n; sized up front and trimmed, as in plan_transfer
+    std::size_t num_runs = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+        if (i > 0 && lu[i] == lu[i - 1] + 1 && ru[i] == ru[i - 1] + 1) {
+            ++runs[num_runs - 1].length;
+        } else {
+            runs[num_runs] = Run{lu[i], ru[i], 1};
+            ++num_runs;
+        }
+    }
+    runs.resize(num_runs);
+    for (Run& run : runs) {
+        run.local_start *= req.heads;
+        run.remote_start *= req.heads;
+        run.length *= req.heads;
+    }
+
+    out->local_units_per_region = req.local_num_blocks * req.local_split;
+    out->remote_units_per_region = req.remote_num_blocks * req.remote_split;
+    out->num_regions = req.num_regions;
+    out->heads = req.heads;
+    return Status::Ok();
+}
+
+void SplitTransferPlan::write_indices(int32_t* local_out, int32_t* remote_out) const {
+    write_split_side(local_units, local_units_per_region, heads, num_regions, local_out);
+    write_split_side(remote_units, remote_units_per_region, heads, num_regions, remote_out);
+}
+
 }  // namespace kvpush

@@ -89,4 +89,69 @@ enum class IdSetMethod { Auto, Bitmap, Sort };
 Status plan_transfer(const PlanRequest& request, TransferPlan* out,
                      IdSetMethod method = IdSetMethod::Auto);
 
+// ---------------------------------------------------------------------------------------
+// Split blocks: the two sides hold the same tokens, but a block on the "coarse" side holds
+// `split` (k) times the tokens of one on the "fine" side. Fine block i of a request is then
+// slot i % k of coarse block coarse_ids[i / k]. Every block is head-major (each of `heads`
+// heads holds its tokens contiguously), so a slot is not one byte range but `heads` of
+// them, one per head: the descriptor lists are prepared at that granularity, and the
+// descriptor of (region r, block b, slot s, head h) on a side is
+// ((r * side_num_blocks + b) * side_split + s) * heads + h, with side_split 1 when fine.
+
+struct SplitPlanRequest {
+    BlockIdView local_ids;
+    BlockIdView remote_ids;
+    int64_t local_num_blocks = 0;
+    int64_t remote_num_blocks = 0;
+    int64_t num_regions = 0;
+    int64_t heads = 0;
+    // At most one of the two exceeds 1; that side is the coarse one. Both 1 is plain
+    // per-head planning, and then remote counts as the coarse side (for the length rule).
+    int64_t local_split = 0;
+    int64_t remote_split = 0;
+};
+
+// A validated split request, compact like TransferPlan: O(n), the n * heads * num_regions
+// descriptor indices are written on demand by write_indices.
+struct SplitTransferPlan {
+    // Pair i (in the given order: slots must stay with their coarse block, so nothing is
+    // sorted) moves local unit local_units[i] to remote unit remote_units[i], for every
+    // head in every region. A unit is block * side_split + slot, the descriptor index
+    // of its head 0 in region 0 divided by heads.
+    std::vector<int32_t> local_units;
+    std::vector<int32_t> remote_units;
+    // Maximal stretches of region 0's emitted (local, remote) descriptor index pairs that
+    // advance by one on both sides: starts are region-0 descriptor indices, lengths count
+    // descriptors. Every region has the same stretches, shifted.
+    std::vector<Run> runs;
+    int64_t local_units_per_region = 0;   // local_num_blocks * local_split
+    int64_t remote_units_per_region = 0;  // remote_num_blocks * remote_split
+    int64_t num_regions = 0;
+    int64_t heads = 0;
+
+    int64_t num_blocks() const { return static_cast<int64_t>(local_units.size()); }
+    int64_t num_runs() const { return static_cast<int64_t>(runs.size()); }
+    int64_t num_descriptors() const { return num_runs() * num_regions; }
+    // Length of each descriptor index list: n * heads * num_regions (<= INT32_MAX once
+    // validated: the fine side's n distinct ids fit its index space).
+    std::size_t num_indices() const {
+        return local_units.size() * static_cast<std::size_t>(heads) *
+               static_cast<std::size_t>(num_regions);
+    }
+    // Writes the two lists: entry (r * n + i) * heads + h is
+    // (r * side_units_per_region + side_units[i]) * heads + h. Each buffer must hold
+    // num_indices() entries.
+    void write_indices(int32_t* local_out, int32_t* remote_out) const;
+};
+
+// Validates the split request and builds the plan. Checks, first failure wins:
+// num_regions, local_num_blocks, remote_num_blocks, heads, local_split, remote_split >= 1;
+// not both splits > 1; the coarse side has exactly ceil(n / k) ids, n the fine side's
+// count; num_regions * local_num_blocks * local_split * heads, then the remote one,
+// <= INT32_MAX; local ids in range; remote ids in range; no duplicate local id; no
+// duplicate remote id (reported as plan_transfer reports them). On failure `out` is
+// unspecified.
+Status plan_split_transfer(const SplitPlanRequest& request, SplitTransferPlan* out,
+                           IdSetMethod method = IdSetMethod::Auto);
+
 }  // namespace kvpush

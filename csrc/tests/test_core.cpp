@@ -259,6 +259,230 @@ void test_plan_matches_naive() {
 }
 
 // ------------------------------------------------------------------------------------
+// plan_split_transfer
+
+struct SplitPlan {
+    Status status;
+    kvpush::SplitTransferPlan plan;
+    std::vector<int32_t> local_indices;
+    std::vector<int32_t> remote_indices;
+};
+
+struct SplitShape {
+    int64_t local_blocks;
+    int64_t remote_blocks;
+    int64_t regions;
+    int64_t heads;
+    int64_t local_split;
+    int64_t remote_split;
+};
+
+template <class L, class R>
+SplitPlan make_split_plan(const std::vector<L>& local, const std::vector<R>& remote,
+                          const SplitShape& shape, IdSetMethod method = IdSetMethod::Auto) {
+    kvpush::SplitPlanRequest req;
+    req.local_ids = BlockIdView::of(local.data(), local.size());
+    req.remote_ids = BlockIdView::of(remote.data(), remote.size());
+    req.local_num_blocks = shape.local_blocks;
+    req.remote_num_blocks = shape.remote_blocks;
+    req.num_regions = shape.regions;
+    req.heads = shape.heads;
+    req.local_split = shape.local_split;
+    req.remote_split = shape.remote_split;
+    SplitPlan p;
+    p.status = kvpush::plan_split_transfer(req, &p.plan, method);
+    if (p.status.ok()) {
+        p.local_indices.assign(p.plan.num_indices(), -1);
+        p.remote_indices.assign(p.plan.num_indices(), -1);
+        p.plan.write_indices(p.local_indices.data(), p.remote_indices.data());
+    }
+    return p;
+}
+
+// What a split plan must be, from the definitions: descriptor ((r * blocks + b) * split +
+// s) * heads + h, pair i at slot i % split of block ids[i / split]; runs over region 0.
+void check_split_against_naive(const std::vector<int64_t>& local,
+                               const std::vector<int64_t>& remote, const SplitShape& sh,
+                               IdSetMethod method) {
+    const SplitPlan p = make_split_plan(local, remote, sh, method);
+    CHECK(p.status.ok());
+    if (!p.status.ok()) return;
+    const std::size_t n = sh.local_split > 1 ? remote.size() : local.size();
+    auto desc = [&](const std::vector<int64_t>& ids, int64_t blocks, int64_t split, int64_t r,
+                    std::size_t i, int64_t h) {
+        const auto s = static_cast<std::size_t>(split);
+        return ((r * blocks + ids[i / s]) * split + static_cast<int64_t>(i % s)) * sh.heads + h;
+    };
+    CHECK_EQ(p.plan.num_blocks(), static_cast<int64_t>(n));
+    CHECK_EQ(p.local_indices.size(), n * static_cast<std::size_t>(sh.heads * sh.regions));
+    bool indices_ok = p.local_indices.size() == n * static_cast<std::size_t>(sh.heads * sh.regions);
+    std::size_t at = 0;
+    for (int64_t r = 0; indices_ok && r < sh.regions; ++r) {
+        for (std::size_t i = 0; i < n; ++i) {
+            for (int64_t h = 0; h < sh.heads; ++h, ++at) {
+                indices_ok &= p.local_indices[at] ==
+                              desc(local, sh.local_blocks, sh.local_split, r, i, h);
+                indices_ok &= p.remote_indices[at] ==
+                              desc(remote, sh.remote_blocks, sh.remote_split, r, i, h);
+            }
+        }
+    }
+    CHECK(indices_ok);
+    std::vector<kvpush::Run> runs;
+    for (std::size_t k = 0; k < n * static_cast<std::size_t>(sh.heads); ++k) {
+        const int64_t a = p.local_indices[k];
+        const int64_t b = p.remote_indices[k];
+        if (!runs.empty() && a == runs.back().local_start + runs.back().length &&
+            b == runs.back().remote_start + runs.back().length) {
+            ++runs.back().length;
+        } else {
+            runs.push_back({a, b, 1});
+        }
+    }
+    CHECK_EQ(p.plan.runs.size(), runs.size());
+    bool runs_ok = p.plan.runs.size() == runs.size();
+    for (std::size_t i = 0; runs_ok && i < runs.size(); ++i) {
+        runs_ok = p.plan.runs[i].local_start == runs[i].local_start &&
+                  p.plan.runs[i].remote_start == runs[i].remote_start &&
+                  p.plan.runs[i].length == runs[i].length;
+    }
+    CHECK(runs_ok);
+    CHECK_EQ(p.plan.num_descriptors(), static_cast<int64_t>(runs.size()) * sh.regions);
+}
+
+void check_split_error(const SplitPlan& p, StatusCode code, const std::string& message) {
+    CHECK_EQ(code_name(p.status.code), code_name(code));
+    CHECK_EQ(p.status.message, message);
+}
+
+void test_split_plan() {
+    using V = std::vector<int64_t>;
+    // Remote blocks hold two local blocks' tokens; 2 heads, 2 regions. Units: local
+    // 5 6 7 2, remote (3,0) (3,1) (0,0) (0,1) = 6 7 0 1.
+    const V local{5, 6, 7, 2};
+    const std::vector<int32_t> remote{3, 0};
+    SplitPlan p = make_split_plan(local, remote, SplitShape{8, 4, 2, 2, 1, 2});
+    CHECK(p.status.ok());
+    CHECK((p.local_indices ==
+           std::vector<int32_t>{10, 11, 12, 13, 14, 15, 4, 5, 26, 27, 28, 29, 30, 31, 20, 21}));
+    CHECK((p.remote_indices ==
+           std::vector<int32_t>{12, 13, 14, 15, 0, 1, 2, 3, 28, 29, 30, 31, 16, 17, 18, 19}));
+    CHECK_EQ(p.plan.num_runs(), 3);
+    CHECK_EQ(p.plan.runs[0].local_start, 10);
+    CHECK_EQ(p.plan.runs[0].remote_start, 12);
+    CHECK_EQ(p.plan.runs[0].length, 4);
+    CHECK_EQ(p.plan.num_descriptors(), 6);
+
+    // Mirrored, coarse side local, slot 1 of its block 0 unused.
+    p = make_split_plan(remote, V{5, 6, 7}, SplitShape{4, 8, 1, 1, 2, 1});
+    CHECK(p.status.ok());
+    CHECK((p.local_indices == std::vector<int32_t>{6, 7, 0}));
+    CHECK((p.remote_indices == std::vector<int32_t>{5, 6, 7}));
+    CHECK_EQ(p.plan.num_runs(), 2);
+
+    // Empty.
+    p = make_split_plan(V{}, std::vector<int32_t>{}, SplitShape{4, 4, 3, 2, 3, 1});
+    CHECK(p.status.ok());
+    CHECK_EQ(p.plan.num_indices(), std::size_t{0});
+    CHECK_EQ(p.plan.num_runs(), 0);
+
+    // The top of the index space: 1 * INT32_MAX * 1 * 1 fits, heads = 2 does not.
+    const int64_t top = std::numeric_limits<int32_t>::max();
+    p = make_split_plan(V{top - 1, 0}, V{0}, SplitShape{top, 1, 1, 1, 1, 2});
+    CHECK(p.status.ok());
+    CHECK((p.local_indices == std::vector<int32_t>{static_cast<int32_t>(top - 1), 0}));
+    CHECK((p.remote_indices == std::vector<int32_t>{0, 1}));
+
+    // Both splits 1, one head: exactly plan_transfer without coalescing.
+    const V l{3, 1, 2, 7};
+    const V r{10, 8, 9, 0};
+    p = make_split_plan(l, r, SplitShape{8, 16, 2, 1, 1, 1});
+    const Plan plain = make_plan(l, r, 8, 16, 2, false);
+    CHECK(p.local_indices == plain.local_indices);
+    CHECK(p.remote_indices == plain.remote_indices);
+    CHECK_EQ(p.plan.num_runs(), plain.plan.num_runs());
+
+    // Errors, in order.
+    const V two{0, 1};
+    const V one{0};
+    check_split_error(make_split_plan(two, one, SplitShape{8, 8, 0, 1, 1, 2}),
+                      StatusCode::InvalidArgument, "num_regions must be >= 1, got 0");
+    check_split_error(make_split_plan(two, one, SplitShape{0, 8, 1, 0, 1, 2}),
+                      StatusCode::InvalidArgument, "local_num_blocks must be >= 1, got 0");
+    check_split_error(make_split_plan(two, one, SplitShape{8, 8, 1, 0, 1, 2}),
+                      StatusCode::InvalidArgument, "heads must be >= 1, got 0");
+    check_split_error(make_split_plan(two, one, SplitShape{8, 8, 1, 1, 1, -1}),
+                      StatusCode::InvalidArgument, "remote_split must be >= 1, got -1");
+    check_split_error(make_split_plan(two, one, SplitShape{8, 8, 1, 1, 2, 3}),
+                      StatusCode::InvalidArgument,
+                      "local_split and remote_split cannot both exceed 1, got 2 and 3");
+    check_split_error(make_split_plan(V{0, 1, 2, 3, 4}, two, SplitShape{8, 8, 1, 1, 1, 2}),
+                      StatusCode::LengthMismatch,
+                      "remote_ids has 2 entries, but 5 local_ids at remote_split = 2 need "
+                      "ceil(5 / 2) = 3");
+    CHECK(make_split_plan(V{0, 1, 2, 3, 4}, two, SplitShape{8, 8, 1, 1, 1, 3}).status.ok());
+    check_split_error(make_split_plan(two, V{0, 1, 2}, SplitShape{8, 8, 1, 1, 4, 1}),
+                      StatusCode::LengthMismatch,
+                      "local_ids has 2 entries, but 3 remote_ids at local_split = 4 need "
+                      "ceil(3 / 4) = 1");
+    const int64_t max64 = std::numeric_limits<int64_t>::max();
+    check_split_error(make_split_plan(one, one, SplitShape{8, 8, 1, max64, 1, 1}),
+                      StatusCode::InvalidArgument,
+                      "num_regions * local_num_blocks * local_split * heads = 1 * 8 * 1 * "
+                      "9223372036854775807 does not fit in int32 descriptor indices");
+    check_split_error(make_split_plan(two, one, SplitShape{8, int64_t{1} << 28, 1, 1, 1, 8}),
+                      StatusCode::InvalidArgument,
+                      "num_regions * remote_num_blocks * remote_split * heads = 1 * 268435456 "
+                      "* 8 * 1 does not fit in int32 descriptor indices");
+    check_split_error(make_split_plan(V{0, 8}, one, SplitShape{8, 8, 1, 1, 1, 2}),
+                      StatusCode::OutOfRange, "local_ids[1] = 8 is out of range [0, 8)");
+    check_split_error(make_split_plan(V{5, 5}, V{99}, SplitShape{8, 8, 1, 1, 1, 2}),
+                      StatusCode::OutOfRange, "remote_ids[0] = 99 is out of range [0, 8)");
+    for (IdSetMethod method : {IdSetMethod::Bitmap, IdSetMethod::Sort}) {
+        check_split_error(
+            make_split_plan(V{5, 9, 1, 9, 5}, V{0, 1, 2}, SplitShape{64, 64, 1, 1, 1, 2}, method),
+            StatusCode::Duplicate, "local_ids has duplicate block id 9 (positions 1 and 3)");
+        check_split_error(
+            make_split_plan(V{0, 1, 2, 3, 4}, V{4, 2, 4}, SplitShape{64, 64, 1, 1, 1, 2}, method),
+            StatusCode::Duplicate, "remote_ids has duplicate block id 4 (positions 0 and 2)");
+    }
+
+    // Random requests against the definitions, coarse side local or remote.
+    std::mt19937_64 rng(777);
+    for (int round = 0; round < 200; ++round) {
+        const auto k = 1 + static_cast<int64_t>(rng() % 8);
+        const auto heads = 1 + static_cast<int64_t>(rng() % 8);
+        const auto regions = 1 + static_cast<int64_t>(rng() % 4);
+        const auto n = static_cast<std::size_t>(rng() % 41);
+        const std::size_t m = (n + static_cast<std::size_t>(k) - 1) / static_cast<std::size_t>(k);
+        const auto fine_blocks = static_cast<int64_t>(n) + 1 + static_cast<int64_t>(rng() % 50);
+        const auto coarse_blocks = static_cast<int64_t>(m) + 1 + static_cast<int64_t>(rng() % 50);
+        V fine(static_cast<std::size_t>(fine_blocks));
+        V coarse(static_cast<std::size_t>(coarse_blocks));
+        std::iota(fine.begin(), fine.end(), 0);
+        std::iota(coarse.begin(), coarse.end(), 0);
+        if (round % 3 != 0) {  // else consecutive ids, which make long runs
+            std::shuffle(fine.begin(), fine.end(), rng);
+            std::shuffle(coarse.begin(), coarse.end(), rng);
+        }
+        fine.resize(n);
+        coarse.resize(m);
+        const bool local_coarse = round % 2 == 0;
+        for (IdSetMethod method : {IdSetMethod::Auto, IdSetMethod::Bitmap, IdSetMethod::Sort}) {
+            if (local_coarse) {
+                check_split_against_naive(
+                    coarse, fine, SplitShape{coarse_blocks, fine_blocks, regions, heads, k, 1},
+                    method);
+            } else {
+                check_split_against_naive(
+                    fine, coarse, SplitShape{fine_blocks, coarse_blocks, regions, heads, 1, k},
+                    method);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------
 // CompletionTable
 
 void test_completion_basics() {
@@ -479,6 +703,7 @@ int main() {
     test_plan_small_examples();
     test_plan_errors();
     test_plan_matches_naive();
+    test_split_plan();
     test_completion_basics();
     test_completion_threads();
     test_checksums();
