@@ -7,7 +7,10 @@ kvpush turns it off and drives progress from its one loop thread:
   eventfd -- no polling at all, 0 % CPU;
 * right after something moved (a post, a completion, a message): poll back-to-back for
   ``spin_s`` (lowest latency for the next completion);
-* then back off: sleep ``min_sleep_s``, doubling up to ``max_sleep_s`` between polls.
+* then back off in proportion: sleep ``sleep_fraction`` of the time since the last
+  progress, between ``min_sleep_s`` and ``max_sleep_s``. A completion is then noticed at
+  most that fraction late (about 12 % by default), however long the transfer, while a long
+  transfer costs only a few polls per millisecond.
 
 Two presets: :meth:`ProgressPolicy.latency_first` (short sleeps, longer spin) and
 :meth:`ProgressPolicy.cpu_first` (no spin, longer sleeps). The default sits between.
@@ -30,14 +33,17 @@ class ProgressPolicy:
     spin_s
         Seconds of back-to-back polling after any progress.
     min_sleep_s
-        First sleep once spinning ends.
+        Shortest sleep once spinning ends.
     max_sleep_s
-        Cap of the doubling sleeps; bounds the latency added to a completion.
+        Longest sleep; bounds the latency added to a completion.
+    sleep_fraction
+        Each sleep is this fraction of the time since the last progress (clamped).
     """
 
     spin_s: float = 100e-6
     min_sleep_s: float = 20e-6
     max_sleep_s: float = 500e-6
+    sleep_fraction: float = 0.125
 
     def __post_init__(self) -> None:
         if not 0 <= self.spin_s <= 1.0:
@@ -49,35 +55,36 @@ class ProgressPolicy:
             )
         if self.max_sleep_s > 0.1:
             raise ValueError(f"ProgressPolicy.max_sleep_s must be <= 0.1 s, got {self.max_sleep_s}")
+        if not 0 < self.sleep_fraction <= 1:
+            raise ValueError("ProgressPolicy.sleep_fraction must be in (0, 1], got "
+                             f"{self.sleep_fraction}")
 
     @classmethod
     def latency_first(cls) -> ProgressPolicy:
-        return cls(spin_s=1e-3, min_sleep_s=10e-6, max_sleep_s=50e-6)
+        return cls(spin_s=1e-3, min_sleep_s=10e-6, max_sleep_s=50e-6, sleep_fraction=0.05)
 
     @classmethod
     def cpu_first(cls) -> ProgressPolicy:
-        return cls(spin_s=0.0, min_sleep_s=100e-6, max_sleep_s=2e-3)
+        return cls(spin_s=0.0, min_sleep_s=100e-6, max_sleep_s=2e-3, sleep_fraction=0.25)
 
 
 class Backoff:
     """The next poll delay under a :class:`ProgressPolicy`."""
 
-    __slots__ = ("_last_progress", "_policy", "_sleep")
+    __slots__ = ("_last_progress", "_policy")
 
     def __init__(self, policy: ProgressPolicy) -> None:
         self._policy = policy
         self._last_progress = time.monotonic()
-        self._sleep = policy.min_sleep_s
 
     def progressed(self) -> None:
         """Something moved: spin again."""
         self._last_progress = time.monotonic()
-        self._sleep = self._policy.min_sleep_s
 
     def next_delay(self) -> float:
         """Seconds to wait before the next poll (0.0 while spinning)."""
-        if time.monotonic() - self._last_progress < self._policy.spin_s:
+        policy = self._policy
+        waited = time.monotonic() - self._last_progress
+        if waited < policy.spin_s:
             return 0.0
-        delay = self._sleep
-        self._sleep = min(self._sleep * 2, self._policy.max_sleep_s)
-        return delay
+        return min(policy.max_sleep_s, max(policy.min_sleep_s, waited * policy.sleep_fraction))
