@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -223,14 +224,19 @@ class Consumer(Endpoint):
         return name
 
     def expect(self, request_id: str, block_ids: Any, producers: str | Sequence[str], *,
-               timeout: float | None = None, layerwise: bool = False) -> TransferHandle:
+               timeout: float | None = None, layerwise: bool = False,
+               source_tail: bool = False) -> TransferHandle:
         """Push: the decode engine allocated ``block_ids`` for ``request_id``; register them
         with each producer (a producer name from :meth:`connect`, or one per rank that owes
         data). Returns at once; the handle reports the result.
 
         ``layerwise``: each producer writes every layer as soon as it is final
         (``Producer.layer_done``) and the request is READY once every layer of every
-        producer has landed."""
+        producer has landed.
+
+        ``source_tail``: ``block_ids`` receive only the *last* ``len(block_ids)`` of the
+        producer's source blocks (this side holds the earlier ones already: a prefix-cache
+        hit); without it the two counts must match."""
         rid = self._check_request_id(request_id)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         names = [producers] if isinstance(producers, str) else list(producers)
@@ -239,14 +245,17 @@ class Consumer(Endpoint):
         timeout = self.config.request_timeout_s if timeout is None else float(timeout)
         groups = self.layout.num_layers if layerwise else 1
         handle = TransferHandle(rid, TransferMode.PUSH)
-        self._call_soon(lambda: self._register(handle, ids, names, timeout, groups))
+        self._call_soon(lambda: self._register(handle, ids, names, timeout, groups,
+                                               source_tail))
         return handle
 
     def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
-             block_ids: Any, *, timeout: float | None = None) -> TransferHandle:
+             block_ids: Any, *, timeout: float | None = None,
+             source_tail: bool = False) -> TransferHandle:
         """Pull: READ the blocks named by a :class:`~kvpush.messages.PullTicket` (or by one
         ticket per producer rank, for the same request) into ``block_ids``. Connects to a
-        ticket's producer first if needed (blocking)."""
+        ticket's producer first if needed (blocking). ``source_tail``: read only the last
+        ``len(block_ids)`` blocks of each ticket (see :meth:`expect`)."""
         batch = [tickets] if isinstance(tickets, (m.PullTicket, bytes, bytearray)) \
             else list(tickets)
         parsed = [m.PullTicket.from_bytes(bytes(t)) if isinstance(t, (bytes, bytearray))
@@ -260,6 +269,15 @@ class Consumer(Endpoint):
             raise InvalidBlockIds("two tickets of one pull name the same producer")
         dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         sources = [m.decode_ids(t.block_ids) for t in parsed]
+        if source_tail:
+            for t, src in zip(parsed, sources, strict=True):
+                if len(dst) > len(src):
+                    raise InvalidBlockIds(f"source_tail: block_ids has {len(dst)} blocks, "
+                                          f"the ticket of {t.producer} only {len(src)}")
+            skip = [len(src) - len(dst) for src in sources]
+            sources = [src[k:] for src, k in zip(sources, skip, strict=True)]
+            parsed = [msgspec.structs.replace(t, checksums=t.checksums[8 * k:])
+                      if t.checksums else t for t, k in zip(parsed, skip, strict=True)]
         timeout = self.config.request_timeout_s if timeout is None else float(timeout)
         for t, src in zip(parsed, sources, strict=True):
             if t.producer not in self._by_name:
@@ -503,7 +521,7 @@ class Consumer(Endpoint):
 
     # -- loop: push ------------------------------------------------------------------------
     def _register(self, handle: TransferHandle, ids: np.ndarray, names: list[str],
-                  timeout: float, groups: int) -> None:
+                  timeout: float, groups: int, tail: bool) -> None:
         rid = handle.request_id
         now = time.monotonic()
         if rid in self._requests:
@@ -523,7 +541,7 @@ class Consumer(Endpoint):
         verify = self.config.verify and len(names) * groups == 1
         for index, name in enumerate(names):
             self._tell(self._by_name[name],
-                       m.Register(rid, payload, index, timeout, verify, groups))
+                       m.Register(rid, payload, index, timeout, verify, groups, tail))
 
     def _on_failed(self, peer: _Producer, msg: m.Failed) -> None:
         req = self._requests.get(msg.request_id)

@@ -95,6 +95,7 @@ class Register(_Msg, tag="register", frozen=True):
     wait_s: float
     verify: bool = False      # ask for per-block checksums with the completion
     groups: int = 1           # WRITEs (and Landed parts) per producer: 1, or one per layer
+    tail: bool = False        # the consumer wants only the last len(block_ids) source blocks
 
 
 class Posted(_Msg, tag="posted", frozen=True):

@@ -134,6 +134,7 @@ class _Registration:
     wait: Timer
     verify: bool
     groups: int                      # 1: one WRITE; num_layers: a WRITE per layer
+    tail: bool                       # only the last len(ids) source blocks
 
 
 @dataclass
@@ -150,6 +151,7 @@ class _Push:
 
     reg: _Registration
     plan: Any                        # kvpush._core.TransferPlan
+    src: np.ndarray                  # the source blocks sent (all, or the tail)
     posted: set[int] = field(default_factory=set)
     writes: dict[int, _Write] = field(default_factory=dict)   # in flight, by group
     # Once set, the push ends as soon as no WRITE is in flight:
@@ -397,7 +399,7 @@ class Producer(Endpoint):
         wait = min(max(msg.wait_s, 0.0), self.config.max_wait_s)
         timer = self._after(wait, lambda: self._registration_expired(rid))
         self._registrations[rid] = _Registration(peer, ids, msg.part, timer, msg.verify,
-                                                 msg.groups)
+                                                 msg.groups, msg.tail)
         LIVE.add("registrations_waiting", 1)
         if source is not None:
             self._match(rid)
@@ -500,9 +502,12 @@ class Producer(Endpoint):
             LIVE.add("registrations_waiting", 1)
             return
         source.lease.cancel()
+        src = source.ids
+        if reg.tail and len(reg.ids) <= len(src):  # the consumer holds the prefix already
+            src = src[len(src) - len(reg.ids):]
         try:
             plan = self._agent.link(reg.peer.agent_name).plan(
-                source.ids, reg.ids, self.layout.num_blocks, self.layout.num_regions,
+                src, reg.ids, self.layout.num_blocks, self.layout.num_regions,
                 self.config.coalesce)
         except KvpushError as exc:
             reg.wait.cancel()
@@ -510,7 +515,7 @@ class Producer(Endpoint):
             self._tell(reg.peer, m.Failed(rid, "invalid_ids", str(exc)))
             self._release(rid, ReleaseReason.FAILED, str(exc))
             return
-        self._pushes[rid] = _Push(reg, plan)
+        self._pushes[rid] = _Push(reg, plan, src)
         self._pump(rid)
 
     def _pump(self, rid: str) -> None:
@@ -539,7 +544,7 @@ class Producer(Endpoint):
         part = reg.part * reg.groups + group
         sums = b""
         if reg.verify and reg.groups == 1:
-            sums = block_checksums(self.layout, self._sources[rid].ids).astype("<u8").tobytes()
+            sums = block_checksums(self.layout, push.src).astype("<u8").tobytes()
         try:
             nbytes = (hi - lo) * n * self._agent.link(peer.agent_name).desc_bytes
         except PeerUnavailable:

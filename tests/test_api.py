@@ -179,3 +179,25 @@ def test_empty_requests_as_first_traffic() -> None:
         assert c.pull(ticket, empty).wait(5).state is RequestState.READY
         assert [r.reason for r in drain_released(p, 2)] == [kvpush.ReleaseReason.TRANSFERRED] * 2
         assert p.stats()["requests_completed"] == 2
+
+
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_source_tail_moves_only_the_missing_blocks(pair: tuple, mode: TransferMode) -> None:
+    """A decode-side prefix-cache hit: the consumer holds the first 3 of 5 blocks and asks
+    for the last 2 only."""
+    p, c, _src, dst, name = pair
+    src_ids, dst_ids = np.array([10, 11, 12, 13, 14]), np.array([40, 41])
+    if mode is TransferMode.PUSH:
+        handle = c.expect("tail", dst_ids, name, source_tail=True)
+        p.prefill_done("tail", src_ids)
+    else:
+        handle = c.pull(p.prefill_done("tail", src_ids, mode), dst_ids, source_tail=True)
+    result = handle.wait(10)
+    assert result.ok, result
+    assert result.bytes_moved == 2 * dst.layout.bytes_per_block_id
+    check_blocks(dst, dst_ids, src_ids[3:], 3)
+    released = drain_released(p, 1)
+    assert [r.block_ids.tolist() for r in released] == [src_ids.tolist()]  # all of them
+    with pytest.raises(kvpush.InvalidBlockIds, match="source_tail"):
+        c.pull(p.prefill_done("tail2", src_ids[:1], TransferMode.PULL), dst_ids,
+               source_tail=True)
