@@ -1,0 +1,286 @@
+"""kvpush as a vLLM v1 KV connector: ``KVPushConnector``.
+
+A thin facade, like vLLM's own connectors: the constructor builds the scheduler-side object
+(:class:`~kvpush.integrations.vllm_scheduler.KVPushScheduler`, in vLLM's EngineCore) or the
+worker-side one (:class:`~kvpush.integrations.vllm_worker.KVPushWorker`, in each worker)
+and every method forwards to it; the transfers are kvpush's Producer and Consumer.
+
+Load it with (prefill instance; ``"kv_role": "kv_consumer"`` on the decode instance)::
+
+    --kv-transfer-config '{"kv_connector": "KVPushConnector",
+                           "kv_connector_module_path": "kvpush.integrations.vllm",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"port": 29600}}'
+
+Push or pull is chosen per request by the router, in ``kv_transfer_params`` (see
+:mod:`kvpush.integrations.vllm_common`, and ``docs/VLLM.md``).
+
+This module imports vLLM (importing :mod:`kvpush` never does). mypy checks it without vLLM
+installed, where vLLM's types are ``Any``; the ``unused-ignore`` codes keep it clean either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from .vllm_common import STAT_KEYS, AdapterConfig, StepPlan, TransferStats
+from .vllm_scheduler import KVPushScheduler, RankInfo
+from .vllm_worker import KVPushWorker
+
+__all__ = [
+    "KVPushConnector",
+    "KVPushConnectorMetadata",
+    "KVPushHandshakeMetadata",
+    "KVPushPromMetrics",
+    "KVPushStats",
+]
+
+log = logging.getLogger("kvpush.vllm")
+
+
+def _route_logs() -> None:
+    """kvpush's log records go out through vLLM's handlers, in vLLM's format."""
+    ours, theirs = logging.getLogger("kvpush"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
+_route_logs()
+
+
+@dataclass
+class KVPushConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
+    """Scheduler -> worker, once per engine step."""
+
+    plan: StepPlan
+
+
+@dataclass
+class KVPushHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[misc, unused-ignore]
+    """Worker -> scheduler at start-up: where this rank's kvpush endpoint listens."""
+
+    role: str
+    name: str
+    address: str
+
+
+@dataclass
+class KVPushStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
+    """Transfer observations of one interval (lists, one entry per event; see
+    :data:`~kvpush.integrations.vllm_common.STAT_KEYS`)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data: dict[str, list[float]] = {k: [] for k in STAT_KEYS}
+
+    def aggregate(self, other: Any) -> KVPushStats:
+        for key, values in other.data.items():
+            self.data.setdefault(key, []).extend(values)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return TransferStats(self.data).summary()
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVPushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ignore]
+    """Prometheus metrics, named as vLLM names its connectors' (``vllm:kvpush_*``)."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        def per_engine(metric: Any) -> Any:
+            return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+        self.xfer_time = per_engine(self._histogram_cls(
+            name="vllm:kvpush_xfer_time_seconds",
+            documentation="Time from a request's registration (push) or READ (pull) to all "
+                          "of its KV landed, on the decode instance.",
+            buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0, 30.0],
+            labelnames=labelnames))
+        self.bytes = per_engine(self._histogram_cls(
+            name="vllm:kvpush_bytes_transferred",
+            documentation="Bytes of KV received per request, on the decode instance.",
+            buckets=[2 ** (10 + i) for i in range(1, 25, 2)],
+            labelnames=labelnames))
+        self.counters = {
+            key: per_engine(self._counter_cls(name=f"vllm:kvpush_{key}", documentation=doc,
+                                              labelnames=labelnames))
+            for key, doc in (
+                ("num_push", "Requests whose KV arrived by push (producer WRITE)."),
+                ("num_pull", "Requests whose KV arrived by pull (consumer READ)."),
+                ("num_failed", "Requests whose KV did not arrive (failed, timed out, "
+                               "aborted); vLLM's kv_load_failure_policy applies."),
+                ("num_released", "Prefill requests whose blocks were released after their "
+                                 "transfer."),
+                ("num_lease_expired", "Prefill requests whose blocks were released because "
+                                      "no decode instance came for them within the lease."),
+                ("num_send_failed", "Prefill requests whose transfer failed or was aborted."),
+            )
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for value in transfer_stats_data.get("transfer_s", ()):
+            self.xfer_time[engine_idx].observe(value)
+        for value in transfer_stats_data.get("bytes", ()):
+            self.bytes[engine_idx].observe(value)
+        for key, counter in self.counters.items():
+            count = len(transfer_stats_data.get(key, ()))
+            if count:
+                counter[engine_idx].inc(count)
+
+
+class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
+    """vLLM v1 KV connector over kvpush: push (producer WRITE) or pull (consumer READ) per
+    request. See the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        config = AdapterConfig.from_extra_config(ktc.kv_connector_extra_config)
+        self._scheduler: KVPushScheduler | None = None
+        self._worker: KVPushWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KVPushScheduler(vllm_config, kv_cache_config, config)
+        elif role == KVConnectorRole.WORKER:
+            num_blocks = getattr(kv_cache_config, "num_blocks", None)
+            self._worker = KVPushWorker(config, ktc.kv_role, ktc.engine_id,
+                                        vllm_config.cache_config.block_size, num_blocks)
+        else:
+            raise ValueError(f"kvpush: unknown KVConnectorRole {role!r}")
+
+    # -- class-level hooks -----------------------------------------------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # Both instances must lay out a block's interior alike (kvpush compares shapes, not
+        # interior order): ask for vLLM's identity layout, as vLLM's NIXL connector does.
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is None or getattr(model_config, "use_mla", False):
+            return None
+        return "LBHNC"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPushStats:
+        return KVPushStats(data=data) if data is not None else KVPushStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVPushPromMetrics:
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
+
+    # -- worker side -----------------------------------------------------------------------
+    def _w(self) -> KVPushWorker:
+        if self._worker is None:
+            raise RuntimeError("kvpush: worker-side method called on the scheduler side")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        self._w().register_kv_caches(kv_caches, tp_rank=get_tp_group().rank_in_group)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the forward pass: registrations (push) and READs (pull) start now, so they
+        # overlap this step's compute instead of following it.
+        if isinstance(connector_metadata, KVPushConnectorMetadata):
+            self._w().bind(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass  # loads are asynchronous and started in bind_connector_metadata
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # no layer-wise loading: requests wait in WAITING_FOR_REMOTE_KVS instead
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        pass  # the producer sends whole requests, from wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._w().after_forward()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return self._w().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVPushStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return None if data is None else KVPushStats(data=data)
+
+    def get_handshake_metadata(self) -> KVPushHandshakeMetadata | None:
+        info = self._w().handshake()
+        return None if info is None else KVPushHandshakeMetadata(*info)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side --------------------------------------------------------------------
+    def _s(self) -> KVPushScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("kvpush: scheduler-side method called on the worker side")
+        return self._scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._s().bind_kv_cache_manager(kv_cache_manager)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._s().set_handshake({rank: RankInfo(m.role, m.name, m.address)
+                                 for rank, m in metadata.items()
+                                 if isinstance(m, KVPushHandshakeMetadata)})
+
+    def on_new_request(self, request: Any) -> None:
+        self._s().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVPushConnectorMetadata:
+        return KVPushConnectorMetadata(self._s().build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._s().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()

