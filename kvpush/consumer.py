@@ -40,7 +40,7 @@ from .errors import (
     TransferTimeout,
 )
 from .layout import KVLayout, check_compatible
-from .metrics import LIVE, Stats
+from .metrics import LIVE
 from .plan import block_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .request import RequestState, TransferHandle, TransferMode, TransferResult
@@ -181,16 +181,14 @@ class Consumer(Endpoint):
                  on_finished: Callable[[TransferResult], None] | None = None) -> None:
         config = config or ConsumerConfig()
         super().__init__(layout, name=config.name, transport=config.transport,
-                         progress=config.progress)
+                         progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_finished = on_finished
         self._finished: deque[TransferResult] = deque(maxlen=RESULT_QUEUE)
-        self._stats = Stats()
         self._producers: dict[str, _Producer] = {}     # by address
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
         self._requests: dict[str, _Request] = {}
         self._completions = _core.CompletionTable()
-        self._key = config.auth_key
         self._posted = 0           # push parts announced in flight, not landed yet
         self._reads: set[str] = set()
         self._after(config.heartbeat_s, self._heartbeat)
@@ -672,28 +670,17 @@ class Consumer(Endpoint):
             else:
                 self._close_request(rid, RequestState.FAILED, mismatch, ask=False)
         if self._posted:
-            for sender, notes in self._agent.notifications().items():
-                for note in notes:
-                    moved = True
-                    self._on_notification(sender, note)
+            for sender, msg in self._notifications():
+                moved = True
+                if isinstance(msg, m.Landed):
+                    self._on_landed(sender, msg)
+                else:
+                    self._stats.messages_rejected += 1
         return moved
 
-    def _on_notification(self, sender: str, note: bytes) -> None:
+    def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
         peer = self._by_name.get(sender)
-        try:
-            if self._key is not None and peer is None:
-                raise AuthenticationError(f"notification from unknown agent {sender!r}")
-            msg = m.decode(note, peer.notif_opener if peer is not None else None)
-        except AuthenticationError:
-            self._stats.auth_rejected += 1
-            return
-        except ProtocolError:
-            self._stats.messages_rejected += 1
-            return
-        if not isinstance(msg, m.Landed):
-            self._stats.messages_rejected += 1
-            return
-        self._on_landed(sender, msg)
+        return peer is not None, peer.notif_opener if peer is not None else None
 
     def _on_landed(self, sender: str, msg: m.Landed) -> None:
         """Part ``msg.part`` of a push has landed (NIXL notification after its WRITE, or an

@@ -27,10 +27,10 @@ import zmq
 
 from . import messages as m
 from .agent import Agent, TransportConfig
-from .auth import Sealer
-from .errors import ClosedError, KvpushError
+from .auth import Opener, Sealer
+from .errors import AuthenticationError, ClosedError, KvpushError, ProtocolError
 from .layout import KVLayout
-from .metrics import LIVE
+from .metrics import LIVE, Stats
 from .progress import Backoff, ProgressPolicy
 
 __all__ = ["RESULT_QUEUE", "Endpoint", "Timer", "queue_result"]
@@ -69,8 +69,10 @@ class Endpoint:
     _role = "endpoint"
 
     def __init__(self, layout: KVLayout, *, name: str | None, transport: TransportConfig,
-                 progress: ProgressPolicy) -> None:
+                 progress: ProgressPolicy, auth_key: bytes | None) -> None:
         self._finalized = True  # until a subclass finishes constructing: nothing to close
+        self._stats = Stats()
+        self._key = auth_key
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -153,6 +155,27 @@ class Endpoint:
     def _on_close(self) -> None:
         """On the loop thread, before it exits: fail what is in flight, release handles."""
         raise NotImplementedError
+
+    def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
+        """(whether ``sender`` is a connected peer, its notification opener)."""
+        raise NotImplementedError
+
+    def _notifications(self) -> list[tuple[str, m.Message]]:
+        """New NIXL notifications (this also progresses the agent), decoded and, with a
+        key, authenticated; rejects are counted, never returned."""
+        out: list[tuple[str, m.Message]] = []
+        for sender, notes in self._agent.notifications().items():
+            known, opener = self._notif_opener(sender)
+            for note in notes:
+                try:
+                    if self._key is not None and not known:
+                        raise AuthenticationError(f"notification from unknown agent {sender!r}")
+                    out.append((sender, m.decode(note, opener)))
+                except AuthenticationError:
+                    self._stats.auth_rejected += 1
+                except ProtocolError:
+                    self._stats.messages_rejected += 1
+        return out
 
     def _next_timeout(self) -> float | None:
         timeout: float | None = self._backoff.next_delay() if self._busy() else None

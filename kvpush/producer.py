@@ -36,7 +36,7 @@ from .errors import (
     ProtocolError,
 )
 from .layout import KVLayout, check_compatible
-from .metrics import LIVE, Stats
+from .metrics import LIVE
 from .plan import block_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .request import Release, ReleaseReason, TransferMode
@@ -183,14 +183,12 @@ class Producer(Endpoint):
                  on_release: Callable[[Release], None] | None = None) -> None:
         config = config or ProducerConfig()
         super().__init__(layout, name=config.name, transport=config.transport,
-                         progress=config.progress)
+                         progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_release = on_release
         self._released: deque[Release] = deque(maxlen=RESULT_QUEUE)
-        self._stats = Stats()
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
-        self._key = config.auth_key
         self._hello_guard = HelloGuard()
         self._sources: dict[str, _Source] = {}
         self._registrations: dict[str, _Registration] = {}
@@ -591,28 +589,17 @@ class Producer(Endpoint):
                     self._write_finished(rid, group, state)
                     moved = True
         if self._pulls_watched:
-            for sender, notes in self._agent.notifications().items():
-                for note in notes:
-                    moved = True
-                    self._on_notification(sender, note)
+            for _sender, msg in self._notifications():
+                moved = True
+                if isinstance(msg, m.PullDone):
+                    self._on_pull_done(msg)
+                else:
+                    self._stats.messages_rejected += 1
         return moved
 
-    def _on_notification(self, sender: str, note: bytes) -> None:
+    def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
         peer = self._by_agent.get(sender)
-        try:
-            if self._key is not None and peer is None:
-                raise AuthenticationError(f"notification from unknown agent {sender!r}")
-            msg = m.decode(note, peer.notif_opener if peer is not None else None)
-        except AuthenticationError:
-            self._stats.auth_rejected += 1
-            return
-        except ProtocolError:
-            self._stats.messages_rejected += 1
-            return
-        if not isinstance(msg, m.PullDone):
-            self._stats.messages_rejected += 1
-            return
-        self._on_pull_done(msg)
+        return peer is not None, peer.notif_opener if peer is not None else None
 
     def _on_pull_done(self, msg: m.PullDone) -> None:
         source = self._sources.get(msg.request_id)
