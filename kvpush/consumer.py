@@ -603,7 +603,6 @@ class Consumer(Endpoint):
         LIVE.add("requests_pending", 1)
         for peer, plan in zip(peers, plans, strict=True):
             assert peer is not None
-            self._tell(peer, m.PullBegin(rid))
             nbytes = len(plan.local_indices) * self._agent.link(peer.agent_name).desc_bytes
             notif = m.encode(m.PullDone(rid, nbytes), peer.notif_sealer)
             try:
@@ -620,8 +619,12 @@ class Consumer(Endpoint):
             LIVE.add("transfers_in_flight", 1)
             self._stats.transfers_posted += 1
             self._stats.descriptors_posted += plan.num_descriptors
+            # After the READ, not before: the hint (the producer polls for PullDone and
+            # stretches the lease) must not delay the data. The ticket's lease was checked.
+            self._tell(peer, m.PullBegin(rid))
         if req.reads:
             self._reads.add(rid)
+            self._check_reads(rid)  # on a host UCX often finishes inside the post
         else:
             self._finish(rid, RequestState.READY, None)
 
@@ -642,33 +645,39 @@ class Consumer(Endpoint):
     def _busy(self) -> bool:
         return self._posted > 0 or bool(self._reads)
 
+    def _check_reads(self, rid: str) -> bool:
+        """Poll a pull's READs; end the request once none is in flight. True if any ended."""
+        req = self._requests[rid]
+        moved = False
+        for name, xfer in list(req.reads.items()):
+            state = self._agent.state(xfer)
+            if state is XferState.IN_PROGRESS:
+                continue
+            moved = True
+            self._agent.release(xfer)
+            self._end_read(rid, req, name)
+            if state is not XferState.DONE and req.closing is None:
+                self._close_request(rid, RequestState.FAILED,
+                                    TransferFailed(f"READ of {rid!r} from {name} failed"),
+                                    ask=True)
+        if req.reads or rid not in self._requests:
+            return moved
+        if req.closing is not None:  # cancelled too late, or failed: it has ended now
+            self._close_request(rid, req.closing, req.error, ask=True)
+            return moved
+        self._stats.bytes_moved += req.read_bytes
+        self._stats.blocks_moved += len(req.ids)
+        mismatch = self._verify(req, req.checksums)
+        if mismatch is None:
+            self._finish(rid, RequestState.READY, None)
+        else:
+            self._close_request(rid, RequestState.FAILED, mismatch, ask=False)
+        return moved
+
     def _poll_transfers(self) -> bool:
         moved = False
         for rid in list(self._reads):
-            req = self._requests[rid]
-            for name, xfer in list(req.reads.items()):
-                state = self._agent.state(xfer)
-                if state is XferState.IN_PROGRESS:
-                    continue
-                moved = True
-                self._agent.release(xfer)
-                self._end_read(rid, req, name)
-                if state is not XferState.DONE and req.closing is None:
-                    self._close_request(rid, RequestState.FAILED,
-                                        TransferFailed(f"READ of {rid!r} from {name} failed"),
-                                        ask=True)
-            if req.reads:
-                continue
-            if req.closing is not None:  # cancelled too late, or failed: it has ended now
-                self._close_request(rid, req.closing, req.error, ask=True)
-                continue
-            self._stats.bytes_moved += req.read_bytes
-            self._stats.blocks_moved += len(req.ids)
-            mismatch = self._verify(req, req.checksums)
-            if mismatch is None:
-                self._finish(rid, RequestState.READY, None)
-            else:
-                self._close_request(rid, RequestState.FAILED, mismatch, ask=False)
+            moved |= self._check_reads(rid)
         if self._posted:
             for sender, msg in self._notifications():
                 moved = True

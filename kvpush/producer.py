@@ -569,6 +569,10 @@ class Producer(Endpoint):
         LIVE.add("transfers_in_flight", 1)
         self._stats.transfers_posted += 1
         self._stats.descriptors_posted += plan.num_runs * (hi - lo)
+        state = self._agent.state(handle)
+        if state is not XferState.IN_PROGRESS:  # on a host UCX often finishes in the post:
+            self._agent.release(handle)         # release the source before any messaging
+            self._write_finished(rid, group, state)
         self._tell(peer, m.Posted(rid, part))
 
     # -- loop: progress --------------------------------------------------------------------
