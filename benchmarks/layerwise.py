@@ -116,9 +116,13 @@ def run(quick: bool = False) -> dict[str, Any]:
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(5)
     biggest = rows[-1]
+    model = (f"{LAYERS} layers x {layer_ms} ms (sleep), K+V bf16 {BLOCK_BYTES} B per block "
+             "per region")
     return {"layerwise_ttft_over_whole": biggest["ratio"], "layerwise_rows": rows,
-            "layerwise_model": f"{LAYERS} layers x {layer_ms} ms (sleep), K+V bf16 "
-                               f"{BLOCK_BYTES} B per block per region"}
+            "layerwise_model": model,
+            "summary": {"layerwise_ttft_over_whole": biggest["ratio"],
+                        "layerwise_ttft_whole_ms": biggest["ttft_whole_ms"],
+                        "layerwise_ttft_layerwise_ms": biggest["ttft_layerwise_ms"]}}
 
 
 def main() -> None:
@@ -129,7 +133,7 @@ def main() -> None:
     path = Path(__file__).parent / "results" / "layerwise.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
-    print(json.dumps({k: v for k, v in out.items() if k != "layerwise_rows"}, indent=2))
+    print(json.dumps(out["summary"], indent=2))
 
 
 if __name__ == "__main__":

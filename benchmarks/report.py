@@ -1,0 +1,244 @@
+"""Tables, ``summary.json`` and plots from the suites' results."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ._common import fmt_bytes
+
+__all__ = ["TARGETS", "machine", "plot", "print_tables", "targets", "write_json"]
+
+# key -> (comparison, threshold, what the issue asks)
+TARGETS: dict[str, tuple[str, float, str]] = {
+    "desc_prep_speedup_vs_numpy": (">=", 20.0, "descriptor prep >= 20x numpy (Qwen3-32B, 8k)"),
+    "write_vs_raw_nixl": (">=", 0.95, "kvpush WRITE >= 0.95x raw NIXL"),
+    "read_vs_raw_nixl": (">=", 0.95, "kvpush READ >= 0.95x raw NIXL"),
+    "coalesced_vs_uncoalesced_write": (">=", 3.0, "runs: coalescing >= 3x"),
+    "handover_overhead_push_over_pull": ("<=", 0.2, "push handover overhead <= 1/5 pull's"),
+    "ttft_p50_pull_over_push_high_load": (">=", 3.0, "TTFT p50 pull/push >= 3x, high load"),
+    "idle_cpu_pct_pair": ("<=", 2.0, "idle pair <= 2 % of a core"),
+    "cpu_seconds_per_gib_vs_raw_nixl_default": ("<=", 0.5,
+                                                "CPU-s/GiB <= 0.5x raw NIXL default"),
+    "handover_latency_default_over_latency_first": ("<=", 1.2,
+                                                    "handover default <= 1.2x latency-first"),
+}
+
+
+def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for key, (cmp, thr, text) in TARGETS.items():
+        val = summary.get(key)
+        met = None
+        if isinstance(val, (int, float)) and math.isfinite(val):
+            met = val >= thr if cmp == ">=" else val <= thr
+        out.append({"key": key, "target": f"{cmp} {thr:g}", "value": val, "met": met,
+                    "what": text})
+    return out
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"nproc": os.cpu_count(), "python": platform.python_version(),
+                            "platform": platform.platform()}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in lscpu.splitlines():
+            if line.startswith("Model name:"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+            elif line.startswith("L3 cache:"):
+                info["l3"] = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+        info["mem_gib"] = round(kb / (1 << 20), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/loadavg") as f:
+            info["loadavg_at_start"] = f.read().split()[:3]
+    except OSError:
+        pass
+    try:
+        import importlib.metadata as md
+
+        info["nixl"] = md.version("nixl")
+        info["numpy"] = md.version("numpy")
+    except Exception:
+        pass
+    return info
+
+
+def _f(v: Any, nd: int = 2) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "nan"
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[_f(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(out)
+
+
+def tables(results: dict[str, Any]) -> str:
+    parts = []
+    if "desc_prep" in results:
+        r = results["desc_prep"]
+        parts.append(f"Descriptor preparation (scattered ids; reference: {r['reference']})")
+        parts.append(_table(
+            ["preset", "tokens", "blocks", "descs", "runs8->", "compiled us", "numpy ref us",
+             "vLLM-style us", "x ref", "x vLLM"],
+            [[x["preset"], x["tokens"], x["blocks"], x["descriptors_before_scattered"],
+              x["descriptors_after_runs"], x["compiled_us"], x["reference_us"],
+              x["vllm_style_us"], x["speedup_vs_reference"], x["speedup_vs_vllm_style"]]
+             for x in r["rows"]]))
+    if "throughput" in results:
+        r = results["throughput"]
+        parts.append("Throughput, GB/s (one request at a time; raw = NIXL in kvpush's config)")
+        rows = []
+        for x in r["rows"]:
+            rows.append([fmt_bytes(x["block_bytes"]), x["blocks"], x["order"],
+                         x["memcpy_gbps"], x["raw_write_gbps"], x["kv_write_gbps"],
+                         x["raw_read_gbps"], x["kv_read_gbps"],
+                         x.get("raw_default_write_gbps", math.nan),
+                         x.get("raw_default_read_gbps", math.nan),
+                         x["write_vs_raw"], x["read_vs_raw"], x["write_vs_raw_best"],
+                         x["read_vs_raw_best"], x["write_overhead_us"],
+                         x.get("coalesce_gain_write", math.nan)])
+        parts.append(_table(["block", "n", "order", "memcpy", "raw W", "kv W", "raw R", "kv R",
+                             "dflt W", "dflt R", "W/raw", "R/raw", "W/raw best", "R/raw best",
+                             "W +us", "coal x"], rows))
+    if "critical_path" in results:
+        r = results["critical_path"]
+        parts.append("Critical path, 1 prefill + 1 decode (TTFT = arrival -> all KV on decode)")
+        parts.append(_table(
+            ["mode", "req/s", "ok", "done/s", "TTFT p50 ms", "p90", "p99", "handover p50 ms",
+             "overhead p50 us"],
+            [[x["mode"], x["rate"], x["ok"], x["throughput_rps"], x["ttft_p50_ms"],
+              x["ttft_p90_ms"], x["ttft_p99_ms"], x["handover_p50_ms"],
+              x["handover_overhead_p50_us"]] for x in r["runs"]]))
+        parts.append(_table(["tokens", "bytes", "wire WRITE us", "wire READ us"],
+                            [[w["tokens"], fmt_bytes(w["bytes"]), w["write_us"], w["read_us"]]
+                             for w in r["wire"]]))
+    if "cpu" in results:
+        r = results["cpu"]
+        parts.append("CPU and progress policy")
+        parts.append(_table(["figure", "value"], [[k, v] for k, v in r["summary"].items()]))
+    return "\n\n".join(parts)
+
+
+def print_tables(results: dict[str, Any], summary: dict[str, Any]) -> None:
+    print(tables(results))
+    print()
+    print("Targets")
+    print(_table(["key", "value", "target", "met"],
+                 [[t["key"], t["value"], t["target"],
+                   {True: "yes", False: "NO", None: "-"}[t["met"]]]
+                  for t in targets(summary)]))
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False, default=_jsonable) + "\n")
+    tmp.replace(path)
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+    except ImportError:
+        pass
+    return str(obj)
+
+
+def plot(results: dict[str, Any], outdir: Path) -> list[Path]:
+    """PNG plots; returns the files written (none if matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    outdir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if "throughput" in results:
+        rows = [x for x in results["throughput"]["rows"] if x["order"] == "scattered"]
+        # one request size per block size: the largest measured
+        best: dict[int, dict[str, Any]] = {}
+        for x in rows:
+            if x["blocks"] > 1 and (x["block_bytes"] not in best
+                                    or x["request_bytes"] > best[x["block_bytes"]]
+                                    ["request_bytes"]):
+                best[x["block_bytes"]] = x
+        pts = [best[k] for k in sorted(best)]
+        if pts:
+            fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
+            xs = [p["block_bytes"] / 1024 for p in pts]
+            for key, label, style in (
+                ("memcpy_gbps", "memcpy (numpy, 1 thread)", "k--"),
+                ("raw_write_gbps", "raw NIXL WRITE", "C0:"),
+                ("kv_write_gbps", "kvpush WRITE (push)", "C0-o"),
+                ("raw_read_gbps", "raw NIXL READ", "C1:"),
+                ("kv_read_gbps", "kvpush READ (pull)", "C1-s"),
+                ("raw_default_write_gbps", "raw NIXL WRITE, NIXL defaults", "C2-."),
+            ):
+                ys = [p.get(key, math.nan) for p in pts]
+                if any(math.isfinite(y) for y in ys):
+                    ax.plot(xs, ys, style, label=label, linewidth=1.4, markersize=4)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([fmt_bytes(p["block_bytes"]).replace(" ", "") for p in pts])
+            ax.set_xlabel("block size (scattered blocks; request = "
+                          + ", ".join(f"{p['blocks']}" for p in pts) + " blocks)")
+            ax.set_ylabel("GB/s")
+            ax.set_title("Throughput vs block size, two processes", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = outdir / "throughput_vs_block_size.png"
+            fig.savefig(path)
+            plt.close(fig)
+            written.append(path)
+    if "critical_path" in results:
+        runs = results["critical_path"]["runs"]
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
+        for mode, color in (("push", "C0"), ("pull", "C1")):
+            sel = sorted((x for x in runs if x["mode"] == mode), key=lambda x: x["rate"])
+            xs = [x["rate"] for x in sel]
+            ax.plot(xs, [x["ttft_p50_ms"] for x in sel], f"{color}-o", label=f"{mode} p50",
+                    markersize=4)
+            ax.plot(xs, [x["ttft_p90_ms"] for x in sel], f"{color}--", label=f"{mode} p90",
+                    linewidth=1)
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel("TTFT (ms): arrival -> all KV on decode")
+        ax.set_title("Push vs pull, 1 prefill + 1 decode", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = outdir / "ttft_vs_rate.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written

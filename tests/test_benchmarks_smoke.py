@@ -1,0 +1,139 @@
+"""Every benchmark runs, very briefly, so none rots; ``kvpush doctor`` runs and says healthy.
+
+Figures here mean nothing (tiny sizes, a busy host): only that each suite runs end to end,
+returns its summary keys, checks its bytes, and stops every process it started. The whole
+file stays under a minute on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
+
+from benchmarks import cpu, critical_path, desc_prep, report, throughput  # noqa: E402
+from benchmarks._common import KIB, MIB  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _finite(summary: dict[str, object], *keys: str) -> None:
+    for key in keys:
+        value = summary[key]
+        assert isinstance(value, float) and math.isfinite(value), (key, value)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[str, object]]:
+    return {}
+
+
+def test_desc_prep(results: dict[str, dict[str, object]]) -> None:
+    r = desc_prep.run(quick=True, progress=False, min_time=0.002, prompts=[1024, 8192])
+    _finite(r["summary"], "desc_prep_speedup_vs_numpy")
+    row = r["rows"][0]
+    assert row["descriptors_after_runs"] < row["descriptors_before_runs"]
+    results["desc_prep"] = r
+
+
+def test_throughput(results: dict[str, dict[str, object]]) -> None:
+    points = [throughput.Point(4 * KIB, 64, "runs", coalesce_check=True),
+              throughput.Point(1 * MIB, 2, "scattered")]
+    r = throughput.run(quick=True, progress=False, points=points, total_bytes=8 * MIB,
+                       min_time=0.002)
+    _finite(r["summary"], "write_vs_raw_nixl", "read_vs_raw_nixl", "write_vs_memcpy_1mib",
+            "coalesced_vs_uncoalesced_write")
+    assert all(row["kv_write_gbps"] > 0 and row["raw_default_read_gbps"] > 0
+               for row in r["rows"])
+    results["throughput"] = r
+
+
+def test_critical_path(results: dict[str, dict[str, object]]) -> None:
+    cfg = critical_path.CPConfig(prompts=[256, 512], rate_fractions=[0.5], requests=4,
+                                 num_blocks=256, step_s=0.005, decode_steps=2, wire_reps=1)
+    r = critical_path.run(quick=True, progress=False, cfg=cfg)
+    _finite(r["summary"], "handover_overhead_push_us", "handover_overhead_pull_us",
+            "ttft_p50_pull_over_push_high_load")
+    assert all(run["ok"] == 4 for run in r["runs"])
+    results["critical_path"] = r
+
+
+def test_cpu(results: dict[str, dict[str, object]]) -> None:
+    r = cpu.run(quick=True, progress=False, idle_s=0.5, raw_idle_s=0.3, stream_s=0.25,
+                latency_reps=1, policies=("default", "latency_first"), raw_floor=False)
+    _finite(r["summary"], "idle_cpu_pct_pair", "cpu_seconds_per_gib",
+            "cpu_seconds_per_gib_vs_raw_nixl_default",
+            "handover_latency_default_over_latency_first")
+    # NIXL's default progress threads poll without pause: far above an idle kvpush pair.
+    assert r["idle_cpu_pct_pair_raw_nixl_default"] > r["idle_cpu_pct_pair"]
+
+
+def test_report_and_plots(results: dict[str, dict[str, object]], tmp_path: Path) -> None:
+    if len(results) < 3:
+        pytest.skip("needs the suites above")
+    summary: dict[str, object] = {}
+    for r in results.values():
+        summary.update(r["summary"])  # type: ignore[arg-type]
+    text = report.tables(results)
+    assert "Throughput" in text and "Critical path" in text
+    files = report.plot(results, tmp_path)
+    assert {f.name for f in files} == {"throughput_vs_block_size.png", "ttft_vs_rate.png"}
+    report.write_json(tmp_path / "summary.json", {**summary,
+                                                 "targets": report.targets(summary)})
+    assert "write_vs_raw_nixl" in json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_entry_point(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--only", "desc_prep", "--quick", "--out",
+         str(tmp_path), "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["desc_prep_speedup_vs_numpy"] > 0
+    assert data["meta"]["machine"]["nproc"] >= 1
+
+
+def test_doctor() -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvpush", "doctor"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=90)
+    out = proc.stdout
+    assert "BROKEN" not in out, out
+    assert "[ok  ] loopback transfer" in out, out
+    assert "[ok  ] transport: shared memory / CMA" in out, out
+    # 0: healthy; 2: works, with warnings -- on a busy host only the bandwidth one may fire.
+    assert proc.returncode == 0 or (
+        proc.returncode == 2 and [ln for ln in out.splitlines() if ln.startswith("[WARN]")]
+        == [ln for ln in out.splitlines() if ln.startswith("[WARN] bandwidth")]), out
+
+
+def test_doctor_parses_ucx_output() -> None:
+    from kvpush.doctor import parse_ucx_output
+
+    sample = "\n".join([
+        "[1.0] [vm:1:0]     ucp_context.c:2753 UCX  INFO  Version 1.23.0 (loaded from x)",
+        "[1.1] [vm:1:0]      ucp_worker.c:1997 UCX  INFO    a self cfg#0 rma(self/memory)",
+        "[1.2] [vm:1:0]      ucp_worker.c:1997 UCX  INFO    a intra-node cfg#1 "
+        "rma_am(tcp/lo)  amo_am(tcp/lo)  am(tcp/lo cma/memory)  ka(tcp/lo)",
+        "[1.3] [vm:1:0]   +--------+-------------+-----------------+",
+        "[1.3] [vm:1:0]   | a intra-node cfg#1                      |",
+        "[1.3] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |",
+        "[1.3] [vm:1:0]   +--------+-------------+-----------------+",
+        "[1.3] [vm:1:0]   | Range  | Description |     Config      |",
+        "[1.3] [vm:1:0]   +--------+-------------+-----------------+",
+        "[1.3] [vm:1:0]   | 0..inf | zero-copy   | cma/memory      |",
+        "[1.3] [vm:1:0]   +--------+-------------+-----------------+",
+        "unrelated line",
+    ])
+    out = parse_ucx_output(sample)
+    assert out["version"] == "1.23.0"
+    assert [e["scope"] for e in out["endpoints"]] == ["self", "intra-node"]
+    assert out["endpoints"][1]["lanes"]["rma_am"] == ["tcp/lo"]
+    assert out["protocols"]["put"] == [("0..inf", "zero-copy", "cma/memory")]
+    assert out["protocols"]["get"] == []
