@@ -137,3 +137,19 @@ def test_doctor_parses_ucx_output() -> None:
     assert out["endpoints"][1]["lanes"]["rma_am"] == ["tcp/lo"]
     assert out["protocols"]["put"] == [("0..inf", "zero-copy", "cma/memory")]
     assert out["protocols"]["get"] == []
+
+
+def test_layerwise() -> None:
+    from benchmarks import layerwise
+
+    out = layerwise.run(quick=True)
+    _finite(out["summary"], "layerwise_ttft_over_whole")
+    assert [r["blocks"] for r in out["layerwise_rows"]] == [16, 64]
+
+
+def test_multiturn_quick() -> None:
+    from benchmarks import multiturn
+
+    out = multiturn.run(quick=True, progress=False)
+    _finite(out["summary"], "multiturn_ttft_speedup")
+    assert out["summary"]["multiturn_ttft_speedup"] > 1  # reuse never slower than none
