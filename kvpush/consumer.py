@@ -41,7 +41,7 @@ from .errors import (
 )
 from .layout import KVLayout, check_compatible
 from .metrics import LIVE
-from .plan import block_checksums, validate_block_ids
+from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
 from .request import RequestState, TransferHandle, TransferMode, TransferResult
 
@@ -329,9 +329,7 @@ class Consumer(Endpoint):
 
     @staticmethod
     def _check_request_id(request_id: Any) -> str:
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidBlockIds("request_id must be a non-empty str")
-        return request_id
+        return check_request_id(request_id)
 
     # -- loop: connections -----------------------------------------------------------------
     def _connect(self, address: str, timeout: float,
@@ -459,6 +457,11 @@ class Consumer(Endpoint):
     def _on_hello_ack(self, peer: _Producer, msg: m.HelloAck) -> None:
         if peer.agent_name:
             return  # a duplicate answer to a re-sent Hello
+        old = self._by_name.get(msg.name)
+        if old is not None and old is not peer:
+            # The same producer, restarted at another address before we noticed: its old
+            # incarnation's state must go before NIXL accepts the new metadata.
+            self._lose_producer(old, f"restarted at {peer.address}")
         try:
             remote = KVLayout.from_wire(msg.layout)
             check_compatible(self.layout, remote)

@@ -17,8 +17,8 @@ from . import _core
 from .errors import InvalidBlockIds
 from .layout import KVLayout
 
-__all__ = ["as_block_ids", "block_checksums", "plan_split_transfer", "plan_transfer",
-           "validate_block_ids"]
+__all__ = ["as_block_ids", "block_checksums", "check_request_id", "plan_split_transfer",
+           "plan_transfer", "validate_block_ids"]
 
 plan_transfer = _core.plan_transfer
 
@@ -41,11 +41,25 @@ def as_block_ids(ids: Any, name: str) -> np.ndarray:
     if isinstance(ids, (list, tuple)):
         if len(ids) == 0:
             return np.empty(0, dtype=np.int64)
-        arr = np.asarray(ids)
+        try:
+            arr = np.asarray(ids)
+        except ValueError as exc:  # ragged
+            raise InvalidBlockIds(f"{name} must be a flat sequence of ints: {exc}") from None
         if arr.dtype.kind not in "iu" or arr.ndim != 1:
             raise InvalidBlockIds(f"{name} must be a sequence of ints, got {arr.dtype} {arr.shape}")
         return arr.astype(np.int64)
     raise InvalidBlockIds(f"{name} must be a numpy int32/int64 array, got {type(ids).__name__}")
+
+
+def check_request_id(request_id: Any) -> str:
+    """A request id is a non-empty str that UTF-8 can encode (it travels on the wire)."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidBlockIds("request_id must be a non-empty str")
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidBlockIds(f"request_id must be valid UTF-8: {exc}") from None
+    return request_id
 
 
 def block_checksums(layout: KVLayout, ids: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ for a registration.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +30,6 @@ from .auth import HelloGuard, Opener, Sealer, check_key, new_nonce, session_key
 from .endpoint import RESULT_QUEUE, Endpoint, Timer, queue_result
 from .errors import (
     AuthenticationError,
-    InvalidBlockIds,
     KvpushError,
     LayoutMismatch,
     PeerUnavailable,
@@ -37,11 +37,14 @@ from .errors import (
 )
 from .layout import KVLayout, check_compatible
 from .metrics import LIVE
-from .plan import block_checksums, validate_block_ids
+from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
 from .request import Release, ReleaseReason, TransferMode
 
 __all__ = ["Producer", "ProducerConfig"]
+
+#: Bound on a registration's part index (producer ranks x layer groups).
+MAX_PARTS = 1 << 20
 
 log = logging.getLogger("kvpush.producer")
 
@@ -124,6 +127,8 @@ class _Source:
     pulling: bool = False
     complete: bool = True            # False while only some layers are final (layer_done)
     layers: set[int] = field(default_factory=set)   # final layers, while not complete
+    puller: _Consumer | None = None  # pull: the consumer whose READ is (or was) in flight
+    aborted: str = ""                # pull: aborted, but kept until no READ can touch it
 
 
 @dataclass
@@ -225,8 +230,7 @@ class Producer(Endpoint):
         to the consumer. Either way the blocks are held until released
         (see :meth:`get_released`). Never blocks on transfer setup.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidBlockIds("request_id must be a non-empty str")
+        check_request_id(request_id)
         mode = TransferMode(mode)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         self._call_soon(lambda: self._hold(request_id, ids, mode))
@@ -245,8 +249,7 @@ class Producer(Endpoint):
         Call it for layers as they finish, then :meth:`prefill_done` with the same blocks as
         usual (which also covers any layer not reported). Whole-request registrations just
         wait for ``prefill_done``."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidBlockIds("request_id must be a non-empty str")
+        check_request_id(request_id)
         if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer!r}")
         if self.layout.layers_per_region != 1:
@@ -310,7 +313,7 @@ class Producer(Endpoint):
             elif isinstance(msg, m.Abort):
                 self._on_consumer_abort(peer, msg)
             elif isinstance(msg, m.PullBegin):
-                self._on_pull_begin(msg)
+                self._on_pull_begin(peer, msg)
             elif isinstance(msg, m.PullDone):  # an empty pull: no READ carried it
                 self._on_pull_done(msg)
             elif isinstance(msg, m.Heartbeat):
@@ -394,7 +397,12 @@ class Producer(Endpoint):
         except ProtocolError as exc:
             self._tell(peer, m.Failed(rid, "invalid_ids", str(exc)))
             return
-        wait = min(max(msg.wait_s, 0.0), self.config.max_wait_s)
+        if not 0 <= msg.part < MAX_PARTS:
+            self._tell(peer, m.Failed(rid, "invalid_part", f"part {msg.part} out of range"))
+            return
+        # A NaN or infinite wait must never reach the timer heap.
+        wait = min(max(msg.wait_s, 0.0), self.config.max_wait_s) \
+            if math.isfinite(msg.wait_s) else self.config.max_wait_s
         timer = self._after(wait, lambda: self._registration_expired(rid))
         self._registrations[rid] = _Registration(peer, ids, msg.part, timer, msg.verify,
                                                  msg.groups, msg.tail)
@@ -418,11 +426,17 @@ class Producer(Endpoint):
             self._release(rid, ReleaseReason.ABORTED, f"consumer: {msg.reason}")
         self._tell(peer, m.AbortAck(rid))
 
-    def _on_pull_begin(self, msg: m.PullBegin) -> None:
+    def _on_pull_begin(self, peer: _Consumer, msg: m.PullBegin) -> None:
         source = self._sources.get(msg.request_id)
         if source is None or source.mode is not TransferMode.PULL or source.pulling:
+            tomb = self._tombstones.get(msg.request_id)
+            if tomb is not None:  # the consumer must not trust what it reads: say why
+                self._tell(peer, m.Failed(msg.request_id, tomb[0], tomb[1]))
             return
         source.pulling = True
+        source.puller = peer
+        if source.aborted:
+            self._tell(peer, m.Failed(msg.request_id, "aborted", source.aborted))
         self._pulls_watched += 1
         # A READ is in flight: the blocks stay at least until it can have finished.
         source.lease.cancel()
@@ -435,9 +449,17 @@ class Producer(Endpoint):
         """prefill_done, on the loop thread."""
         tomb = self._tombstones.get(rid)
         if tomb is not None and tomb[0] == "aborted":
-            if not tomb[3]:  # nothing was released for this request yet: these blocks go back
-                self._tombstones[rid] = (*tomb[:3], True)
-                self._emit(Release(rid, ReleaseReason.ABORTED, ids, tomb[1]))
+            if tomb[3]:
+                return  # these blocks were released already
+            self._tombstones[rid] = (*tomb[:3], True)
+            if mode is TransferMode.PULL:
+                # The engine already handed out a ticket for these blocks: keep them under
+                # the lease like any pull source, so no READ sees reused memory.
+                lease = self._after(self.config.lease_s, lambda: self._lease_expired(rid))
+                self._sources[rid] = _Source(ids, mode, lease, aborted=tomb[1])
+                LIVE.add("sources_held", 1)
+                return
+            self._emit(Release(rid, ReleaseReason.ABORTED, ids, tomb[1]))
             return
         self._tombstones.pop(rid, None)
         source = self._sources.get(rid)
@@ -608,6 +630,9 @@ class Producer(Endpoint):
     def _on_pull_done(self, msg: m.PullDone) -> None:
         source = self._sources.get(msg.request_id)
         if source is not None and source.mode is TransferMode.PULL:
+            if source.aborted:
+                self._release(msg.request_id, ReleaseReason.ABORTED, source.aborted)
+                return
             self._stats.requests_completed += 1
             self._stats.blocks_moved += len(source.ids)
             self._stats.bytes_moved += msg.nbytes
@@ -687,7 +712,11 @@ class Producer(Endpoint):
         self._tell(reg.peer, m.Failed(rid, "timeout", "prefill did not finish in time"))
 
     def _lease_expired(self, rid: str) -> None:
-        if rid not in self._sources or rid in self._pushes:
+        source = self._sources.get(rid)
+        if source is None or rid in self._pushes:
+            return
+        if source.aborted:
+            self._release(rid, ReleaseReason.ABORTED, source.aborted)
             return
         self._stats.requests_timed_out += 1
         self._tomb(rid, "lease_expired", "source blocks were released after their lease",
@@ -696,6 +725,16 @@ class Producer(Endpoint):
 
     def _abort(self, rid: str, reason: str) -> None:
         self._stats.requests_aborted += 1
+        source = self._sources.get(rid)
+        if source is not None and source.mode is TransferMode.PULL:
+            # A pull ticket is out: a READ may run at any time until the lease ends, so the
+            # blocks stay until the consumer is done with them or the lease is over; the
+            # puller, if known, is told not to trust what it reads.
+            self._tomb(rid, "aborted", reason, released=True)
+            source.aborted = reason
+            if source.puller is not None:
+                self._tell(source.puller, m.Failed(rid, "aborted", reason))
+            return
         self._tomb(rid, "aborted", reason, released=rid in self._sources)
         if rid in self._pushes:
             self._end_push(rid, "aborted", ReleaseReason.ABORTED, reason)
@@ -761,6 +800,9 @@ class Producer(Endpoint):
         for rid, reg in list(self._registrations.items()):
             if reg.peer is peer:
                 self._drop_registration(rid)
+        for rid, source in list(self._sources.items()):
+            if source.puller is peer:  # its READ died with it
+                self._release(rid, ReleaseReason.FAILED, f"pulling consumer lost: {why}")
         del self._consumers[peer.identity]
         if self._by_agent.get(peer.agent_name) is peer:
             del self._by_agent[peer.agent_name]

@@ -1,0 +1,794 @@
+"""The fault matrix across two "hosts": a Producer in one network namespace, a Consumer in
+another, UCX forced onto TCP over the veth between them (see ``netns.py``).
+
+Every cell injects one fault -- a killed peer, a missing registration or prefill, an abort at
+one protocol step, a cut or frozen link, a restarted peer -- in push and in pull, and checks
+that each surviving side ends in a defined state within its deadline, that source blocks
+are released and requests reported exactly once, that no thread or process is left behind,
+and that a dead peer's NIXL state is gone. Cells that show a bug in the core are marked
+``xfail`` with the bug named -- strict where the failure is deterministic, not strict where
+it is a race -- and docs/RELIABILITY.md has the fixes.
+
+UCX runs in kvpush's default error mode, ``none``, throughout: the cells that post toward a
+killed peer show that it neither hangs nor crashes the survivor.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+from netns import Ledger, Link, Node, NodeError, netns_unavailable
+
+from kvpush.messages import PullTicket
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
+
+# 8 KiB per block id (two regions of 4 KiB): 512 blocks = 4 MiB, ~1.4 s on the shaped link.
+CACHE = dict(num_blocks=1024, num_layers=2, head_size=128)
+BIG_SRC = list(range(0, 512))
+BIG_DST = list(range(512, 1024))
+RATE = "24mbit"
+PEER_TIMEOUT = 1.5
+PRODUCER = dict(lease_s=3.0, peer_timeout_s=PEER_TIMEOUT, transfer_timeout_s=6.0,
+                max_wait_s=30.0, tombstone_s=60.0)
+CONSUMER = dict(heartbeat_s=0.15, peer_timeout_s=PEER_TIMEOUT, abort_grace_s=2.0,
+                request_timeout_s=15.0, lease_margin_s=0.05, connect_timeout_s=10.0)
+#: how long a side may take to notice a silent or dead peer
+DETECT = PEER_TIMEOUT + 2.5
+#: a pull source whose READ began waits this long at most (lease + transfer timeout)
+PULL_HOLD = PRODUCER["lease_s"] + PRODUCER["transfer_timeout_s"]
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float, every: float = 0.02) -> Any:
+    """Poll ``fn`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s (last: {value!r})")
+        time.sleep(every)
+
+
+class Pair:
+    """One producer node (namespace a) and one consumer node (namespace b), connected."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.ledger = Ledger()
+        self.producer: Node | None = None
+        self.consumer: Node | None = None
+        self.seed = 1
+        self.cut = False
+        self.shaped = False
+        self.counter = 0
+
+    # -- nodes -----------------------------------------------------------------------------
+    def start_producer(self, name: str | None = None, port: int = 0, seed: int | None = None,
+                       **overrides: Any) -> Node:
+        self.seed = seed if seed is not None else self.seed + 1
+        node = Node("producer", self.link.a_ns, self.link.a_dev)
+        config = dict(PRODUCER, host=self.link.a_ip, port=port, name=name, **overrides)
+        try:
+            return node.start("producer", CACHE, config, seed=self.seed)
+        except BaseException:
+            node.close()
+            raise
+
+    def start_consumer(self, name: str | None = None, **overrides: Any) -> Node:
+        node = Node("consumer", self.link.b_ns, self.link.b_dev)
+        try:
+            return node.start("consumer", CACHE, dict(CONSUMER, name=name, **overrides))
+        except BaseException:
+            node.close()
+            raise
+
+    @property
+    def p(self) -> Node:
+        assert self.producer is not None
+        return self.producer
+
+    @property
+    def c(self) -> Node:
+        assert self.consumer is not None
+        return self.consumer
+
+    def connect(self) -> str:
+        name: str = self.c.call("connect", address=self.p.address, timeout=10.0)
+        assert name == self.p.name
+        return name
+
+    def heal(self) -> None:
+        """Before a cell: link up and unshaped, both nodes alive and connected."""
+        if self.cut:
+            self.link.restore()
+            self.cut = False
+        if self.shaped:
+            self.link.unshape()
+            self.shaped = False
+        for node in (self.producer, self.consumer):
+            if node is not None and node.stopped:
+                node.cont()
+        if self.producer is None or not self.producer.alive():
+            if self.producer is not None:
+                self.producer.close()
+            self.producer = self.start_producer()
+        if self.consumer is None or not self.consumer.alive():
+            if self.consumer is not None:
+                self.consumer.close()
+            self.consumer = self.start_consumer()
+        if self.p.name not in self.c.call("producers"):
+            wait_for("reconnect", self._try_connect, 10.0, every=0.2)
+
+    def _try_connect(self) -> bool:
+        try:
+            self.connect()
+        except NodeError:
+            return False
+        return True
+
+    def shape(self) -> None:
+        self.link.shape(RATE)
+        self.shaped = True
+
+    def cut_link(self) -> None:
+        self.link.cut()
+        self.cut = True
+
+    def restore_link(self) -> None:
+        self.link.restore()
+        self.cut = False
+
+    def close(self) -> None:
+        """Stop both nodes; a node that was alive must exit cleanly, with nothing live."""
+        for node in (self.consumer, self.producer):
+            if node is not None:
+                if node.stopped:
+                    node.cont()
+                was_alive = node.alive()
+                rc = node.close()
+                if was_alive:
+                    assert rc == 0 and node.final == {"live": {}, "threads": []}, \
+                        (node.label, rc, node.final)
+
+    # -- requests --------------------------------------------------------------------------
+    def rid(self, tag: str) -> str:
+        self.counter += 1
+        return f"{tag}-{self.counter}"
+
+    def expect(self, rid: str, src: list[int], dst: list[int], timeout: float = 10.0) -> None:
+        errors = self.c.call("expect", items=[[rid, dst, self.p.name, timeout, self.seed, src]])
+        assert errors == [None], errors
+
+    def prefill(self, rid: str, src: list[int], mode: str) -> str | None:
+        (ticket,) = self.p.call("prefill", items=[[rid, src, mode]])
+        assert not isinstance(ticket, dict), ticket
+        return ticket  # type: ignore[no-any-return]
+
+    def pull(self, rid: str, ticket: str, dst: list[int], timeout: float = 10.0) -> None:
+        errors = self.c.call("pull", items=[[rid, ticket, dst, timeout, self.seed]])
+        assert errors == [None], errors
+
+    def result(self, rid: str, timeout: float) -> dict[str, Any]:
+        """The consumer's one result for ``rid`` (waits at most ``timeout`` s)."""
+        def got() -> dict[str, Any] | None:
+            self.ledger.drain_consumer(self.c)
+            return self.ledger.results[rid][0] if self.ledger.results.get(rid) else None
+        out: dict[str, Any] = wait_for(f"result of {rid}", got, timeout)
+        return out
+
+    def release(self, rid: str, timeout: float) -> str:
+        """The reason of the producer's release of ``rid`` (waits at most ``timeout`` s)."""
+        def got() -> str | None:
+            self.ledger.drain_producer(self.p)
+            return self.ledger.releases[rid][0] if self.ledger.releases.get(rid) else None
+        out: str = wait_for(f"release of {rid}", got, timeout)
+        return out
+
+    def no_result(self, rid: str) -> bool:
+        self.ledger.drain_consumer(self.c)
+        return rid not in self.ledger.results
+
+    def no_release(self, rid: str) -> bool:
+        self.ledger.drain_producer(self.p)
+        return rid not in self.ledger.releases
+
+    def state(self, rid: str) -> str:
+        st: str = self.p.call("state", rid=rid)
+        return st
+
+    def wait_state(self, rid: str, want: str, timeout: float = 5.0) -> None:
+        wait_for(f"{rid} in state {want}", lambda: self.state(rid) == want, timeout, 0.005)
+
+    def stats(self, node: Node) -> dict[str, int]:
+        st: dict[str, int] = node.call("stats")
+        return st
+
+    def big(self, mode: str, tag: str, timeout: float = 15.0, blocks: int = 512) -> str:
+        """Start a transfer of ``blocks`` blocks (512: 4 MiB, ~1.4 s) over the shaped link;
+        return once it is mid-way. (A pull must finish inside the producer's lease.)"""
+        self.shape()
+        rid = self.rid(tag)
+        src, dst = BIG_SRC[:blocks], BIG_DST[:blocks]
+        if mode == "push":
+            self.expect(rid, src, dst, timeout)
+            self.prefill(rid, src, "push")
+            self.wait_state(rid, "writing")
+        else:
+            ticket = self.prefill(rid, src, "pull")
+            assert ticket is not None
+            self.pull(rid, ticket, dst, timeout)
+            self.wait_state(rid, "pulling")
+        rx = self.link.rx_bytes()
+        wait_for("bytes flowing on the veth", lambda: self.link.rx_bytes() > rx + 64 * 1024,
+                 5.0, every=0.01)
+        assert self.no_result(rid), "the transfer was meant to be still running"
+        return rid
+
+    def pull_beside_busy(self, rid: str, ticket: str | None, dst: list[int]) -> dict[str, Any]:
+        """Pull ``rid`` while another pull keeps the producer progressing, and return its
+        result. Over TCP a READ is served only while the producer polls NIXL, which it does
+        only while one of *its* pulls runs; RDMA and shared memory serve a READ without the
+        producer, and this makes TCP behave the same for a READ the producer does not
+        expect."""
+        assert ticket is not None
+        busy = self.rid("busy")
+        busy_ticket = self.prefill(busy, BIG_SRC, "pull")
+        errors = self.c.call("pull", items=[[busy, busy_ticket, BIG_DST, 10.0, self.seed],
+                                            [rid, ticket, dst, 10.0, self.seed]])
+        assert errors == [None, None], errors
+        res = self.result(busy, 10.0)
+        assert (res["state"], res["corrupted"]) == ("ready", 0), res
+        assert self.release(busy, 5.0) == "transferred"
+        return self.result(rid, 10.0)
+
+    def smoke(self, tag: str = "smoke") -> None:
+        """A push and a pull, every byte checked: the pair serves requests again."""
+        rid = self.rid(f"{tag}-push")
+        self.expect(rid, [5, 9, 10], [1, 2, 3])
+        self.prefill(rid, [5, 9, 10], "push")
+        res = self.result(rid, 10.0)
+        assert (res["state"], res["corrupted"]) == ("ready", 0), res
+        assert self.release(rid, 5.0) == "transferred"
+        rid = self.rid(f"{tag}-pull")
+        ticket = self.prefill(rid, [20, 21], "pull")
+        assert ticket is not None
+        self.pull(rid, ticket, [30, 31])
+        res = self.result(rid, 10.0)
+        assert (res["state"], res["corrupted"]) == ("ready", 0), res
+        assert self.release(rid, 5.0) == "transferred"
+
+    def settle(self) -> None:
+        """After a cell: nothing pending on a live side, nothing reported or released twice,
+        one kvpush thread per live node."""
+        for node in (self.producer, self.consumer):
+            if node is None or not node.alive() or node.stopped:
+                continue
+            wait_for(f"{node.label} idle", lambda n=node: self.stats(n)["pending"] == 0, 10.0,
+                     0.05)
+            threads = [t for t in node.call("info")["threads"] if t.startswith("kvpush-")]
+            assert threads == [f"{node.name}-loop"], threads
+        if self.producer is not None and self.producer.alive():
+            self.ledger.drain_producer(self.producer)
+        if self.consumer is not None and self.consumer.alive():
+            self.ledger.drain_consumer(self.consumer)
+        assert not self.ledger.repeated(), self.ledger.repeated()
+
+
+@pytest.fixture(scope="module")
+def link() -> Iterator[Link]:
+    reason = netns_unavailable()
+    if reason is not None:
+        pytest.skip(f"no network namespaces here: {reason}")
+    with Link() as made:
+        yield made
+    names = {made.a_ns, made.b_ns}
+    import subprocess
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                          timeout=10).stdout
+    assert not any(n in left for n in names), f"namespaces left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def pair(link: Link) -> Iterator[Pair]:
+    made = Pair(link)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture()
+def fx(pair: Pair) -> Iterator[Pair]:
+    pair.heal()
+    yield pair
+    pair.settle()
+
+
+def dead_gone_from_consumer(pair: Pair, name: str) -> None:
+    """The consumer forgot a producer: not listed, no NIXL metadata or descriptor lists."""
+    wait_for("producer forgotten", lambda: name not in pair.c.call("producers"), DETECT)
+    assert name not in pair.c.call("nixl_peers")
+
+
+def dead_gone_from_producer(pair: Pair, name: str, lost_before: int) -> None:
+    wait_for("consumer counted lost", lambda: pair.stats(pair.p)["peers_lost"] > lost_before,
+             DETECT)
+    assert name not in pair.p.call("nixl_peers")
+
+
+MODES = ["push", "pull"]
+#: how a consumer reports a request whose producer died or became unreachable
+LOST_ERRORS = ("PeerUnavailable", "TransferFailed")
+
+
+# -- the transport: UCX really crosses the veth ----------------------------------------------
+def test_bytes_cross_the_veth(fx: Pair) -> None:
+    """UCX_TLS=tcp,self: a 4 MiB push and pull show up as at least 4 MiB each on the veth."""
+    for mode in MODES:
+        rx = fx.link.rx_bytes()
+        rid = fx.rid(f"veth-{mode}")
+        if mode == "push":
+            fx.expect(rid, BIG_SRC, BIG_DST)
+            fx.prefill(rid, BIG_SRC, "push")
+        else:
+            ticket = fx.prefill(rid, BIG_SRC, "pull")
+            assert ticket is not None
+            fx.pull(rid, ticket, BIG_DST)
+        res = fx.result(rid, 10.0)
+        assert (res["state"], res["corrupted"]) == ("ready", 0), res
+        assert fx.link.rx_bytes() - rx >= len(BIG_SRC) * 8192
+        assert fx.release(rid, 5.0) == "transferred"
+
+
+# -- a peer killed mid-transfer --------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_producer_killed_mid_transfer(fx: Pair, mode: str) -> None:
+    rid = fx.big(mode, "pkill")
+    name = fx.p.name
+    t0 = time.monotonic()
+    fx.p.kill()
+    res = fx.result(rid, DETECT)
+    # PeerUnavailable once the heartbeats stop; a READ may fail first (connection reset)
+    assert res["state"] == "failed" and res["error"] in LOST_ERRORS, res
+    assert time.monotonic() - t0 < DETECT
+    dead_gone_from_consumer(fx, name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_consumer_killed_mid_transfer(fx: Pair, mode: str) -> None:
+    lost = fx.stats(fx.p)["peers_lost"]
+    rid = fx.big(mode, "ckill")
+    name = fx.c.name
+    t0 = time.monotonic()
+    fx.c.kill()
+    if mode == "push":  # the WRITE fails (or is cancelled when the peer is declared lost)
+        assert fx.release(rid, DETECT) == "failed"
+        assert time.monotonic() - t0 < DETECT
+    else:  # the puller is declared lost: its READ died with it
+        assert fx.release(rid, DETECT) == "failed"
+    dead_gone_from_producer(fx, name, lost)
+
+
+def test_pull_source_released_when_puller_is_lost(fx: Pair) -> None:
+    rid = fx.big("pull", "ckill-prompt")
+    t0 = time.monotonic()
+    fx.c.kill()
+    try:
+        reason = fx.release(rid, DETECT)
+    finally:  # leave the pair settled either way
+        fx.release(rid, PULL_HOLD + 1.5)
+    assert reason == "failed" and time.monotonic() - t0 < DETECT
+
+
+def test_read_error_does_not_kill_the_consumer(fx: Pair) -> None:
+    """UCX error mode ``peer`` makes a READ from a killed producer end in error at once (in
+    mode ``none`` it waits for the heartbeat timeout, but a READ can end in error there too:
+    the soak saw it after a producer crash)."""
+    peer_mode = {"transport": {"ucx_error_mode": "peer"}}
+    for node in (fx.producer, fx.consumer):
+        if node is not None:
+            node.close()
+    fx.producer = fx.start_producer(**peer_mode)
+    fx.consumer = fx.start_consumer(**peer_mode)
+    fx.connect()
+    try:
+        rid = fx.big("pull", "readerr")
+        fx.p.kill()
+        res = fx.result(rid, DETECT)
+        assert res["state"] == "failed", res
+        time.sleep(0.3)
+        assert f"{fx.c.name}-loop" in fx.c.call("info")["threads"], "consumer loop died"
+    finally:  # the next cell gets fresh nodes in the default mode
+        fx.c.kill()
+        fx.p.kill()
+
+
+# -- a WRITE / READ posted toward a peer that was just killed (UCX error mode none) ----------
+@pytest.mark.parametrize("mode", MODES)
+def test_post_toward_killed_peer_fails_fast(fx: Pair, mode: str) -> None:
+    """Neither hangs nor crashes the survivor: NIXL refuses the post at once
+    (nixlRemoteDisconnectError), kvpush fails the request, the survivor serves others."""
+    rid = fx.rid(f"deadpost-{mode}")
+    if mode == "push":  # registration in, consumer killed, then prefill triggers the WRITE
+        lost = fx.stats(fx.p)["peers_lost"]
+        fx.expect(rid, [1, 2, 3], [4, 5, 6])
+        fx.wait_state(rid, "registered")
+        fx.c.kill()
+        t0 = time.monotonic()
+        fx.prefill(rid, [1, 2, 3], "push")
+        assert fx.release(rid, 2.0) == "failed"
+        assert time.monotonic() - t0 < 1.0
+        assert fx.stats(fx.p)["peers_lost"] == lost + 1  # the failed post dropped it at once
+    else:  # ticket issued, producer killed, then the consumer READs
+        ticket = fx.prefill(rid, [1, 2, 3], "pull")
+        assert ticket is not None
+        fx.p.kill()
+        t0 = time.monotonic()
+        fx.pull(rid, ticket, [4, 5, 6])
+        res = fx.result(rid, 2.0)
+        assert res["state"] == "failed" and res["error"] == "PeerUnavailable", res
+        assert time.monotonic() - t0 < 1.0
+        assert fx.c.alive()
+
+
+# -- one of the two rendezvous events never comes --------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_registration_never_arrives(fx: Pair, mode: str) -> None:
+    """push: no Register; pull: the ticket is never used. The lease releases the source."""
+    rid = fx.rid(f"noreg-{mode}")
+    t0 = time.monotonic()
+    ticket = fx.prefill(rid, [7, 8], mode)
+    assert fx.release(rid, PRODUCER["lease_s"] + 1.5) == "lease_expired"
+    assert time.monotonic() - t0 >= PRODUCER["lease_s"] - 0.1
+    # What comes late fails fast, and moves nothing.
+    if mode == "push":
+        fx.expect(rid, [7, 8], [40, 41])
+    else:
+        assert ticket is not None
+        fx.pull(rid, ticket, [40, 41])
+    res = fx.result(rid, 3.0)
+    assert res["state"] == "timed_out" and res["error"] == "TransferTimeout", res
+    assert fx.c.call("canary_intact", dst=[40, 41])
+
+
+def test_prefill_never_arrives(fx: Pair) -> None:
+    """push: the registration's deadline ends it on both sides; a late prefill_done gets its
+    blocks back at once. (pull has no such cell: without prefill_done there is no ticket.)"""
+    rid = fx.rid("noprefill")
+    t0 = time.monotonic()
+    fx.expect(rid, [1, 2], [3, 4], timeout=0.5)
+    res = fx.result(rid, 3.0)
+    assert res["state"] == "timed_out", res
+    assert time.monotonic() - t0 < 2.0
+    fx.wait_state(rid, "none")
+    fx.prefill(rid, [1, 2], "push")
+    assert fx.release(rid, 1.0) == "aborted"
+
+
+# -- aborts at every protocol step, from either side -----------------------------------------
+
+#: The producer now answers a PullBegin for a request it no longer holds (or holds only
+#: because a ticket is out) with Failed, but the consumer posts its READ before PullBegin and
+#: reports READY as soon as the READ is done: when the READ wins (it needs only the
+#: producer's progress, which a second pull provides here), READY is reported from blocks the
+#: producer does not vouch for. Seen once in four full runs, so not strict.
+RACE_PULL_FAILED = pytest.mark.xfail(
+    strict=False, reason="core race (bug 4, partly fixed): READY can be reported before the "
+    "producer's Failed arrives; a hold confirmation (PullHeld) before READY closes it")
+
+ABORTS = [
+    ("producer", "push", "before_anything"),
+    ("producer", "push", "registered"),
+    ("producer", "push", "held"),
+    ("producer", "push", "writing"),
+    ("producer", "push", "done"),
+    pytest.param("producer", "pull", "before_anything", marks=RACE_PULL_FAILED),
+    ("producer", "pull", "held"),
+    ("producer", "pull", "pulling"),
+    ("producer", "pull", "done"),
+    ("consumer", "push", "before_anything"),
+    ("consumer", "push", "registered"),
+    ("consumer", "push", "writing"),
+    ("consumer", "push", "done"),
+    ("consumer", "pull", "pulling"),
+    ("consumer", "pull", "done"),
+]
+
+
+@pytest.mark.parametrize(("side", "mode", "step"), ABORTS)
+def test_abort(fx: Pair, side: str, mode: str, step: str) -> None:
+    rid = fx.rid(f"abort-{side}-{mode}-{step}")
+    src, dst = [11, 12], [13, 14]
+    ticket: str | None = None
+    ender = fx.p if side == "producer" else fx.c
+
+    def abort() -> None:
+        ender.call("abort", rids=[rid])
+
+    if step == "before_anything":
+        abort()
+        if side == "consumer":  # the consumer knows nothing of it yet: a no-op
+            fx.expect(rid, src, dst)
+            fx.prefill(rid, src, mode)
+            assert fx.result(rid, 5.0)["state"] == "ready"
+            assert fx.release(rid, 2.0) == "transferred"
+            return
+        t0 = time.monotonic()
+        ticket = fx.prefill(rid, src, mode)
+        if mode == "push":
+            assert fx.release(rid, 1.0) == "aborted"  # at once, not after a lease
+            assert time.monotonic() - t0 < 1.0
+            fx.expect(rid, src, dst)
+            res = fx.result(rid, 3.0)
+        else:
+            # The ticket is out: the blocks stay until no READ can touch them; the router
+            # relays the ticket anyway, and the pull must not succeed.
+            res = fx.pull_beside_busy(rid, ticket, dst)
+            assert fx.release(rid, PULL_HOLD + 1.5) == "aborted"
+        assert res["state"] in ("aborted", "failed", "timed_out"), res
+        return
+
+    if step == "registered":
+        fx.expect(rid, src, dst)
+        fx.wait_state(rid, "registered")
+        abort()
+        assert fx.result(rid, 3.0)["state"] == "aborted"
+        fx.wait_state(rid, "none")
+        fx.prefill(rid, src, "push")  # prefill ends late: the blocks go back at once
+        assert fx.release(rid, 1.0) == "aborted"
+        return
+
+    if step == "held":
+        ticket = fx.prefill(rid, src, mode)
+        fx.wait_state(rid, f"held-{mode}")
+        abort()
+        # push: at once; pull: a ticket is out, so at the end of its lease
+        assert fx.release(rid, 1.0 if mode == "push" else PULL_HOLD + 1.5) == "aborted"
+        if mode == "push":  # a registration after the abort fails at once
+            fx.expect(rid, src, dst)
+            assert fx.result(rid, 3.0)["state"] == "aborted"
+        return
+
+    if step in ("writing", "pulling"):
+        rid = fx.big(mode, f"abort-{side}-{step}")
+        t0 = time.monotonic()
+        ender.call("abort", rids=[rid])
+        res = fx.result(rid, DETECT)
+        assert res["state"] == "aborted", res
+        assert fx.release(rid, DETECT) == "aborted"
+        assert time.monotonic() - t0 < DETECT
+        return
+
+    assert step == "done"
+    if mode == "push":
+        fx.expect(rid, src, dst)
+        fx.prefill(rid, src, "push")
+    else:
+        ticket = fx.prefill(rid, src, "pull")
+        assert ticket is not None
+        fx.pull(rid, ticket, dst)
+    assert fx.result(rid, 5.0)["state"] == "ready"
+    assert fx.release(rid, 2.0) == "transferred"
+    abort()  # too late: nothing changes, nothing is released or reported twice
+    time.sleep(0.3)
+    assert fx.no_release(rid) is False and len(fx.ledger.releases[rid]) == 1
+    assert len(fx.ledger.results[rid]) == 1
+
+
+# -- the link cut mid-transfer, then restored ------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_link_cut_mid_transfer(fx: Pair, mode: str) -> None:
+    """Cut for longer than the peer timeout: both sides give the request up and forget the
+    peer; once the link is back, new requests succeed. (Bytes of the old request can still
+    land after the result -- the connection UCX kept is not closed -- see
+    test_no_byte_lands_after_the_result and docs/RELIABILITY.md.)"""
+    lost = fx.stats(fx.p)["peers_lost"]
+    consumer_name, producer_name = fx.c.name, fx.p.name
+    rid = fx.big(mode, "cut")
+    t0 = time.monotonic()
+    fx.cut_link()
+    res = fx.result(rid, DETECT)
+    assert res["state"] == "failed" and res["error"] in LOST_ERRORS, res
+    dead_gone_from_consumer(fx, producer_name)
+    if mode == "push":
+        assert fx.release(rid, DETECT) == "failed"
+    dead_gone_from_producer(fx, consumer_name, lost)
+    assert time.monotonic() - t0 < 2 * DETECT
+    fx.restore_link()
+    fx.link.unshape()
+    fx.shaped = False
+    wait_for("reconnect", fx._try_connect, 10.0, every=0.2)
+    fx.smoke("after-cut")
+    if mode == "pull":  # released when the puller was declared lost
+        assert fx.release(rid, PULL_HOLD + 1.5) == "failed"
+
+
+def sockets(node: Node) -> int:
+    """Open sockets of a node's process."""
+    count = 0
+    for fd in os.listdir(f"/proc/{node.pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{node.pid}/fd/{fd}").startswith("socket:")
+    return count
+
+
+@pytest.mark.xfail(strict=True, reason="core bug: after a cut that makes both sides drop each "
+                   "other, reconnecting leaves the old connections open: UCX's TCP connections "
+                   "to the removed agent (both sides) and the consumer's half-open ZeroMQ "
+                   "connection on the producer's ROUTER (no TCP keepalive)")
+def test_link_cut_leaves_no_sockets_behind(fx: Pair) -> None:
+    fx.smoke("before-leak")
+    before = (sockets(fx.p), sockets(fx.c))
+    for i in range(2):
+        fx.cut_link()
+        wait_for("consumer drops producer", lambda: fx.p.name not in fx.c.call("producers"),
+                 DETECT)
+        time.sleep(0.5)  # the producer drops the consumer too
+        fx.restore_link()
+        wait_for("reconnect", fx._try_connect, 10.0, every=0.2)
+        fx.smoke(f"leak-{i}")
+    time.sleep(0.5)
+    after = (sockets(fx.p), sockets(fx.c))
+    assert after == before, f"sockets (producer, consumer): {before} -> {after}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_link_flap_shorter_than_peer_timeout(fx: Pair, mode: str) -> None:
+    """A cut shorter than the peer timeout only delays the transfer."""
+    rid = fx.big(mode, "flap", blocks=256)
+    fx.cut_link()
+    time.sleep(PEER_TIMEOUT / 4)
+    fx.restore_link()
+    res = fx.result(rid, 15.0)
+    assert (res["state"], res["corrupted"]) == ("ready", 0), (res, fx.link.sockets())
+    assert fx.release(rid, 5.0) == "transferred"
+    assert fx.p.name in fx.c.call("producers")
+
+
+BUG_LATE_BYTES = pytest.mark.xfail(
+    strict=True, reason="core bug: a cancelled WRITE/READ over UCX/TCP still lands bytes after "
+    "the request was reported (cancel is not a fence)")
+
+
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=BUG_LATE_BYTES) for m in MODES])
+def test_no_byte_lands_after_the_result(fx: Pair, mode: str) -> None:
+    """The request times out during a cut shorter than the peer timeout. push: the consumer
+    waits for the producer's AbortAck (sent once it cancelled its WRITE); pull: the consumer
+    cancels its READ. Either way the result says the blocks are free; nothing may land in
+    them after that, once the link is back and the consumer progresses again."""
+    rid = fx.rid(f"late-{mode}")
+    fx.shape()
+    if mode == "push":
+        fx.expect(rid, BIG_SRC, BIG_DST, timeout=0.6)
+        fx.prefill(rid, BIG_SRC, "push")
+        fx.wait_state(rid, "writing")
+    else:
+        ticket = fx.prefill(rid, BIG_SRC, "pull")
+        assert ticket is not None
+        fx.pull(rid, ticket, BIG_DST, timeout=0.6)
+        fx.wait_state(rid, "pulling")
+    time.sleep(0.2)
+    fx.cut_link()
+    if mode == "pull":  # the READ is cancelled at the deadline and reported at once
+        assert fx.result(rid, 3.0)["state"] == "timed_out"
+        fx.c.call("rescrub", dst=BIG_DST)
+        time.sleep(max(0.0, PEER_TIMEOUT / 2 - 0.6))
+        fx.restore_link()
+    else:  # the Abort waits for the link; the consumer waits for the AbortAck
+        time.sleep(PEER_TIMEOUT / 2)
+        fx.restore_link()
+        assert fx.result(rid, 3.0)["state"] == "timed_out"
+        fx.c.call("rescrub", dst=BIG_DST)
+    assert fx.release(rid, 3.0) == "aborted"
+    fx.link.unshape()
+    fx.shaped = False
+    fx.smoke("after-late")  # the consumer progresses NIXL again
+    time.sleep(0.3)
+    assert fx.c.call("canary_intact", dst=BIG_DST), "bytes landed after the result"
+
+
+# -- a slow consumer: the whole process frozen (SIGSTOP) then resumed ------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_consumer_stalled_briefly(fx: Pair, mode: str) -> None:
+    rid = fx.big(mode, "stall", blocks=256)
+    fx.c.stop()
+    time.sleep(PEER_TIMEOUT / 3)
+    fx.c.cont()
+    res = fx.result(rid, 15.0)
+    assert (res["state"], res["corrupted"]) == ("ready", 0), res
+    assert fx.release(rid, 5.0) == "transferred"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_consumer_stalled_past_peer_timeout(fx: Pair, mode: str) -> None:
+    lost = fx.stats(fx.p)["peers_lost"]
+    name = fx.c.name
+    rid = fx.big(mode, "freeze")
+    t0 = time.monotonic()
+    fx.c.stop()
+    if mode == "push":
+        assert fx.release(rid, DETECT) == "failed"
+    dead_gone_from_producer(fx, name, lost)
+    assert time.monotonic() - t0 < DETECT + 0.5
+    fx.c.cont()
+    res = fx.result(rid, 3.0)  # on waking, the consumer finds its producer silent too
+    assert res["state"] in ("failed", "timed_out"), res
+    wait_for("reconnect", fx._try_connect, 10.0, every=0.2)
+    fx.link.unshape()
+    fx.shaped = False
+    fx.smoke("after-freeze")
+    if mode == "pull":  # released when the puller was declared lost
+        assert fx.release(rid, PULL_HOLD + 1.5) == "failed"
+
+
+# -- a peer restarted under the same name ----------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_producer_restarted_same_name(fx: Pair, mode: str) -> None:
+    """Killed mid-transfer, back on the same port under the same name (with other bytes):
+    the consumer fails the old request, drops the old incarnation, and serves requests from
+    the new one."""
+    old = fx.p
+    rid = fx.big(mode, "prestart")
+    old.kill()
+    port = int(old.address.rsplit(":", 1)[1])
+    fx.producer = fx.start_producer(name=old.name, port=port)
+    res = fx.result(rid, DETECT)
+    assert res["state"] == "failed" and res["error"] in LOST_ERRORS, res
+    fx.link.unshape()
+    fx.shaped = False
+    wait_for("reconnect", fx._try_connect, 10.0, every=0.2)
+    assert fx.c.call("producers") == [old.name]
+    fx.smoke("after-prestart")  # the bytes checked are the new incarnation's (new seed)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_consumer_restarted_same_name(fx: Pair, mode: str) -> None:
+    lost = fx.stats(fx.p)["peers_lost"]
+    old = fx.c
+    rid = fx.big(mode, "crestart")
+    old.kill()
+    fx.consumer = fx.start_consumer(name=old.name)
+    fx.link.unshape()
+    fx.shaped = False
+    fx.connect()
+    assert fx.release(rid, DETECT) == "failed"  # the old incarnation's transfer died with it
+    assert fx.stats(fx.p)["peers_lost"] > lost
+    assert fx.p.call("nixl_peers") == [old.name]  # the new incarnation only
+    fx.smoke("after-crestart")
+
+
+def test_producer_restarted_elsewhere_before_loss_noticed(fx: Pair) -> None:
+    old = fx.p
+    new = fx.start_producer(name=old.name)  # e.g. rescheduled on another port
+    try:
+        old.kill()
+        fx.producer = new
+        name = fx.c.call("connect", address=new.address, timeout=5.0)
+        assert name == old.name
+    finally:
+        fx.producer = new
+        wait_for("connected to the new incarnation", fx._try_connect, DETECT + 2.0, every=0.2)
+    fx.smoke("after-move")
+
+
+# -- pull tickets and the producer's clock -----------------------------------------------------
+@RACE_PULL_FAILED
+def test_pull_after_lease_expiry_with_clock_skew(fx: Pair) -> None:
+    rid = fx.rid("skew")
+    ticket = fx.prefill(rid, [50, 51], "pull")
+    assert ticket is not None
+    assert fx.release(rid, PRODUCER["lease_s"] + 1.5) == "lease_expired"
+    # The consumer's clock is behind the producer's by the time that passed.
+    skewed = msgspec.structs.replace(PullTicket.from_bytes(base64.b64decode(ticket)),
+                                     issued_at=time.time())
+    res = fx.pull_beside_busy(rid, base64.b64encode(skewed.to_bytes()).decode(), [52, 53])
+    assert res["state"] != "ready", res

@@ -1,0 +1,75 @@
+"""A short soak (``benchmarks/soak.py``): a couple of thousand requests across two network
+namespaces with every kind of fault injected at least once; nothing lost, leaked, reported
+twice or left running, memory flat after warm-up."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from netns import netns_unavailable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import soak
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
+
+REQUESTS = 2500
+
+
+@pytest.fixture(scope="module")
+def report() -> Iterator[dict[str, Any]]:
+    reason = netns_unavailable()
+    if reason is not None:
+        pytest.skip(f"no network namespaces here: {reason}")
+    yield soak.run(REQUESTS, seed=7, fault_every=350, warmup=300, all_faults=True,
+                   progress=False)
+
+
+def test_every_request_is_accounted_for(report: dict[str, Any]) -> None:
+    assert set(report["global_faults"]) == set(soak.GLOBAL_FAULTS), report["global_faults"]
+    done = (report["completed"] + report["failed_by_design"] + report["failed_unexpected"]
+            + report["ready_but_corrupted"] + report["lost"])
+    assert done == REQUESTS
+    assert report["lost"] == 0, report["examples"].get("lost")
+    assert report["double_reports"] == 0 and report["double_releases"] == 0
+    assert report["blocks_leaked"] == 0
+    assert report["pending_at_end"] == {"p0": 0, "p1": 0, "c0": 0, "c1": 0}
+    assert report["completed"] > REQUESTS // 2
+    assert report["push"] > 0 and report["pull"] > 0 and report["verified_share"] > 0.2
+
+
+def test_nothing_left_running(report: dict[str, Any]) -> None:
+    for label, final in report["nodes_at_close"].items():
+        assert final == {"rc": 0, "live": {}, "threads": []}, (label, final)
+    for label, threads in report["threads_at_end"].items():
+        assert threads == ["MainThread", f"soak-{label}-loop"], (label, threads)
+
+
+def test_memory_flat(report: dict[str, Any]) -> None:
+    for label, growth in report["rss_growth_pct"].items():
+        assert growth <= 5.0, (label, report["rss_kb"][label])
+
+
+@pytest.mark.xfail(strict=False, reason="core bug: every link cut that makes the two sides "
+                   "drop each other leaves sockets open (UCX's TCP connections to the removed "
+                   "agent; the ROUTER's half-open ZeroMQ connection). Depends on how long the "
+                   "random cuts last, hence not strict: see test_faults.py::"
+                   "test_link_cut_leaves_no_sockets_behind for the strict one")
+def test_descriptors_flat(report: dict[str, Any]) -> None:
+    for label, (start, end) in report["fds"].items():
+        assert end <= start + 2, (label, start, end)
+
+
+@pytest.mark.xfail(strict=False, reason="core bug: a cancelled WRITE/READ is not a fence over "
+                   "UCX/TCP; bytes of aborted or timed-out requests can land in blocks already "
+                   "handed back (late_landing_bytes) and corrupt the next request there. "
+                   "Probabilistic in a short run, hence not strict: see "
+                   "test_faults.py::test_no_byte_lands_after_the_result for the strict one")
+def test_no_corrupted_or_late_bytes(report: dict[str, Any]) -> None:
+    assert report["corrupted_bytes"] == 0 and report["late_landing_bytes"] == 0, (
+        report["corrupted_bytes"], report["late_landing_bytes"])
+    assert report["failed_unexpected"] == 0, report["examples"].get("unexpected")
