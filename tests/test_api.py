@@ -73,8 +73,11 @@ def test_mismatched_lengths_in_pull(pair: tuple) -> None:
     with pytest.raises(kvpush.InvalidBlockIds, match="3 source blocks"):
         c.pull(ticket, np.array([1, 2]))
     assert c.stats()["transfers_posted"] == 0
+    # Aborted, but its ticket is out: the blocks stay until no READ can touch them (the
+    # lease); closing the producer then releases them.
     p.abort("len")
-    assert [r.reason for r in drain_released(p, 1)] == [kvpush.ReleaseReason.ABORTED]
+    assert drain_released(p, 1, timeout=0.3) == []
+    assert p.pending == 1
 
 
 def test_registration_of_mismatched_length_fails_cleanly(pair: tuple) -> None:

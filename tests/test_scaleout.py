@@ -81,7 +81,8 @@ def test_layerwise_prefill_never_finishes(producer: ChildProducer) -> None:
         result = handle.wait(10)
         assert result.state is RequestState.TIMED_OUT
         rel = [r for r in producer.released(1) if r[0] == "stuck"]
-        assert [r[1] for r in rel] == ["aborted"]
+        # The consumer's abort and the registration's own deadline (the same 0.5 s) race.
+        assert [r[1] for r in rel] in (["aborted"], ["failed"])
         producer.call("prefill_done", ("stuck", src, "push"))  # late: nothing released twice
         time.sleep(0.2)
         assert not [r for r in producer.call("released") if r[0] == "stuck"]
