@@ -26,7 +26,7 @@ from . import _core
 from . import messages as m
 from .agent import TransportConfig, XferState
 from .auth import Opener, Sealer, check_key, new_nonce, session_key
-from .endpoint import RESULT_QUEUE, Endpoint, Timer, queue_result
+from .endpoint import RESULT_QUEUE, Endpoint, Timer, check_durations, queue_result
 from .errors import (
     AuthenticationError,
     ClosedError,
@@ -95,11 +95,8 @@ class ConsumerConfig:
 
     def __post_init__(self) -> None:
         check_key(self.auth_key, "ConsumerConfig")
-        for name in ("request_timeout_s", "connect_timeout_s", "heartbeat_s", "peer_timeout_s",
-                     "abort_grace_s"):
-            value = getattr(self, name)
-            if not 0 < value <= 86400:
-                raise ValueError(f"ConsumerConfig.{name} must be in (0, 86400] s, got {value}")
+        check_durations(self, "request_timeout_s", "connect_timeout_s", "heartbeat_s",
+                        "peer_timeout_s", "abort_grace_s")
         if self.heartbeat_s * 2 > self.peer_timeout_s:
             raise ValueError("ConsumerConfig.peer_timeout_s must be at least 2 * heartbeat_s")
         if self.lease_margin_s < 0:

@@ -33,13 +33,22 @@ from .layout import KVLayout
 from .metrics import LIVE, Stats
 from .progress import Backoff, ProgressPolicy
 
-__all__ = ["RESULT_QUEUE", "Endpoint", "Timer", "queue_result"]
+__all__ = ["RESULT_QUEUE", "Endpoint", "Timer", "check_durations", "queue_result"]
 
 log = logging.getLogger("kvpush")
 
 #: Results kept for ``get_finished`` / ``get_released`` when no callback takes them; an
 #: engine that uses neither (handles only) must not grow memory without bound.
 RESULT_QUEUE = 1 << 16
+
+
+def check_durations(config: Any, *names: str) -> None:
+    """Every named field of a config dataclass is a duration in (0, 86400] seconds."""
+    for name in names:
+        value = getattr(config, name)
+        if not 0 < value <= 86400:  # also refuses NaN
+            raise ValueError(f"{type(config).__name__}.{name} must be in (0, 86400] s, "
+                             f"got {value}")
 
 
 def queue_result(queue: deque[Any], item: Any, owner: str, drain: str) -> None:

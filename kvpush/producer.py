@@ -27,7 +27,7 @@ import zmq
 from . import messages as m
 from .agent import TransportConfig, XferState
 from .auth import HelloGuard, Opener, Sealer, check_key, new_nonce, session_key
-from .endpoint import RESULT_QUEUE, Endpoint, Timer, queue_result
+from .endpoint import RESULT_QUEUE, Endpoint, Timer, check_durations, queue_result
 from .errors import (
     AuthenticationError,
     KvpushError,
@@ -95,11 +95,8 @@ class ProducerConfig:
 
     def __post_init__(self) -> None:
         check_key(self.auth_key, "ProducerConfig")
-        for name in ("lease_s", "max_wait_s", "transfer_timeout_s", "peer_timeout_s",
-                     "tombstone_s"):
-            value = getattr(self, name)
-            if not 0 < value <= 86400:
-                raise ValueError(f"ProducerConfig.{name} must be in (0, 86400] s, got {value}")
+        check_durations(self, "lease_s", "max_wait_s", "transfer_timeout_s", "peer_timeout_s",
+                        "tombstone_s")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ProducerConfig.port must be in [0, 65535], got {self.port}")
 
