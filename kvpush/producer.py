@@ -445,6 +445,8 @@ class Producer(Endpoint):
     def _hold(self, rid: str, ids: np.ndarray, mode: TransferMode) -> None:
         """prefill_done, on the loop thread."""
         tomb = self._tombstones.get(rid)
+        if tomb is not None and tomb[0] == "failed" and tomb[3]:
+            return  # a layer-wise push that failed released these blocks already
         if tomb is not None and tomb[0] == "aborted":
             if tomb[3]:
                 return  # these blocks were released already
@@ -676,6 +678,12 @@ class Producer(Endpoint):
             return
         message, reason, detail = push.end
         del self._pushes[rid]
+        source = self._sources.get(rid)
+        if source is not None and not source.complete:
+            # Layer-wise, ended before prefill_done: the late prefill_done names the blocks
+            # released here and must not hold (or release) them a second time.
+            self._tomb(rid, "aborted" if reason is ReleaseReason.ABORTED else "failed",
+                       detail, released=True)
         if reason is ReleaseReason.FAILED:
             self._stats.requests_failed += 1
         if message == "ack":
@@ -748,6 +756,8 @@ class Producer(Endpoint):
         now = time.monotonic()
         if len(self._tombstones) > 4096:  # forget the expired ones
             self._tombstones = {k: v for k, v in self._tombstones.items() if v[2] > now}
+        old = self._tombstones.get(rid)
+        released = released or (old is not None and old[3])  # once released, always
         self._tombstones[rid] = (code, reason, now + self.config.tombstone_s, released)
 
     def _drop_registration(self, rid: str) -> _Registration:
