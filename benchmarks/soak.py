@@ -482,6 +482,7 @@ class Soak:
             label = "p1" if kind == "kill_producer" else "c1"
             self.sample_counters(label)
             self.nodes[label].kill()
+            self.nodes[label].close()  # reaped already; this removes its log
             self.died(label)
             self.mark_hit(now + RECOVERY)
             self.start(label)  # same name (and, for a producer, the same port)
