@@ -50,8 +50,19 @@ def test_nothing_left_running(report: dict[str, Any]) -> None:
 
 
 def test_memory_flat(report: dict[str, Any]) -> None:
-    for label, growth in report["rss_growth_pct"].items():
+    measured = {label: growth for label, growth in report["rss_growth_pct"].items()
+                if growth is not None}  # None: that process crashed and restarted (below)
+    assert measured, report["crashes"]
+    for label, growth in measured.items():
         assert growth <= 5.0, (label, report["rss_kb"][label])
+
+
+@pytest.mark.xfail(strict=False, reason="bug 12: in UCX error mode none an endpoint timeout "
+                   "aborts the process (ucp_request.inl Fatal: Endpoint timeout); seen in most "
+                   "long soaks and some short ones, not reproduced in isolation")
+def test_no_process_crashed_by_itself(report: dict[str, Any]) -> None:
+    assert report["crashes"] == [], [(c["node"], c["what"], c["log"][-200:])
+                                     for c in report["crashes"]]
 
 
 @pytest.mark.xfail(strict=False, reason="core bug: every link cut that makes the two sides "
