@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +139,10 @@ class _Request:
     grace: Timer | None = None
     checksums: bytes | None = None   # pull with verify: the ticket's source checksums
     groups: int = 1                  # parts per producer (1, or one per layer)
+    asked: bool = False              # Abort sent to the producers
+    fence: set[int] = field(default_factory=set)   # posted parts whose Landed must come
+    unheld: set[str] = field(default_factory=set)  # pull: producers yet to answer PullHeld
+    unsafe: bool = False             # a transfer may still land: blocks_safe=False
 
     def producer_of(self, part: int) -> str:
         return self.producers[part // self.groups]
@@ -424,7 +428,11 @@ class Consumer(Endpoint):
             elif isinstance(msg, m.Failed):
                 self._on_failed(peer, msg)
             elif isinstance(msg, m.AbortAck):
-                self._on_ack(peer, msg.request_id)
+                self._on_ack(peer, msg.request_id, msg.errored, msg.unfenced)
+            elif isinstance(msg, m.PullHeld):
+                self._on_held(peer, msg.request_id)
+            elif isinstance(msg, m.Abort):
+                self._on_producer_abort(peer, msg)
             elif isinstance(msg, m.HeartbeatAck):
                 pass
             elif isinstance(msg, m.Bye):
@@ -507,14 +515,23 @@ class Consumer(Endpoint):
         for rid, req in list(self._requests.items()):
             if name not in req.producers:
                 continue
-            if name in req.reads and not self._cancel_read(rid, req, name):
-                continue  # the READ cannot be cancelled yet: its poll will finish it
-            error = PeerUnavailable(f"producer {name} lost: {why}")
+            # What it may still have in flight cannot be waited for any more: a READ is
+            # abandoned, and a posted part that has not landed may land later (over TCP a
+            # cut link keeps UCX's connection; see blocks_safe).
+            if name in req.reads:
+                self._abandon_read(rid, req, name)
+            for part in req.parts_of(name):
+                if part in req.posted:
+                    req.unsafe = True
+                req.fence.discard(part)
+                self._settle(req, part)
+            req.unheld.discard(name)
             req.waiting_acks.discard(name)
             if req.closing is None:
-                self._close_request(rid, RequestState.FAILED, error, ask=False)
-            elif not req.waiting_acks:
-                self._finish(rid, req.closing, req.error)
+                self._close_request(rid, RequestState.FAILED,
+                                    PeerUnavailable(f"producer {name} lost: {why}"), ask=True)
+            else:
+                self._try_finish(rid)
         self._agent.remove_peer(name)
 
     # -- loop: push ------------------------------------------------------------------------
@@ -546,21 +563,56 @@ class Consumer(Endpoint):
         if req is None or peer.agent_name not in req.producers:
             return
         if req.closing is not None:
-            self._on_ack(peer, msg.request_id)
+            self._on_ack(peer, msg.request_id, msg.errored, msg.unfenced)
             return
         state, cls = _FAILED_CODES.get(msg.code, (RequestState.FAILED, TransferFailed))
         error = cls(f"producer {peer.agent_name}: {msg.code}: {msg.reason}")
-        for part in req.parts_of(peer.agent_name):  # this producer will write nothing more
-            self._settle(req, part)
+        # This producer's WRITEs have all ended: it will write nothing more.
+        req.unsafe |= msg.unfenced
+        self._settle_producer(req, peer.agent_name, msg.errored)
+        req.unheld.discard(peer.agent_name)
         self._close_request(msg.request_id, state, error, ask=True)
 
-    def _on_ack(self, peer: _Producer, rid: str) -> None:
-        req = self._requests.get(rid)
-        if req is None or req.closing is None:
+    def _on_producer_abort(self, peer: _Producer, msg: m.Abort) -> None:
+        """The producer gave the request up while its WRITE was in flight: the request ends
+        ABORTED once that WRITE has (its Failed follows, then the Landed of what was
+        posted)."""
+        req = self._requests.get(msg.request_id)
+        if req is None or req.closing is not None or peer.agent_name not in req.producers:
             return
+        self._close_request(msg.request_id, RequestState.ABORTED,
+                            RequestAborted(f"producer {peer.agent_name}: {msg.reason}"),
+                            ask=True)
+
+    def _on_ack(self, peer: _Producer, rid: str, errored: list[int], unfenced: bool) -> None:
+        """The producer's WRITEs of ``rid`` have all ended (``AbortAck``, or ``Failed`` for a
+        request that was closing already)."""
+        req = self._requests.get(rid)
+        if req is None or req.closing is None or peer.agent_name not in req.producers:
+            return
+        req.unsafe |= unfenced
+        self._settle_producer(req, peer.agent_name, errored)
         req.waiting_acks.discard(peer.agent_name)
-        if not req.waiting_acks:
-            self._finish(rid, req.closing, req.error)
+        self._try_finish(rid)
+
+    def _settle_producer(self, req: _Request, name: str, errored: Iterable[int]) -> None:
+        """Producer ``name`` writes nothing more for ``req``. A part it announced (Posted)
+        and whose WRITE did not end in error may still have bytes on the way, ahead of its
+        Landed notification: the request waits for that notification (its fence)."""
+        errored = set(errored)
+        for part in req.parts_of(name):
+            if part in req.posted and part not in errored:
+                req.fence.add(part)
+            else:
+                self._settle(req, part)
+
+    def _on_held(self, peer: _Producer, rid: str) -> None:
+        req = self._requests.get(rid)
+        if req is None or peer.agent_name not in req.unheld:
+            return
+        req.unheld.discard(peer.agent_name)
+        if not req.unheld and not req.reads and req.closing is None:
+            self._pull_done(rid, req)
 
     # -- loop: pull ------------------------------------------------------------------------
     def _read(self, handle: TransferHandle, tickets: list[m.PullTicket],
@@ -615,6 +667,7 @@ class Consumer(Endpoint):
                 self._close_request(rid, RequestState.FAILED, exc, ask=True)
                 return
             req.reads[peer.agent_name] = xfer
+            req.unheld.add(peer.agent_name)
             req.read_bytes += nbytes
             LIVE.add("transfers_in_flight", 1)
             self._stats.transfers_posted += 1
@@ -634,12 +687,16 @@ class Consumer(Endpoint):
             self._reads.discard(rid)
         LIVE.add("transfers_in_flight", -1)
 
-    def _cancel_read(self, rid: str, req: _Request, name: str) -> bool:
-        """Cancel one READ; False when NIXL cannot yet (its poll will end it)."""
-        if not self._agent.release(req.reads[name]):
-            return False
+    def _abandon_read(self, rid: str, req: _Request, name: str) -> None:
+        """Give up a READ without its end: NIXL's release does not stop a READ in progress,
+        whose data may land later, so the request's blocks are not safe."""
+        xfer = req.reads[name]
+        if self._agent.state(xfer) is XferState.IN_PROGRESS:
+            req.unsafe = True
+            self._stats.transfers_abandoned += 1
+        if not self._agent.release(xfer):
+            log.warning("%s: NIXL refused to release the READ of %r", self.name, rid)
         self._end_read(rid, req, name)
-        return True
 
     # -- loop: progress --------------------------------------------------------------------
     def _busy(self) -> bool:
@@ -662,9 +719,14 @@ class Consumer(Endpoint):
                                     ask=True)
         if req.reads or rid not in self._requests:
             return moved
-        if req.closing is not None:  # cancelled too late, or failed: it has ended now
-            self._close_request(rid, req.closing, req.error, ask=True)
-            return moved
+        if req.closing is not None:  # aborted or failed while reading: it has ended now
+            self._try_finish(rid)
+        elif not req.unheld:  # else READY waits for the producers' PullHeld
+            self._pull_done(rid, req)
+        return moved
+
+    def _pull_done(self, rid: str, req: _Request) -> None:
+        """Every READ is done and every producer confirmed it held the blocks."""
         self._stats.bytes_moved += req.read_bytes
         self._stats.blocks_moved += len(req.ids)
         mismatch = self._verify(req, req.checksums)
@@ -672,7 +734,6 @@ class Consumer(Endpoint):
             self._finish(rid, RequestState.READY, None)
         else:
             self._close_request(rid, RequestState.FAILED, mismatch, ask=False)
-        return moved
 
     def _poll_transfers(self) -> bool:
         moved = False
@@ -713,11 +774,11 @@ class Consumer(Endpoint):
                 self._close_request(msg.request_id, RequestState.FAILED, mismatch, ask=False)
                 return
         if req.closing is not None:
+            req.fence.discard(msg.part)
             name = req.producer_of(msg.part)
             if req.settled_producer(name):
                 req.waiting_acks.discard(name)
-            if not req.waiting_acks:
-                self._finish(msg.request_id, req.closing, req.error)
+            self._try_finish(msg.request_id)
         elif arrival == _core.Arrival.COMPLETE:
             self._finish(msg.request_id, RequestState.READY, None)
 
@@ -760,36 +821,58 @@ class Consumer(Endpoint):
 
     def _close_request(self, rid: str, state: RequestState, error: KvpushError | None,
                        ask: bool) -> None:
-        """Begin ending a request that did not succeed: cancel a READ, ask producers that
-        may still WRITE to confirm they will not, and report once they have."""
+        """Begin ending a request that did not succeed: ask the producers to abort, and
+        report once nothing can land any more: READs polled to their end, and for push each
+        producer's confirmation that its WRITEs ended, then the Landed notification of each
+        part it had posted (the notification travels behind the bytes). Nothing is
+        cancelled: NIXL's release of a transfer in progress does not stop its bytes."""
         req = self._requests[rid]
-        first = req.closing is None
         req.closing, req.error = state, error
         req.deadline.cancel()
-        for name in list(req.reads):
-            self._cancel_read(rid, req, name)
-        if req.reads:
-            return  # still running: the poll ends it
-        if first and ask:
-            reason = str(error) if error else state.value
-            for name in req.producers:
-                peer = self._by_name.get(name)
-                if peer is None:
-                    continue
-                self._tell(peer, m.Abort(rid, reason))
-                if req.handle.mode is TransferMode.PUSH and not req.settled_producer(name):
-                    req.waiting_acks.add(name)
-        if not req.waiting_acks:
-            self._finish(rid, state, error)
-        elif req.grace is None:
+        if ask:
+            self._ask_abort(rid, req)
+        if not self._try_finish(rid) and req.grace is None:
             req.grace = self._after(self.config.abort_grace_s, lambda: self._grace_over(rid))
 
-    def _grace_over(self, rid: str) -> None:
+    def _ask_abort(self, rid: str, req: _Request) -> None:
+        """Send Abort to the request's producers (once); push: wait for the AbortAck of
+        each that may still be writing."""
+        if req.asked:
+            return
+        req.asked = True
+        reason = str(req.error) if req.error else str(req.closing and req.closing.value)
+        for name in req.producers:
+            peer = self._by_name.get(name)
+            if peer is None:
+                continue
+            self._tell(peer, m.Abort(rid, reason))
+            if req.handle.mode is TransferMode.PUSH and any(
+                    p not in req.settled and p not in req.fence for p in req.parts_of(name)):
+                req.waiting_acks.add(name)
+
+    def _try_finish(self, rid: str) -> bool:
+        """Report a closing request once nothing of it is in flight; True if reported."""
         req = self._requests.get(rid)
-        if req is not None and req.closing is not None:
-            log.warning("%s: no abort confirmation for %r from %s", self.name, rid,
-                        sorted(req.waiting_acks))
-            self._finish(rid, req.closing, req.error)
+        if req is None or req.closing is None or req.reads or req.waiting_acks or req.fence:
+            return False
+        self._finish(rid, req.closing, req.error)
+        return True
+
+    def _grace_over(self, rid: str) -> None:
+        """``abort_grace_s`` after the close began, something may still land: report the
+        request with ``blocks_safe=False``."""
+        req = self._requests.get(rid)
+        if req is None or req.closing is None:
+            return
+        log.warning("%s: %r not fenced after %s s (READs %s, no confirmation from %s, "
+                    "Landed awaited for parts %s): its blocks are reported unsafe", self.name,
+                    rid, self.config.abort_grace_s, sorted(req.reads), sorted(req.waiting_acks),
+                    sorted(req.fence))
+        for name in list(req.reads):
+            self._abandon_read(rid, req, name)
+        self._ask_abort(rid, req)  # a pull's producer may release its blocks now
+        req.unsafe = True
+        self._finish(rid, req.closing, req.error)
 
     def _finish(self, rid: str, state: RequestState, error: KvpushError | None) -> None:
         req = self._requests.pop(rid)
@@ -800,11 +883,10 @@ class Consumer(Endpoint):
             self._completions.remove(rid)
             self._posted -= len(req.posted)
         LIVE.add("requests_pending", -1)
-        nbytes = req.read_bytes
-        self._report(req.handle, state, error, req.started, nbytes)
+        self._report(req.handle, state, error, req.started, req.read_bytes, not req.unsafe)
 
     def _report(self, handle: TransferHandle, state: RequestState, error: KvpushError | None,
-                started: float, nbytes: int) -> None:
+                started: float, nbytes: int, safe: bool = True) -> None:
         counter = {
             RequestState.READY: "requests_completed",
             RequestState.FAILED: "requests_failed",
@@ -812,8 +894,9 @@ class Consumer(Endpoint):
             RequestState.ABORTED: "requests_aborted",
         }[state]
         setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        self._stats.results_unsafe += not safe
         result = TransferResult(handle.request_id, state, handle.mode, error,
-                                time.monotonic() - started, nbytes)
+                                time.monotonic() - started, nbytes, safe)
         handle._set(result)
         if self._on_finished is None:
             queue_result(self._finished, result, self.name, "get_finished")
@@ -833,8 +916,8 @@ class Consumer(Endpoint):
             peer.waiters.clear()
         for rid, req in list(self._requests.items()):
             for name in list(req.reads):
-                self._agent.release(req.reads[name])
-                self._end_read(rid, req, name)
+                self._abandon_read(rid, req, name)
+            req.unsafe |= bool(req.posted)
             self._finish(rid, RequestState.ABORTED, ClosedError("consumer closed"))
         self._by_name.clear()
         self._producers.clear()

@@ -34,6 +34,7 @@ __all__ = [
     "Posted",
     "PullBegin",
     "PullDone",
+    "PullHeld",
     "PullTicket",
     "Register",
     "decode",
@@ -111,11 +112,22 @@ class Posted(_Msg, tag="posted", frozen=True):
 
 
 class Failed(_Msg, tag="failed", frozen=True):
-    """Producer -> consumer: the producer will not (or could not) deliver a request's data."""
+    """Producer -> consumer: the producer will not (or could not) deliver a request's data.
+
+    Push: sent once every WRITE of the request has ended. A part announced by ``Posted``
+    whose WRITE completed has its ``Landed`` notification on the way behind its bytes (the
+    consumer waits for it before reporting); ``errored`` names the parts whose WRITE ended
+    in error instead (nothing more comes from them); ``unfenced`` says a WRITE was abandoned
+    while NIXL still had it in progress, so its bytes may land at any later time. Pull
+    (code "not_held"): the producer does not hold the ticket's blocks, so what a READ got
+    from them is wrong.
+    """
 
     request_id: str
     code: str
     reason: str
+    errored: list[int] = []
+    unfenced: bool = False
 
 
 class Abort(_Msg, tag="abort", frozen=True):
@@ -126,7 +138,19 @@ class Abort(_Msg, tag="abort", frozen=True):
 
 
 class AbortAck(_Msg, tag="abort_ack", frozen=True):
-    """Producer -> consumer: no WRITE for this request is or will be in flight."""
+    """Producer -> consumer: every WRITE of this request has ended (done or in error, never
+    merely cancelled: NIXL's release of a WRITE in progress does not stop its bytes).
+    ``errored`` and ``unfenced`` as in :class:`Failed`."""
+
+    request_id: str
+    errored: list[int] = []
+    unfenced: bool = False
+
+
+class PullHeld(_Msg, tag="pull_held", frozen=True):
+    """Producer -> consumer (pull), the answer to ``PullBegin``: the blocks are held and stay
+    held until the READ has ended. The consumer reports READY only after both this and its
+    READ being done (otherwise ``Failed`` with code "not_held" or "aborted" comes)."""
 
     request_id: str
 
@@ -203,7 +227,7 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 Message = Union[  # noqa: UP007 - msgspec needs a runtime Union here
     Hello, HelloAck, HelloReject, Register, Posted, Failed, Abort, AbortAck, PullBegin,
-    Heartbeat, HeartbeatAck, Bye, Landed, PullDone,
+    PullHeld, Heartbeat, HeartbeatAck, Bye, Landed, PullDone,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -50,6 +50,8 @@ class Stats:
     auth_rejected: int = 0
     checksum_mismatches: int = 0
     peers_lost: int = 0
+    transfers_abandoned: int = 0   # released while NIXL still had them in progress
+    results_unsafe: int = 0        # consumer: results with blocks_safe=False
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +159,8 @@ class _Push:
     # Once set, the push ends as soon as no WRITE is in flight:
     # (message to the consumer: "ack" | a Failed code | "" for none, release reason, detail)
     end: tuple[str, ReleaseReason, str] | None = None
+    errored: list[int] = field(default_factory=list)  # parts whose WRITE ended in error
+    unfenced: bool = False           # a WRITE was abandoned while still in progress
 
     @property
     def peer(self) -> _Consumer:
@@ -198,6 +200,9 @@ class Producer(Endpoint):
         self._pulls_watched = 0
         # request id -> (Failed code, reason, expiry, source already released)
         self._tombstones: dict[str, tuple[str, str, float, bool]] = {}
+        # Pulls whose PullDone (a NIXL notification) overtook their PullBegin (ZeroMQ): the
+        # READ ended while the blocks were held, so a late PullBegin gets PullHeld.
+        self._pulled: OrderedDict[str, None] = OrderedDict()
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
@@ -419,21 +424,37 @@ class Producer(Endpoint):
         reg = self._registrations.get(rid)
         if reg is not None and reg.peer is peer:
             self._drop_registration(rid)
-        if rid in self._sources:
+        source = self._sources.get(rid)
+        if source is not None and source.pulling and source.puller is peer:
+            # Its READ may still run (and over TCP needs this side to progress): keep the
+            # blocks until its PullDone, or the lease.
+            source.aborted = source.aborted or f"consumer: {msg.reason}"
+        elif source is not None:
             self._release(rid, ReleaseReason.ABORTED, f"consumer: {msg.reason}")
         self._tell(peer, m.AbortAck(rid))
 
     def _on_pull_begin(self, peer: _Consumer, msg: m.PullBegin) -> None:
+        """A READ of a pulled request is in flight: confirm the blocks are held (the
+        consumer reports READY only after this ``PullHeld``) or say why they are not."""
         source = self._sources.get(msg.request_id)
+        if source is not None and source.pulling and source.puller is peer:
+            return  # a duplicate
+        if source is None and msg.request_id in self._pulled:
+            del self._pulled[msg.request_id]
+            self._tell(peer, m.PullHeld(msg.request_id))
+            return
         if source is None or source.mode is not TransferMode.PULL or source.pulling:
             tomb = self._tombstones.get(msg.request_id)
-            if tomb is not None:  # the consumer must not trust what it reads: say why
-                self._tell(peer, m.Failed(msg.request_id, tomb[0], tomb[1]))
+            code, reason = (tomb[0], tomb[1]) if tomb is not None else (
+                "not_held", "the producer does not hold this request's blocks for a pull")
+            self._tell(peer, m.Failed(msg.request_id, code, reason))
             return
         source.pulling = True
         source.puller = peer
         if source.aborted:
             self._tell(peer, m.Failed(msg.request_id, "aborted", source.aborted))
+        else:
+            self._tell(peer, m.PullHeld(msg.request_id))
         self._pulls_watched += 1
         # A READ is in flight: the blocks stay at least until it can have finished.
         source.lease.cancel()
@@ -635,10 +656,14 @@ class Producer(Endpoint):
             self._stats.requests_completed += 1
             self._stats.blocks_moved += len(source.ids)
             self._stats.bytes_moved += msg.nbytes
+            if not source.pulling:
+                self._pulled[msg.request_id] = None
+                if len(self._pulled) > 4096:
+                    self._pulled.popitem(last=False)
             self._release(msg.request_id, ReleaseReason.TRANSFERRED)
 
     def _write_finished(self, rid: str, group: int, state: XferState,
-                        cancelled: bool = False) -> None:
+                        abandoned: bool = False) -> None:
         push = self._pushes[rid]
         write = push.writes.pop(group)
         write.deadline.cancel()
@@ -646,23 +671,48 @@ class Producer(Endpoint):
         if state is XferState.DONE:
             self._stats.blocks_moved += write.nblocks if group == 0 else 0
             self._stats.bytes_moved += write.nbytes
-        elif push.end is None:
-            code = "timeout" if cancelled else "transfer_failed"
-            self._end_push(rid, code, ReleaseReason.FAILED, f"WRITE {code}")
+        else:
+            if not abandoned:  # in error: UCX delivers nothing more of it
+                push.errored.append(push.reg.part * push.reg.groups + group)
+            if push.end is None:
+                code = "timeout" if abandoned else "transfer_failed"
+                self._end_push(rid, code, ReleaseReason.FAILED, f"WRITE {code}")
         self._conclude(rid)
 
-    def _end_push(self, rid: str, message: str, reason: ReleaseReason, detail: str) -> None:
-        """End a push that will not complete: cancel WRITEs in flight, conclude once none is."""
+    def _end_push(self, rid: str, message: str, reason: ReleaseReason, detail: str,
+                  abandon: bool = False) -> None:
+        """End a push that will not complete; conclude once no WRITE is in flight.
+
+        WRITEs in flight are left to finish (done or in error, bounded by their deadline):
+        releasing a NIXL transfer in progress does not stop its bytes, so only its real end
+        lets the consumer know nothing more lands. ``abandon`` (the consumer is gone) releases
+        them at once: the source blocks go back to the engine, and what may still land
+        belongs to a consumer that reports its blocks unsafe."""
         push = self._pushes[rid]
         if push.end is None:
             push.end = (message, reason, detail)
             push.reg.wait.cancel()
-        for group, write in list(push.writes.items()):
-            if self._agent.release(write.handle):  # cancelled; else the poll finishes it
-                push.writes.pop(group)
-                write.deadline.cancel()
-                LIVE.add("transfers_in_flight", -1)
+        if abandon:
+            for group in list(push.writes):
+                self._abandon_write(rid, push, group)
         self._conclude(rid)
+
+    def _abandon_write(self, rid: str, push: _Push, group: int) -> None:
+        """Give up a WRITE (its deadline passed, or the consumer is gone) and finish it with
+        its state; one still in progress makes the push unfenced. If NIXL refuses the
+        release, the WRITE stays in flight and this is tried again in a second."""
+        write = push.writes[group]
+        state = self._agent.state(write.handle)
+        if not self._agent.release(write.handle):
+            log.warning("%s: NIXL refused to release the WRITE of %r", self.name, rid)
+            write.deadline.cancel()
+            write.deadline = self._after(1.0, lambda: self._write_expired(rid, group))
+            return
+        abandoned = state is XferState.IN_PROGRESS
+        if abandoned:
+            push.unfenced = True
+            self._stats.transfers_abandoned += 1
+        self._write_finished(rid, group, state, abandoned)
 
     def _conclude(self, rid: str) -> None:
         """Release the source and tell the consumer, once nothing is in flight."""
@@ -687,9 +737,9 @@ class Producer(Endpoint):
         if reason is ReleaseReason.FAILED:
             self._stats.requests_failed += 1
         if message == "ack":
-            self._tell(push.peer, m.AbortAck(rid))
+            self._tell(push.peer, m.AbortAck(rid, push.errored, push.unfenced))
         elif message:
-            self._tell(push.peer, m.Failed(rid, message, detail))
+            self._tell(push.peer, m.Failed(rid, message, detail, push.errored, push.unfenced))
         if rid in self._sources:
             self._release(rid, reason, detail)
 
@@ -699,11 +749,8 @@ class Producer(Endpoint):
         write = push.writes.get(group) if push is not None else None
         if push is None or write is None:
             return
-        if self._agent.release(write.handle):
-            self._stats.requests_timed_out += 1
-            self._write_finished(rid, group, XferState.ERROR, cancelled=True)
-        else:  # NIXL could not cancel: the source must stay put until it can
-            write.deadline = self._after(1.0, lambda: self._write_expired(rid, group))
+        self._stats.requests_timed_out += 1
+        self._abandon_write(rid, push, group)
 
     def _registration_expired(self, rid: str) -> None:
         self._stats.requests_timed_out += 1
@@ -741,7 +788,10 @@ class Producer(Endpoint):
                 self._tell(source.puller, m.Failed(rid, "aborted", reason))
             return
         self._tomb(rid, "aborted", reason, released=rid in self._sources)
-        if rid in self._pushes:
+        push = self._pushes.get(rid)
+        if push is not None:
+            if push.writes:  # tell the consumer now; Failed follows once they have ended
+                self._tell(push.peer, m.Abort(rid, reason))
             self._end_push(rid, "aborted", ReleaseReason.ABORTED, reason)
             return
         reg = self._registrations.get(rid)
@@ -802,8 +852,8 @@ class Producer(Endpoint):
         self._stats.peers_lost += 1
         for rid, push in list(self._pushes.items()):
             if push.peer is peer:
-                # The peer is gone: cancel; if NIXL cannot, the release waits for the poll.
-                self._end_push(rid, "", ReleaseReason.FAILED, f"consumer lost: {why}")
+                self._end_push(rid, "", ReleaseReason.FAILED, f"consumer lost: {why}",
+                               abandon=True)
         for rid, reg in list(self._registrations.items()):
             if reg.peer is peer:
                 self._drop_registration(rid)

@@ -62,8 +62,18 @@ class Release:
 class TransferResult:
     """The final outcome of a consumer-side request.
 
-    Delivered once, and only when the destination blocks are safe to use (READY) or to free
-    (every other state): no WRITE for the request is still able to land.
+    Delivered once, after the transfer has ended: READY only when every byte has landed;
+    in every other state the request's WRITEs (push) or READs (pull) have ended too, which
+    kvpush learns from NIXL itself (the WRITE's notification arriving behind its bytes, a
+    READ polled to done or error), never from a cancel: NIXL's release of a transfer in
+    progress does not stop its bytes.
+
+    ``blocks_safe`` is False only when that could not be established within the bounds
+    (``ConsumerConfig.abort_grace_s`` after an abort or timeout; a producer lost or a WRITE
+    abandoned with a transfer in flight, e.g. a link cut). Bytes of that request may then
+    still land in its destination blocks at any later time: do not hand those blocks to
+    another request (quarantine them; :meth:`Consumer.stats` counts such results as
+    ``results_unsafe``).
     """
 
     request_id: str
@@ -72,6 +82,7 @@ class TransferResult:
     error: KvpushError | None
     elapsed_s: float
     bytes_moved: int
+    blocks_safe: bool = True
 
     @property
     def ok(self) -> bool:

@@ -204,7 +204,8 @@ class NodeState:
             out.append({"rid": r.request_id, "state": r.state.value, "mode": r.mode.value,
                         "error": type(r.error).__name__ if r.error else None,
                         "detail": str(r.error) if r.error else "",
-                        "elapsed": r.elapsed_s, "corrupted": corrupted})
+                        "elapsed": r.elapsed_s, "corrupted": corrupted,
+                        "safe": r.blocks_safe})
         return out
 
     def released(self) -> list[list[Any]]:

@@ -522,12 +522,10 @@ def test_abort(fx: Pair, side: str, mode: str, step: str) -> None:
             res = fx.result(rid, 3.0)
         else:
             # The ticket is out: the blocks stay until no READ can touch them; the router
-            # relays the ticket anyway, and the pull must not succeed.
+            # relays the ticket anyway, and the pull must not succeed, even when its READ
+            # finishes before the producer's answer (READY waits for PullHeld).
             res = fx.pull_beside_busy(rid, ticket, dst)
             assert fx.release(rid, PULL_HOLD + 1.5) == "aborted"
-            if res["state"] == "ready":  # the READ won the race with the producer's answer:
-                assert res["corrupted"] == 0, res  # the blocks were still held, bytes right
-                return
         assert res["state"] in ("aborted", "failed", "timed_out"), res
         return
 
@@ -654,17 +652,15 @@ def test_link_flap_shorter_than_peer_timeout(fx: Pair, mode: str) -> None:
     assert fx.p.name in fx.c.call("producers")
 
 
-BUG_LATE_BYTES = pytest.mark.xfail(
-    strict=True, reason="core bug: a cancelled WRITE/READ over UCX/TCP still lands bytes after "
-    "the request was reported (cancel is not a fence)")
-
-
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=BUG_LATE_BYTES) for m in MODES])
+@pytest.mark.parametrize("mode", MODES)
 def test_no_byte_lands_after_the_result(fx: Pair, mode: str) -> None:
-    """The request times out during a cut shorter than the peer timeout. push: the consumer
-    waits for the producer's AbortAck (sent once it cancelled its WRITE); pull: the consumer
-    cancels its READ. Either way the result says the blocks are free; nothing may land in
-    them after that, once the link is back and the consumer progresses again."""
+    """The request times out during a cut shorter than the peer timeout (and than
+    ``abort_grace_s``). push: the consumer's Abort waits for the link, the producer lets its
+    WRITE finish (no cancel: NIXL's release does not stop the bytes) and acknowledges, and
+    the consumer waits for the WRITE's Landed notification, which travels behind its bytes;
+    pull: the consumer polls its READ to its end. Either way the result comes once the link
+    is back and says the blocks are safe; nothing may land in them after that, once the
+    consumer progresses NIXL again. (This was bug 3: cancelling was taken for a fence.)"""
     rid = fx.rid(f"late-{mode}")
     fx.shape()
     if mode == "push":
@@ -678,22 +674,51 @@ def test_no_byte_lands_after_the_result(fx: Pair, mode: str) -> None:
         fx.wait_state(rid, "pulling")
     time.sleep(0.2)
     fx.cut_link()
-    if mode == "pull":  # the READ is cancelled at the deadline and reported at once
-        assert fx.result(rid, 3.0)["state"] == "timed_out"
-        fx.c.call("rescrub", dst=BIG_DST)
-        time.sleep(max(0.0, PEER_TIMEOUT / 2 - 0.6))
-        fx.restore_link()
-    else:  # the Abort waits for the link; the consumer waits for the AbortAck
-        time.sleep(PEER_TIMEOUT / 2)
-        fx.restore_link()
-        assert fx.result(rid, 3.0)["state"] == "timed_out"
-        fx.c.call("rescrub", dst=BIG_DST)
-    assert fx.release(rid, 3.0) == "aborted"
-    fx.link.unshape()
+    time.sleep(PEER_TIMEOUT / 2)
+    assert fx.no_result(rid), "a result came while the transfer could still land"
+    fx.link.unshape()  # the rest of the transfer at full speed, well inside abort_grace_s
     fx.shaped = False
+    fx.restore_link()
+    res = fx.result(rid, 3.0)
+    assert (res["state"], res["safe"]) == ("timed_out", True), (res, fx.stats(fx.c))
+    fx.c.call("rescrub", dst=BIG_DST)
+    # The transfer may have ended before the producer saw the consumer's Abort.
+    assert fx.release(rid, 3.0) in ("aborted", "transferred")
     fx.smoke("after-late")  # the consumer progresses NIXL again
     time.sleep(0.3)
     assert fx.c.call("canary_intact", dst=BIG_DST), "bytes landed after the result"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unfenced_result_says_blocks_unsafe(fx: Pair, mode: str) -> None:
+    """The link stays cut past ``abort_grace_s``: the consumer cannot learn that the
+    transfer ended, so it reports the request with ``blocks_safe=False`` within the grace
+    (instead of waiting forever or claiming the blocks are free). The producer side ends the
+    request too, and new requests succeed once the link is back."""
+    rid = fx.rid(f"unfenced-{mode}")
+    fx.shape()
+    if mode == "push":
+        fx.expect(rid, BIG_SRC, BIG_DST, timeout=0.6)
+        fx.prefill(rid, BIG_SRC, "push")
+        fx.wait_state(rid, "writing")
+    else:
+        ticket = fx.prefill(rid, BIG_SRC, "pull")
+        assert ticket is not None
+        fx.pull(rid, ticket, BIG_DST, timeout=0.6)
+        fx.wait_state(rid, "pulling")
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    fx.cut_link()
+    res = fx.result(rid, DETECT)
+    assert res["state"] in ("timed_out", "failed") and res["safe"] is False, res
+    assert time.monotonic() - t0 < 0.6 + CONSUMER["abort_grace_s"] + 1.0
+    assert fx.stats(fx.c)["results_unsafe"] >= 1
+    fx.restore_link()
+    fx.link.unshape()
+    fx.shaped = False
+    wait_for("reconnect", fx._try_connect, 10.0, every=0.2)
+    fx.smoke("after-unfenced")
+    assert fx.release(rid, PULL_HOLD + DETECT) in ("failed", "aborted", "transferred")
 
 
 # -- a slow consumer: the whole process frozen (SIGSTOP) then resumed ------------------------
@@ -784,10 +809,10 @@ def test_producer_restarted_elsewhere_before_loss_noticed(fx: Pair) -> None:
 
 
 # -- pull tickets and the producer's clock -----------------------------------------------------
-@pytest.mark.xfail(strict=False, reason="a READ that finishes before the producer's answer "
-                   "to its PullBegin (Failed: lease_expired) arrives is still reported READY; "
-                   "a confirm-before-READY round trip would close it (docs/RELIABILITY.md)")
 def test_pull_after_lease_expiry_with_clock_skew(fx: Pair) -> None:
+    """The consumer's clock lets it start a READ of blocks the producer already released:
+    the READ may finish first, but READY waits for the producer's PullHeld, and the producer
+    answers Failed (lease_expired) instead (bug 4b)."""
     rid = fx.rid("skew")
     ticket = fx.prefill(rid, [50, 51], "pull")
     assert ticket is not None

@@ -77,7 +77,7 @@ floats = st.floats(allow_nan=True, allow_infinity=True)
 blobs = st.binary(max_size=96)
 _BY_TYPE: dict[Any, st.SearchStrategy[Any]] = {
     str: texts, bytes: blobs, int: wire_ints, float: floats, bool: st.booleans(),
-    LayoutWire: st.just(WIRE),
+    LayoutWire: st.just(WIRE), list[int]: st.lists(wire_ints, max_size=8),
 }
 
 
