@@ -108,6 +108,8 @@ class Soak:
     ports: dict[str, int] = field(default_factory=dict)
     src_free: dict[str, list[int]] = field(default_factory=dict)
     dst_free: dict[str, list[int]] = field(default_factory=dict)
+    # destination blocks of results with blocks_safe=False: kept out of the pool for good
+    quarantined: Counter[str] = field(default_factory=Counter)
     frozen_until: dict[str, float] = field(default_factory=dict)
     connected: set[tuple[str, str]] = field(default_factory=set)
     active: dict[str, Request] = field(default_factory=dict)
@@ -144,6 +146,7 @@ class Soak:
                 config = dict(CONSUMER, name=f"soak-{label}", verify=label == "c1")
                 node.start(role, CACHE, config, scrub_on_result=True)
                 self.dst_free[label] = list(range(CACHE["num_blocks"]))
+                self.quarantined[label] = 0
         except BaseException:
             node.close()
             raise
@@ -403,8 +406,13 @@ class Soak:
                     continue
                 req.result = res
                 self.counts["corrupted_bytes"] += res["corrupted"]
+                if not res["safe"]:
+                    self.counts["results_unsafe"] += 1
                 if req.c_inc == self.incarnation[label]:
-                    self.dst_free[label].extend(req.dst)
+                    if res["safe"]:
+                        self.dst_free[label].extend(req.dst)
+                    else:  # bytes may still land there: never hand them out again
+                        self.quarantined[label] += len(req.dst)
         for label in ("p0", "p1"):
             got = self._call(label, "released")
             for rid, reason, _nblocks, _detail in got or []:
@@ -644,7 +652,7 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
         if baseline is None:
             baseline = end
         free_src = {p: len(soak.src_free[p]) for p in ("p0", "p1")}
-        free_dst = {c: len(soak.dst_free[c]) for c in ("c0", "c1")}
+        free_dst = {c: len(soak.dst_free[c]) + soak.quarantined[c] for c in ("c0", "c1")}
         finals = soak.close()
         elapsed = time.monotonic() - t_start
         c = soak.counts
@@ -660,6 +668,8 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
             "late_landing_bytes": sum(soak.late_seen.values()),
             "checksum_mismatches": sum(soak.mismatches_seen.values()),
             "double_reports": c["double_reports"], "double_releases": c["double_releases"],
+            "results_unsafe": c["results_unsafe"],
+            "blocks_quarantined": sum(soak.quarantined.values()),
             # blocks never given back (pools of killed incarnations start afresh)
             "blocks_leaked": sum(CACHE["num_blocks"] - n
                                  for n in (*free_src.values(), *free_dst.values())),

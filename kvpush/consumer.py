@@ -26,7 +26,15 @@ from . import _core
 from . import messages as m
 from .agent import TransportConfig, XferState
 from .auth import Opener, Sealer, check_key, new_nonce, session_key
-from .endpoint import RESULT_QUEUE, Endpoint, Timer, check_durations, queue_result
+from .endpoint import (
+    RESULT_QUEUE,
+    Endpoint,
+    Timer,
+    check_durations,
+    check_timeout,
+    close_dead_links,
+    queue_result,
+)
 from .errors import (
     AuthenticationError,
     ClosedError,
@@ -205,7 +213,8 @@ class Consumer(Endpoint):
         if not isinstance(address, str) or "://" not in address:
             raise ValueError(f"address must be a ZeroMQ endpoint like tcp://host:port, "
                              f"got {address!r}")
-        timeout = self.config.connect_timeout_s if timeout is None else timeout
+        timeout = self.config.connect_timeout_s if timeout is None \
+            else check_timeout(timeout, "connect timeout")
         done: list[tuple[str | None, KvpushError | None]] = []
         event = threading.Event()
 
@@ -241,7 +250,8 @@ class Consumer(Endpoint):
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
             raise ValueError("expect needs at least one producer")
-        timeout = self.config.request_timeout_s if timeout is None else float(timeout)
+        timeout = self.config.request_timeout_s if timeout is None \
+            else check_timeout(timeout, "expect timeout")
         groups = self.layout.num_layers if layerwise else 1
         handle = TransferHandle(rid, TransferMode.PUSH)
         self._call_soon(lambda: self._register(handle, ids, names, timeout, groups,
@@ -277,7 +287,8 @@ class Consumer(Endpoint):
             sources = [src[k:] for src, k in zip(sources, skip, strict=True)]
             parsed = [msgspec.structs.replace(t, checksums=t.checksums[8 * k:])
                       if t.checksums else t for t, k in zip(parsed, skip, strict=True)]
-        timeout = self.config.request_timeout_s if timeout is None else float(timeout)
+        timeout = self.config.request_timeout_s if timeout is None \
+            else check_timeout(timeout, "pull timeout")
         for t, src in zip(parsed, sources, strict=True):
             if t.producer not in self._by_name:
                 name = self.connect(t.address)
@@ -343,6 +354,7 @@ class Consumer(Endpoint):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
+            close_dead_links(sock, self.config.peer_timeout_s)
             sock.connect(address)
             peer = _Producer(address, sock)
             self._producers[address] = peer

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -33,7 +34,8 @@ from .layout import KVLayout
 from .metrics import LIVE, Stats
 from .progress import Backoff, ProgressPolicy
 
-__all__ = ["RESULT_QUEUE", "Endpoint", "Timer", "check_durations", "queue_result"]
+__all__ = ["RESULT_QUEUE", "Endpoint", "Timer", "check_durations", "check_timeout",
+           "close_dead_links", "queue_result"]
 
 log = logging.getLogger("kvpush")
 
@@ -49,6 +51,29 @@ def check_durations(config: Any, *names: str) -> None:
         if not 0 < value <= 86400:  # also refuses NaN
             raise ValueError(f"{type(config).__name__}.{name} must be in (0, 86400] s, "
                              f"got {value}")
+
+
+def check_timeout(value: Any, what: str) -> float:
+    """An API timeout: a real number of seconds in (0, 86400] (NaN, infinities, bools and
+    strings raise ValueError: one NaN deadline would stop every timer of the loop)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value <= 86400:
+        raise ValueError(f"{what} must be a number of seconds in (0, 86400], got {value!r}")
+    return float(value)
+
+
+def close_dead_links(sock: zmq.Socket[Any], peer_timeout_s: float) -> None:
+    """Make the kernel close a control connection whose peer has gone silent: TCP keepalive
+    probes once it has been idle ``peer_timeout_s`` (3 probes, 1 s apart), and a cap of
+    ``peer_timeout_s`` on unacknowledged data (TCP_USER_TIMEOUT, ``ZMQ_TCP_MAXRT``). Without
+    this, a connection whose FIN was lost in a link cut stays half-open for ever on the other
+    side: a socket leaked per cut. (ZeroMQ's own ZMTP heartbeats would do it too, but
+    libzmq 4.3 can abort the process on their timeout: zeromq/libzmq#3937, #4364.)"""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(int(peer_timeout_s), 1))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+    sock.setsockopt(zmq.TCP_MAXRT, max(int(peer_timeout_s * 1000), 1000))
 
 
 def queue_result(queue: deque[Any], item: Any, owner: str, drain: str) -> None:
@@ -146,6 +171,8 @@ class Endpoint:
         sock.close(linger=0)
 
     def _at(self, deadline: float, fn: Callable[[], None]) -> Timer:
+        if not math.isfinite(deadline):  # a NaN in the heap would stop every timer
+            raise ValueError(f"timer deadline must be finite, got {deadline}")
         timer = Timer(deadline, fn)
         heapq.heappush(self._timers, (deadline, next(self._timer_seq), timer))
         return timer

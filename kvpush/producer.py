@@ -27,7 +27,14 @@ import zmq
 from . import messages as m
 from .agent import TransportConfig, XferState
 from .auth import HelloGuard, Opener, Sealer, check_key, new_nonce, session_key
-from .endpoint import RESULT_QUEUE, Endpoint, Timer, check_durations, queue_result
+from .endpoint import (
+    RESULT_QUEUE,
+    Endpoint,
+    Timer,
+    check_durations,
+    close_dead_links,
+    queue_result,
+)
 from .errors import (
     AuthenticationError,
     KvpushError,
@@ -207,6 +214,7 @@ class Producer(Endpoint):
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            close_dead_links(self._router, self.config.peer_timeout_s)
             if config.port:
                 self._router.bind(f"tcp://{config.host}:{config.port}")
             else:

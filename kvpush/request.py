@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import threading
 from dataclasses import dataclass
 
@@ -121,6 +122,9 @@ class TransferHandle:
     def wait(self, timeout: float) -> TransferResult:
         """Wait up to ``timeout`` seconds; raises :class:`~kvpush.errors.TransferTimeout` if
         the request is still pending then (the request itself goes on)."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not 0 <= timeout < math.inf:  # also refuses NaN (it would never end)
+            raise ValueError(f"wait timeout must be a finite number >= 0, got {timeout!r}")
         # Waits in slices so Ctrl-C reaches the caller.
         remaining = timeout
         while not self._event.wait(min(remaining, 0.2)):

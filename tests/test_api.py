@@ -204,3 +204,24 @@ def test_source_tail_moves_only_the_missing_blocks(pair: tuple, mode: TransferMo
     with pytest.raises(kvpush.InvalidBlockIds, match="source_tail"):
         c.pull(p.prefill_done("tail2", src_ids[:1], TransferMode.PULL), dst_ids,
                source_tail=True)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0, True, "5"])
+def test_api_timeouts_must_be_finite_positive(pair: tuple, bad: object) -> None:
+    """A NaN timeout once reached the loop's timer heap, where it stops every timer."""
+    p, c, _src, _dst, name = pair
+    with pytest.raises(ValueError, match="timeout"):
+        c.expect("t", [0], name, timeout=bad)
+    with pytest.raises(ValueError, match="timeout"):
+        c.connect(p.address, timeout=bad)
+    ticket = p.prefill_done("t", [1], mode=TransferMode.PULL)
+    assert ticket is not None
+    with pytest.raises(ValueError, match="timeout"):
+        c.pull(ticket, [0], timeout=bad)
+    handle = c.pull(ticket, [0], timeout=10)
+    if bad != 0.0:  # wait(0) is a valid poll
+        with pytest.raises(ValueError, match="timeout"):
+            handle.wait(bad)  # type: ignore[arg-type]
+    assert handle.wait(10).ok and handle.wait(10).blocks_safe
+    # The loop's timers still run: a short request times out on time.
+    assert c.expect("late", [1], name, timeout=0.2).wait(5).state is RequestState.TIMED_OUT

@@ -457,6 +457,12 @@ class KVPushWorker:
                 log.warning("kvpush: KV of %s (%r) did not arrive: %s: %s", recv.req_id,
                             result.request_id, result.state.value, result.error)
                 self._load_errors.update(recv.dst)
+        if not result.blocks_safe:
+            # vLLM's block pool has no quarantine: these blocks go back to it, and bytes of
+            # the unfenced transfer may still land in them (docs/VLLM.md, "Limits").
+            log.error("kvpush: the transfer of %s could not be fenced (e.g. a link cut): its "
+                      "blocks %s may still receive bytes after vLLM reuses them", recv.req_id,
+                      list(recv.dst)[:16])
         if recv.report:
             self._recv_done.add(recv.req_id)
 
