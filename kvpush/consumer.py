@@ -1,11 +1,14 @@
 """The decode side: connects to producers, registers destination blocks early (push) or
 READs source blocks (pull), counts completions, and reports each request exactly once.
 
-A result is reported only when the destination blocks are safe: READY once every expected
-part has landed (push: a ``Landed`` notification per producer part, counted in the compiled
-completion table; pull: NIXL reports the READ done), and any other state only once no WRITE
-for the request can still land (the producer acknowledged the abort, was declared dead, or
-``abort_grace_s`` passed).
+A result is reported only when the request's transfers have really ended: READY once every
+expected part has landed (push: a ``Landed`` notification per producer part, counted in the
+compiled completion table; pull: NIXL reports the READ done and the producer confirmed with
+``PullHeld`` that it held the blocks), any other state once nothing can land any more (the
+producer's WRITEs ended -- its AbortAck/Failed, then the Landed notification of every part it
+had posted -- and this side's READs were polled to their end). Nothing is cancelled: NIXL's
+release of a transfer in progress does not stop its bytes. Where that end cannot be learnt
+(a producer lost, ``abort_grace_s`` passed) the result says ``blocks_safe=False``.
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ class ConsumerConfig:
     peer_timeout_s
         A producer silent this long is declared gone; its requests fail.
     abort_grace_s
-        After an abort or timeout, how long to wait for the producer to confirm no WRITE is
-        in flight before reporting the request anyway.
+        After an abort, timeout or failure, how long to wait for the request's transfers to
+        end (see :class:`~kvpush.request.TransferResult`) before reporting it with
+        ``blocks_safe=False``.
     lease_margin_s
         Pull: a READ is started only if the ticket's lease has at least this long left.
     verify
@@ -852,7 +856,7 @@ class Consumer(Endpoint):
         if req.asked:
             return
         req.asked = True
-        reason = str(req.error) if req.error else str(req.closing and req.closing.value)
+        reason = str(req.error) if req.error else "aborted"
         for name in req.producers:
             peer = self._by_name.get(name)
             if peer is None:

@@ -70,7 +70,10 @@ class ProducerConfig:
     max_wait_s
         Cap on how long a registration may wait for prefill (the consumer asks for its own).
     transfer_timeout_s
-        A WRITE still in flight after this is cancelled and failed.
+        A WRITE still in progress this long after its post is abandoned and the request
+        failed; the consumer is told the WRITE is unfenced (``blocks_safe=False``). Aborts
+        do not cut a WRITE short: it is left to finish, so the consumer knows when nothing
+        more lands.
     peer_timeout_s
         A consumer silent for this long (no heartbeat) is considered gone.
     tombstone_s
