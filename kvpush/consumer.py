@@ -532,12 +532,13 @@ class Consumer(Endpoint):
             if name not in req.producers:
                 continue
             # What it may still have in flight cannot be waited for any more: a READ is
-            # abandoned, and a posted part that has not landed may land later (over TCP a
+            # abandoned, and a push part that has not landed may land later: its WRITE may
+            # have been posted even if its Posted hint was lost with the link (over TCP a
             # cut link keeps UCX's connection; see blocks_safe).
             if name in req.reads:
                 self._abandon_read(rid, req, name)
             for part in req.parts_of(name):
-                if part in req.posted:
+                if req.handle.mode is TransferMode.PUSH and part not in req.settled:
                     req.unsafe = True
                 req.fence.discard(part)
                 self._settle(req, part)
