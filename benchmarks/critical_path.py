@@ -566,6 +566,7 @@ def _rate_fit(times: list[float]) -> float:
 def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate: float
            ) -> dict[str, Any]:
     ok = [r for r in reqs if r.state == "ready" and r.first > 0]
+    ok_ids = {r.rid for r in ok}
     op = "WRITE" if reqs[0].mode == "push" else "READ"
     ttft = [r.first - r.arrival for r in ok]
     hand = [r.ready - r.prefill_done for r in ok]
@@ -582,6 +583,10 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate
         "throughput_gbps": (sum(r.nbytes for r in ok)
                             / max(1e-9, max(r.first for r in ok) - min(r.arrival for r in reqs))
                             / 1e9) if ok else 0.0,
+        # per request, in arrival order (NaN if it failed): both modes serve the same
+        # requests, so they can be compared pair by pair
+        "ttft_ms_all": [(r.first - r.arrival) * 1e3 if r.rid in ok_ids else math.nan
+                        for r in reqs],
         "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p90_ms": pct(ttft, 90) * 1e3,
         "ttft_p99_ms": pct(ttft, 99) * 1e3,
         "handover_p50_ms": pct(hand, 50) * 1e3, "handover_p90_ms": pct(hand, 90) * 1e3,
@@ -719,6 +724,16 @@ def _summarize(cfg: CPConfig, rates: list[float], wire_rows: list[dict[str, Any]
     def ratio(rate: float) -> float:
         return float(row("pull", rate)["ttft_p50_ms"] / row("push", rate)["ttft_p50_ms"])
 
+    def paired(rate: float) -> float:
+        """Median over requests of pull's TTFT / push's TTFT for the same request (same
+        arrival, same prompt): steadier than a ratio of medians over a mix of lengths."""
+        a = np.asarray(row("pull", rate).get("ttft_ms_all", []), dtype=float)
+        b = np.asarray(row("push", rate).get("ttft_ms_all", []), dtype=float)
+        if len(a) != len(b) or not len(a):
+            return math.nan
+        keep = np.isfinite(a) & np.isfinite(b) & (b > 0)
+        return float(np.median(a[keep] / b[keep])) if keep.any() else math.nan
+
     summary = {
         "handover_overhead_push_us": overhead("push"),
         "handover_overhead_pull_us": overhead("pull"),
@@ -727,6 +742,8 @@ def _summarize(cfg: CPConfig, rates: list[float], wire_rows: list[dict[str, Any]
         "ttft_p50_pull_over_push_high_load": ratio(high),
         "ttft_p50_pull_over_push_low_load": ratio(low),
         "ttft_p50_pull_over_push_max": max((ratio(r) for r in rates), default=math.nan),
+        "ttft_pull_over_push_paired_high_load": paired(high),
+        "ttft_pull_over_push_paired_low_load": paired(low),
         "high_load_rate_rps": high,
         "high_load_rate_fraction": cfg.rate_fractions[rates.index(high)],
         "high_load_sustainable": bool(sustainable),
