@@ -47,7 +47,8 @@ minimum is reported too: a WRITE inside kvpush is drawn from the same distributi
 raw one, so measuring against the fastest of a dozen counted the wire's own spread -- 0.3 ms
 at 4 MiB, 1.6 ms at 16 MiB here -- as kvpush overhead). For push the handover is split at
 the producer's release of the source blocks (the WRITE done at the initiator):
-``write_p50_ms`` (prefill_done -> release) and ``notice_p50_us`` (release -> READY).
+``write_p50_ms`` (prefill_done -> release; ``write_overhead_p50_us`` is that minus the
+wire time) and ``notice_p50_us`` (release -> READY: the consumer noticing the landing).
 
 **Prefill model** (sleep): ``t(T) = 2 ms + 20 us * T + 1 ns * T^2`` for a T-token prompt
 (1k: 23 ms, 4k: 101 ms, 8k: 233 ms, 16k: 598 ms): linear work plus quadratic attention.
@@ -614,6 +615,8 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate
         # prefill_done -> source released (the WRITE done at the initiator), then the
         # consumer's notice: release -> READY
         out["write_p50_ms"] = pct([r.released - r.prefill_done for r in rel], 50) * 1e3
+        out["write_overhead_p50_us"] = pct(
+            [r.released - r.prefill_done - wire[(op, r.tokens)]["p50"] for r in rel], 50) * 1e6
         out["notice_p50_us"] = pct([r.ready - r.released for r in rel], 50) * 1e6
     by_len = {}
     for t in sorted({r.tokens for r in ok}):
