@@ -204,9 +204,12 @@ class _Pool:
     def __init__(self, n: int, seed: int) -> None:
         self._free = collections.deque(int(i) for i in np.random.default_rng(seed).permutation(n))
         self._lock = threading.Lock()
+        self._later: collections.deque[np.ndarray] = collections.deque()
 
     def take(self, n: int) -> np.ndarray | None:
         with self._lock:
+            while self._later:
+                self._free.extend(int(i) for i in self._later.popleft())
             if n > len(self._free):
                 return None
             return np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
@@ -214,6 +217,12 @@ class _Pool:
     def give(self, ids: np.ndarray) -> None:
         with self._lock:
             self._free.extend(int(i) for i in ids)
+
+    def give_later(self, ids: np.ndarray) -> None:
+        """Return blocks from a kvpush callback: O(1) and lock-free, so the callback costs
+        kvpush's loop thread (the push path: it runs before the consumer is told) almost
+        nothing; the next :meth:`take` puts them back."""
+        self._later.append(ids)
 
 
 def _sleep_overshoot() -> float:
@@ -243,7 +252,8 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
         pool = state["pool"]
 
         def on_release(release: kvpush.Release) -> None:
-            pool.give(release.block_ids)
+            # Runs on the producer's loop thread: keep it short (see _Pool.give_later).
+            pool.give_later(release.block_ids)
             state.setdefault("released", []).append(
                 (release.request_id, release.reason.value, time.monotonic()))
 
