@@ -76,8 +76,9 @@ request rate implies by Little's law for ``output_tokens``-token answers,
 ``B_bg = rate * output_tokens * step_time(B_bg)`` (contexts: the mean prompt plus half the
 answer; capped at ``max_batch`` = 256, vLLM's default ``max_num_seqs``). Background
 requests add to every step's time and need no KV blocks here. With ``output_tokens`` = 256
-and prompts of 16k tokens at 8 req/s (the AWS point) this gives ~22 ms steps at ~46
-requests; the quick sweep reaches ~15 ms at its top rate (shorter prompts). Because the
+and prompts of 16k tokens at 8 req/s (the AWS point) this gives ~16 ms steps at ~33
+requests; the quick sweep reaches ~15 ms at its top rate (shorter prompts, higher rates),
+the full sweep 10-12 ms (long prompts keep its rates at 1-4.6 req/s). Because the
 background batch is never empty, the decode engine steps continuously, as a loaded engine
 does.
 

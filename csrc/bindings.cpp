@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 
@@ -121,24 +122,20 @@ public:
 
     int32_t* data() const { return data_; }
 
-    // A 1-D array of the first `count` entries that owns the buffer from now on.
+    // A 1-D array of the first `count` entries. The array owns the buffer from now on and
+    // gives it back to the pool when it (and every view of it) is freed.
     py::array_t<int32_t> to_array(std::size_t count) {
-        auto* owned = new PooledBuffer(data_, capacity_);
-        py::capsule base;
-        try {
-            base = py::capsule(owned, [](void* p) { delete static_cast<PooledBuffer*>(p); });
-        } catch (...) {
-            owned->data_ = nullptr;  // still ours
-            delete owned;
-            throw;
-        }
+        std::unique_ptr<PooledBuffer> owned(new PooledBuffer(data_, capacity_));
         data_ = nullptr;
-        return py::array_t<int32_t>({static_cast<py::ssize_t>(count)}, data_of(*owned), base);
+        int32_t* data = owned->data_;
+        const py::capsule base(owned.get(),
+                               [](void* p) { delete static_cast<PooledBuffer*>(p); });
+        owned.release();  // the capsule deletes it
+        return py::array_t<int32_t>({static_cast<py::ssize_t>(count)}, data, base);
     }
 
 private:
     PooledBuffer(int32_t* data, std::size_t capacity) : data_(data), capacity_(capacity) {}
-    static int32_t* data_of(const PooledBuffer& b) { return b.data_; }
 
     int32_t* data_ = nullptr;
     std::size_t capacity_ = 0;
