@@ -1,53 +1,105 @@
 """The critical path, 1 prefill + 1 decode: push vs pull TTFT under Poisson load.
 
-Three processes, as in disaggregated serving:
+Three processes, as in disaggregated serving with vLLM:
 
-* the **router** (this process) draws Poisson arrivals and prompt lengths and routes each
-  request;
+* the **router** (this process; vLLM's disaggregation proxy) draws Poisson arrivals and
+  prompt lengths and routes each request;
 * the **prefill engine** (a worker; owns a :class:`kvpush.Producer`) serves requests one at a
   time, FIFO, like one GPU: allocates source blocks, "computes" the prefill, calls
   ``prefill_done``. The compute is a **sleep** of a calibrated model (below), so it uses no
   CPU on this 2-core host; nothing is written into the blocks (KV bytes are moved, not
   checked, here -- the tests and the demo check bytes);
-* the **decode engine** (a worker; owns a :class:`kvpush.Consumer`) runs a step loop: every
-  ``step_s`` it handles what the router sent, collects finished transfers (stamped by the
-  ``on_finished`` callback), and runs one decode step (a sleep) for every request whose KV
-  is there; a request decodes ``decode_steps`` steps, then frees its blocks. Idle (nothing
-  running) it waits for the router's next message instead of stepping.
+* the **decode engine** (a worker; owns a :class:`kvpush.Consumer`) is vLLM's engine core: a
+  loop of *steps*. At each step boundary it schedules (takes what the router sent,
+  allocates destination blocks, admits requests whose KV has arrived), then runs one
+  forward pass for the whole running batch -- a sleep of ``step_time(batch)`` (below) --
+  after which every request in the batch has one more token. A request's **first token**
+  is the end of the first step it runs in; it then stays ``decode_steps`` steps and frees
+  its blocks.
 
-What each mode does:
+What each mode does (the per-request work of the decode engine runs on its step loop, as in
+vLLM's NIXL connector; kvpush's own thread does the transfer):
 
-* **push** -- at arrival the router sends the request to *both* engines. The decode engine
-  allocates destination blocks at its next step boundary and calls ``Consumer.expect``
+* **push** -- at arrival the router sends the request to *both* engines. At its next step
+  boundary the decode engine allocates destination blocks and calls ``Consumer.expect``
   (the registration travels to the producer while prefill computes). When prefill ends,
   ``prefill_done`` triggers the WRITE at once on the producer's loop thread (the
-  registration is already there), and the consumer reports READY when the ``Landed``
-  notification arrives.
-* **pull** (the old default) -- the router sends the request to the prefill engine only.
-  When prefill ends, ``prefill_done(..., PULL)`` returns a ticket (the source block ids);
-  the prefill engine hands it to the router, which relays it to the decode engine; the
-  decode engine picks it up at its next step boundary, allocates destination blocks and
-  calls ``Consumer.pull`` (ids -> descriptors and the READ run on the consumer's loop
-  thread); READY when the READ is done.
+  registration is already there); kvpush reports READY when the ``Landed`` notification
+  arrives, with no help from the decode loop; the request is admitted at the first step
+  boundary after READY.
+* **pull** (the old default, vLLM's NixlConnector) -- the router sends the request to the
+  prefill engine only. When prefill ends, ``prefill_done(..., PULL)`` returns a ticket (the
+  source block ids); the prefill engine hands it to the router, which relays it to the
+  decode engine -- which learns of the request only now. At its next step boundary it
+  allocates destination blocks; at the start of that step's forward (vLLM:
+  ``start_load_kv``) it calls ``Consumer.pull`` (ids -> descriptors and the READ then run on
+  kvpush's loop thread), the step runs, and the request is admitted at the first step
+  boundary after READY (vLLM: ``get_finished`` at the end of a step, admission at the next
+  ``schedule``).
 
-Measured per request (one monotonic clock for all processes): **TTFT** = arrival -> the
-consumer reports READY (decode side has all KV); **handover** = ``prefill_done`` called ->
-READY; **handover overhead** = handover - the pure wire time of the same number of blocks
-(raw NIXL WRITE or READ, kvpush's configuration, back-to-back polling, the fastest of a dozen,
-measured in the same run on the same buffers).
+Measured per request (one monotonic clock for all processes, ``CLOCK_MONOTONIC``):
+**TTFT** = arrival -> the end of the decode step that produced the request's first token;
+**handover** = ``prefill_done`` called -> kvpush reports READY on the decode side;
+**handover overhead** = handover - the pure wire time of the same number of blocks: the
+*median* of raw NIXL WRITEs (push) or READs (pull) of that size, kvpush's NIXL
+configuration, back-to-back polling, measured in the same run on the same buffers (the
+minimum is reported too: a WRITE inside kvpush is drawn from the same distribution as a
+raw one, so measuring against the fastest of a dozen counted the wire's own spread -- 0.3 ms
+at 4 MiB, 1.6 ms at 16 MiB here -- as kvpush overhead). For push the handover is split at
+the producer's release of the source blocks (the WRITE done at the initiator):
+``write_p50_ms`` (prefill_done -> release; ``write_overhead_p50_us`` is that minus the
+wire time) and ``notice_p50_us`` (release -> READY: the consumer noticing the landing).
 
-Prefill model (sleep): ``t(T) = 2 ms + 20 us * T + 1 ns * T^2`` for a T-token prompt (1k:
-23 ms, 4k: 101 ms, 8k: 233 ms, 16k: 598 ms) -- linear work plus quadratic attention, scaled
-so that runs fit minutes; it is not a measurement of any GPU. The sleep is calibrated: its
-mean overshoot on this host is measured at start and subtracted, and the actual prefill
-durations are reported. The KV cache is 8 layers, K and V separate (16 regions), 16 tokens
-per block, 2 KV heads x 64, fp16: 4 KiB per block per region, 4 KiB of KV per token.
+**Prefill model** (sleep): ``t(T) = 2 ms + 20 us * T + 1 ns * T^2`` for a T-token prompt
+(1k: 23 ms, 4k: 101 ms, 8k: 233 ms, 16k: 598 ms): linear work plus quadratic attention.
+For scale: Qwen3-32B needs ~2 * 32.8e9 * T FLOPs plus attention, ~0.58 PFLOP at 8k tokens,
+~120 ms on 8 H200 at ~600 TFLOP/s each -- the model is within ~2x of that. The sleep is
+calibrated: its mean overshoot on this host is measured at start and subtracted, and the
+actual prefill durations are reported.
+
+**Decode step model** (sleep): ``step_time(B) = step_s + B * step_per_request_s +
+C * step_per_token_s`` for ``B`` running requests holding ``C`` context tokens in all.
+Defaults are estimates for Qwen3-32B (64 layers, 8 KV heads x 128, bf16: 256 KiB of KV
+per token) with tensor parallelism 8 on H200 (HBM3e 4.8 TB/s per GPU), the AWS 1P1D setup:
+
+* ``step_s`` = 10 ms: reading 8.2 GB of weights per GPU (~2 ms at ~4 TB/s achieved), 128
+  tensor-parallel all-reduces (2 per layer, ~15-25 us each), sampling, scheduling and
+  launch overheads -- the ~10 ms inter-token latency dense 30-70B models show at low batch;
+* ``step_per_token_s`` = 9 ns: each context token's KV, 32 KiB per GPU at TP 8, read once
+  per step at ~3.5 TB/s achieved;
+* ``step_per_request_s`` = 40 us: per-sequence work of the step (scheduler, input
+  preparation, sampling) on the engine's CPU thread.
+
+A run holds 30-60 measured requests, far fewer than the batch a decode engine carries under
+load, so the engine also carries a **background batch**: the steady state that the run's
+request rate implies by Little's law for ``output_tokens``-token answers,
+``B_bg = rate * output_tokens * step_time(B_bg)`` (contexts: the mean prompt plus half the
+answer; capped at ``max_batch`` = 256, vLLM's default ``max_num_seqs``). Background
+requests add to every step's time and need no KV blocks here. With ``output_tokens`` = 256
+and prompts of 16k tokens at 8 req/s (the AWS point) this gives ~16 ms steps at ~33
+requests; the quick sweep reaches ~15 ms at its top rate (shorter prompts, higher rates),
+the full sweep 10-12 ms (long prompts keep its rates at 1-4.6 req/s). Because the
+background batch is never empty, the decode engine steps continuously, as a loaded engine
+does.
+
+**Sustainable rate**: a run keeps up when every request completes and its completion rate
+-- the slope of first-token times (sorted) against their rank, fitted over the whole run --
+is at least 95 % of its offered rate (the same fit over arrival times). The *high-load*
+point is the highest swept rate at which **both** modes keep up; ``saturation_rate_rps``
+is the lowest at which either does not.
+
+The KV cache is 8 layers, K and V separate (16 regions), 16 tokens per block, 2 KV heads x
+64, fp16: 4 KiB per block per region, 4 KiB of KV per token (a real Qwen3-32B TP-8 shard
+has 128 regions of 4 KiB blocks: more descriptors per token, the same block size).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import math
 import multiprocessing.connection as mpc
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,12 +110,13 @@ import numpy as np
 from ._common import Progress, RawAgent, descriptor_table, pct, sorted_pairs
 from ._procs import Worker, stop_all
 
-__all__ = ["CPConfig", "prefill_seconds", "run"]
+__all__ = ["CPConfig", "background_batch", "prefill_seconds", "run", "step_seconds"]
 
 TOKENS_PER_BLOCK = 16
 LAYERS = 8
 REGIONS = 2 * LAYERS
 BLOCK_BYTES = TOKENS_PER_BLOCK * 2 * 64 * 2  # per region
+SUSTAINED = 0.95  # completion rate / offered rate that counts as keeping up
 _M = "benchmarks.critical_path:"
 
 
@@ -77,26 +130,56 @@ class CPConfig:
     rate_fractions: list[float]       # of the prefill engine's capacity
     requests: int                      # per (rate, mode)
     num_blocks: int
-    step_s: float = 0.010
-    decode_steps: int = 16
+    step_s: float = 0.010              # decode step time of an empty batch
+    decode_steps: int = 16             # steps a measured request stays in the batch
     wire_reps: int = 12
     seed: int = 0
     modes: tuple[str, ...] = ("push", "pull")
+    step_per_request_s: float = 40e-6  # decode step time per running request
+    step_per_token_s: float = 9e-9     # ... per context token in the batch
+    output_tokens: int = 256           # answer length behind the background batch
+    max_batch: int = 256               # vLLM's default max_num_seqs
+    background: bool = True            # carry the Little's-law background batch
 
     @property
     def capacity(self) -> float:
         """Requests per second the prefill engine can serve (prompt lengths uniform)."""
         return 1.0 / float(np.mean([prefill_seconds(t) for t in self.prompts]))
 
+    def step_model(self) -> dict[str, float]:
+        return {"step_s": self.step_s, "per_request_s": self.step_per_request_s,
+                "per_token_s": self.step_per_token_s}
+
+
+def step_seconds(model: dict[str, float], batch: float, context_tokens: float) -> float:
+    """One decode step of ``batch`` requests holding ``context_tokens`` tokens of KV."""
+    return (model["step_s"] + batch * model["per_request_s"]
+            + context_tokens * model["per_token_s"])
+
+
+def background_batch(cfg: CPConfig, rate: float) -> tuple[int, float]:
+    """(requests, context tokens) of the steady-state batch at ``rate`` (Little's law):
+    B = rate * output_tokens * step_time(B), capped at ``max_batch``."""
+    if not cfg.background or rate <= 0:
+        return 0, 0.0
+    ctx = float(np.mean(cfg.prompts)) + cfg.output_tokens / 2
+    per_req = cfg.step_per_request_s + ctx * cfg.step_per_token_s
+    lam_l = rate * cfg.output_tokens
+    denom = 1.0 - lam_l * per_req
+    b = cfg.max_batch if denom <= 0 else min(cfg.max_batch, lam_l * cfg.step_s / denom)
+    n = round(b)
+    return n, n * ctx
+
 
 def quick_config() -> CPConfig:
-    return CPConfig(prompts=[1024, 2048, 4096], rate_fractions=[0.3, 0.6, 0.9], requests=30,
-                    num_blocks=8192)
+    return CPConfig(prompts=[1024, 2048, 4096], rate_fractions=[0.3, 0.6, 0.8, 0.95, 1.1],
+                    requests=40, num_blocks=8192)
 
 
 def full_config() -> CPConfig:
-    return CPConfig(prompts=[1024, 4096, 8192, 16384], rate_fractions=[0.25, 0.5, 0.75, 0.9],
-                    requests=60, num_blocks=16384)
+    return CPConfig(prompts=[1024, 4096, 8192, 16384],
+                    rate_fractions=[0.25, 0.5, 0.75, 0.9, 1.0, 1.1], requests=60,
+                    num_blocks=16384)
 
 
 # =========================================================================================
@@ -122,9 +205,12 @@ class _Pool:
     def __init__(self, n: int, seed: int) -> None:
         self._free = collections.deque(int(i) for i in np.random.default_rng(seed).permutation(n))
         self._lock = threading.Lock()
+        self._later: collections.deque[np.ndarray] = collections.deque()
 
     def take(self, n: int) -> np.ndarray | None:
         with self._lock:
+            while self._later:
+                self._free.extend(int(i) for i in self._later.popleft())
             if n > len(self._free):
                 return None
             return np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
@@ -132,6 +218,12 @@ class _Pool:
     def give(self, ids: np.ndarray) -> None:
         with self._lock:
             self._free.extend(int(i) for i in ids)
+
+    def give_later(self, ids: np.ndarray) -> None:
+        """Return blocks from a kvpush callback: O(1) and lock-free, so the callback costs
+        kvpush's loop thread (the push path: it runs before the consumer is told) almost
+        nothing; the next :meth:`take` puts them back."""
+        self._later.append(ids)
 
 
 def _sleep_overshoot() -> float:
@@ -161,7 +253,8 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
         pool = state["pool"]
 
         def on_release(release: kvpush.Release) -> None:
-            pool.give(release.block_ids)
+            # Runs on the producer's loop thread: keep it short (see _Pool.give_later).
+            pool.give_later(release.block_ids)
             state.setdefault("released", []).append(
                 (release.request_id, release.reason.value, time.monotonic()))
 
@@ -173,10 +266,23 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
         # The callback stamps the moment kvpush reports a request; the engine's step loop
         # collects the results at its next step boundary (with a callback, kvpush does not
         # also queue results for get_finished).
+        # A pipe wakes the engine when it waits between steps (nothing running).
         finished: collections.deque[tuple[Any, float]] = collections.deque()
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
 
         def on_finished(result: kvpush.TransferResult) -> None:
             finished.append((result, time.monotonic()))
+            with contextlib.suppress(BlockingIOError):
+                os.write(wake_w, b"\0")
+
+        def close_pipe() -> None:
+            os.close(wake_r)
+            os.close(wake_w)
+
+        state["cleanup"].append(close_pipe)
+        state["wake"] = wake_r
 
         consumer = kvpush.Consumer(layout, on_finished=on_finished)
         state["endpoint"] = consumer
@@ -229,6 +335,7 @@ def side_prefill_engine(state: dict[str, Any], conn: mpc.Connection) -> dict[str
     durations: list[tuple[int, float]] = []
     pool_waits = 0
     stop = False
+    state["released"] = []
     while not stop or queue:
         if conn.poll(0 if queue else 0.5):
             while conn.poll(0):
@@ -254,10 +361,13 @@ def side_prefill_engine(state: dict[str, Any], conn: mpc.Connection) -> dict[str
         conn.send(("ev", "prefilled", rid, t_start, t_done,
                    ticket.to_bytes() if ticket is not None else None))
     return {"overshoot_s": overshoot, "durations": durations, "pool_waits_ms": pool_waits,
-            "stats": producer.stats()}
+            "stats": producer.stats(),
+            # (request id, monotonic time) of each release of source blocks
+            "released": [(rid, t) for rid, _reason, t in state["released"]]}
 
 
-def side_decode_engine(state: dict[str, Any], conn: mpc.Connection, step_s: float,
+def side_decode_engine(state: dict[str, Any], conn: mpc.Connection, model: dict[str, float],
+                       background: int, background_tokens: float,
                        decode_steps: int) -> dict[str, Any]:
     """The decode engine's step loop (see the module docstring)."""
     import kvpush
@@ -266,20 +376,47 @@ def side_decode_engine(state: dict[str, Any], conn: mpc.Connection, step_s: floa
     pool: _Pool = state["pool"]
     producer = state["producer"]
     finished: collections.deque[tuple[Any, float]] = state["finished"]
+    wake: int = state["wake"]
     waiting: collections.deque[tuple[Any, ...]] = collections.deque()  # no blocks yet
-    held: dict[str, np.ndarray] = {}
-    running: dict[str, int] = {}
+    held: dict[str, np.ndarray] = {}     # rid -> destination blocks (transfer or decode)
+    tokens_of: dict[str, int] = {}
+    running: dict[str, int] = {}         # rid -> steps left
+    step_times: list[float] = []
+    batches: list[int] = []
     stop = False
-    steps = 0
     pool_waits = 0
-    while not (stop and not waiting and not held and not running):
-        # -- step boundary: new work from the router
+    overshoot = _sleep_overshoot()
+
+    def drain_wake() -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(wake, 4096):
+                pass
+
+    while True:
+        # -- step boundary: schedule --------------------------------------------------------
+        drain_wake()
         while conn.poll(0):
             msg = conn.recv()
             if msg[0] == "stop":
                 stop = True
             else:
                 waiting.append(msg)
+        boundary = time.monotonic()
+        # Transfers kvpush reported by now are admitted into this step (vLLM: get_finished
+        # at the end of the last step, update_from_output, then schedule).
+        admitted = []
+        while finished:
+            result, ready_at = finished.popleft()
+            rid = result.request_id
+            conn.send(("ev", "ready", rid, ready_at, boundary, result.state.value,
+                       result.bytes_moved))
+            if result.ok:
+                running[rid] = decode_steps
+                admitted.append(rid)
+            else:
+                pool.give(held.pop(rid))
+                tokens_of.pop(rid, None)
+        to_load: list[tuple[str, Any, np.ndarray]] = []
         while waiting:
             msg = waiting[0]
             kind, rid, tokens = msg[:3]
@@ -289,36 +426,48 @@ def side_decode_engine(state: dict[str, Any], conn: mpc.Connection, step_s: floa
                 break
             waiting.popleft()
             held[rid] = ids
-            t = time.monotonic()
-            if kind == "route":
+            tokens_of[rid] = tokens
+            if kind == "route":  # push: register now, while prefill computes
+                t = time.monotonic()
                 consumer.expect(rid, ids, producer, timeout=120)
-            else:
-                consumer.pull(msg[3], ids, timeout=120)
-            conn.send(("ev", "issued", rid, t))
-        # -- finished transfers
-        while finished:
-            result, ready_at = finished.popleft()
-            rid = result.request_id
-            conn.send(("ev", "ready", rid, ready_at, time.monotonic(), result.state.value,
-                       result.bytes_moved))
-            if result.ok:
-                running[rid] = decode_steps
-            else:
+                conn.send(("ev", "issued", rid, t))
+            else:                # pull: the READ starts with this step's forward
+                to_load.append((rid, msg[3], ids))
+        if stop:  # every request has its first token: stop decoding, keep nothing
+            for rid in running:
+                tokens_of.pop(rid, None)
                 pool.give(held.pop(rid))
-        # -- one decode step for the running batch, or wait for work
-        if running:
-            time.sleep(step_s)
-            steps += 1
-            for rid in list(running):
-                running[rid] -= 1
-                if running[rid] == 0:
-                    del running[rid]
-                    pool.give(held.pop(rid))
-        elif held:
-            conn.poll(step_s)  # transfers in flight: check again within a step
-        elif not stop:
-            conn.poll(0.5)
-    return {"steps": steps, "pool_waits": pool_waits, "stats": consumer.stats()}
+            running.clear()
+            if not held and not waiting:
+                break
+        batch = len(running) + background
+        if batch == 0 and not to_load:
+            # Idle (no background load, nothing decoding): wait for the router or kvpush.
+            mpc.wait([conn, wake], timeout=0.5)
+            continue
+        # -- the step -----------------------------------------------------------------------
+        step_start = time.monotonic()
+        for rid, ticket, ids in to_load:  # vLLM: start_load_kv, before the forward
+            t = time.monotonic()
+            consumer.pull(ticket, ids, timeout=120)
+            conn.send(("ev", "issued", rid, t))
+        context = background_tokens + sum(tokens_of[r] for r in running)
+        # The forward pass follows the CPU work above, as on a GPU that waits for its launch.
+        time.sleep(max(0.0, step_seconds(model, batch, context) - overshoot))
+        step_end = time.monotonic()
+        step_times.append(step_end - step_start)
+        batches.append(batch)
+        for rid in admitted:
+            conn.send(("ev", "first", rid, step_end))
+        for rid in list(running):
+            running[rid] -= 1
+            if running[rid] == 0:
+                del running[rid]
+                tokens_of.pop(rid, None)
+                pool.give(held.pop(rid))
+    return {"steps": len(step_times), "pool_waits": pool_waits, "stats": consumer.stats(),
+            "step_ms_p50": pct(step_times, 50) * 1e3, "step_ms_p90": pct(step_times, 90) * 1e3,
+            "batch_p50": pct(batches, 50)}
 
 
 # =========================================================================================
@@ -333,8 +482,10 @@ class _Req:
     prefill_start: float = 0.0
     prefill_done: float = 0.0
     issued: float = 0.0        # decode engine called expect / pull
-    ready: float = 0.0         # consumer reported the request (callback time)
-    seen: float = 0.0          # decode engine collected it at a step boundary
+    ready: float = 0.0         # kvpush reported the request (callback time)
+    admitted: float = 0.0      # the step boundary that admitted it
+    first: float = 0.0         # end of its first decode step: the first token
+    released: float = 0.0      # producer released the source blocks
     state: str = ""
     nbytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -342,14 +493,19 @@ class _Req:
 
 def _route(cfg: CPConfig, mode: str, rate: float, prefill: Worker, decode: Worker,
            seed: int, tag: str, timeout: float) -> list[_Req]:
+    # The same draws at every rate (common random numbers): exponential gaps rescaled so the
+    # run's mean rate is exactly ``rate`` (30 raw draws would miss it by ~20 %), and the
+    # same prompt sequence.
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, cfg.requests)
+    draws = rng.exponential(1.0, cfg.requests)
+    draws[0] = 0.0
+    gaps = draws / max(draws[1:].mean(), 1e-12) / rate if cfg.requests > 1 else draws
     tokens = rng.choice(cfg.prompts, cfg.requests)
+    bg, bg_tokens = background_batch(cfg, rate)
     prefill.send_call(_M + "side_prefill_engine")
-    decode.send_call(_M + "side_decode_engine", step_s=cfg.step_s,
-                     decode_steps=cfg.decode_steps)
-    t0 = time.monotonic() + 0.05
-    arrivals = t0 + np.cumsum(gaps) - gaps[0]
+    decode.send_call(_M + "side_decode_engine", model=cfg.step_model(), background=bg,
+                     background_tokens=bg_tokens, decode_steps=cfg.decode_steps)
+    arrivals = time.monotonic() + 0.05 + np.cumsum(gaps)
     reqs = [_Req(f"{tag}-{i}", int(tokens[i]), mode, float(arrivals[i]))
             for i in range(cfg.requests)]
     by_id = {r.rid: r for r in reqs}
@@ -378,7 +534,11 @@ def _route(cfg: CPConfig, mode: str, rate: float, prefill: Worker, decode: Worke
                 elif msg[1] == "issued":
                     r.issued = msg[3]
                 elif msg[1] == "ready":
-                    r.ready, r.seen, r.state, r.nbytes = msg[3], msg[4], msg[5], msg[6]
+                    r.ready, r.admitted, r.state, r.nbytes = msg[3], msg[4], msg[5], msg[6]
+                    if r.state != "ready":
+                        done += 1
+                elif msg[1] == "first":
+                    r.first = msg[3]
                     done += 1
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tag}: {len(reqs) - done} requests unfinished")
@@ -397,22 +557,48 @@ def _route(cfg: CPConfig, mode: str, rate: float, prefill: Worker, decode: Worke
                     raise RuntimeError(f"{name} engine: {msg[1]}")
                 summaries[name] = msg[1]
                 break
+    for rid, t in summaries.get("prefill", {}).get("released", []):
+        if rid in by_id:
+            by_id[rid].released = t
     reqs[0].extra["engines"] = summaries
+    reqs[0].extra["background"] = (bg, bg_tokens)
     return reqs
 
 
-def _stats(reqs: list[_Req], wire: dict[tuple[str, int], float], rate: float
+def _rate_fit(times: list[float]) -> float:
+    """Events per second: the inverse slope of the sorted times against their rank (a
+    least-squares fit over the whole run, so neither end's spread decides it)."""
+    if len(times) < 3:
+        return math.nan
+    t = np.sort(np.asarray(times, dtype=float))
+    slope = float(np.polyfit(np.arange(len(t), dtype=float), t, 1)[0])
+    return 1.0 / slope if slope > 0 else math.inf
+
+
+def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate: float
            ) -> dict[str, Any]:
-    ok = [r for r in reqs if r.state == "ready"]
+    ok = [r for r in reqs if r.state == "ready" and r.first > 0]
+    ok_ids = {r.rid for r in ok}
     op = "WRITE" if reqs[0].mode == "push" else "READ"
-    ttft = [r.ready - r.arrival for r in ok]
+    ttft = [r.first - r.arrival for r in ok]
     hand = [r.ready - r.prefill_done for r in ok]
-    over = [r.ready - r.prefill_done - wire[(op, r.tokens)] for r in ok]
-    span = max(r.ready for r in ok) - min(r.arrival for r in reqs) if ok else float("nan")
+    over = [r.ready - r.prefill_done - wire[(op, r.tokens)]["p50"] for r in ok]
+    over_min = [r.ready - r.prefill_done - wire[(op, r.tokens)]["min"] for r in ok]
+    offered = _rate_fit([r.arrival for r in reqs])
+    served = _rate_fit([r.first for r in ok])
+    engines = reqs[0].extra.get("engines", {})
+    dec = engines.get("decode", {})
     out: dict[str, Any] = {
         "mode": reqs[0].mode, "rate": rate, "requests": len(reqs), "ok": len(ok),
-        "throughput_rps": len(ok) / span if ok else 0.0,
-        "throughput_gbps": sum(r.nbytes for r in ok) / span / 1e9 if ok else 0.0,
+        "offered_rps": offered, "throughput_rps": served if ok else 0.0,
+        "sustainable": bool(len(ok) == len(reqs) and served >= SUSTAINED * offered),
+        "throughput_gbps": (sum(r.nbytes for r in ok)
+                            / max(1e-9, max(r.first for r in ok) - min(r.arrival for r in reqs))
+                            / 1e9) if ok else 0.0,
+        # per request, in arrival order (NaN if it failed): both modes serve the same
+        # requests, so they can be compared pair by pair
+        "ttft_ms_all": [(r.first - r.arrival) * 1e3 if r.rid in ok_ids else math.nan
+                        for r in reqs],
         "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p90_ms": pct(ttft, 90) * 1e3,
         "ttft_p99_ms": pct(ttft, 99) * 1e3,
         "handover_p50_ms": pct(hand, 50) * 1e3, "handover_p90_ms": pct(hand, 90) * 1e3,
@@ -420,7 +606,15 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], float], rate: float
         "handover_overhead_p50_us": pct(over, 50) * 1e6,
         "handover_overhead_us_all": [o * 1e6 for o in over],
         "handover_overhead_p90_us": pct(over, 90) * 1e6,
+        "handover_overhead_vs_min_wire_p50_us": pct(over_min, 50) * 1e6,
+        # prefill done -> first token: everything after prefill, decode loop included
+        "prefill_to_first_token_p50_ms": pct([r.first - r.prefill_done for r in ok], 50) * 1e3,
+        "ready_to_admit_p50_ms": pct([r.admitted - r.ready for r in ok], 50) * 1e3,
         "prefill_queue_p50_ms": pct([r.prefill_start - r.arrival for r in ok], 50) * 1e3,
+        "decode_step_p50_ms": dec.get("step_ms_p50", math.nan),
+        "decode_step_p90_ms": dec.get("step_ms_p90", math.nan),
+        "decode_batch_p50": dec.get("batch_p50", math.nan),
+        "background_batch": reqs[0].extra.get("background", (0, 0.0))[0],
     }
     if reqs[0].mode == "pull":
         # prefill done -> decode engine issued the READ (relay + waiting for a step boundary)
@@ -428,14 +622,20 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], float], rate: float
         out["issue_to_ready_p50_us"] = pct([r.ready - r.issued for r in ok], 50) * 1e6
     else:
         out["registered_before_prefill_done"] = sum(r.issued < r.prefill_done for r in ok)
+        rel = [r for r in ok if r.released > 0]
+        # prefill_done -> source released (the WRITE done at the initiator), then the
+        # consumer's notice: release -> READY
+        out["write_p50_ms"] = pct([r.released - r.prefill_done for r in rel], 50) * 1e3
+        out["write_overhead_p50_us"] = pct(
+            [r.released - r.prefill_done - wire[(op, r.tokens)]["p50"] for r in rel], 50) * 1e6
+        out["notice_p50_us"] = pct([r.ready - r.released for r in rel], 50) * 1e6
     by_len = {}
     for t in sorted({r.tokens for r in ok}):
-        sel = [r.ready - r.arrival for r in ok if r.tokens == t]
+        sel = [r.first - r.arrival for r in ok if r.tokens == t]
         by_len[str(t)] = pct(sel, 50) * 1e3
     out["ttft_p50_ms_by_prompt"] = by_len
-    engines = reqs[0].extra.get("engines", {})
     out["prefill_pool_waits_ms"] = engines.get("prefill", {}).get("pool_waits_ms", 0)
-    out["decode_pool_waits"] = engines.get("decode", {}).get("pool_waits", 0)
+    out["decode_pool_waits"] = dec.get("pool_waits", 0)
     durs = [(t, d) for t, d in engines.get("prefill", {}).get("durations", [])]
     if durs:
         out["prefill_model_error_p50_us"] = pct(
@@ -443,10 +643,39 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], float], rate: float
     return out
 
 
+def _sample_wire(cfg: CPConfig, prefill: Worker, decode: Worker, reps: int, seed: int,
+                 samples: dict[tuple[str, int], list[float]]) -> None:
+    """Raw NIXL WRITEs (prefill side initiating) and READs (decode side) of each prompt's
+    size, taking turns, added to ``samples``."""
+    for t in cfg.prompts:
+        blocks = -(-t // TOKENS_PER_BLOCK)
+        for rep in range(reps):
+            samples.setdefault(("WRITE", t), []).extend(prefill.call(
+                _M + "side_wire", op="WRITE", blocks=blocks, reps=1, seed=seed + t + rep))
+            samples.setdefault(("READ", t), []).extend(decode.call(
+                _M + "side_wire", op="READ", blocks=blocks, reps=1, seed=seed + t + rep))
+
+
+def _wire_table(cfg: CPConfig, samples: dict[tuple[str, int], list[float]]
+                ) -> tuple[dict[tuple[str, int], dict[str, float]], list[dict[str, Any]]]:
+    """Pure wire time per (op, prompt length): median and minimum of every sample."""
+    wire = {key: {"p50": float(np.median(v)), "min": min(v), "n": len(v)}
+            for key, v in samples.items()}
+    rows = []
+    for t in cfg.prompts:
+        blocks = -(-t // TOKENS_PER_BLOCK)
+        w, r = wire[("WRITE", t)], wire[("READ", t)]
+        rows.append({"tokens": t, "blocks": blocks, "bytes": blocks * REGIONS * BLOCK_BYTES,
+                     "write_us": w["p50"] * 1e6, "read_us": r["p50"] * 1e6,
+                     "write_min_us": w["min"] * 1e6, "read_min_us": r["min"] * 1e6,
+                     "samples": int(w["n"])})
+    return wire, rows
+
+
 def run(quick: bool, progress: bool = True, cfg: CPConfig | None = None) -> dict[str, Any]:
     cfg = cfg or (quick_config() if quick else full_config())
     rates = [f * cfg.capacity for f in cfg.rate_fractions]
-    steps = 2 + len(cfg.prompts) + len(rates) * len(cfg.modes)
+    steps = 3 + len(rates) * len(cfg.modes)
     bar = Progress("critical-path", steps, progress)
     prefill = Worker("cp-prefill")
     decode = Worker("cp-decode")
@@ -457,36 +686,27 @@ def run(quick: bool, progress: bool = True, cfg: CPConfig | None = None) -> dict
         prefill.call(_M + "side_raw_peer", metadata=b["raw_md"], bases=b["bases"])
         decode.call(_M + "side_raw_peer", metadata=a["raw_md"], bases=a["bases"])
         bar.step("engines up")
-        # Pure wire time: the fastest of several raw NIXL transfers of the same size (a busy
-        # host only ever adds time), WRITE and READ taking turns.
-        wire: dict[tuple[str, int], float] = {}
-        wire_rows = []
-        for t in cfg.prompts:
-            blocks = -(-t // TOKENS_PER_BLOCK)
-            w: list[float] = []
-            r: list[float] = []
-            for rep in range(cfg.wire_reps):
-                w += prefill.call(_M + "side_wire", op="WRITE", blocks=blocks, reps=1,
-                                  seed=t + rep)
-                r += decode.call(_M + "side_wire", op="READ", blocks=blocks, reps=1,
-                                 seed=t + rep)
-            wire[("WRITE", t)] = min(w)
-            wire[("READ", t)] = min(r)
-            wire_rows.append({"tokens": t, "blocks": blocks,
-                              "bytes": blocks * REGIONS * BLOCK_BYTES,
-                              "write_us": wire[("WRITE", t)] * 1e6,
-                              "read_us": wire[("READ", t)] * 1e6})
-            bar.step(f"wire time {t // 1024}k")
-        runs = []
+        # Wire time is sampled before the sweep and again after every run, so its median
+        # reflects the host's load over the whole sweep (it varies several-fold here).
+        samples: dict[tuple[str, int], list[float]] = {}
+        _sample_wire(cfg, prefill, decode, cfg.wire_reps, 0, samples)
+        bar.step("wire time")
+        done: list[tuple[list[_Req], float, int]] = []
         for i, rate in enumerate(rates):
-            for mode in cfg.modes:
+            for mode in cfg.modes:  # same arrivals and prompts for both modes
                 timeout = cfg.requests / rate * 3 + 60
-                reqs = _route(cfg, mode, rate, prefill, decode, seed=cfg.seed + i,
+                reqs = _route(cfg, mode, rate, prefill, decode, seed=cfg.seed,
                               tag=f"{mode}{i}", timeout=timeout)
-                row = _stats(reqs, wire, rate)
-                row["rate_fraction"] = cfg.rate_fractions[i]
-                runs.append(row)
-                bar.step(f"{mode} {rate:.1f} req/s: TTFT p50 {row['ttft_p50_ms']:.1f} ms")
+                done.append((reqs, rate, i))
+                _sample_wire(cfg, prefill, decode, 1, 1000 * len(done), samples)
+                ttft = pct([r.first - r.arrival for r in reqs if r.first > 0], 50) * 1e3
+                bar.step(f"{mode} {rate:.1f} req/s: TTFT p50 {ttft:.1f} ms")
+        wire, wire_rows = _wire_table(cfg, samples)
+        runs = []
+        for reqs, rate, i in done:
+            row = _stats(reqs, wire, rate)
+            row["rate_fraction"] = cfg.rate_fractions[i]
+            runs.append(row)
         bar.step("done")
     finally:
         stop_all([decode, prefill])
@@ -498,31 +718,53 @@ def _summarize(cfg: CPConfig, rates: list[float], wire_rows: list[dict[str, Any]
                runs: list[dict[str, Any]]) -> dict[str, Any]:
     def row(mode: str, rate: float) -> dict[str, Any]:
         return next((r for r in runs if r["mode"] == mode and r["rate"] == rate),
-                    {"ok": 0, "throughput_rps": 0.0, "ttft_p50_ms": float("nan"),
-                     "handover_overhead_p50_us": float("nan")})
+                    {"ok": 0, "throughput_rps": 0.0, "ttft_p50_ms": math.nan,
+                     "handover_overhead_p50_us": math.nan, "sustainable": False,
+                     "decode_step_p50_ms": math.nan})
 
-    sustainable = [rate for rate in rates
-                   if row("push", rate)["ok"] == cfg.requests
-                   and row("push", rate)["throughput_rps"] >= 0.8 * rate]
-    high = max(sustainable) if sustainable else max(rates)
+    def keeps_up(rate: float) -> bool:
+        return all(row(mode, rate)["sustainable"] for mode in cfg.modes)
+
+    sustainable = [rate for rate in rates if keeps_up(rate)]
+    high = max(sustainable) if sustainable else min(rates)
     low = min(rates)
+    over = [rate for rate in rates if not keeps_up(rate)]
+
     def overhead(mode: str) -> float:
-        """p50 over every request of every rate (handover - wire time of its size)."""
+        """p50 over every request of every rate (handover - median wire time of its size)."""
         vals = [v for r in runs if r["mode"] == mode for v in r["handover_overhead_us_all"]]
         return pct(vals, 50)
+
+    def ratio(rate: float) -> float:
+        return float(row("pull", rate)["ttft_p50_ms"] / row("push", rate)["ttft_p50_ms"])
+
+    def paired(rate: float) -> float:
+        """Median over requests of pull's TTFT / push's TTFT for the same request (same
+        arrival, same prompt): steadier than a ratio of medians over a mix of lengths."""
+        a = np.asarray(row("pull", rate).get("ttft_ms_all", []), dtype=float)
+        b = np.asarray(row("push", rate).get("ttft_ms_all", []), dtype=float)
+        if len(a) != len(b) or not len(a):
+            return math.nan
+        keep = np.isfinite(a) & np.isfinite(b) & (b > 0)
+        return float(np.median(a[keep] / b[keep])) if keep.any() else math.nan
 
     summary = {
         "handover_overhead_push_us": overhead("push"),
         "handover_overhead_pull_us": overhead("pull"),
         "handover_overhead_push_low_load_us": row("push", low)["handover_overhead_p50_us"],
         "handover_overhead_pull_low_load_us": row("pull", low)["handover_overhead_p50_us"],
-        "ttft_p50_pull_over_push_high_load": (row("pull", high)["ttft_p50_ms"]
-                                              / row("push", high)["ttft_p50_ms"]),
-        "ttft_p50_pull_over_push_low_load": (row("pull", low)["ttft_p50_ms"]
-                                             / row("push", low)["ttft_p50_ms"]),
+        "ttft_p50_pull_over_push_high_load": ratio(high),
+        "ttft_p50_pull_over_push_low_load": ratio(low),
+        "ttft_p50_pull_over_push_max": max((ratio(r) for r in rates), default=math.nan),
+        "ttft_pull_over_push_paired_high_load": paired(high),
+        "ttft_pull_over_push_paired_low_load": paired(low),
         "high_load_rate_rps": high,
+        "high_load_rate_fraction": cfg.rate_fractions[rates.index(high)],
+        "high_load_sustainable": bool(sustainable),
+        "saturation_rate_rps": min(over) if over else math.nan,
         "ttft_p50_push_high_load_ms": row("push", high)["ttft_p50_ms"],
         "ttft_p50_pull_high_load_ms": row("pull", high)["ttft_p50_ms"],
+        "decode_step_ms_high_load": row("push", high)["decode_step_p50_ms"],
     }
     summary["handover_overhead_push_over_pull"] = (summary["handover_overhead_push_us"]
                                                    / summary["handover_overhead_pull_us"])
@@ -530,9 +772,16 @@ def _summarize(cfg: CPConfig, rates: list[float], wire_rows: list[dict[str, Any]
         "config": {"prompts": cfg.prompts, "rate_fractions": cfg.rate_fractions,
                    "rates_rps": rates, "capacity_rps": cfg.capacity,
                    "requests_per_point": cfg.requests, "step_s": cfg.step_s,
+                   "step_per_request_s": cfg.step_per_request_s,
+                   "step_per_token_s": cfg.step_per_token_s,
+                   "output_tokens": cfg.output_tokens, "max_batch": cfg.max_batch,
+                   "background": cfg.background,
+                   "background_batch": [background_batch(cfg, r)[0] for r in rates],
                    "decode_steps": cfg.decode_steps, "num_blocks": cfg.num_blocks,
                    "regions": REGIONS, "block_bytes_per_region": BLOCK_BYTES,
-                   "prefill_model": "2 ms + 20 us*T + 1 ns*T^2 (sleep)"},
+                   "sustained_fraction": SUSTAINED,
+                   "prefill_model": "2 ms + 20 us*T + 1 ns*T^2 (sleep)",
+                   "step_model": "step_s + B*step_per_request_s + context*step_per_token_s"},
         "wire": wire_rows,
         "runs": runs,
         "summary": summary,

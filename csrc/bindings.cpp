@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 
+#include "kvpush/buffer_pool.hpp"
 #include "kvpush/checksum.hpp"
 #include "kvpush/completion.hpp"
 #include "kvpush/plan.hpp"
@@ -100,6 +102,45 @@ py::array_t<T> read_only(py::array_t<T> arr) {
     return arr;
 }
 
+// Index lists of at least this many entries (16 KiB) come from a pool of reused buffers
+// (see kvpush/buffer_pool.hpp); smaller ones are plain numpy arrays.
+constexpr std::size_t kPooledEntries = 4096;
+
+kvpush::BufferPool& index_pool() {
+    // Never destroyed: arrays holding pool buffers may be freed during interpreter teardown.
+    static auto* pool = new kvpush::BufferPool(16, std::size_t{128} << 20);
+    return *pool;
+}
+
+// One pool buffer, given back unless a numpy array takes it over.
+class PooledBuffer {
+public:
+    explicit PooledBuffer(std::size_t count) { data_ = index_pool().acquire(count, &capacity_); }
+    ~PooledBuffer() { index_pool().release(data_, capacity_); }
+    PooledBuffer(const PooledBuffer&) = delete;
+    PooledBuffer& operator=(const PooledBuffer&) = delete;
+
+    int32_t* data() const { return data_; }
+
+    // A 1-D array of the first `count` entries. The array owns the buffer from now on and
+    // gives it back to the pool when it (and every view of it) is freed.
+    py::array_t<int32_t> to_array(std::size_t count) {
+        std::unique_ptr<PooledBuffer> owned(new PooledBuffer(data_, capacity_));
+        data_ = nullptr;
+        int32_t* data = owned->data_;
+        const py::capsule base(owned.get(),
+                               [](void* p) { delete static_cast<PooledBuffer*>(p); });
+        owned.release();  // the capsule deletes it
+        return py::array_t<int32_t>({static_cast<py::ssize_t>(count)}, data, base);
+    }
+
+private:
+    PooledBuffer(int32_t* data, std::size_t capacity) : data_(data), capacity_(capacity) {}
+
+    int32_t* data_ = nullptr;
+    std::size_t capacity_ = 0;
+};
+
 // Runs `work` without the GIL when there is enough of it to be worth the switch.
 template <class F>
 void run_maybe_without_gil(bool release, F&& work) {
@@ -126,6 +167,39 @@ struct PyTransferPlan {
 
 static_assert(std::is_standard_layout_v<kvpush::Run> && sizeof(kvpush::Run) == 3 * sizeof(int64_t),
               "runs are copied byte for byte into a (num_runs, 3) int64 array");
+
+// Writes a core plan's index lists (np.empty-like: write_indices fills every entry, straight
+// into the arrays' buffers) and wraps everything as read-only numpy arrays.
+template <class Plan>
+PyTransferPlan to_python(const Plan& plan, bool release) {
+    const std::size_t count = plan.num_indices();
+    py::array_t<int32_t> local_indices;
+    py::array_t<int32_t> remote_indices;
+    if (count >= kPooledEntries) {
+        PooledBuffer local(count);
+        PooledBuffer remote(count);
+        run_maybe_without_gil(release, [&] { plan.write_indices(local.data(), remote.data()); });
+        local_indices = local.to_array(count);
+        remote_indices = remote.to_array(count);
+    } else {
+        local_indices = py::array_t<int32_t>(static_cast<py::ssize_t>(count));
+        remote_indices = py::array_t<int32_t>(static_cast<py::ssize_t>(count));
+        plan.write_indices(local_indices.mutable_data(), remote_indices.mutable_data());
+    }
+
+    const auto num_runs = static_cast<py::ssize_t>(plan.runs.size());
+    py::array_t<int64_t> runs({num_runs, py::ssize_t{3}});
+    if (num_runs > 0) {
+        std::memcpy(runs.mutable_data(), plan.runs.data(), plan.runs.size() * sizeof(kvpush::Run));
+    }
+
+    return PyTransferPlan{read_only(std::move(local_indices)),
+                          read_only(std::move(remote_indices)),
+                          read_only(std::move(runs)),
+                          plan.num_blocks(),
+                          plan.num_regions,
+                          plan.num_runs()};
+}
 
 PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remote_ids,
                              const py::object& local_num_blocks,
@@ -154,26 +228,7 @@ PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remo
     run_maybe_without_gil(release, [&] { status = kvpush::plan_transfer(request, &plan); });
     throw_if_error(status);
 
-    // np.empty-like: write_indices fills every entry, straight into numpy's buffers.
-    const auto num_indices = static_cast<py::ssize_t>(plan.num_indices());
-    py::array_t<int32_t> local_indices(num_indices);
-    py::array_t<int32_t> remote_indices(num_indices);
-    int32_t* local_out = local_indices.mutable_data();
-    int32_t* remote_out = remote_indices.mutable_data();
-    run_maybe_without_gil(release, [&] { plan.write_indices(local_out, remote_out); });
-
-    const auto num_runs = static_cast<py::ssize_t>(plan.runs.size());
-    py::array_t<int64_t> runs({num_runs, py::ssize_t{3}});
-    if (num_runs > 0) {
-        std::memcpy(runs.mutable_data(), plan.runs.data(), plan.runs.size() * sizeof(kvpush::Run));
-    }
-
-    return PyTransferPlan{read_only(std::move(local_indices)),
-                          read_only(std::move(remote_indices)),
-                          read_only(std::move(runs)),
-                          plan.num_blocks(),
-                          plan.num_regions,
-                          plan.num_runs()};
+    return to_python(plan, release);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -210,25 +265,7 @@ PyTransferPlan plan_split_transfer(const py::object& local_ids, const py::object
                           [&] { status = kvpush::plan_split_transfer(request, &plan); });
     throw_if_error(status);
 
-    const auto num_indices = static_cast<py::ssize_t>(plan.num_indices());
-    py::array_t<int32_t> local_indices(num_indices);
-    py::array_t<int32_t> remote_indices(num_indices);
-    int32_t* local_out = local_indices.mutable_data();
-    int32_t* remote_out = remote_indices.mutable_data();
-    run_maybe_without_gil(release, [&] { plan.write_indices(local_out, remote_out); });
-
-    const auto num_runs = static_cast<py::ssize_t>(plan.runs.size());
-    py::array_t<int64_t> runs({num_runs, py::ssize_t{3}});
-    if (num_runs > 0) {
-        std::memcpy(runs.mutable_data(), plan.runs.data(), plan.runs.size() * sizeof(kvpush::Run));
-    }
-
-    return PyTransferPlan{read_only(std::move(local_indices)),
-                          read_only(std::move(remote_indices)),
-                          read_only(std::move(runs)),
-                          plan.num_blocks(),
-                          plan.num_regions,
-                          plan.num_runs()};
+    return to_python(plan, release);
 }
 
 void register_plan(py::module_& m) {

@@ -22,7 +22,11 @@ _BlockIds = NDArray[np.int32] | NDArray[np.int64]
 class TransferPlan:
     """Descriptor indices for one transfer: what :func:`plan_transfer` returns.
 
-    Read-only; its arrays are not writeable either, so a plan can be shared freely.
+    Read-only; its arrays are not writeable either, so a plan can be shared freely. Large
+    index arrays (16 KiB and up) live in buffers that the core hands to later plans once
+    no array or view over them is left (the system allocator tends to unmap buffers that
+    size and fault them in again); like any numpy array's, their memory stays valid while
+    referenced.
     :func:`plan_split_transfer` returns one too; how its attributes read there (per-head
     indices, runs in descriptor indices) is in that function's docstring.
     """

@@ -187,6 +187,30 @@ def test_plan_qwen_sized_matches_reference() -> None:
         assert_same_outcome("plan_transfer", local, remote, 20000, 20000, 64, coalesce)
 
 
+def test_plan_reuses_large_index_buffers_safely() -> None:
+    # Index lists of 4096+ entries come from a pool of reused buffers: a buffer goes back
+    # only when no array or view over it is left, and comes back read-only and correct.
+    rng = np.random.default_rng(2)
+    a = (rng.choice(32768, 512, replace=False), rng.choice(32768, 512, replace=False))
+    b = (rng.choice(32768, 512, replace=False), rng.choice(32768, 512, replace=False))
+    want_a = _reference.plan_transfer(*a, 32768, 32768, 16)
+    want_b = _reference.plan_transfer(*b, 32768, 32768, 16)
+    first = _core.plan_transfer(*a, 32768, 32768, 16)
+    view = first.remote_indices[100:]  # keeps the buffer even once the plan is gone
+    address = first.local_indices.ctypes.data
+    del first
+    second = _core.plan_transfer(*b, 32768, 32768, 16)
+    assert second.local_indices.ctypes.data == address  # reused
+    assert_same_plan(second, want_b)
+    assert np.array_equal(view, np.asarray(want_a.remote_indices)[100:])  # not overwritten
+    assert not view.flags.writeable and not second.local_indices.flags.writeable
+    del second
+    for _ in range(3):  # more plans than buffers in flight: all still right
+        plans = [_core.plan_transfer(*b, 32768, 32768, 16) for _ in range(20)]
+        for plan in plans:
+            assert_same_plan(plan, want_b)
+
+
 def test_plan_from_threads() -> None:
     # Large enough that the GIL is released inside; results must not depend on timing.
     rng = np.random.default_rng(1)

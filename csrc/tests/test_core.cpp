@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvpush/buffer_pool.hpp"
 #include "kvpush/checksum.hpp"
 #include "kvpush/completion.hpp"
 #include "kvpush/plan.hpp"
@@ -699,7 +700,54 @@ void test_checksums() {
 
 }  // namespace
 
+void test_buffer_pool() {
+    kvpush::BufferPool pool(2, 1 << 20);
+    std::size_t cap_a = 0;
+    std::size_t cap_b = 0;
+    int32_t* a = pool.acquire(1000, &cap_a);
+    CHECK(a != nullptr);
+    CHECK(cap_a >= 1000);
+    a[0] = 1;
+    a[999] = 2;  // the whole capacity is writable (ASan checks)
+    pool.release(a, cap_a);
+    CHECK_EQ(pool.cached(), std::size_t{1});
+    // Reused for the same size, and for up to twice smaller.
+    int32_t* b = pool.acquire(600, &cap_b);
+    CHECK(b == a);
+    CHECK_EQ(cap_b, cap_a);
+    CHECK_EQ(pool.cached(), std::size_t{0});
+    // Not reused for a request less than half its size, nor for a larger one.
+    pool.release(b, cap_b);
+    std::size_t cap_c = 0;
+    int32_t* c = pool.acquire(100, &cap_c);
+    CHECK(c != b);
+    std::size_t cap_d = 0;
+    int32_t* d = pool.acquire(2000, &cap_d);
+    CHECK(d != b);
+    CHECK(cap_d >= 2000);
+    // At most two cached: releasing three keeps the two most recent.
+    pool.release(c, cap_c);
+    pool.release(d, cap_d);
+    CHECK_EQ(pool.cached(), std::size_t{2});
+    std::size_t cap_e = 0;
+    int32_t* e = pool.acquire(2000, &cap_e);
+    CHECK(e == d);
+    pool.release(e, cap_e);
+    // Too large for the byte budget: freed, not cached.
+    std::size_t cap_f = 0;
+    int32_t* f = pool.acquire(1 << 19, &cap_f);
+    pool.release(f, cap_f);
+    CHECK(pool.cached() <= std::size_t{2});
+    pool.release(nullptr, 0);
+    // A zero-size request still gets a buffer. The pool frees what it caches (LSan).
+    std::size_t cap_g = 0;
+    int32_t* g = pool.acquire(0, &cap_g);
+    CHECK(g != nullptr);
+    pool.release(g, cap_g);
+}
+
 int main() {
+    test_buffer_pool();
     test_plan_small_examples();
     test_plan_errors();
     test_plan_matches_naive();
