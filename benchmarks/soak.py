@@ -129,6 +129,7 @@ class Soak:
     hit_until: float = 0.0
     link_down_until: float = 0.0
     late_seen: Counter[str] = field(default_factory=Counter)
+    quarantine_seen: Counter[str] = field(default_factory=Counter)
     mismatches_seen: Counter[str] = field(default_factory=Counter)
     seq: itertools.count[int] = field(default_factory=itertools.count)
     crashes: list[dict[str, Any]] = field(default_factory=list)
@@ -399,8 +400,12 @@ class Soak:
     def poll(self) -> None:
         now = time.monotonic()
         while self.quarantine and self.quarantine[0][0] <= now:
-            _, label, inc, blocks = self.quarantine.pop(0)
+            _, label, inc, blocks = self.quarantine[0]
+            if inc == self.incarnation[label] and self.nodes[label].stopped:
+                break  # frozen: its blocks come back once it runs again
+            self.quarantine.pop(0)
             if inc == self.incarnation[label]:  # checked for late bytes when reused
+                self._call(label, "quarantine_over", dst=blocks)
                 self.dst_free[label].extend(blocks)
         for label in ("c0", "c1"):
             got = self._call(label, "results")
@@ -545,6 +550,7 @@ class Soak:
         if stats:
             key = f"{label}#{self.incarnation[label]}"
             self.late_seen[key] = stats["late_bytes"]
+            self.quarantine_seen[key] = stats["quarantine_bytes"]
             self.mismatches_seen[key] = stats["checksum_mismatches"]
 
     def info(self, label: str) -> dict[str, Any]:
@@ -682,6 +688,7 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
             "ready_but_corrupted": c["corrupted"],
             "corrupted_bytes": c["corrupted_bytes"],
             "late_landing_bytes": sum(soak.late_seen.values()),
+            "bytes_landed_in_quarantine": sum(soak.quarantine_seen.values()),
             "checksum_mismatches": sum(soak.mismatches_seen.values()),
             "double_reports": c["double_reports"], "double_releases": c["double_releases"],
             "results_unsafe": c["results_unsafe"],

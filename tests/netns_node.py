@@ -67,6 +67,9 @@ class NodeState:
         # found there when they are handed out again landed after the report
         self.scrub_on_result = False
         self.late_bytes = 0
+        # bytes found in blocks of a blocks_safe=False result when their quarantine ends
+        # (they landed during it, as that result warned they might)
+        self.quarantine_bytes = 0
         # producer, with scrub_on_release: released source blocks are scribbled over (the
         # engine reuses them) and get their pattern back when handed over again, so a
         # transfer still reading them after their release delivers wrong bytes
@@ -236,6 +239,16 @@ class NodeState:
         """Paint blocks the engine got back with the canary again (as if reused)."""
         self.scrub(np.asarray(dst, dtype=np.int64))
 
+    def quarantine_over(self, dst: list[int]) -> None:
+        """The engine takes back blocks it had quarantined: count what landed in them
+        meanwhile, and paint them again (bytes found when they are handed out next landed
+        after the quarantine: ``late_bytes``)."""
+        assert self.cache is not None
+        ids = np.asarray(dst, dtype=np.int64)
+        for buf in self.cache.buffers:
+            self.quarantine_bytes += int(np.count_nonzero(buf[ids] != CANARY))
+        self.scrub(ids)
+
     def canary_intact(self, dst: list[int]) -> bool:
         """True while blocks ``dst`` hold nothing but the canary (nothing landed there)."""
         assert self.cache is not None
@@ -244,7 +257,7 @@ class NodeState:
 
     def stats(self) -> dict[str, int]:
         return {**self.endpoint.stats(), "pending": self.endpoint.pending,
-                "late_bytes": self.late_bytes}
+                "late_bytes": self.late_bytes, "quarantine_bytes": self.quarantine_bytes}
 
     def info(self) -> dict[str, Any]:
         rss_kb = 0
