@@ -130,6 +130,7 @@ class Soak:
     link_down_until: float = 0.0
     late_seen: Counter[str] = field(default_factory=Counter)
     quarantine_seen: Counter[str] = field(default_factory=Counter)
+    after_quarantine_seen: Counter[str] = field(default_factory=Counter)
     mismatches_seen: Counter[str] = field(default_factory=Counter)
     seq: itertools.count[int] = field(default_factory=itertools.count)
     crashes: list[dict[str, Any]] = field(default_factory=list)
@@ -551,6 +552,7 @@ class Soak:
             key = f"{label}#{self.incarnation[label]}"
             self.late_seen[key] = stats["late_bytes"]
             self.quarantine_seen[key] = stats["quarantine_bytes"]
+            self.after_quarantine_seen[key] = stats["late_bytes_after_quarantine"]
             self.mismatches_seen[key] = stats["checksum_mismatches"]
 
     def info(self, label: str) -> dict[str, Any]:
@@ -689,6 +691,7 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
             "corrupted_bytes": c["corrupted_bytes"],
             "late_landing_bytes": sum(soak.late_seen.values()),
             "bytes_landed_in_quarantine": sum(soak.quarantine_seen.values()),
+            "bytes_landed_after_quarantine": sum(soak.after_quarantine_seen.values()),
             "checksum_mismatches": sum(soak.mismatches_seen.values()),
             "double_reports": c["double_reports"], "double_releases": c["double_releases"],
             "results_unsafe": c["results_unsafe"],

@@ -70,6 +70,9 @@ class NodeState:
         # bytes found in blocks of a blocks_safe=False result when their quarantine ends
         # (they landed during it, as that result warned they might)
         self.quarantine_bytes = 0
+        # blocks back from a quarantine, and bytes found in them when handed out again
+        self.was_quarantined: set[int] = set()
+        self.late_bytes_after_quarantine = 0
         # producer, with scrub_on_release: released source blocks are scribbled over (the
         # engine reuses them) and get their pattern back when handed over again, so a
         # transfer still reading them after their release delivers wrong bytes
@@ -99,8 +102,12 @@ class NodeState:
         """Blocks handed to a new request: count late bytes (see ``scrub_on_result``)."""
         assert self.cache is not None
         if self.scrub_on_result:
+            back = np.array([b in self.was_quarantined for b in dst.tolist()], dtype=bool)
             for buf in self.cache.buffers:
-                self.late_bytes += int(np.count_nonzero(buf[dst] != CANARY))
+                late = buf[dst] != CANARY
+                self.late_bytes += int(np.count_nonzero(late[~back]))
+                self.late_bytes_after_quarantine += int(np.count_nonzero(late[back]))
+            self.was_quarantined.difference_update(dst.tolist())
         self.scrub(dst)
 
     def corrupted(self, rid: str) -> int:
@@ -248,6 +255,7 @@ class NodeState:
         for buf in self.cache.buffers:
             self.quarantine_bytes += int(np.count_nonzero(buf[ids] != CANARY))
         self.scrub(ids)
+        self.was_quarantined.update(ids.tolist())
 
     def canary_intact(self, dst: list[int]) -> bool:
         """True while blocks ``dst`` hold nothing but the canary (nothing landed there)."""
@@ -257,7 +265,8 @@ class NodeState:
 
     def stats(self) -> dict[str, int]:
         return {**self.endpoint.stats(), "pending": self.endpoint.pending,
-                "late_bytes": self.late_bytes, "quarantine_bytes": self.quarantine_bytes}
+                "late_bytes": self.late_bytes, "quarantine_bytes": self.quarantine_bytes,
+                "late_bytes_after_quarantine": self.late_bytes_after_quarantine}
 
     def info(self) -> dict[str, Any]:
         rss_kb = 0
