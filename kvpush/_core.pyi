@@ -107,6 +107,23 @@ def plan_transfer(
         If a count is not an integer.
     """
 
+def check_block_ids(ids: _BlockIds, num_blocks: int, name: str = "block_ids") -> NDArray[np.int64]:
+    """Validate one side's block ids on their own and return a read-only int64 copy.
+
+    What :func:`plan_transfer` checks of one side, before its pairing is known: ``ids``
+    1-D, C-contiguous, int32 or int64 (never converted); ``num_blocks`` >= 1; every id in
+    ``[0, num_blocks)``; no id repeated. Messages name the array ``name``, and are
+    otherwise those of :func:`plan_transfer`. The copy is read once from ``ids``, so the
+    caller may reuse its array at once. The GIL is released for large arrays.
+
+    Raises
+    ------
+    kvpush.errors.InvalidBlockIds
+        For the first failed check, in the order above (a repeat at its first repeat).
+    TypeError
+        If ``num_blocks`` is not an integer.
+    """
+
 def plan_split_transfer(
     local_ids: _BlockIds,
     remote_ids: _BlockIds,

@@ -40,6 +40,7 @@ __all__ = [
     "TransferPlan",
     "__version__",
     "block_checksums",
+    "check_block_ids",
     "plan_split_transfer",
     "plan_transfer",
 ]
@@ -244,6 +245,19 @@ def plan_transfer(
         num_regions=regions,
         num_runs=len(runs),
     )
+
+
+def check_block_ids(
+    ids: NDArray[np.int32] | NDArray[np.int64], num_blocks: int, name: str = "block_ids"
+) -> NDArray[np.int64]:
+    """Validate one side's block ids on their own; return a read-only int64 copy."""
+    out = _block_ids(ids, name)
+    blocks = _index(num_blocks)
+    _require_positive("num_blocks", blocks)
+    _check_range(out, name, blocks)
+    _check_unique(out, name)
+    _read_only(out)
+    return out
 
 
 def plan_split_transfer(

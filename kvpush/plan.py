@@ -75,12 +75,5 @@ def validate_block_ids(ids: Any, num_blocks: int, name: str) -> np.ndarray:
     """Check ``ids`` (dtype, shape, range ``[0, num_blocks)``, no duplicates) on the
     caller's thread, in compiled code; returns them as a read-only int64 copy the loop
     thread can keep while the caller reuses its array."""
-    arr = as_block_ids(ids, name)
-    try:
-        _core.plan_transfer(arr, arr, num_blocks, num_blocks, 1, False)
-    except InvalidBlockIds as exc:
-        raise InvalidBlockIds(str(exc).replace("local_ids", name).replace("remote_ids", name)) \
-            from None
-    out = arr.astype(np.int64, copy=True)
-    out.flags.writeable = False
+    out: np.ndarray = _core.check_block_ids(as_block_ids(ids, name), num_blocks, name)
     return out

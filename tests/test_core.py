@@ -313,6 +313,58 @@ def test_plan_error_messages(args: tuple[Any, ...], message: str) -> None:
     assert (kind, cls, got) == ("raised", InvalidBlockIds, message)
 
 
+# ---------------------------------------------------------------------------------------
+# check_block_ids
+
+
+@given(
+    ids=st.lists(st.integers(-3, 70), max_size=40),
+    num_blocks=st.integers(-1, 72),
+    int32=st.booleans(),
+)
+@SETTINGS
+def test_check_block_ids_matches_reference(ids: list[int], num_blocks: int, int32: bool) -> None:
+    arr = np.array(ids, np.int32 if int32 else np.int64)
+    got = assert_same_outcome("check_block_ids", arr, num_blocks, "ids")
+    if got[0] == "ok":
+        out = _core.check_block_ids(arr, num_blocks, "ids")
+        assert out.dtype == np.int64 and not out.flags.writeable
+        np.testing.assert_array_equal(out, arr)
+        arr[...] = 0  # a copy: the caller may reuse its array at once
+        assert out.tolist() == ids
+
+
+@pytest.mark.parametrize(("bad", "fragment"), BAD_ARRAYS)
+def test_check_block_ids_rejects_bad_arrays(bad: Any, fragment: str) -> None:
+    kind, (cls, message) = assert_same_outcome("check_block_ids", bad, 8, "block_ids")
+    assert (kind, cls) == ("raised", InvalidBlockIds)
+    assert message.startswith("block_ids must be")
+    assert message.endswith(fragment)
+
+
+@pytest.mark.parametrize(
+    ("ids", "num_blocks", "message"),
+    [
+        ([1], 0, "num_blocks must be >= 1, got 0"),
+        ([0, 1, 2, 70], 64, "block_ids[3] = 70 is out of range [0, 64)"),
+        ([5, 5, -1], 64, "block_ids[2] = -1 is out of range [0, 64)"),
+        ([5, 9, 1, 9, 5], 64, "block_ids has duplicate block id 9 (positions 1 and 3)"),
+        ([3, 3], 2**20, "block_ids has duplicate block id 3 (positions 0 and 1)"),
+    ],
+)
+def test_check_block_ids_error_messages(ids: list[int], num_blocks: int, message: str) -> None:
+    kind, (cls, got) = assert_same_outcome("check_block_ids", np.array(ids), num_blocks)
+    assert (kind, cls, got) == ("raised", InvalidBlockIds, message)
+
+
+def test_check_block_ids_large() -> None:
+    ids = np.random.default_rng(3).permutation(50_000)[:20_000]
+    np.testing.assert_array_equal(_core.check_block_ids(ids, 50_000), ids)
+    ids[-1] = ids[0]
+    with pytest.raises(InvalidBlockIds, match=r"positions 0 and 19999"):
+        _core.check_block_ids(ids, 50_000)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_plan_counts_must_be_integers(impl: ModuleType) -> None:
     with pytest.raises(TypeError):

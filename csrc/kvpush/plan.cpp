@@ -103,8 +103,8 @@ private:
     std::vector<uint32_t> below_;
 };
 
-std::size_t first_repeat_bitmap(const std::vector<int64_t>& ids, BlockBitmap* seen) {
-    for (std::size_t i = 0; i < ids.size(); ++i) {
+std::size_t first_repeat_bitmap(const int64_t* ids, std::size_t n, BlockBitmap* seen) {
+    for (std::size_t i = 0; i < n; ++i) {
         if (seen->test_and_set(ids[i])) return i;
     }
     return kNoRepeat;
@@ -112,9 +112,9 @@ std::size_t first_repeat_bitmap(const std::vector<int64_t>& ids, BlockBitmap* se
 
 // Sorts (id << 32 | position) keys: equal ids end up adjacent with positions ascending,
 // so the second key of each equal group is that group's first repeat.
-std::size_t first_repeat_sort(const std::vector<int64_t>& ids, std::vector<uint64_t>* keys) {
-    keys->resize(ids.size());
-    for (std::size_t i = 0; i < ids.size(); ++i) {
+std::size_t first_repeat_sort(const int64_t* ids, std::size_t n, std::vector<uint64_t>* keys) {
+    keys->resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
         (*keys)[i] = (static_cast<uint64_t>(ids[i]) << 32) | static_cast<uint64_t>(i);
     }
     std::sort(keys->begin(), keys->end());
@@ -127,10 +127,10 @@ std::size_t first_repeat_sort(const std::vector<int64_t>& ids, std::vector<uint6
     return first;
 }
 
-Status duplicate_error(const char* name, const std::vector<int64_t>& ids, std::size_t repeat) {
+Status duplicate_error(const char* name, const int64_t* ids, std::size_t repeat) {
     // The first repeat has exactly one earlier occurrence: a second would repeat sooner.
-    const std::size_t earlier = static_cast<std::size_t>(
-        std::find(ids.begin(), ids.end(), ids[repeat]) - ids.begin());
+    const std::size_t earlier =
+        static_cast<std::size_t>(std::find(ids, ids + repeat, ids[repeat]) - ids);
     return Status::Duplicate(std::string(name) + " has duplicate block id " +
                              std::to_string(ids[repeat]) + " (positions " +
                              std::to_string(earlier) + " and " + std::to_string(repeat) + ")");
@@ -183,18 +183,18 @@ Status plan_transfer(const PlanRequest& req, TransferPlan* out, IdSetMethod meth
     BlockBitmap local_seen(local_method == IdSetMethod::Bitmap ? req.local_num_blocks : 0);
     std::vector<uint64_t> local_keys;
     std::size_t repeat = local_method == IdSetMethod::Bitmap
-                             ? first_repeat_bitmap(local, &local_seen)
-                             : first_repeat_sort(local, &local_keys);
-    if (repeat != kNoRepeat) return duplicate_error("local_ids", local, repeat);
+                             ? first_repeat_bitmap(local.data(), n, &local_seen)
+                             : first_repeat_sort(local.data(), n, &local_keys);
+    if (repeat != kNoRepeat) return duplicate_error("local_ids", local.data(), repeat);
 
     if (resolve(method, n, req.remote_num_blocks) == IdSetMethod::Bitmap) {
         BlockBitmap remote_seen(req.remote_num_blocks);
-        repeat = first_repeat_bitmap(remote, &remote_seen);
+        repeat = first_repeat_bitmap(remote.data(), n, &remote_seen);
     } else {
         std::vector<uint64_t> remote_keys;
-        repeat = first_repeat_sort(remote, &remote_keys);
+        repeat = first_repeat_sort(remote.data(), n, &remote_keys);
     }
-    if (repeat != kNoRepeat) return duplicate_error("remote_ids", remote, repeat);
+    if (repeat != kNoRepeat) return duplicate_error("remote_ids", remote.data(), repeat);
 
     // Every id now lies in [0, num_blocks) <= [0, INT32_MAX], so int32 holds it.
     std::vector<int32_t>& pair_local = out->local_blocks;
@@ -287,14 +287,14 @@ Status require_split_index_fit(int64_t num_regions, const char* blocks_name,
         " does not fit in int32 descriptor indices");
 }
 
-std::size_t first_repeat(const std::vector<int64_t>& ids, IdSetMethod method,
+std::size_t first_repeat(const int64_t* ids, std::size_t n, IdSetMethod method,
                          int64_t num_blocks) {
-    if (resolve(method, ids.size(), num_blocks) == IdSetMethod::Bitmap) {
+    if (resolve(method, n, num_blocks) == IdSetMethod::Bitmap) {
         BlockBitmap seen(num_blocks);
-        return first_repeat_bitmap(ids, &seen);
+        return first_repeat_bitmap(ids, n, &seen);
     }
     std::vector<uint64_t> keys;
-    return first_repeat_sort(ids, &keys);
+    return first_repeat_sort(ids, n, &keys);
 }
 
 // Pair i's unit on one side: slot i % split of block ids[i / split]. Validation bounded
@@ -375,10 +375,10 @@ Status plan_split_transfer(const SplitPlanRequest& req, SplitTransferPlan* out,
     s = copy_block_ids(req.local_ids, "local_ids", req.local_num_blocks, &local);
     if (s.ok()) s = copy_block_ids(req.remote_ids, "remote_ids", req.remote_num_blocks, &remote);
     if (!s.ok()) return s;
-    std::size_t repeat = first_repeat(local, method, req.local_num_blocks);
-    if (repeat != kNoRepeat) return duplicate_error("local_ids", local, repeat);
-    repeat = first_repeat(remote, method, req.remote_num_blocks);
-    if (repeat != kNoRepeat) return duplicate_error("remote_ids", remote, repeat);
+    std::size_t repeat = first_repeat(local.data(), local.size(), method, req.local_num_blocks);
+    if (repeat != kNoRepeat) return duplicate_error("local_ids", local.data(), repeat);
+    repeat = first_repeat(remote.data(), remote.size(), method, req.remote_num_blocks);
+    if (repeat != kNoRepeat) return duplicate_error("remote_ids", remote.data(), repeat);
 
     fill_units(local, req.local_split, n, &out->local_units);
     fill_units(remote, req.remote_split, n, &out->remote_units);
@@ -416,6 +416,23 @@ Status plan_split_transfer(const SplitPlanRequest& req, SplitTransferPlan* out,
 void SplitTransferPlan::write_indices(int32_t* local_out, int32_t* remote_out) const {
     write_split_side(local_units, local_units_per_region, heads, num_regions, local_out);
     write_split_side(remote_units, remote_units_per_region, heads, num_regions, remote_out);
+}
+
+// ---------------------------------------------------------------------------------------
+// check_block_ids
+
+Status check_block_ids(const BlockIdView& ids, const char* name, int64_t num_blocks,
+                       int64_t* out, IdSetMethod method) {
+    Status s = require_positive("num_blocks", num_blocks);
+    if (!s.ok()) return s;
+    s = ids.is_int64 ? copy_ids(static_cast<const int64_t*>(ids.data), ids.size, name,
+                                num_blocks, out)
+                     : copy_ids(static_cast<const int32_t*>(ids.data), ids.size, name,
+                                num_blocks, out);
+    if (!s.ok()) return s;
+    const std::size_t repeat = first_repeat(out, ids.size, method, num_blocks);
+    if (repeat != kNoRepeat) return duplicate_error(name, out, repeat);
+    return Status::Ok();
 }
 
 }  // namespace kvpush

@@ -89,6 +89,13 @@ enum class IdSetMethod { Auto, Bitmap, Sort };
 Status plan_transfer(const PlanRequest& request, TransferPlan* out,
                      IdSetMethod method = IdSetMethod::Auto);
 
+// Validates one side's block ids on their own, as a request names them before its pairing
+// is known: num_blocks >= 1, each id in [0, num_blocks), no id repeated (messages as
+// plan_transfer's, under `name`). Copies the ids into `out` (ids.size entries), reading
+// each once, as copy_block_ids does. On failure `out` is unspecified.
+Status check_block_ids(const BlockIdView& ids, const char* name, int64_t num_blocks,
+                       int64_t* out, IdSetMethod method = IdSetMethod::Auto);
+
 // ---------------------------------------------------------------------------------------
 // Split blocks: the two sides hold the same tokens, but a block on the "coarse" side holds
 // `split` (k) times the tokens of one on the "fine" side. Fine block i of a request is then

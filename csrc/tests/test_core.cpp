@@ -218,6 +218,37 @@ void test_plan_errors() {
     }
 }
 
+void test_check_block_ids() {
+    using V = std::vector<int64_t>;
+    const auto check = [](const V& ids, int64_t num_blocks, IdSetMethod method) {
+        V out(ids.size(), -7);
+        const Status s = kvpush::check_block_ids(BlockIdView::of(ids.data(), ids.size()),
+                                                 "block_ids", num_blocks, out.data(), method);
+        if (s.ok()) CHECK((out == ids));
+        return s;
+    };
+    for (IdSetMethod method : {IdSetMethod::Auto, IdSetMethod::Bitmap, IdSetMethod::Sort}) {
+        CHECK(check(V{}, 1, method).ok());
+        CHECK(check(V{7, 0, 3}, 8, method).ok());
+        Status s = check(V{0}, 0, method);
+        CHECK_EQ(s.message, std::string("num_blocks must be >= 1, got 0"));
+        s = check(V{0, 1, 2, 70}, 64, method);
+        CHECK_EQ(code_name(s.code), code_name(StatusCode::OutOfRange));
+        CHECK_EQ(s.message, std::string("block_ids[3] = 70 is out of range [0, 64)"));
+        s = check(V{5, 5, -1}, 64, method);  // range before duplicates
+        CHECK_EQ(s.message, std::string("block_ids[2] = -1 is out of range [0, 64)"));
+        s = check(V{5, 9, 1, 9, 5}, 64, method);
+        CHECK_EQ(code_name(s.code), code_name(StatusCode::Duplicate));
+        CHECK_EQ(s.message, std::string("block_ids has duplicate block id 9 (positions 1 and 3)"));
+    }
+    // int32 ids are widened; the same checks apply.
+    const std::vector<int32_t> narrow{3, 1, 3};
+    V out(narrow.size());
+    const Status s = kvpush::check_block_ids(BlockIdView::of(narrow.data(), narrow.size()),
+                                             "ids", 4, out.data());
+    CHECK_EQ(s.message, std::string("ids has duplicate block id 3 (positions 0 and 2)"));
+}
+
 void test_plan_matches_naive() {
     std::mt19937_64 rng(12345);
     for (int round = 0; round < 300; ++round) {
@@ -750,6 +781,7 @@ int main() {
     test_buffer_pool();
     test_plan_small_examples();
     test_plan_errors();
+    test_check_block_ids();
     test_plan_matches_naive();
     test_split_plan();
     test_completion_basics();
