@@ -678,10 +678,14 @@ class Consumer(Endpoint):
                 if plan.num_blocks == 0:  # see Posted.empty: no NIXL traffic for nothing
                     self._tell(peer, m.PullDone(rid, 0))
                     continue
+                # The producer's PullHeld answer gates READY: ask before the READ so the
+                # round trip overlaps it (on a host the READ often ends inside the post).
+                self._tell(peer, m.PullBegin(rid))
                 xfer = self._agent.post("READ", peer.agent_name, plan.local_indices,
                                         plan.remote_indices, notif)
             except KvpushError as exc:
                 self._close_request(rid, RequestState.FAILED, exc, ask=True)
+                self._tell(peer, m.PullDone(rid, 0))  # no READ: the source need not wait
                 return
             req.reads[peer.agent_name] = xfer
             req.unheld.add(peer.agent_name)
@@ -689,9 +693,6 @@ class Consumer(Endpoint):
             LIVE.add("transfers_in_flight", 1)
             self._stats.transfers_posted += 1
             self._stats.descriptors_posted += plan.num_descriptors
-            # After the READ, not before: the hint (the producer polls for PullDone and
-            # stretches the lease) must not delay the data. The ticket's lease was checked.
-            self._tell(peer, m.PullBegin(rid))
         if req.reads:
             self._reads.add(rid)
             self._check_reads(rid)  # on a host UCX often finishes inside the post
