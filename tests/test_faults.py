@@ -234,6 +234,21 @@ class Pair:
         assert self.no_result(rid), "the transfer was meant to be still running"
         return rid
 
+    def start_short(self, mode: str, rid: str, deadline: float = 0.6) -> None:
+        """Start a BIG transfer over the shaped link whose consumer deadline (``deadline``)
+        passes mid-transfer; return 0.2 s into it."""
+        self.shape()
+        if mode == "push":
+            self.expect(rid, BIG_SRC, BIG_DST, timeout=deadline)
+            self.prefill(rid, BIG_SRC, "push")
+            self.wait_state(rid, "writing")
+        else:
+            ticket = self.prefill(rid, BIG_SRC, "pull")
+            assert ticket is not None
+            self.pull(rid, ticket, BIG_DST, timeout=deadline)
+            self.wait_state(rid, "pulling")
+        time.sleep(0.2)
+
     def pull_beside_busy(self, rid: str, ticket: str | None, dst: list[int]) -> dict[str, Any]:
         """Pull ``rid`` while another pull keeps the producer progressing, and return its
         result. Over TCP a READ is served only while the producer polls NIXL, which it does
@@ -690,17 +705,7 @@ def test_no_byte_lands_after_the_result(fx: Pair, mode: str) -> None:
     is back and says the blocks are safe; nothing may land in them after that, once the
     consumer progresses NIXL again. (This was bug 3: cancelling was taken for a fence.)"""
     rid = fx.rid(f"late-{mode}")
-    fx.shape()
-    if mode == "push":
-        fx.expect(rid, BIG_SRC, BIG_DST, timeout=0.6)
-        fx.prefill(rid, BIG_SRC, "push")
-        fx.wait_state(rid, "writing")
-    else:
-        ticket = fx.prefill(rid, BIG_SRC, "pull")
-        assert ticket is not None
-        fx.pull(rid, ticket, BIG_DST, timeout=0.6)
-        fx.wait_state(rid, "pulling")
-    time.sleep(0.2)
+    fx.start_short(mode, rid)
     fx.cut_link()
     time.sleep(PEER_TIMEOUT / 2)
     assert fx.no_result(rid), "a result came while the transfer could still land"
@@ -724,17 +729,7 @@ def test_unfenced_result_says_blocks_unsafe(fx: Pair, mode: str) -> None:
     (instead of waiting forever or claiming the blocks are free). The producer side ends the
     request too, and new requests succeed once the link is back."""
     rid = fx.rid(f"unfenced-{mode}")
-    fx.shape()
-    if mode == "push":
-        fx.expect(rid, BIG_SRC, BIG_DST, timeout=0.6)
-        fx.prefill(rid, BIG_SRC, "push")
-        fx.wait_state(rid, "writing")
-    else:
-        ticket = fx.prefill(rid, BIG_SRC, "pull")
-        assert ticket is not None
-        fx.pull(rid, ticket, BIG_DST, timeout=0.6)
-        fx.wait_state(rid, "pulling")
-    time.sleep(0.2)
+    fx.start_short(mode, rid)
     t0 = time.monotonic()
     fx.cut_link()
     res = fx.result(rid, DETECT)
