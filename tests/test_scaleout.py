@@ -88,6 +88,37 @@ def test_layerwise_prefill_never_finishes(producer: ChildProducer) -> None:
         assert not [r for r in producer.call("released") if r[0] == "stuck"]
 
 
+@pytest.mark.parametrize("side", ["producer", "consumer"])
+def test_layerwise_abort_after_some_layers(producer: ChildProducer, side: str) -> None:
+    """Aborted after two of four layers were written: the consumer learns that every WRITE
+    has ended (the landed layers' notifications, the producer's Failed/AbortAck) and reports
+    ABORTED with safe blocks at once, not after ``abort_grace_s``; released once."""
+    cache = make_cache(**CACHE)
+    with kvpush.Consumer(cache.layout, kvpush.ConsumerConfig(abort_grace_s=5)) as consumer:
+        name = consumer.connect(producer.address)
+        rid = f"lw-abort-{side}"
+        src, dst = np.array([20, 21, 22]), np.array([30, 31, 32])
+        handle = consumer.expect(rid, dst, name, layerwise=True)
+        deadline = time.monotonic() + 10
+        while producer.call("state", rid) != "registered":
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        for layer in range(2):
+            producer.call("layer_done", (rid, src, layer))
+        t0 = time.monotonic()
+        if side == "producer":
+            producer.call("abort", rid)
+        else:
+            consumer.abort(rid)
+        result = handle.wait(10)
+        assert (result.state, result.blocks_safe) == (RequestState.ABORTED, True), result
+        assert time.monotonic() - t0 < 2.0
+        assert [r[1] for r in producer.released(1) if r[0] == rid] == ["aborted"]
+        producer.call("prefill_done", (rid, src, "push"))  # late: nothing released twice
+        time.sleep(0.2)
+        assert not [r for r in producer.call("released") if r[0] == rid]
+
+
 def test_two_producer_ranks_one_request() -> None:
     """A request whose KV comes from two producer ranks (e.g. two pipeline stages, each
     owning half the layers' regions): READY only after both parts landed."""
