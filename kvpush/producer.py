@@ -687,6 +687,7 @@ class Producer(Endpoint):
                 push.errored.append(push.reg.part * push.reg.groups + group)
             if push.end is None:
                 code = "timeout" if abandoned else "transfer_failed"
+                self._stats.requests_timed_out += abandoned
                 self._end_push(rid, code, ReleaseReason.FAILED, f"WRITE {code}")
         self._conclude(rid)
 
@@ -760,7 +761,6 @@ class Producer(Endpoint):
         write = push.writes.get(group) if push is not None else None
         if push is None or write is None:
             return
-        self._stats.requests_timed_out += 1
         self._abandon_write(rid, push, group)
 
     def _registration_expired(self, rid: str) -> None:
