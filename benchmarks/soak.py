@@ -263,12 +263,7 @@ class Soak:
                 for item, answer in zip(items, self._call(p, "prefill", items=items) or [],
                                         strict=False):
                     self._prefilled(item[0], answer, tickets)
-        for c, items in expects.items():
-            if items:
-                for item, error in zip(items, self._call(c, "expect", items=items) or [],
-                                       strict=False):
-                    if error is not None:
-                        self._refused(item[0], error)
+        self._submit("expect", expects)
         by_consumer: dict[str, list[list[Any]]] = {"c0": [], "c1": []}
         for req in pulls:
             if req.rid in tickets:
@@ -277,13 +272,17 @@ class Soak:
                 by_consumer[req.consumer].append([req.rid, tickets[req.rid], req.dst, timeout,
                                                   self.seeds[req.producer]])
                 req.consumer_owes = True
+        self._submit("pull", by_consumer)
+        return began
+
+    def _submit(self, cmd: str, by_consumer: dict[str, list[list[Any]]]) -> None:
+        """Hand each consumer its batch of ``cmd`` items; a request it refuses is noted."""
         for c, items in by_consumer.items():
             if items:
-                for item, error in zip(items, self._call(c, "pull", items=items) or [],
+                for item, error in zip(items, self._call(c, cmd, items=items) or [],
                                        strict=False):
                     if error is not None:
                         self._refused(item[0], error)
-        return began
 
     def _take(self, pool: list[int], k: int) -> list[int]:
         picked = self.rng.sample(range(len(pool)), k)
