@@ -602,19 +602,23 @@ class Producer(Endpoint):
             nbytes = 0
         notif = m.encode(m.Landed(rid, part, sums, nbytes), peer.notif_sealer)
         push.posted.add(group)
+        if n == 0:  # nothing to move, but the consumer still counts this part
+            self._tell(peer, m.Posted(rid, part, empty=True))
+            return
+        # The hint goes out before the WRITE: the consumer wakes and starts polling for the
+        # Landed notification while the bytes move, instead of a wake-up after them.
+        self._tell(peer, m.Posted(rid, part))
         try:
-            if n == 0:  # nothing to move, but the consumer still counts this part
-                self._tell(peer, m.Posted(rid, part, empty=True))
-                return
             handle = self._agent.post("WRITE", peer.agent_name,
                                       plan.local_indices[lo * n:hi * n],
                                       plan.remote_indices[lo * n:hi * n], notif)
-        except PeerUnavailable as exc:
-            self._end_push(rid, "peer_unavailable", ReleaseReason.FAILED, str(exc))
-            self._drop_consumer(peer, str(exc))
-            return
         except KvpushError as exc:
-            self._end_push(rid, "transfer_failed", ReleaseReason.FAILED, str(exc))
+            push.errored.append(part)  # never posted: nothing of it will land
+            if isinstance(exc, PeerUnavailable):
+                self._end_push(rid, "peer_unavailable", ReleaseReason.FAILED, str(exc))
+                self._drop_consumer(peer, str(exc))
+            else:
+                self._end_push(rid, "transfer_failed", ReleaseReason.FAILED, str(exc))
             return
         deadline = self._after(self.config.transfer_timeout_s,
                                lambda: self._write_expired(rid, group))
@@ -623,10 +627,9 @@ class Producer(Endpoint):
         self._stats.transfers_posted += 1
         self._stats.descriptors_posted += plan.num_runs * (hi - lo)
         state = self._agent.state(handle)
-        if state is not XferState.IN_PROGRESS:  # on a host UCX often finishes in the post:
-            self._agent.release(handle)         # release the source before any messaging
+        if state is not XferState.IN_PROGRESS:  # on a host UCX often finishes in the post
+            self._agent.release(handle)
             self._write_finished(rid, group, state)
-        self._tell(peer, m.Posted(rid, part))
 
     # -- loop: progress --------------------------------------------------------------------
     def _busy(self) -> bool:

@@ -225,3 +225,22 @@ def test_api_timeouts_must_be_finite_positive(pair: tuple, bad: object) -> None:
     assert handle.wait(10).ok and handle.wait(10).blocks_safe
     # The loop's timers still run: a short request times out on time.
     assert c.expect("late", [1], name, timeout=0.2).wait(5).state is RequestState.TIMED_OUT
+
+
+def test_refused_write_fails_at_once_with_safe_blocks(pair: tuple,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Posted hint goes out before the WRITE is posted; when NIXL then refuses the post,
+    the producer names that part errored, so the consumer ends the request FAILED with its
+    blocks safe at once instead of fencing on a Landed that never comes. (NIXL refusing a
+    post cannot be provoked on demand here, so the refusal is injected.)"""
+    p, c, _src, _dst, name = pair
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise kvpush.errors.TransferFailed("injected: NIXL refused the post")
+
+    monkeypatch.setattr(p._agent, "post", refuse)
+    handle = c.expect("r", np.array([0, 1]), name, timeout=30)
+    p.prefill_done("r", np.array([4, 5]))
+    result = handle.wait(c.config.abort_grace_s / 2)
+    assert (result.state, result.blocks_safe) == (RequestState.FAILED, True), result
+    assert [r.reason for r in drain_released(p, 1)] == [kvpush.ReleaseReason.FAILED]
