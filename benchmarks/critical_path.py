@@ -117,6 +117,8 @@ LAYERS = 8
 REGIONS = 2 * LAYERS
 BLOCK_BYTES = TOKENS_PER_BLOCK * 2 * 64 * 2  # per region
 SUSTAINED = 0.95  # completion rate / offered rate that counts as keeping up
+COLD = "_cold"     # wire samples taken after COLD_GAP_S of idleness
+COLD_GAP_S = 0.05  # ~ the gap between two requests' transfers at the swept rates
 _M = "benchmarks.critical_path:"
 
 
@@ -256,7 +258,8 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
             # Runs on the producer's loop thread: keep it short (see _Pool.give_later).
             pool.give_later(release.block_ids)
             state.setdefault("released", []).append(
-                (release.request_id, release.reason.value, time.monotonic()))
+                (release.request_id, release.reason.value, time.monotonic(),
+                 dict(release.timings)))
 
         producer = kvpush.Producer(layout, on_release=on_release)
         state["endpoint"] = producer
@@ -304,22 +307,26 @@ def side_raw_peer(state: dict[str, Any], conn: mpc.Connection, metadata: bytes,
 
 
 def side_wire(state: dict[str, Any], conn: mpc.Connection, op: str, blocks: int, reps: int,
-              seed: int) -> list[float]:
+              seed: int, gap_s: float = 0.0) -> list[float]:
     """Pure wire time: raw NIXL ``op`` of ``blocks`` scattered block ids in every region,
-    this side initiating (the same descriptors kvpush would post)."""
+    this side initiating (the same descriptors kvpush would post). ``gap_s`` = 0: after a
+    warm-up transfer (hot); > 0: each transfer after ``gap_s`` of idleness, no warm-up
+    (cold, as the engines' blocks are between requests)."""
     raw: RawAgent = state["raw"]
     local_h, remote_h = state["raw_dl"]
     nb = state["num_blocks"]
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(reps + 1):
+    for i in range(reps + (0 if gap_s else 1)):
         loc, rem = sorted_pairs(rng.choice(nb, blocks, replace=False),
                                 rng.choice(nb, blocks, replace=False))
         region = np.arange(REGIONS, dtype=np.int64)[:, None] * nb
         li = (region + loc[None, :]).ravel().astype(np.int32)
         ri = (region + rem[None, :]).ravel().astype(np.int32)
+        if gap_s:
+            time.sleep(gap_s)
         dt = raw.xfer(op, local_h, li, remote_h, ri)
-        if i:
+        if i or gap_s:
             out.append(dt)
     return out
 
@@ -357,13 +364,14 @@ def side_prefill_engine(state: dict[str, Any], conn: mpc.Connection) -> dict[str
         time.sleep(max(0.0, prefill_seconds(tokens) - overshoot))
         t_done = time.monotonic()
         ticket = producer.prefill_done(rid, ids, kvpush.TransferMode(mode))
+        t_returned = time.monotonic()
         durations.append((tokens, t_done - t_start))
         conn.send(("ev", "prefilled", rid, t_start, t_done,
-                   ticket.to_bytes() if ticket is not None else None))
+                   ticket.to_bytes() if ticket is not None else None, t_returned))
     return {"overshoot_s": overshoot, "durations": durations, "pool_waits_ms": pool_waits,
             "stats": producer.stats(),
             # (request id, monotonic time) of each release of source blocks
-            "released": [(rid, t) for rid, _reason, t in state["released"]]}
+            "released": [(rid, t, stages) for rid, _reason, t, stages in state["released"]]}
 
 
 def side_decode_engine(state: dict[str, Any], conn: mpc.Connection, model: dict[str, float],
@@ -481,11 +489,13 @@ class _Req:
     arrival: float
     prefill_start: float = 0.0
     prefill_done: float = 0.0
+    call_returned: float = 0.0  # the engine's prefill_done call returned
     issued: float = 0.0        # decode engine called expect / pull
     ready: float = 0.0         # kvpush reported the request (callback time)
     admitted: float = 0.0      # the step boundary that admitted it
     first: float = 0.0         # end of its first decode step: the first token
     released: float = 0.0      # producer released the source blocks
+    stages: dict[str, float] = field(default_factory=dict)  # the Release's timings
     state: str = ""
     nbytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -528,7 +538,7 @@ def _route(cfg: CPConfig, mode: str, rate: float, prefill: Worker, decode: Worke
                     raise RuntimeError(f"engine stopped early: {msg[0]}: {msg[1]}")
                 r = by_id[msg[2]]
                 if msg[1] == "prefilled":
-                    r.prefill_start, r.prefill_done = msg[3], msg[4]
+                    r.prefill_start, r.prefill_done, r.call_returned = msg[3], msg[4], msg[6]
                     if mode == "pull":  # relay the ticket: decode learns the ids only now
                         decode.conn.send(("ticket", r.rid, r.tokens, msg[5]))
                 elif msg[1] == "issued":
@@ -557,9 +567,10 @@ def _route(cfg: CPConfig, mode: str, rate: float, prefill: Worker, decode: Worke
                     raise RuntimeError(f"{name} engine: {msg[1]}")
                 summaries[name] = msg[1]
                 break
-    for rid, t in summaries.get("prefill", {}).get("released", []):
+    for rid, t, stages in summaries.get("prefill", {}).get("released", []):
         if rid in by_id:
             by_id[rid].released = t
+            by_id[rid].stages = stages
     reqs[0].extra["engines"] = summaries
     reqs[0].extra["background"] = (bg, bg_tokens)
     return reqs
@@ -575,6 +586,35 @@ def _rate_fit(times: list[float]) -> float:
     return 1.0 / slope if slope > 0 else math.inf
 
 
+#: Where push's handover goes, from each Release's timings (kvpush's own stamps).
+PUSH_STAGES = {
+    "engine_call": "the engine's thread inside prefill_done (validation, hand-off queued)",
+    "to_loop": "prefill_done called -> kvpush's loop thread took the blocks (a wake-up)",
+    "prepare": "-> the WRITE handed to NIXL (registration matched, plan, hint sent)",
+    "write_extra": "WRITE posted -> seen done, minus the raw wire time of its size",
+    "release": "WRITE done -> source released (callback)",
+    "notice": "source released -> READY on the decode side",
+}
+
+
+def _push_stages(rel: list[_Req], wire: dict[tuple[str, int], dict[str, float]]
+                 ) -> dict[str, float]:
+    """p50 of each PUSH_STAGES stage over the requests in ``rel`` (microseconds)."""
+    parts: dict[str, list[float]] = {k: [] for k in PUSH_STAGES}
+    for r in rel:
+        st = r.stages
+        if not {"held", "posted", "written", "released"} <= st.keys():
+            continue
+        parts["engine_call"].append(r.call_returned - st["prefill_done"])
+        parts["to_loop"].append(st["held"] - st["prefill_done"])
+        parts["prepare"].append(st["posted"] - max(st["held"], st.get("registered", 0.0)))
+        parts["write_extra"].append(st["written"] - st["posted"]
+                                    - wire[("WRITE", r.tokens)]["p50"])
+        parts["release"].append(st["released"] - st["written"])
+        parts["notice"].append(r.ready - st["released"])
+    return {k: pct(v, 50) * 1e6 for k, v in parts.items()}
+
+
 def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate: float
            ) -> dict[str, Any]:
     ok = [r for r in reqs if r.state == "ready" and r.first > 0]
@@ -584,6 +624,7 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate
     hand = [r.ready - r.prefill_done for r in ok]
     over = [r.ready - r.prefill_done - wire[(op, r.tokens)]["p50"] for r in ok]
     over_min = [r.ready - r.prefill_done - wire[(op, r.tokens)]["min"] for r in ok]
+    over_cold = [r.ready - r.prefill_done - wire[(op + COLD, r.tokens)]["p50"] for r in ok]
     offered = _rate_fit([r.arrival for r in reqs])
     served = _rate_fit([r.first for r in ok])
     engines = reqs[0].extra.get("engines", {})
@@ -607,6 +648,8 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate
         "handover_overhead_us_all": [o * 1e6 for o in over],
         "handover_overhead_p90_us": pct(over, 90) * 1e6,
         "handover_overhead_vs_min_wire_p50_us": pct(over_min, 50) * 1e6,
+        "handover_overhead_vs_cold_wire_p50_us": pct(over_cold, 50) * 1e6,
+        "handover_overhead_vs_cold_wire_us_all": [o * 1e6 for o in over_cold],
         # prefill done -> first token: everything after prefill, decode loop included
         "prefill_to_first_token_p50_ms": pct([r.first - r.prefill_done for r in ok], 50) * 1e3,
         "ready_to_admit_p50_ms": pct([r.admitted - r.ready for r in ok], 50) * 1e3,
@@ -628,7 +671,11 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate
         out["write_p50_ms"] = pct([r.released - r.prefill_done for r in rel], 50) * 1e3
         out["write_overhead_p50_us"] = pct(
             [r.released - r.prefill_done - wire[(op, r.tokens)]["p50"] for r in rel], 50) * 1e6
+        out["write_overhead_vs_cold_wire_p50_us"] = pct(
+            [r.released - r.prefill_done - wire[(op + COLD, r.tokens)]["p50"] for r in rel],
+            50) * 1e6
         out["notice_p50_us"] = pct([r.ready - r.released for r in rel], 50) * 1e6
+        out["push_stages_p50_us"] = _push_stages(rel, wire)
     by_len = {}
     for t in sorted({r.tokens for r in ok}):
         sel = [r.first - r.arrival for r in ok if r.tokens == t]
@@ -646,14 +693,15 @@ def _stats(reqs: list[_Req], wire: dict[tuple[str, int], dict[str, float]], rate
 def _sample_wire(cfg: CPConfig, prefill: Worker, decode: Worker, reps: int, seed: int,
                  samples: dict[tuple[str, int], list[float]]) -> None:
     """Raw NIXL WRITEs (prefill side initiating) and READs (decode side) of each prompt's
-    size, taking turns, added to ``samples``."""
+    size, hot and cold (after ``COLD_GAP_S`` idle), taking turns, added to ``samples``."""
     for t in cfg.prompts:
         blocks = -(-t // TOKENS_PER_BLOCK)
         for rep in range(reps):
-            samples.setdefault(("WRITE", t), []).extend(prefill.call(
-                _M + "side_wire", op="WRITE", blocks=blocks, reps=1, seed=seed + t + rep))
-            samples.setdefault(("READ", t), []).extend(decode.call(
-                _M + "side_wire", op="READ", blocks=blocks, reps=1, seed=seed + t + rep))
+            for op, side in (("WRITE", prefill), ("READ", decode)):
+                for key, gap in ((op, 0.0), (op + COLD, COLD_GAP_S)):
+                    samples.setdefault((key, t), []).extend(side.call(
+                        _M + "side_wire", op=op, blocks=blocks, reps=1, seed=seed + t + rep,
+                        gap_s=gap))
 
 
 def _wire_table(cfg: CPConfig, samples: dict[tuple[str, int], list[float]]
@@ -665,9 +713,11 @@ def _wire_table(cfg: CPConfig, samples: dict[tuple[str, int], list[float]]
     for t in cfg.prompts:
         blocks = -(-t // TOKENS_PER_BLOCK)
         w, r = wire[("WRITE", t)], wire[("READ", t)]
+        wc, rc = wire[("WRITE" + COLD, t)], wire[("READ" + COLD, t)]
         rows.append({"tokens": t, "blocks": blocks, "bytes": blocks * REGIONS * BLOCK_BYTES,
                      "write_us": w["p50"] * 1e6, "read_us": r["p50"] * 1e6,
                      "write_min_us": w["min"] * 1e6, "read_min_us": r["min"] * 1e6,
+                     "write_cold_us": wc["p50"] * 1e6, "read_cold_us": rc["p50"] * 1e6,
                      "samples": int(w["n"])})
     return wire, rows
 
@@ -730,9 +780,9 @@ def _summarize(cfg: CPConfig, rates: list[float], wire_rows: list[dict[str, Any]
     low = min(rates)
     over = [rate for rate in rates if not keeps_up(rate)]
 
-    def overhead(mode: str) -> float:
+    def overhead(mode: str, key: str = "handover_overhead_us_all") -> float:
         """p50 over every request of every rate (handover - median wire time of its size)."""
-        vals = [v for r in runs if r["mode"] == mode for v in r["handover_overhead_us_all"]]
+        vals = [v for r in runs if r["mode"] == mode for v in r[key]]
         return pct(vals, 50)
 
     def ratio(rate: float) -> float:
@@ -768,6 +818,16 @@ def _summarize(cfg: CPConfig, rates: list[float], wire_rows: list[dict[str, Any]
     }
     summary["handover_overhead_push_over_pull"] = (summary["handover_overhead_push_us"]
                                                    / summary["handover_overhead_pull_us"])
+    # Where push's handover goes at the high-load point (Release.timings; PUSH_STAGES)
+    for stage, us in row("push", high).get("push_stages_p50_us", {}).items():
+        summary[f"push_stage_{stage}_us"] = us
+    # The same against the cold wire (raw transfers after an idle gap, as kvpush's are)
+    cold = "handover_overhead_vs_cold_wire_us_all"
+    summary["handover_overhead_push_cold_wire_us"] = overhead("push", cold)
+    summary["handover_overhead_pull_cold_wire_us"] = overhead("pull", cold)
+    summary["handover_overhead_push_over_pull_cold_wire"] = (
+        summary["handover_overhead_push_cold_wire_us"]
+        / summary["handover_overhead_pull_cold_wire_us"])
     return {
         "config": {"prompts": cfg.prompts, "rate_fractions": cfg.rate_fractions,
                    "rates_rps": rates, "capacity_rps": cfg.capacity,

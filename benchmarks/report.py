@@ -129,18 +129,29 @@ def tables(results: dict[str, Any]) -> str:
                      "from the decode engine)")
         parts.append(_table(
             ["mode", "req/s", "ok", "done/s", "keeps up", "TTFT p50 ms", "p90", "p99",
-             "prefill->1st tok ms", "handover p50 ms", "overhead p50 us", "step ms", "batch"],
+             "prefill->1st tok ms", "handover p50 ms", "overhead p50 us", "vs cold wire",
+             "step ms", "batch"],
             [[x["mode"], x["rate"], x["ok"], x["throughput_rps"],
               "yes" if x.get("sustainable") else "no", x["ttft_p50_ms"],
               x["ttft_p90_ms"], x["ttft_p99_ms"], x.get("prefill_to_first_token_p50_ms", math.nan),
               x["handover_p50_ms"], x["handover_overhead_p50_us"],
+              x.get("handover_overhead_vs_cold_wire_p50_us", math.nan),
               x.get("decode_step_p50_ms", math.nan), x.get("decode_batch_p50", math.nan)]
              for x in r["runs"]]))
-        parts.append(_table(["tokens", "bytes", "wire WRITE us p50", "min", "wire READ us p50",
-                             "min"],
+        parts.append(_table(["tokens", "bytes", "wire WRITE us p50", "min", "cold",
+                             "wire READ us p50", "min", "cold"],
                             [[w["tokens"], fmt_bytes(w["bytes"]), w["write_us"],
-                              w.get("write_min_us", math.nan), w["read_us"],
-                              w.get("read_min_us", math.nan)] for w in r["wire"]]))
+                              w.get("write_min_us", math.nan), w.get("write_cold_us", math.nan),
+                              w["read_us"], w.get("read_min_us", math.nan),
+                              w.get("read_cold_us", math.nan)] for w in r["wire"]]))
+        push_rows = [x for x in r["runs"] if x.get("push_stages_p50_us")]
+        if push_rows:
+            stages = list(push_rows[0]["push_stages_p50_us"])
+            parts.append("Push handover by stage, p50 us (kvpush's Release.timings; "
+                         "benchmarks.critical_path.PUSH_STAGES)")
+            parts.append(_table(["req/s", *stages],
+                                [[x["rate"], *(x["push_stages_p50_us"][k] for k in stages)]
+                                 for x in push_rows]))
     if "cpu" in results:
         r = results["cpu"]
         parts.append("CPU and progress policy")

@@ -136,6 +136,7 @@ class _Source:
     layers: set[int] = field(default_factory=set)   # final layers, while not complete
     puller: _Consumer | None = None  # pull: the consumer whose READ is (or was) in flight
     aborted: str = ""                # pull: aborted, but kept until no READ can touch it
+    stamps: dict[str, float] = field(default_factory=dict)  # Release.timings, so far
 
 
 @dataclass
@@ -147,6 +148,7 @@ class _Registration:
     verify: bool
     groups: int                      # 1: one WRITE; num_layers: a WRITE per layer
     tail: bool                       # only the last len(ids) source blocks
+    arrived: float = 0.0             # monotonic
 
 
 @dataclass
@@ -243,10 +245,11 @@ class Producer(Endpoint):
         to the consumer. Either way the blocks are held until released
         (see :meth:`get_released`). Never blocks on transfer setup.
         """
+        called = time.monotonic()
         check_request_id(request_id)
         mode = TransferMode(mode)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        self._call_soon(lambda: self._hold(request_id, ids, mode))
+        self._call_soon(lambda: self._hold(request_id, ids, mode, called))
         if mode is TransferMode.PULL:
             sums = block_checksums(self.layout, ids).astype("<u8").tobytes() \
                 if self.config.verify else b""
@@ -418,7 +421,7 @@ class Producer(Endpoint):
             if math.isfinite(msg.wait_s) else self.config.max_wait_s
         timer = self._after(wait, lambda: self._registration_expired(rid))
         self._registrations[rid] = _Registration(peer, ids, msg.part, timer, msg.verify,
-                                                 msg.groups, msg.tail)
+                                                 msg.groups, msg.tail, time.monotonic())
         LIVE.add("registrations_waiting", 1)
         if source is not None:
             self._match(rid)
@@ -462,6 +465,7 @@ class Producer(Endpoint):
             return
         source.pulling = True
         source.puller = peer
+        source.stamps["pull_begin"] = time.monotonic()
         if source.aborted:
             self._tell(peer, m.Failed(msg.request_id, "aborted", source.aborted))
         else:
@@ -474,8 +478,9 @@ class Producer(Endpoint):
                                    lambda: self._lease_expired(rid))
 
     # -- loop: rendezvous ------------------------------------------------------------------
-    def _hold(self, rid: str, ids: np.ndarray, mode: TransferMode) -> None:
-        """prefill_done, on the loop thread."""
+    def _hold(self, rid: str, ids: np.ndarray, mode: TransferMode, called: float) -> None:
+        """prefill_done, on the loop thread (``called``: when the engine called it)."""
+        stamps = {"prefill_done": called, "held": time.monotonic()}
         tomb = self._tombstones.get(rid)
         if tomb is not None and tomb[0] == "failed" and tomb[3]:
             return  # a layer-wise push that failed released these blocks already
@@ -487,7 +492,7 @@ class Producer(Endpoint):
                 # The engine already handed out a ticket for these blocks: keep them under
                 # the lease like any pull source, so no READ sees reused memory.
                 lease = self._after(self.config.lease_s, lambda: self._lease_expired(rid))
-                self._sources[rid] = _Source(ids, mode, lease, aborted=tomb[1])
+                self._sources[rid] = _Source(ids, mode, lease, aborted=tomb[1], stamps=stamps)
                 LIVE.add("sources_held", 1)
                 return
             self._emit(Release(rid, ReleaseReason.ABORTED, ids, tomb[1]))
@@ -497,6 +502,7 @@ class Producer(Endpoint):
         if source is not None and not source.complete and mode is TransferMode.PUSH \
                 and np.array_equal(source.ids, ids):
             source.complete = True  # the last layers are final too
+            source.stamps.update(stamps)
             if rid in self._pushes:
                 self._pump(rid)
             elif rid in self._registrations:
@@ -509,7 +515,7 @@ class Producer(Endpoint):
             self._emit(Release(rid, ReleaseReason.FAILED, ids, "duplicate prefill_done"))
             return
         lease = self._after(self.config.lease_s, lambda: self._lease_expired(rid))
-        self._sources[rid] = _Source(ids, mode, lease)
+        self._sources[rid] = _Source(ids, mode, lease, stamps=stamps)
         LIVE.add("sources_held", 1)
         if rid in self._registrations:
             self._match(rid)
@@ -521,7 +527,8 @@ class Producer(Endpoint):
         source = self._sources.get(rid)
         if source is None:
             lease = self._after(self.config.lease_s, lambda: self._lease_expired(rid))
-            source = self._sources[rid] = _Source(ids, TransferMode.PUSH, lease, complete=False)
+            source = self._sources[rid] = _Source(ids, TransferMode.PUSH, lease, complete=False,
+                                                  stamps={"held": time.monotonic()})
             LIVE.add("sources_held", 1)
         elif source.complete or not np.array_equal(source.ids, ids):
             log.warning("%s: layer_done(%r, %d) does not match the blocks held; ignored",
@@ -542,6 +549,7 @@ class Producer(Endpoint):
         source = self._sources[rid]
         reg = self._registrations.pop(rid)
         LIVE.add("registrations_waiting", -1)
+        source.stamps["registered"] = reg.arrived
         if source.mode is TransferMode.PULL:
             reg.wait.cancel()
             self._tell(reg.peer, m.Failed(rid, "mode_conflict",
@@ -605,6 +613,7 @@ class Producer(Endpoint):
         if n == 0:  # nothing to move, but the consumer still counts this part
             self._tell(peer, m.Posted(rid, part, empty=True))
             return
+        self._sources[rid].stamps.setdefault("posted", time.monotonic())
         # The hint goes out before the WRITE: the consumer wakes and starts polling for the
         # Landed notification while the bytes move, instead of a wake-up after them.
         self._tell(peer, m.Posted(rid, part))
@@ -682,6 +691,9 @@ class Producer(Endpoint):
         write = push.writes.pop(group)
         write.deadline.cancel()
         LIVE.add("transfers_in_flight", -1)
+        source = self._sources.get(rid)
+        if source is not None:
+            source.stamps["written"] = time.monotonic()
         if state is XferState.DONE:
             self._stats.blocks_moved += write.nblocks if group == 0 else 0
             self._stats.bytes_moved += write.nbytes
@@ -837,7 +849,8 @@ class Producer(Endpoint):
             self._pulls_watched -= 1
         LIVE.add("sources_held", -1)
         self._stats.blocks_released += len(source.ids)
-        self._emit(Release(rid, reason, source.ids, detail))
+        self._emit(Release(rid, reason, source.ids, detail,
+                           {**source.stamps, "released": time.monotonic()}))
 
     def _tell(self, peer: _Consumer, msg: m.Message) -> None:
         self._send(self._router, msg, peer.identity, peer.sealer)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import math
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,12 +52,21 @@ class ReleaseReason(enum.Enum):
 
 @dataclass(frozen=True)
 class Release:
-    """Source blocks the engine may free or reuse now (delivered exactly once per request)."""
+    """Source blocks the engine may free or reuse now (delivered exactly once per request).
+
+    ``timings`` holds :func:`time.monotonic` stamps of the request's stages on the producer,
+    for latency breakdowns: ``prefill_done`` (the engine's call), ``held`` (kvpush's loop
+    took the blocks), ``registered`` (push: the consumer's registration reached the loop;
+    often before ``prefill_done``), ``posted`` (push: the first WRITE handed to NIXL,
+    planning done), ``written`` (push: the last WRITE seen done), ``pull_begin`` (pull: the
+    consumer announced its READ), ``released``. A stage that did not happen is absent.
+    """
 
     request_id: str
     reason: ReleaseReason
     block_ids: np.ndarray
     detail: str = ""
+    timings: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

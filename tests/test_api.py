@@ -244,3 +244,22 @@ def test_refused_write_fails_at_once_with_safe_blocks(pair: tuple,
     result = handle.wait(c.config.abort_grace_s / 2)
     assert (result.state, result.blocks_safe) == (RequestState.FAILED, True), result
     assert [r.reason for r in drain_released(p, 1)] == [kvpush.ReleaseReason.FAILED]
+
+
+def test_release_timings_trace_the_stages(pair: tuple) -> None:
+    """Release.timings: monotonic stamps of each stage that happened, in causal order."""
+    p, c, _src, _dst, name = pair
+    handle = c.expect("w", np.array([0, 1]), name, timeout=30)
+    p.prefill_done("w", np.array([2, 3]))
+    assert handle.wait(10).ok
+    ticket = p.prefill_done("r", np.array([4]), mode=TransferMode.PULL)
+    assert ticket is not None and c.pull(ticket, np.array([5])).wait(10).ok
+    timings = {r.request_id: dict(r.timings) for r in drain_released(p, 2)}
+    push, pull = timings["w"], timings["r"]
+    assert list(push) == ["prefill_done", "held", "registered", "posted", "written",
+                          "released"], push
+    # the registration may reach the loop before or after prefill_done
+    assert push["prefill_done"] <= push["held"] <= push["posted"] <= push["written"] \
+        <= push["released"] and push["registered"] <= push["posted"], push
+    assert list(pull) == ["prefill_done", "held", "pull_begin", "released"], pull
+    assert pull["prefill_done"] <= pull["held"] <= pull["pull_begin"] <= pull["released"]

@@ -60,8 +60,12 @@ def test_critical_path(results: dict[str, dict[str, object]]) -> None:
                                  num_blocks=256, step_s=0.005, decode_steps=2, wire_reps=1)
     r = critical_path.run(quick=True, progress=False, cfg=cfg)
     _finite(r["summary"], "handover_overhead_push_us", "handover_overhead_pull_us",
-            "ttft_p50_pull_over_push_high_load")
+            "ttft_p50_pull_over_push_high_load", "handover_overhead_push_cold_wire_us",
+            *(f"push_stage_{stage}_us" for stage in critical_path.PUSH_STAGES))
     assert all(run["ok"] == 4 for run in r["runs"])
+    # kvpush's own stamps are causal: no stage of the push handover is negative
+    stages = next(run for run in r["runs"] if run["mode"] == "push")["push_stages_p50_us"]
+    assert all(us >= 0 for stage, us in stages.items() if stage != "write_extra"), stages
     results["critical_path"] = r
 
 
