@@ -153,6 +153,7 @@ class _Request:
     groups: int = 1                  # parts per producer (1, or one per layer)
     asked: bool = False              # Abort sent to the producers
     fence: set[int] = field(default_factory=set)   # posted parts whose Landed must come
+    hinted: dict[int, float] = field(default_factory=dict)  # posted part -> hint's arrival
     unheld: set[str] = field(default_factory=set)  # pull: producers yet to answer PullHeld
     unsafe: bool = False             # a transfer may still land: blocks_safe=False
 
@@ -203,6 +204,9 @@ class Consumer(Endpoint):
         self._requests: dict[str, _Request] = {}
         self._completions = _core.CompletionTable()
         self._posted = 0           # push parts announced in flight, not landed yet
+        # Seconds from a push part's Posted hint to its landing, smoothed, by size class
+        # (bit length of its bytes): when to poll for the next landing (see _predicted).
+        self._landing_s: dict[int, float] = {}
         self._reads: set[str] = set()
         self._after(config.heartbeat_s, self._heartbeat)
         self._finalized = False
@@ -440,6 +444,7 @@ class Consumer(Endpoint):
                 elif (req is not None and 0 <= msg.part < len(req.producers) * req.groups
                         and msg.part not in req.settled and msg.part not in req.posted):
                     req.posted.add(msg.part)
+                    req.hinted[msg.part] = time.monotonic()
                     self._posted += 1
             elif isinstance(msg, m.Failed):
                 self._on_failed(peer, msg)
@@ -780,6 +785,12 @@ class Consumer(Endpoint):
         arrival = self._completions.arrive(msg.request_id, msg.part)
         if arrival not in (_core.Arrival.PENDING, _core.Arrival.COMPLETE):
             return
+        hinted = req.hinted.get(msg.part)
+        if hinted is not None:
+            size = self._size_class(req)
+            took = time.monotonic() - hinted
+            last = self._landing_s.get(size)
+            self._landing_s[size] = took if last is None else 0.75 * last + 0.25 * took
         req.landed.add(msg.part)
         self._settle(req, msg.part)
         if msg.part % req.groups == 0:
@@ -816,9 +827,37 @@ class Consumer(Endpoint):
         return TransferFailed(f"{req.handle.request_id!r}: {len(bad)} block(s) differ from the "
                               f"source after transfer, e.g. block {int(req.ids[bad[0]])}")
 
+    def _size_class(self, req: _Request) -> int:
+        """Bit length of the bytes one part of ``req`` moves (all regions, whole blocks)."""
+        return (len(req.ids) * self.layout.block_bytes * self.layout.num_regions
+                // req.groups).bit_length()
+
+    def _predicted(self) -> tuple[float, float] | None:
+        """The earliest predicted landing of a hinted push part still to come: from the
+        smoothed hint-to-landing time of its size class, polled closely for a quarter of
+        that time (at least the policy's spin)."""
+        if not self._posted:
+            return None
+        now = time.monotonic()
+        best: tuple[float, float] | None = None
+        spin = self._progress_policy.spin_s
+        for req in self._requests.values():
+            if not req.hinted:
+                continue
+            took = self._landing_s.get(self._size_class(req))
+            if took is None:
+                continue
+            for hinted in req.hinted.values():
+                start = hinted + took
+                end = start + max(0.25 * took, spin)
+                if end > now and (best is None or start < best[0]):
+                    best = (start, end)
+        return best
+
     def _settle(self, req: _Request, part: int) -> None:
         """Part ``part`` of ``req`` will write nothing more."""
         req.settled.add(part)
+        req.hinted.pop(part, None)
         if part in req.posted:
             req.posted.discard(part)
             self._posted -= 1

@@ -213,8 +213,13 @@ class Endpoint:
                     self._stats.messages_rejected += 1
         return out
 
+    def _predicted(self) -> tuple[float, float] | None:
+        """The next (start, end) monotonic window in which a completion is predicted."""
+        return None
+
     def _next_timeout(self) -> float | None:
-        timeout: float | None = self._backoff.next_delay() if self._busy() else None
+        timeout: float | None = self._backoff.next_delay(self._predicted()) \
+            if self._busy() else None
         while self._timers and self._timers[0][2].cancelled:
             heapq.heappop(self._timers)
         if self._timers:

@@ -100,8 +100,9 @@ class Register(_Msg, tag="register", frozen=True):
 
 
 class Posted(_Msg, tag="posted", frozen=True):
-    """Producer -> consumer: the WRITE of one part of a request is in flight (poll for its
-    landing)."""
+    """Producer -> consumer: the WRITE of one part of a request is being posted (poll for
+    its landing). Sent just before the post, so its trip overlaps the bytes'; if NIXL then
+    refuses the post, the ``Failed`` that follows names the part in ``errored``."""
 
     request_id: str
     part: int

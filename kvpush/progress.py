@@ -10,7 +10,12 @@ kvpush turns it off and drives progress from its one loop thread:
 * then back off in proportion: sleep ``sleep_fraction`` of the time since the last
   progress, between ``min_sleep_s`` and ``max_sleep_s``. A completion is then noticed at
   most that fraction late (about 12 % by default), however long the transfer, while a long
-  transfer costs only a few polls per millisecond.
+  transfer costs only a few polls per millisecond;
+* when the loop can predict a completion (the consumer learns how long pushes of each size
+  take from their hint to their landing), it wakes at the predicted moment and polls every
+  ``min_sleep_s`` for a quarter of the predicted duration (at least ``spin_s``): a
+  completion on time is noticed at once, an early or late one no later than without the
+  prediction.
 
 Two presets: :meth:`ProgressPolicy.latency_first` (short sleeps, longer spin) and
 :meth:`ProgressPolicy.cpu_first` (no spin, longer sleeps). The default sits between.
@@ -81,10 +86,16 @@ class Backoff:
         """Something moved: spin again."""
         self._last_progress = time.monotonic()
 
-    def next_delay(self) -> float:
-        """Seconds to wait before the next poll (0.0 while spinning)."""
+    def next_delay(self, window: tuple[float, float] | None = None) -> float:
+        """Seconds to wait before the next poll (0.0 while spinning). ``window``: a
+        (start, end) monotonic interval in which a completion is predicted: the delay never
+        runs past its start, and inside it is at most ``min_sleep_s``."""
         policy = self._policy
-        waited = time.monotonic() - self._last_progress
+        now = time.monotonic()
+        waited = now - self._last_progress
         if waited < policy.spin_s:
             return 0.0
-        return min(policy.max_sleep_s, max(policy.min_sleep_s, waited * policy.sleep_fraction))
+        delay = min(policy.max_sleep_s, max(policy.min_sleep_s, waited * policy.sleep_fraction))
+        if window is not None and now < window[1]:
+            delay = min(delay, max(window[0] - now, policy.min_sleep_s))
+        return delay
