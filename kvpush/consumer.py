@@ -207,6 +207,7 @@ class Consumer(Endpoint):
         # Seconds from a push part's Posted hint to its landing, smoothed, by size class
         # (bit length of its bytes): when to poll for the next landing (see _predicted).
         self._landing_s: dict[int, float] = {}
+        self._hinted: dict[str, _Request] = {}  # requests with hinted parts not landed
         self._reads: set[str] = set()
         self._after(config.heartbeat_s, self._heartbeat)
         self._finalized = False
@@ -445,6 +446,7 @@ class Consumer(Endpoint):
                         and msg.part not in req.settled and msg.part not in req.posted):
                     req.posted.add(msg.part)
                     req.hinted[msg.part] = time.monotonic()
+                    self._hinted[msg.request_id] = req
                     self._posted += 1
             elif isinstance(msg, m.Failed):
                 self._on_failed(peer, msg)
@@ -841,9 +843,7 @@ class Consumer(Endpoint):
         now = time.monotonic()
         best: tuple[float, float] | None = None
         spin = self._progress_policy.spin_s
-        for req in self._requests.values():
-            if not req.hinted:
-                continue
+        for req in self._hinted.values():
             took = self._landing_s.get(self._size_class(req))
             if took is None:
                 continue
@@ -857,7 +857,8 @@ class Consumer(Endpoint):
     def _settle(self, req: _Request, part: int) -> None:
         """Part ``part`` of ``req`` will write nothing more."""
         req.settled.add(part)
-        req.hinted.pop(part, None)
+        if req.hinted.pop(part, None) is not None and not req.hinted:
+            self._hinted.pop(req.handle.request_id, None)
         if part in req.posted:
             req.posted.discard(part)
             self._posted -= 1
@@ -933,6 +934,7 @@ class Consumer(Endpoint):
 
     def _finish(self, rid: str, state: RequestState, error: KvpushError | None) -> None:
         req = self._requests.pop(rid)
+        self._hinted.pop(rid, None)
         req.deadline.cancel()
         if req.grace is not None:
             req.grace.cancel()
