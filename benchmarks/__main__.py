@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import SCHEMA_VERSION
-from .report import machine, plot, print_tables, targets, write_json
+from .report import machine, markdown_tables, plot, print_tables, targets, write_json
 
 SUITES = ("desc_prep", "throughput", "critical_path", "cpu", "layerwise", "multiturn")
 
@@ -93,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out / "summary.json", {**summary, "targets": targets(summary),
                                            "meta": meta})
     write_json(args.out / "results.json", {"meta": meta, **results})
-    print(f"\nwrote {args.out / 'summary.json'}, {args.out / 'results.json'}"
-          + "".join(f", {p}" for p in plots) + f"  ({elapsed:.0f} s)")
+    (args.out / "tables.md").write_text(markdown_tables(results, summary))
+    print(f"\nwrote {args.out / 'summary.json'}, {args.out / 'results.json'}, "
+          f"{args.out / 'tables.md'}" + "".join(f", {p}" for p in plots)
+          + f"  ({elapsed:.0f} s)")
     if errors:
         print(f"suites failed: {', '.join(errors)}", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -12,7 +13,8 @@ from typing import Any
 
 from ._common import fmt_bytes
 
-__all__ = ["TARGETS", "machine", "plot", "print_tables", "targets", "write_json"]
+__all__ = ["TARGETS", "machine", "markdown_tables", "plot", "print_tables", "targets",
+           "write_json"]
 
 # key -> (comparison, threshold, what the issue asks)
 TARGETS: dict[str, tuple[str, float, str]] = {
@@ -85,8 +87,12 @@ def _f(v: Any, nd: int = 2) -> str:
     return str(v)
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+def _table(headers: list[str], rows: list[list[Any]], md: bool = False) -> str:
     cells = [[_f(c) for c in r] for r in rows]
+    if md:  # GitHub markdown, for docs/BENCHMARKS.md
+        return "\n".join(["| " + " | ".join(headers) + " |",
+                          "|" + "---|" * len(headers)]
+                         + ["| " + " | ".join(r) + " |" for r in cells])
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
               for i, h in enumerate(headers)]
     line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
@@ -95,12 +101,13 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out)
 
 
-def tables(results: dict[str, Any]) -> str:
+def tables(results: dict[str, Any], md: bool = False) -> str:
     parts = []
+    table = functools.partial(_table, md=md)
     if "desc_prep" in results:
         r = results["desc_prep"]
         parts.append(f"Descriptor preparation (scattered ids; reference: {r['reference']})")
-        parts.append(_table(
+        parts.append(table(
             ["preset", "tokens", "blocks", "descs", "runs8->", "compiled us", "numpy ref us",
              "vLLM-style us", "x ref", "x vLLM"],
             [[x["preset"], x["tokens"], x["blocks"], x["descriptors_before_scattered"],
@@ -120,14 +127,14 @@ def tables(results: dict[str, Any]) -> str:
                          x["write_vs_raw"], x["read_vs_raw"], x["write_vs_raw_best"],
                          x["read_vs_raw_best"], x["write_overhead_us"],
                          x.get("coalesce_gain_write", math.nan)])
-        parts.append(_table(["block", "n", "order", "memcpy", "raw W", "kv W", "raw R", "kv R",
+        parts.append(table(["block", "n", "order", "memcpy", "raw W", "kv W", "raw R", "kv R",
                              "dflt W", "dflt R", "W/raw", "R/raw", "W/raw best", "R/raw best",
                              "W +us", "coal x"], rows))
     if "critical_path" in results:
         r = results["critical_path"]
         parts.append("Critical path, 1 prefill + 1 decode (TTFT = arrival -> first token "
                      "from the decode engine)")
-        parts.append(_table(
+        parts.append(table(
             ["mode", "req/s", "ok", "done/s", "keeps up", "TTFT p50 ms", "p90", "p99",
              "prefill->1st tok ms", "handover p50 ms", "overhead p50 us", "vs cold wire",
              "step ms", "batch"],
@@ -138,7 +145,7 @@ def tables(results: dict[str, Any]) -> str:
               x.get("handover_overhead_vs_cold_wire_p50_us", math.nan),
               x.get("decode_step_p50_ms", math.nan), x.get("decode_batch_p50", math.nan)]
              for x in r["runs"]]))
-        parts.append(_table(["tokens", "bytes", "wire WRITE us p50", "min", "cold",
+        parts.append(table(["tokens", "bytes", "wire WRITE us p50", "min", "cold",
                              "wire READ us p50", "min", "cold"],
                             [[w["tokens"], fmt_bytes(w["bytes"]), w["write_us"],
                               w.get("write_min_us", math.nan), w.get("write_cold_us", math.nan),
@@ -149,24 +156,33 @@ def tables(results: dict[str, Any]) -> str:
             stages = list(push_rows[0]["push_stages_p50_us"])
             parts.append("Push handover by stage, p50 us (kvpush's Release.timings; "
                          "benchmarks.critical_path.PUSH_STAGES)")
-            parts.append(_table(["req/s", *stages],
+            parts.append(table(["req/s", *stages],
                                 [[x["rate"], *(x["push_stages_p50_us"][k] for k in stages)]
                                  for x in push_rows]))
     if "cpu" in results:
         r = results["cpu"]
         parts.append("CPU and progress policy")
-        parts.append(_table(["figure", "value"], [[k, v] for k, v in r["summary"].items()]))
+        parts.append(table(["figure", "value"], [[k, v] for k, v in r["summary"].items()]))
     return "\n\n".join(parts)
+
+
+def _targets_table(summary: dict[str, Any], md: bool) -> str:
+    return _table(["key", "value", "target", "met"],
+                      [[t["key"], t["value"], t["target"],
+                        {True: "yes", False: "NO", None: "-"}[t["met"]]]
+                       for t in targets(summary)], md)
 
 
 def print_tables(results: dict[str, Any], summary: dict[str, Any]) -> None:
     print(tables(results))
     print()
     print("Targets")
-    print(_table(["key", "value", "target", "met"],
-                 [[t["key"], t["value"], t["target"],
-                   {True: "yes", False: "NO", None: "-"}[t["met"]]]
-                  for t in targets(summary)]))
+    print(_targets_table(summary, md=False))
+
+
+def markdown_tables(results: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The printed tables as GitHub markdown (``tables.md`` of a run), for the docs."""
+    return f"{tables(results, md=True)}\n\nTargets\n\n{_targets_table(summary, md=True)}\n"
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

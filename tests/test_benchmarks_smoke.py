@@ -87,6 +87,8 @@ def test_report_and_plots(results: dict[str, dict[str, object]], tmp_path: Path)
         summary.update(r["summary"])  # type: ignore[arg-type]
     text = report.tables(results)
     assert "Throughput" in text and "Critical path" in text
+    md = report.markdown_tables(results, summary)
+    assert "| block | n | order |" in md and "| write_vs_raw_nixl |" in md
     files = report.plot(results, tmp_path)
     assert {f.name for f in files} == {"throughput_vs_block_size.png", "ttft_vs_rate.png"}
     report.write_json(tmp_path / "summary.json", {**summary,
@@ -101,6 +103,7 @@ def test_entry_point(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["desc_prep_speedup_vs_numpy"] > 0
+    assert "| preset | tokens |" in (tmp_path / "tables.md").read_text()
     assert data["meta"]["machine"]["nproc"] >= 1
 
 
