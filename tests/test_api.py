@@ -4,6 +4,8 @@ incompatible layouts are refused at handshake; lifecycles release everything."""
 from __future__ import annotations
 
 import gc
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -263,3 +265,30 @@ def test_release_timings_trace_the_stages(pair: tuple) -> None:
         <= push["released"] and push["registered"] <= push["posted"], push
     assert list(pull) == ["prefill_done", "held", "pull_begin", "released"], pull
     assert pull["prefill_done"] <= pull["held"] <= pull["pull_begin"] <= pull["released"]
+
+
+def test_pull_begin_overtaking_its_prefill_done(pair: tuple,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefill_done(PULL) returns the ticket before the producer's loop has taken the blocks
+    (that is queued to it); a relayed ticket's PullBegin can reach the loop in the same
+    iteration, after its command drain (seen in the demo: the loop waited for the GIL
+    there). The blocks are held from the engine's call on, so the pull must succeed. The
+    race is forced here by holding back the loop's own drain while the PullBegin comes."""
+    p, c, _src, dst, _name = pair
+    held_back = threading.Event()
+    drain = p._drain_commands
+
+    def drain_unless_held_back() -> None:
+        if held_back.is_set() and sys._getframe(1).f_code.co_name == "_run":
+            return
+        drain()
+
+    monkeypatch.setattr(p, "_drain_commands", drain_unless_held_back)
+    held_back.set()
+    ticket = p.prefill_done("overtaken", np.array([6, 7]), mode=TransferMode.PULL)
+    assert ticket is not None
+    result = c.pull(ticket, np.array([8, 9])).wait(10)
+    held_back.clear()
+    assert result.ok, result
+    check_blocks(dst, np.array([8, 9]), np.array([6, 7]), 3)
+    assert [r.reason for r in drain_released(p, 1)] == [kvpush.ReleaseReason.TRANSFERRED]
