@@ -48,7 +48,10 @@ raw one, so measuring against the fastest of a dozen counted the wire's own spre
 at 4 MiB, 1.6 ms at 16 MiB here -- as kvpush overhead). For push the handover is split at
 the producer's release of the source blocks (the WRITE done at the initiator):
 ``write_p50_ms`` (prefill_done -> release; ``write_overhead_p50_us`` is that minus the
-wire time) and ``notice_p50_us`` (release -> READY: the consumer noticing the landing).
+wire time) and ``notice_p50_us`` (release -> READY: the consumer noticing the landing), and
+further into ``PUSH_STAGES`` from kvpush's own stamps (``Release.timings``). The wire is
+also sampled *cold* (each raw transfer after ``COLD_GAP_S`` idle, no warm-up, as the
+engines' blocks sit between requests); overheads against it are reported beside.
 
 **Prefill model** (sleep): ``t(T) = 2 ms + 20 us * T + 1 ns * T^2`` for a T-token prompt
 (1k: 23 ms, 4k: 101 ms, 8k: 233 ms, 16k: 598 ms): linear work plus quadratic attention.
@@ -370,7 +373,7 @@ def side_prefill_engine(state: dict[str, Any], conn: mpc.Connection) -> dict[str
                    ticket.to_bytes() if ticket is not None else None, t_returned))
     return {"overshoot_s": overshoot, "durations": durations, "pool_waits_ms": pool_waits,
             "stats": producer.stats(),
-            # (request id, monotonic time) of each release of source blocks
+            # (request id, monotonic time, Release.timings) of each release of source blocks
             "released": [(rid, t, stages) for rid, _reason, t, stages in state["released"]]}
 
 
