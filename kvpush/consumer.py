@@ -142,7 +142,8 @@ class _Request:
     deadline: Timer
     landed: set[int] = field(default_factory=set)    # parts whose data landed
     settled: set[int] = field(default_factory=set)   # parts that will write nothing more
-    posted: set[int] = field(default_factory=set)    # parts announced in flight, not landed
+    # parts announced in flight (Posted) and not landed -> when their hint arrived
+    posted: dict[int, float] = field(default_factory=dict)
     reads: dict[str, Any] = field(default_factory=dict)  # pull: READs in flight, by producer
     read_bytes: int = 0          # bytes moved into the destination so far
     closing: RequestState | None = None   # set once an abort/timeout/failure began
@@ -153,7 +154,6 @@ class _Request:
     groups: int = 1                  # parts per producer (1, or one per layer)
     asked: bool = False              # Abort sent to the producers
     fence: set[int] = field(default_factory=set)   # posted parts whose Landed must come
-    hinted: dict[int, float] = field(default_factory=dict)  # posted part -> hint's arrival
     unheld: set[str] = field(default_factory=set)  # pull: producers yet to answer PullHeld
     unsafe: bool = False             # a transfer may still land: blocks_safe=False
 
@@ -207,7 +207,7 @@ class Consumer(Endpoint):
         # Seconds from a push part's Posted hint to its landing, smoothed, by size class
         # (bit length of its bytes): when to poll for the next landing (see _predicted).
         self._landing_s: dict[int, float] = {}
-        self._hinted: dict[str, _Request] = {}  # requests with hinted parts not landed
+        self._posting: dict[str, _Request] = {}  # requests with posted parts not landed
         self._reads: set[str] = set()
         self._after(config.heartbeat_s, self._heartbeat)
         self._finalized = False
@@ -444,9 +444,8 @@ class Consumer(Endpoint):
                     self._on_landed(peer.agent_name, m.Landed(msg.request_id, msg.part))
                 elif (req is not None and 0 <= msg.part < len(req.producers) * req.groups
                         and msg.part not in req.settled and msg.part not in req.posted):
-                    req.posted.add(msg.part)
-                    req.hinted[msg.part] = time.monotonic()
-                    self._hinted[msg.request_id] = req
+                    req.posted[msg.part] = time.monotonic()
+                    self._posting[msg.request_id] = req
                     self._posted += 1
             elif isinstance(msg, m.Failed):
                 self._on_failed(peer, msg)
@@ -787,7 +786,7 @@ class Consumer(Endpoint):
         arrival = self._completions.arrive(msg.request_id, msg.part)
         if arrival not in (_core.Arrival.PENDING, _core.Arrival.COMPLETE):
             return
-        hinted = req.hinted.get(msg.part)
+        hinted = req.posted.get(msg.part)
         if hinted is not None:
             size = self._size_class(req)
             took = time.monotonic() - hinted
@@ -835,7 +834,7 @@ class Consumer(Endpoint):
                 // req.groups).bit_length()
 
     def _predicted(self) -> tuple[float, float] | None:
-        """The earliest predicted landing of a hinted push part still to come: from the
+        """The earliest predicted landing of a posted push part still to come: from the
         smoothed hint-to-landing time of its size class, polled closely for a quarter of
         that time (at least the policy's spin)."""
         if not self._posted:
@@ -843,11 +842,11 @@ class Consumer(Endpoint):
         now = time.monotonic()
         best: tuple[float, float] | None = None
         spin = self._progress_policy.spin_s
-        for req in self._hinted.values():
+        for req in self._posting.values():
             took = self._landing_s.get(self._size_class(req))
             if took is None:
                 continue
-            for hinted in req.hinted.values():
+            for hinted in req.posted.values():
                 start = hinted + took
                 end = start + max(0.25 * took, spin)
                 if end > now and (best is None or start < best[0]):
@@ -857,11 +856,10 @@ class Consumer(Endpoint):
     def _settle(self, req: _Request, part: int) -> None:
         """Part ``part`` of ``req`` will write nothing more."""
         req.settled.add(part)
-        if req.hinted.pop(part, None) is not None and not req.hinted:
-            self._hinted.pop(req.handle.request_id, None)
-        if part in req.posted:
-            req.posted.discard(part)
+        if req.posted.pop(part, None) is not None:
             self._posted -= 1
+            if not req.posted:
+                self._posting.pop(req.handle.request_id, None)
 
     # -- loop: endings ---------------------------------------------------------------------
     def _expire(self, rid: str) -> None:
@@ -934,7 +932,7 @@ class Consumer(Endpoint):
 
     def _finish(self, rid: str, state: RequestState, error: KvpushError | None) -> None:
         req = self._requests.pop(rid)
-        self._hinted.pop(rid, None)
+        self._posting.pop(rid, None)
         req.deadline.cancel()
         if req.grace is not None:
             req.grace.cancel()
