@@ -198,9 +198,12 @@ class Endpoint:
 
     def _notifications(self) -> list[tuple[str, m.Message]]:
         """New NIXL notifications (this also progresses the agent), decoded and, with a
-        key, authenticated; rejects are counted, never returned."""
+        key, authenticated; rejects are counted, never returned. Commands queued before they
+        were received have run (see :meth:`_recv_all`)."""
         out: list[tuple[str, m.Message]] = []
-        for sender, notes in self._agent.notifications().items():
+        notifs = self._agent.notifications()
+        self._drain_commands()
+        for sender, notes in notifs.items():
             known, opener = self._notif_opener(sender)
             for note in notes:
                 try:
@@ -281,14 +284,21 @@ class Endpoint:
                 timer.cancelled = True
                 timer.fn()
 
-    @staticmethod
-    def _recv_all(sock: zmq.Socket[Any]) -> list[list[bytes]]:
+    def _recv_all(self, sock: zmq.Socket[Any]) -> list[list[bytes]]:
+        """Every frame waiting on ``sock``, once the commands queued before they were
+        received have run. A message can be caused by a command's effect (a pull ticket
+        leaves ``prefill_done`` before the loop runs the hold that call queued; its
+        PullBegin can be here in the same loop iteration, after this iteration's drain):
+        running the queue after receiving means a message never finds that effect
+        missing."""
         frames = []
         while True:
             try:
                 frames.append(sock.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                return frames
+                break
+        self._drain_commands()
+        return frames
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:

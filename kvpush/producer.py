@@ -451,13 +451,6 @@ class Producer(Endpoint):
         """A READ of a pulled request is in flight: confirm the blocks are held (the
         consumer reports READY only after this ``PullHeld``) or say why they are not."""
         source = self._sources.get(msg.request_id)
-        if source is None and msg.request_id not in self._tombstones:
-            # The ticket can overtake its own prefill_done: the engine has it back before
-            # this loop runs the hold queued by that call (e.g. while the loop waited for
-            # the GIL after its drain). Commands are queued before any ticket leaves, so
-            # running them now settles whether the blocks are held.
-            self._drain_commands()
-            source = self._sources.get(msg.request_id)
         if source is not None and source.pulling and source.puller is peer:
             return  # a duplicate
         if source is None and msg.request_id in self._pulled:
@@ -679,9 +672,6 @@ class Producer(Endpoint):
 
     def _on_pull_done(self, msg: m.PullDone) -> None:
         source = self._sources.get(msg.request_id)
-        if source is None and msg.request_id not in self._tombstones:
-            self._drain_commands()  # as in _on_pull_begin: the hold may still be queued
-            source = self._sources.get(msg.request_id)
         if source is not None and source.mode is TransferMode.PULL:
             if source.aborted:
                 self._release(msg.request_id, ReleaseReason.ABORTED, source.aborted)

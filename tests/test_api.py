@@ -272,8 +272,9 @@ def test_pull_begin_overtaking_its_prefill_done(pair: tuple,
     """prefill_done(PULL) returns the ticket before the producer's loop has taken the blocks
     (that is queued to it); a relayed ticket's PullBegin can reach the loop in the same
     iteration, after its command drain (seen in the demo: the loop waited for the GIL
-    there). The blocks are held from the engine's call on, so the pull must succeed. The
-    race is forced here by holding back the loop's own drain while the PullBegin comes."""
+    there). The blocks are held from the engine's call on, so the pull must succeed: the
+    loop runs its queued commands after receiving messages, before handling them. The race
+    is forced here by holding back the drain at the top of each loop iteration."""
     p, c, _src, dst, _name = pair
     held_back = threading.Event()
     drain = p._drain_commands
