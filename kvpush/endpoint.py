@@ -265,11 +265,10 @@ class Endpoint:
                 log.exception("%s: error while closing", self.name)
 
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                fn = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        # Called on every receive and poll (see _recv_all): an empty queue costs one
+        # empty() (~50 ns), not a raised queue.Empty (~700 ns). Only this thread takes.
+        while not self._commands.empty():
+            fn = self._commands.get_nowait()
             try:
                 fn()
             except KvpushError as exc:
