@@ -275,7 +275,7 @@ PyTransferPlan plan_split_transfer(const py::object& local_ids, const py::object
 
 py::array_t<int64_t> check_block_ids(const py::object& ids, const py::object& num_blocks,
                                      const std::string& name) {
-    block_ids_arg(ids, name.c_str());
+    block_ids_arg(ids, name.c_str());  // checked, converted, then viewed: see plan_transfer
     const int64_t blocks = to_int64(num_blocks);
     const kvpush::BlockIdView view = block_ids_arg(ids, name.c_str());
     py::array_t<int64_t> out(static_cast<py::ssize_t>(view.size));
