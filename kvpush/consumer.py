@@ -272,7 +272,8 @@ class Consumer(Endpoint):
              source_tail: bool = False) -> TransferHandle:
         """Pull: READ the blocks named by a :class:`~kvpush.messages.PullTicket` (or by one
         ticket per producer rank, for the same request) into ``block_ids``. Connects to a
-        ticket's producer first if needed (blocking). ``source_tail``: read only the last
+        ticket's producer first if needed (blocking, at most ``connect_timeout_s`` and never
+        past the tickets' lease or ``timeout``). ``source_tail``: read only the last
         ``len(block_ids)`` blocks of each ticket (see :meth:`expect`)."""
         batch = [tickets] if isinstance(tickets, (m.PullTicket, bytes, bytearray)) \
             else list(tickets)
@@ -298,9 +299,18 @@ class Consumer(Endpoint):
                       if t.checksums else t for t, k in zip(parsed, skip, strict=True)]
         timeout = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "pull timeout")
+
+        def budget() -> float:  # seconds left to the READ: the timeout and every lease
+            now = time.time()
+            return min([timeout] + [t.lease_s - (now - t.issued_at) - self.config.lease_margin_s
+                                    for t in parsed])
+
         for t, src in zip(parsed, sources, strict=True):
-            if t.producer not in self._by_name:
-                name = self.connect(t.address)
+            # A handshake that outlasts the tickets' lease cannot make this pull succeed:
+            # the engine's thread waits no longer than that (an expired pull is TIMED_OUT).
+            wait = min(self.config.connect_timeout_s, budget())
+            if t.producer not in self._by_name and wait > 0:
+                name = self.connect(t.address, timeout=wait)
                 if name != t.producer:
                     raise PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
                                           f"{t.producer!r}")
@@ -310,11 +320,9 @@ class Consumer(Endpoint):
             if same_blocks and len(src) != len(dst):
                 raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
                                       f"blocks but block_ids has {len(dst)}")
-        now = time.time()
-        budget = min([timeout] + [t.lease_s - (now - t.issued_at) - self.config.lease_margin_s
-                                  for t in parsed])
+        left = budget()
         handle = TransferHandle(rid, TransferMode.PULL)
-        self._call_soon(lambda: self._read(handle, parsed, sources, dst, budget))
+        self._call_soon(lambda: self._read(handle, parsed, sources, dst, left))
         return handle
 
     def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
@@ -648,11 +656,11 @@ class Consumer(Endpoint):
         plans = []
         if rid in self._requests:
             error = InvalidBlockIds(f"request {rid!r} is already pending")
-        elif any(p is None or p.layout is None for p in peers):
-            error = PeerUnavailable(f"not connected to all of {[t.producer for t in tickets]}")
         elif budget <= 0:
             state, error = RequestState.TIMED_OUT, TransferTimeout(
                 f"the pull ticket's lease for {rid!r} has run out")
+        elif any(p is None or p.layout is None for p in peers):
+            error = PeerUnavailable(f"not connected to all of {[t.producer for t in tickets]}")
         elif self.config.verify and len(tickets) == 1 and \
                 len(tickets[0].checksums) != 8 * len(dst):
             error = TransferFailed(f"verify is on but the ticket for {rid!r} carries no "

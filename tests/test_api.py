@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -121,6 +122,34 @@ def test_connect_to_nobody_times_out() -> None:
     dst = make_cache(num_blocks=8)
     with kvpush.Consumer(dst.layout) as c, pytest.raises(kvpush.PeerUnavailable):
         c.connect("tcp://127.0.0.1:9", timeout=0.5)
+
+
+def _ticket(address: str, lease_s: float, age_s: float) -> kvpush.PullTicket:
+    return kvpush.PullTicket("nobody", address, "r", kvpush.messages.encode_ids(
+        np.array([0, 1], dtype=np.int64)), lease_s, time.time() - age_s)
+
+
+def test_pull_waits_for_a_handshake_no_longer_than_its_lease() -> None:
+    """A pull connects to its ticket's producer first, on the caller's thread: a handshake
+    that outlasts the ticket's lease cannot make the pull succeed, so the caller waits at
+    most that long (not connect_timeout_s), and not at all once the lease is over."""
+    dst = make_cache(num_blocks=8)
+    config = kvpush.ConsumerConfig(connect_timeout_s=30.0, lease_margin_s=0.0)
+    with kvpush.Consumer(dst.layout, config) as c:
+        t0 = time.monotonic()
+        with pytest.raises(kvpush.PeerUnavailable):
+            c.pull(_ticket("tcp://127.0.0.1:9", lease_s=0.5, age_s=0.0), [0, 1])
+        assert time.monotonic() - t0 < 3.0
+        t0 = time.monotonic()
+        handle = c.pull(_ticket("tcp://127.0.0.1:9", lease_s=0.5, age_s=5.0), [0, 1])
+        assert time.monotonic() - t0 < 0.5
+        result = handle.wait(5)
+        assert (result.state, result.blocks_safe) == (RequestState.TIMED_OUT, True), result
+        assert "lease" in str(result.error)
+        t0 = time.monotonic()  # the pull's own timeout bounds the wait as well
+        with pytest.raises(kvpush.PeerUnavailable):
+            c.pull(_ticket("tcp://127.0.0.1:9", lease_s=60.0, age_s=0.0), [0, 1], timeout=0.5)
+        assert time.monotonic() - t0 < 3.0
 
 
 def test_config_validation_names_the_field() -> None:
