@@ -58,7 +58,9 @@ PRODUCER = dict(lease_s=2.0, peer_timeout_s=PEER_TIMEOUT, transfer_timeout_s=4.0
 CONSUMER = dict(heartbeat_s=0.15, peer_timeout_s=PEER_TIMEOUT, abort_grace_s=1.0,
                 request_timeout_s=6.0, lease_margin_s=0.05, connect_timeout_s=5.0)
 REQUEST_TIMEOUT = 6.0
-#: a side that has not reported a request this long after it began has lost it
+#: a side that has not reported a request this long after the driver's last action on it
+#: (handing it to both sides, a delayed prefill or abort), or after its consumer's last
+#: thaw, has lost it; the driver is one thread, and a call that blocks delays its actions
 DEADLINE = REQUEST_TIMEOUT + PRODUCER["lease_s"] + PRODUCER["transfer_timeout_s"] + 10.0
 #: destination blocks of a result with blocks_safe=False stay out of the pool this long
 #: (kvpush cannot say when such bytes stop coming; handing the blocks out again afterwards
@@ -71,6 +73,10 @@ REQUEST_FAULTS = {  # per-request fault: probability
     "no_registration": 0.01, "no_prefill": 0.01, "ticket_unused": 0.01,
 }
 GLOBAL_FAULTS = ["kill_producer", "kill_consumer", "link_cut", "freeze_consumer"]
+#: node calls slower than this go into the report's timeline (the driver is one thread: a
+#: slow call delays fault ends, polls and retirement alike)
+SLOW_CALL_S = 1.0
+TIMELINE_MAX = 2000
 
 
 @dataclass
@@ -82,7 +88,7 @@ class Request:
     src: list[int]
     dst: list[int]
     fault: str
-    began: float
+    began: float                      # the driver's last action on it (see DEADLINE)
     p_inc: int
     c_inc: int
     hit: bool = False                 # a global fault overlapped its life
@@ -119,6 +125,7 @@ class Soak:
     # QUARANTINE_S: (until, consumer, its incarnation, blocks)
     quarantine: list[tuple[float, str, int, list[int]]] = field(default_factory=list)
     frozen_until: dict[str, float] = field(default_factory=dict)
+    thawed: dict[str, float] = field(default_factory=dict)   # when each consumer last ran on
     connected: set[tuple[str, str]] = field(default_factory=set)
     active: dict[str, Request] = field(default_factory=dict)
     timers: list[tuple[float, int, str, str]] = field(default_factory=list)
@@ -136,6 +143,13 @@ class Soak:
     seq: itertools.count[int] = field(default_factory=itertools.count)
     crashes: list[dict[str, Any]] = field(default_factory=list)
     t_start: float = field(default_factory=time.monotonic)
+    # what happened when (seconds since start): faults, their ends, crashes, node calls
+    # slower than SLOW_CALL_S, lost requests; the first TIMELINE_MAX events
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+
+    def event(self, what: str) -> None:
+        if len(self.timeline) < TIMELINE_MAX:
+            self.timeline.append((round(time.monotonic() - self.t_start, 2), what))
 
     # -- nodes -----------------------------------------------------------------------------
     def start(self, label: str) -> None:
@@ -201,6 +215,7 @@ class Soak:
         prefills: dict[str, list[list[Any]]] = {"p0": [], "p1": []}
         expects: dict[str, list[list[Any]]] = {"c0": [], "c1": []}
         pulls: list[Request] = []
+        batch: list[Request] = []
         began = 0
         pairs = sorted(pair for pair in self.connected
                        if self.usable(pair[0]) and self.usable(pair[1]))
@@ -228,6 +243,7 @@ class Soak:
             req = Request(f"s{rid_base + i}", mode, p, c, src, dst, fault, now,
                           self.incarnation[p], self.incarnation[c], hit=now < self.hit_until)
             self.active[req.rid] = req
+            batch.append(req)
             began += 1
             timeout = REQUEST_TIMEOUT
             if fault == "short_deadline":
@@ -273,6 +289,11 @@ class Soak:
                                                   self.seeds[req.producer]])
                 req.consumer_owes = True
         self._submit("pull", by_consumer)
+        # The clock of these requests starts now that both sides have them: a call above
+        # may have blocked for seconds (a pull connects to its ticket's producer first).
+        now = time.monotonic()
+        for req in batch:
+            req.began = now
         return began
 
     def _submit(self, cmd: str, by_consumer: dict[str, list[list[Any]]]) -> None:
@@ -321,9 +342,11 @@ class Soak:
         if not node.alive():
             self.crashed(label)
             return None
+        began = time.monotonic()
         try:
-            return self.nodes[label].call(cmd, **args)
+            value = self.nodes[label].call(cmd, **args)
         except NodeError:
+            self.event(f"{label} {cmd}: no answer after {time.monotonic() - began:.1f} s")
             node = self.nodes[label]
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(timeout=2.0)  # its pipe closed: it may be exiting
@@ -339,6 +362,10 @@ class Soak:
                 raise  # a real error of the harness: let it show
             self.crashed(label, "kvpush loop thread crashed")
             return None
+        took = time.monotonic() - began
+        if took > SLOW_CALL_S:
+            self.event(f"{label} {cmd} took {took:.1f} s")
+        return value
 
     def crashed(self, label: str, what: str = "process died") -> None:
         """A node died on its own (or its kvpush loop thread did): record why, fail its
@@ -346,6 +373,7 @@ class Soak:
         node = self.nodes[label]
         if node.alive():
             node.kill()
+        self.event(f"{label} crashed: {what}")
         self.crashes.append({"node": label, "what": what,
                              "incarnation": self.incarnation[label],
                              "after_s": round(time.monotonic() - self.t_start, 1),
@@ -381,6 +409,7 @@ class Soak:
             if req is None:
                 continue
             req.waiting -= 1
+            req.began = max(req.began, now)  # its clock runs from the driver's last action
             if action == "prefill":
                 if req.p_inc == self.incarnation[req.producer] and self.usable(req.producer):
                     req.producer_owes = True
@@ -454,7 +483,9 @@ class Soak:
         now = time.monotonic()
         for rid, req in list(self.active.items()):
             if not req.settled():
-                if now - req.began < DEADLINE and not final:
+                # a frozen consumer reports nothing: its requests' clocks restart at the thaw
+                if not final and (req.consumer in self.frozen_until or now - max(
+                        req.began, self.thawed.get(req.consumer, 0.0)) < DEADLINE):
                     continue
                 missing = []
                 if req.consumer_owes and req.result is None and not req.consumer_died:
@@ -462,6 +493,7 @@ class Soak:
                 if req.producer_owes and req.release is None and not req.producer_died:
                     missing.append("producer release")
                 self.counts["lost"] += 1
+                self.event(f"lost {rid}, began at {req.began - self.t_start:.2f} s")
                 self._note("lost", f"{rid} ({req.mode}, {req.fault}, {req.producer}->"
                                    f"{req.consumer}): no {' or '.join(missing)}")
                 del self.active[rid]
@@ -509,7 +541,9 @@ class Soak:
         now = time.monotonic()
         if kind in ("kill_producer", "kill_consumer"):
             label = "p1" if kind == "kill_producer" else "c1"
+            self.event(f"{kind}: {label}")
             self.sample_counters(label)
+            self.frozen_until.pop(label, None)  # a frozen process dies too
             self.nodes[label].kill()
             self.nodes[label].close()  # reaped already; this removes its log
             self.died(label)
@@ -526,6 +560,7 @@ class Soak:
             self.reconnect()
         elif kind == "link_cut":
             down = self.rng.uniform(0.3, 3.0)
+            self.event(f"link_cut for {down:.1f} s")
             self.link.cut()
             self.link_down_until = now + down
             self.mark_hit(now + down + RECOVERY)
@@ -533,6 +568,7 @@ class Soak:
             label = self.rng.choice(["c0", "c1"])
             if self.usable(label):
                 pause = self.rng.uniform(0.2, 2.5)
+                self.event(f"freeze_consumer: {label} for {pause:.1f} s")
                 self.nodes[label].stop()
                 self.frozen_until[label] = now + pause
                 self.mark_hit(now + pause + RECOVERY)
@@ -540,11 +576,14 @@ class Soak:
     def housekeeping(self) -> None:
         now = time.monotonic()
         if self.link_down_until and now >= self.link_down_until:
+            self.event(f"link restored ({now - self.link_down_until:.1f} s late)")
             self.link.restore()
             self.link_down_until = 0.0
         for label, until in list(self.frozen_until.items()):
             if now >= until:
+                self.event(f"{label} thawed ({now - until:.1f} s late)")
                 self.nodes[label].cont()
+                self.thawed[label] = now
                 del self.frozen_until[label]
 
     def sample_counters(self, label: str) -> None:
@@ -725,6 +764,7 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
             # a crashed p0/c0 restarts, and its RSS/fd figures then cover the new process
             "crashes": soak.crashes,
             "examples": soak.examples,
+            "timeline": soak.timeline,
             "config": {"producer": PRODUCER, "consumer": CONSUMER, "cache": CACHE,
                        "ucx_error_mode": error_mode,
                        "request_faults": REQUEST_FAULTS, "fault_every": fault_every},
