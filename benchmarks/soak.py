@@ -374,12 +374,15 @@ class Soak:
         if node.alive():
             node.kill()
         self.event(f"{label} crashed: {what}")
+        # the tail holds UCX's native backtrace and Python's stacks (see netns.node_env)
+        log = node.log_tail(60)
         self.crashes.append({"node": label, "what": what,
                              "incarnation": self.incarnation[label],
                              "after_s": round(time.monotonic() - self.t_start, 1),
-                             "exit": node.proc.returncode, "log": node.log_tail(8)})
-        print(f"[soak] {label} CRASHED ({what}, rc {node.proc.returncode}): "
-              f"{node.log_tail(2)}", flush=True)
+                             "exit": node.proc.returncode, "log": log})
+        first = next((line for line in log.splitlines() if "Fatal" in line), log[-300:])
+        print(f"[soak] {label} CRASHED ({what}, rc {node.proc.returncode}): {first}",
+              flush=True)
         self.died(label)
         node.close()
         self.start(label)
@@ -625,14 +628,19 @@ def _self_usage() -> dict[str, int]:
 def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 1500,
         warmup: int | None = None, progress: bool = True, out: str | None = None,
         all_faults: bool = False, max_seconds: float | None = None,
-        error_mode: str = "none") -> dict[str, Any]:
+        error_mode: str = "none", faults: list[str] | None = None) -> dict[str, Any]:
     """Run the soak for ``requests`` requests; returns (and writes to ``out``) the figures.
 
     ``fault_every``: mean number of requests between global faults. ``all_faults``: inject
     each kind of global fault at least once (in turn, first), for short runs.
     ``max_seconds``: stop beginning requests after this long (the report's ``requests``
     then says how many were run). ``error_mode``: UCX error-handling mode of every node.
+    ``faults``: the kinds of global fault to draw from (default: all of GLOBAL_FAULTS);
+    ``["link_cut", "kill_consumer"]`` reproduces bug 12 in most short runs.
     """
+    kinds = list(GLOBAL_FAULTS if faults is None else faults)
+    if not kinds or set(kinds) - set(GLOBAL_FAULTS):
+        raise ValueError(f"faults must be a non-empty subset of {GLOBAL_FAULTS}, got {faults}")
     reason = netns_unavailable()
     if reason is not None:
         raise RuntimeError(f"the soak needs network namespaces: {reason}")
@@ -649,7 +657,7 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
         soak.reconnect()
         submitted = 0
         next_fault = rng.randint(fault_every // 2, fault_every * 3 // 2)
-        pending_kinds = list(GLOBAL_FAULTS) if all_faults else []
+        pending_kinds = list(kinds) if all_faults else []
         last_print = last_reconnect = time.monotonic()
         baseline: dict[str, Any] | None = None
         t_warm = time.monotonic()
@@ -662,7 +670,7 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
                       "requests", flush=True)
                 requests = submitted
             if submitted < requests and submitted >= next_fault and baseline is not None:
-                kind = pending_kinds.pop(0) if pending_kinds else rng.choice(GLOBAL_FAULTS)
+                kind = pending_kinds.pop(0) if pending_kinds else rng.choice(kinds)
                 soak.inject(kind)
                 next_fault = submitted + rng.randint(fault_every // 2, fault_every * 3 // 2)
             if now - last_reconnect > 0.5:
@@ -766,6 +774,7 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
             "examples": soak.examples,
             "timeline": soak.timeline,
             "config": {"producer": PRODUCER, "consumer": CONSUMER, "cache": CACHE,
+                       "global_fault_kinds": kinds,
                        "ucx_error_mode": error_mode,
                        "request_faults": REQUEST_FAULTS, "fault_every": fault_every},
         }
@@ -790,12 +799,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop beginning requests after this long")
     ap.add_argument("--ucx-error-mode", choices=["none", "peer"], default="none")
+    ap.add_argument("--faults", default=",".join(GLOBAL_FAULTS),
+                    help="comma-separated kinds of global fault to draw from")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     report = run(args.requests, seed=args.seed, window=args.window,
                  fault_every=args.fault_every, progress=not args.quiet, out=args.out,
                  all_faults=True, max_seconds=args.max_seconds,
-                 error_mode=args.ucx_error_mode)
+                 error_mode=args.ucx_error_mode, faults=args.faults.split(","))
     keys = ["requests", "seconds", "completed", "failed_by_design", "failed_unexpected",
             "lost", "corrupted_bytes", "late_landing_bytes", "bytes_landed_in_quarantine",
             "bytes_landed_after_quarantine", "results_unsafe", "blocks_leaked", "rss_kb",

@@ -198,6 +198,10 @@ def node_env(device: str | None) -> dict[str, str]:
         env["UCX_NET_DEVICES"] = device
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("UCX_LOG_LEVEL", "error")
+    # A node that dies leaves where: UCX's native backtrace on a fatal error, and every
+    # Python thread's stack on SIGABRT/SIGSEGV (both go to the node's log).
+    env.setdefault("UCX_HANDLE_ERRORS", "bt")
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

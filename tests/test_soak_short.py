@@ -60,8 +60,9 @@ def test_memory_flat(report: dict[str, Any]) -> None:
 
 @pytest.mark.xfail(strict=False, reason="bug 12: after link cuts UCX can abort the process "
                    "(ucp_request.inl Fatal: unexpected error: Endpoint timeout), in error mode "
-                   "none and peer alike; seen in most long soaks and some short ones, upstream "
-                   "(NIXL/UCX), not reproduced in isolation")
+                   "none and peer alike: a WRITE's progress inside NIXL's post meets a TCP "
+                   "connection reset by a consumer killed after a cut; upstream (NIXL/UCX), "
+                   "reproduced by the soak with faults=['link_cut', 'kill_consumer']")
 def test_no_process_crashed_by_itself(report: dict[str, Any]) -> None:
     assert report["crashes"] == [], [(c["node"], c["what"], c["log"][-200:])
                                      for c in report["crashes"]]
