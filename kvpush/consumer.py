@@ -203,11 +203,11 @@ class Consumer(Endpoint):
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
         self._requests: dict[str, _Request] = {}
         self._completions = _core.CompletionTable()
-        self._posted = 0           # push parts announced in flight, not landed yet
         # Seconds from a push part's Posted hint to its landing, smoothed, by size class
         # (bit length of its bytes): when to poll for the next landing (see _predicted).
         self._landing_s: dict[int, float] = {}
-        self._posting: dict[str, _Request] = {}  # requests with posted parts not landed
+        # requests with push parts announced in flight (Posted) and not landed yet
+        self._posting: dict[str, _Request] = {}
         self._reads: set[str] = set()
         self._after(config.heartbeat_s, self._heartbeat)
         self._finalized = False
@@ -454,7 +454,6 @@ class Consumer(Endpoint):
                         and msg.part not in req.settled and msg.part not in req.posted):
                     req.posted[msg.part] = time.monotonic()
                     self._posting[msg.request_id] = req
-                    self._posted += 1
             elif isinstance(msg, m.Failed):
                 self._on_failed(peer, msg)
             elif isinstance(msg, m.AbortAck):
@@ -732,7 +731,7 @@ class Consumer(Endpoint):
 
     # -- loop: progress --------------------------------------------------------------------
     def _busy(self) -> bool:
-        return self._posted > 0 or bool(self._reads)
+        return bool(self._posting) or bool(self._reads)
 
     def _check_reads(self, rid: str) -> bool:
         """Poll a pull's READs; end the request once none is in flight. True if any ended."""
@@ -771,7 +770,7 @@ class Consumer(Endpoint):
         moved = False
         for rid in list(self._reads):
             moved |= self._check_reads(rid)
-        if self._posted:
+        if self._posting:
             for sender, msg in self._notifications():
                 moved = True
                 if isinstance(msg, m.Landed):
@@ -845,7 +844,7 @@ class Consumer(Endpoint):
         """The earliest predicted landing of a posted push part still to come: from the
         smoothed hint-to-landing time of its size class, polled closely for a quarter of
         that time (at least the policy's spin)."""
-        if not self._posted:
+        if not self._posting:
             return None
         now = time.monotonic()
         best: tuple[float, float] | None = None
@@ -864,10 +863,8 @@ class Consumer(Endpoint):
     def _settle(self, req: _Request, part: int) -> None:
         """Part ``part`` of ``req`` will write nothing more."""
         req.settled.add(part)
-        if req.posted.pop(part, None) is not None:
-            self._posted -= 1
-            if not req.posted:
-                self._posting.pop(req.handle.request_id, None)
+        if req.posted.pop(part, None) is not None and not req.posted:
+            self._posting.pop(req.handle.request_id, None)
 
     # -- loop: endings ---------------------------------------------------------------------
     def _expire(self, rid: str) -> None:
@@ -946,7 +943,6 @@ class Consumer(Endpoint):
             req.grace.cancel()
         if req.handle.mode is TransferMode.PUSH:
             self._completions.remove(rid)
-            self._posted -= len(req.posted)
         LIVE.add("requests_pending", -1)
         self._report(req.handle, state, error, req.started, req.read_bytes, not req.unsafe)
 
