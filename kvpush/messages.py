@@ -6,6 +6,15 @@ extra fields, wrong types and other versions all raise :class:`~kvpush.errors.Pr
 so a malformed or hostile frame can never reach the protocol logic as a half-valid object.
 
 Block ids travel as little-endian int64 bytes (compact, and decoded without a Python loop).
+
+Transfer ids (protocol version 2). Every *use* of a request id carries ids that name it, so a
+stale message of an earlier use, or a message of another consumer, can never touch the live
+one: ``xid`` is chosen by the consumer for each ``expect``/``pull`` (random, non-zero) and is
+carried by every message about that use in both directions; ``sid`` is chosen by the producer
+for each ``prefill_done`` (a *source use*) and travels in the pull ticket. ``sharers`` is how
+many consumer endpoints take a share of one producer's source for one request (heterogeneous
+TP: several decode ranks read, or are written, the same prefill request, each its own head
+share); the producer holds the source until that many owners have finished or given up.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ __all__ = [
     "Abort",
     "AbortAck",
     "Bye",
+    "Claim",
     "Failed",
     "Heartbeat",
     "HeartbeatAck",
@@ -44,13 +54,15 @@ __all__ = [
     "is_sealed",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _PLAIN = bytes([PROTOCOL_VERSION, 0])
 _SEALED = bytes([PROTOCOL_VERSION, 1])
 
 if TYPE_CHECKING:
     from .auth import Opener, Sealer
 _MAX_ID_COUNT = 1 << 24
+#: Upper bound of ``sharers`` (consumer endpoints sharing one producer's source).
+MAX_SHARERS = 1024
 
 
 class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=True):
@@ -91,12 +103,14 @@ class Register(_Msg, tag="register", frozen=True):
     """Consumer -> producer (push): destination blocks for a request are allocated."""
 
     request_id: str
+    xid: int                  # the consumer's transfer id of this use
     block_ids: bytes
     part: int
     wait_s: float
     verify: bool = False      # ask for per-block checksums with the completion
     groups: int = 1           # WRITEs (and Landed parts) per producer: 1, or one per layer
     tail: bool = False        # the consumer wants only the last len(block_ids) source blocks
+    sharers: int = 1          # consumer endpoints that take a share of this source
 
 
 class Posted(_Msg, tag="posted", frozen=True):
@@ -105,6 +119,7 @@ class Posted(_Msg, tag="posted", frozen=True):
     refuses the post, the ``Failed`` that follows names the part in ``errored``."""
 
     request_id: str
+    xid: int
     part: int
     # Nothing to write for this part (e.g. a full prefix hit): it counts as landed now.
     # Sent over the control socket because a NIXL notification alone would need the
@@ -125,6 +140,7 @@ class Failed(_Msg, tag="failed", frozen=True):
     """
 
     request_id: str
+    xid: int
     code: str
     reason: str
     errored: list[int] = []
@@ -132,9 +148,10 @@ class Failed(_Msg, tag="failed", frozen=True):
 
 
 class Abort(_Msg, tag="abort", frozen=True):
-    """Either direction: give up a request."""
+    """Either direction: give up a request (the use named by ``xid``)."""
 
     request_id: str
+    xid: int
     reason: str
 
 
@@ -144,6 +161,7 @@ class AbortAck(_Msg, tag="abort_ack", frozen=True):
     ``errored`` and ``unfenced`` as in :class:`Failed`."""
 
     request_id: str
+    xid: int
     errored: list[int] = []
     unfenced: bool = False
 
@@ -151,15 +169,35 @@ class AbortAck(_Msg, tag="abort_ack", frozen=True):
 class PullHeld(_Msg, tag="pull_held", frozen=True):
     """Producer -> consumer (pull), the answer to ``PullBegin``: the blocks are held and stay
     held until the READ has ended. The consumer reports READY only after both this and its
-    READ being done (otherwise ``Failed`` with code "not_held" or "aborted" comes)."""
+    READ being done (otherwise ``Failed`` with code "not_held" or "aborted" comes).
+
+    ``hold_s``: the blocks stay held at least this long after the producer received the
+    ``PullBegin``, whatever happens to the connection; a READ that ends later than
+    ``hold_s`` after the consumer sent its ``PullBegin`` is not trusted."""
 
     request_id: str
+    xid: int
+    hold_s: float
 
 
 class PullBegin(_Msg, tag="pull_begin", frozen=True):
-    """Consumer -> producer (pull): a READ of the request's blocks is in flight."""
+    """Consumer -> producer (pull): a READ of the source use ``sid`` is in flight."""
 
     request_id: str
+    xid: int
+    sid: int
+    sharers: int = 1
+
+
+class Claim(_Msg, tag="claim", frozen=True):
+    """Consumer -> producer (pull): this consumer will READ source use ``sid`` but cannot
+    yet (e.g. its engine has no free blocks): hold the blocks past the ticket's lease while
+    this consumer is alive and renews it (heartbeats), or until it pulls or gives up."""
+
+    request_id: str
+    xid: int
+    sid: int
+    sharers: int = 1
 
 
 class Heartbeat(_Msg, tag="hb", frozen=True):
@@ -183,15 +221,20 @@ class Landed(_Msg, tag="landed", frozen=True):
     registration order) when the consumer asked to verify."""
 
     request_id: str
+    xid: int
     part: int
     checksums: bytes = b""
     nbytes: int = 0           # bytes this part moved
 
 
 class PullDone(_Msg, tag="pull_done", frozen=True):
-    """READ notification, consumer -> producer: the consumer has read the request's blocks."""
+    """READ notification, consumer -> producer: the consumer has read the request's blocks
+    (source use ``sid``; also sent over the control socket for an empty pull, and after a
+    READ that could not be posted)."""
 
     request_id: str
+    xid: int
+    sid: int
     nbytes: int = 0           # bytes the READ moved
 
 
@@ -208,6 +251,7 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_ids: bytes
     lease_s: float
     issued_at: float
+    sid: int = 0              # the producer's source use these blocks belong to
     checksums: bytes = b""    # per-block source checksums (ProducerConfig.verify)
     version: int = PROTOCOL_VERSION
 
@@ -228,7 +272,7 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 Message = Union[  # noqa: UP007 - msgspec needs a runtime Union here
     Hello, HelloAck, HelloReject, Register, Posted, Failed, Abort, AbortAck, PullBegin,
-    PullHeld, Heartbeat, HeartbeatAck, Bye, Landed, PullDone,
+    PullHeld, Claim, Heartbeat, HeartbeatAck, Bye, Landed, PullDone,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
