@@ -52,6 +52,7 @@ class Stats:
     peers_lost: int = 0
     transfers_abandoned: int = 0   # released while NIXL still had them in progress
     results_unsafe: int = 0        # consumer: results with blocks_safe=False
+    frames_queued: int = 0         # control frames ZeroMQ could not take at once (retried)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -37,7 +37,7 @@ from .endpoint import (
     Endpoint,
     Timer,
     check_durations,
-    close_dead_links,
+    control_socket,
     queue_result,
 )
 from .errors import (
@@ -191,9 +191,11 @@ class Producer(Endpoint):
         self._gauges = dict.fromkeys(self._core.gauges, 0)
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
+            control_socket(self._router, self.config.peer_timeout_s)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            close_dead_links(self._router, self.config.peer_timeout_s)
+            # A frame for a consumer that is not connected right now raises (and waits in
+            # the outbox for its reconnection) instead of vanishing.
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if config.port:
                 self._router.bind(f"tcp://{config.host}:{config.port}")
             else:
@@ -292,7 +294,7 @@ class Producer(Endpoint):
             for effect in effects:
                 if isinstance(effect, Send):
                     peer = self._by_agent.get(effect.peer)
-                    if peer is not None:
+                    if peer is not None and self._consumers.get(peer.identity) is peer:
                         self._tell(peer, effect.msg)
                 elif isinstance(effect, Post):
                     self._post(effect)
@@ -401,7 +403,8 @@ class Producer(Endpoint):
                 self._stats.auth_rejected += 1
                 log.warning("%s: rejected control frame: %s", self.name, exc)
                 if peer is None:  # tell a would-be peer why its handshake fails
-                    self._send(sock, m.HelloReject(str(exc), "auth_key"), identity)
+                    self._send(sock, m.HelloReject(str(exc), "auth_key"), identity,
+                               best_effort=True)
                 continue
             except ProtocolError as exc:
                 self._stats.messages_rejected += 1
@@ -415,9 +418,10 @@ class Producer(Endpoint):
                 self._stats.messages_rejected += 1
                 if isinstance(msg, (m.Register, m.PullBegin, m.Claim)):
                     self._send(sock, m.Failed(msg.request_id, msg.xid, "not_connected",
-                                              "no handshake from this consumer"), identity)
+                                              "no handshake from this consumer"), identity,
+                               best_effort=True)
                 elif isinstance(msg, m.Heartbeat):  # we dropped it; it should know
-                    self._send(sock, m.Bye(self.name), identity)
+                    self._send(sock, m.Bye(self.name), identity, best_effort=True)
             elif isinstance(msg, m.Heartbeat):
                 self._tell(peer, m.HeartbeatAck(msg.seq))
             elif isinstance(msg, m.Bye):
@@ -449,24 +453,25 @@ class Producer(Endpoint):
             # A retransmit of the Hello this connection answered (the consumer re-sends
             # until it hears back, and a slow answer crosses them): the same answer again,
             # so both sides keep one session.
-            self._router.send_multipart([identity, old.ack_frame], zmq.NOBLOCK)
+            self._send_frame(self._router, old.ack_frame, identity)
             return
         try:
             remote = KVLayout.from_wire(msg.layout)
             check_compatible(self.layout, remote)
         except LayoutMismatch as exc:
             self._send(self._router, m.HelloReject(str(exc), exc.field, repr(exc.local),
-                                                   repr(exc.remote)), identity)
+                                                   repr(exc.remote)), identity,
+                       best_effort=True)
             return
         except ProtocolError as exc:
-            self._send(self._router, m.HelloReject(str(exc)), identity)
+            self._send(self._router, m.HelloReject(str(exc)), identity, best_effort=True)
             return
         if old is not None:  # a restarted peer under the same name: forget the old one first
             self._drop_consumer(old, "consumer reconnected", abandon=True)
         try:
             agent_name = self._agent.add_peer(msg.agent_metadata, remote)
         except PeerUnavailable as exc:
-            self._send(self._router, m.HelloReject(str(exc)), identity)
+            self._send(self._router, m.HelloReject(str(exc)), identity, best_effort=True)
             return
         peer = _Consumer(identity, agent_name, remote, time.monotonic())
         ack = m.HelloAck(self.name, self._agent.metadata(), self.layout.to_wire())
@@ -485,10 +490,7 @@ class Producer(Endpoint):
         self._consumers[identity] = peer
         self._by_agent[agent_name] = peer
         self._core.peer_up(time.monotonic(), agent_name, remote)
-        try:
-            self._router.send_multipart([identity, peer.ack_frame], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.info("%s: dropping HelloAck: %s", self.name, exc)
+        self._send_frame(self._router, peer.ack_frame, identity)
 
 
     def _tell(self, peer: _Consumer, msg: m.Message) -> None:
@@ -519,8 +521,14 @@ class Producer(Endpoint):
         log.info("%s: dropping consumer %s: %s", self.name, peer.agent_name, why)
         self._stats.peers_lost += 1
         del self._consumers[peer.identity]
+        self._drop_outbox((self._router, peer.identity))
         self._core.peer_lost(time.monotonic(), peer.agent_name, why, abandon=abandon)
         self._apply()
+
+    def _send_failed(self, sock: zmq.Socket[Any], identity: bytes | None, why: str) -> None:
+        peer = self._consumers.get(identity) if identity is not None else None
+        if peer is not None:
+            self._drop_consumer(peer, why)
 
     def _forget(self, agent_name: str, why: str) -> None:
         """The core is done with ``agent_name``: drop its NIXL state."""
