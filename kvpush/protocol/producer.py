@@ -351,9 +351,10 @@ class ProducerCore:
 
     def peer_lost(self, now: float, peer: str, why: str, *, abandon: bool = False) -> None:
         """``peer`` is gone (silent, said Bye, or NIXL says it is disconnected). Its waiting
-        registrations and claims end; its WRITEs are left to end (``abandon``: given up at
-        once, e.g. the peer restarted and must be re-added); its READs keep the blocks held
-        until their hold deadline, since a READ is one-sided and may still run."""
+        registrations and claims end; its WRITEs are left to end and its READs keep the
+        blocks held until their hold deadline: a silent peer may only be stalled, and a READ
+        is one-sided. ``abandon``: the peer is known dead (NIXL says so, or a new
+        incarnation replaced it): its WRITEs are given up and its READs end at once."""
         self._now = now
         self._peers.pop(peer, None)
         for req in list(self._requests.values()):
@@ -369,7 +370,9 @@ class ProducerCore:
                         for write in list(share.writes.values()):
                             self._out.append(Abandon(write.key))
                     self._conclude(req, share)
-                # PULLING: its hold timer ends it
+                elif abandon:  # a new incarnation replaced it: its READs died with it
+                    self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
+                # else PULLING: a silent peer may only be stalled; its hold timer ends it
             self._settle(req)
         if any(owner[0] == peer for _, owner in self._writes.values()):
             self._lost[peer] = why       # DropPeer once its WRITEs have ended
