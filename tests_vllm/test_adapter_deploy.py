@@ -240,6 +240,19 @@ def test_toy_proxy_pull_by_what_the_prefill_returns() -> None:
     assert list(np.frombuffer(tickets[0].block_ids, "<i8")) == [3, 4, 5, 6]
 
 
+def test_toy_proxy_pull_from_a_push_prefill_becomes_a_late_push() -> None:
+    # A prefill in push mode (the default) keeps its blocks under the lease and answers its
+    # address: the decode registers when the proxy forwards that answer, and the WRITE goes.
+    p = prefill_scheduler("push")
+    send, returned = run_prefill(p, "cmpl-1-0-1a2b3c4d", prefill_body(BODY)["kv_transfer_params"])
+    recv = decode_plan("cmpl-1-0-aaaabbbb", decode_body_pull(BODY, {"kv_transfer_params":
+                                                                     returned})
+                       ["kv_transfer_params"])
+    assert recv.remote.mode is kvpush.TransferMode.PUSH
+    assert recv.remote.transfer_id == send.transfer_id == "cmpl-1-0"
+    assert recv.remote.producers == ("tcp://10.0.0.1:29600", "tcp://10.0.0.1:29601")
+
+
 def test_toy_proxy_push_pairs_the_halves_by_the_shared_request_id() -> None:
     p = prefill_scheduler("push")
     rid = "cmpl-77aa-0"
@@ -299,3 +312,21 @@ def test_supported_vllm_versions(version: str) -> None:
 def test_other_vllm_versions_are_refused_clearly(version: str) -> None:
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32, 0\.33.*" + version[:4]):
         check_vllm_version(version)
+
+
+def test_connector_answers_vllm_033_hooks_honestly() -> None:
+    vllm_mod = pytest.importorskip("vllm")
+    from kvpush.integrations.vllm import KVPushConnector
+
+    # Sleep mode remaps the KV memory kvpush registered with NIXL: refused, not pretended.
+    assert KVPushConnector.supports_sleep_mode(None) is False
+    assert check_vllm_version(vllm_mod.__version__)
+    connector = object.__new__(KVPushConnector)
+    worker = KVPushWorker(AdapterConfig(), "kv_consumer", "e", 32, 16)
+    worker.consumer = SimpleNamespace(get_finished=list)  # type: ignore[assignment]
+    worker._start_recv(RecvPlan("req-9", RemotePrefill("t9", kvpush.TransferMode.PULL, (),
+                                                       (b"junk",)), [7], report=True))
+    connector._worker = worker
+    results = connector.get_transfer_results(set())
+    assert results.finished_recving == {"req-9"} and results.failed_recving == {"req-9"}
+    assert connector.get_block_ids_with_load_errors() == {7}

@@ -129,6 +129,24 @@ def test_decode_request_abandoned_while_waiting(pair: Pair, reference: dict[str,
     assert status == 200 and tokens_of(out) == reference["len40"]
 
 
+@pytest.mark.parametrize("how", ["pull", "push"])
+def test_vllm_toy_proxy_schema_gets_exact_tokens(pair: Pair, reference: dict[str, list[int]],
+                                                 how: str) -> None:
+    """A client that speaks only vLLM's NIXL kv_transfer_params (vLLM's toy proxy: pull
+    by the prefill's answer; push by one X-Request-Id sent to both at once)."""
+    from toy_proxy import ToyProxy
+
+    host, port = pair.producer_address.removeprefix("tcp://").rsplit(":", 1)
+    proxy = ToyProxy(pair.prefill.url, pair.decode.url, prefill_kv_host=host,
+                     prefill_kv_port=int(port))
+    for name in ("len200", "len650"):
+        body = {"model": "tiny", "prompt": PROMPTS[name], "max_tokens": len(reference[name]),
+                "temperature": 0, "return_token_ids": True}
+        status, out = getattr(proxy, how)(body)
+        assert status == 200, out
+        assert tokens_of(out) == reference[name], f"{how}, {name}"
+
+
 def test_prefill_killed_mid_request(pair: Pair, reference: dict[str, list[int]]) -> None:
     """Last: kills the shared prefill server. Prefill in flight (the engine is frozen so it
     cannot finish), decode registered; the prefill server dies. The decode server must
