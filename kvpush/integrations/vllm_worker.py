@@ -327,6 +327,7 @@ class KVPushWorker:
                  self.layout.block_bytes, self.layout.kind.value, self.layout.block_order,
                  f" (kernel blocks of {self.layout.kernel_tokens} tokens)"
                  if self.layout.folded else "")
+        log.info("kvpush: compatibility identity %s", dict(self.layout.identity))
         if self.is_producer:
             self.producer = Producer(
                 self.layout, self.config.producer_config(self.coords, f"kvpush-p-{tag}", key))
