@@ -188,3 +188,35 @@ def test_bad_interior_fields_are_refused_at_construction(kwargs: dict, match: st
         KVLayout.from_buffers(buffers, num_layers=2, num_blocks=4, tokens_per_block=8,
                               num_kv_heads=2, head_size=16 if kv_packed else 32,
                               dtype="float16", kv_packed=kv_packed, **kwargs)
+
+
+# -- through a real handshake (Producer and Consumer over NIXL, nothing transferred) --------
+@pytest.mark.parametrize(("theirs", "field"), [
+    (dict(identity=tuple((k, "org/other" if k == "model" else v) for k, v in IDENTITY)),
+     "identity.model"),
+    (dict(identity=tuple((k, "fp8_e5m2" if k == "cache_dtype" else v) for k, v in IDENTITY)),
+     "identity.cache_dtype"),
+    (dict(order="HNKD"), "block_order"),
+    (dict(order="HNC", tokens=8), "block_order"),
+    (dict(dtype="bfloat16"), "dtype"),
+])
+def test_handshake_refuses_naming_the_field(theirs: dict, field: str) -> None:
+    import kvpush
+
+    base = dict(tokens=4, order="HKND", packed=True, identity=IDENTITY)
+    src = Cache(**base)
+    dst = Cache(**{**base, **theirs})
+    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        with pytest.raises(LayoutMismatch) as info:
+            c.connect(p.address, timeout=10)
+        assert info.value.field == field
+        assert c.producers() == []
+
+
+def test_handshake_accepts_a_convertible_block_size() -> None:
+    import kvpush
+
+    src = Cache(tokens=4, order="HKND", packed=True, identity=IDENTITY)
+    dst = Cache(tokens=16, order="HKND", packed=True, identity=IDENTITY)
+    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        assert c.connect(p.address, timeout=10) in c.producers()

@@ -330,3 +330,34 @@ def test_connector_answers_vllm_033_hooks_honestly() -> None:
     results = connector.get_transfer_results(set())
     assert results.finished_recving == {"req-9"} and results.failed_recving == {"req-9"}
     assert connector.get_block_ids_with_load_errors() == {7}
+
+
+def test_two_workers_of_different_models_refuse_and_fail_the_load(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import time
+
+    prefill = KVPushWorker(AdapterConfig(), "kv_producer", "p", 32, 16)
+    decode = KVPushWorker(AdapterConfig(connect_timeout_s=5.0), "kv_consumer", "d", 32, 16)
+    try:
+        prefill.register_kv_caches(cpu_caches(blocks=16), facts=facts())
+        decode.register_kv_caches(cpu_caches(blocks=16),
+                                  facts=facts(identity=ident(model="/models/other")))
+        remote = RemotePrefill("t1", kvpush.TransferMode.PUSH, (prefill.address,), ())
+        decode.bind(_plan(RecvPlan("req-1", remote, [1, 2], report=True)))
+        deadline, recving = time.monotonic() + 10, set[str]()
+        while not recving and time.monotonic() < deadline:
+            time.sleep(0.05)
+            _, recving = decode.get_finished(set())
+        assert recving == {"req-1"}
+        assert decode.take_failed_recving(recving) == {"req-1"}
+        assert decode.take_load_errors() == {1, 2}
+        assert "identity.model" in caplog.text and "/models/other" in caplog.text
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def _plan(recv: RecvPlan) -> Any:
+    from kvpush.integrations.vllm_common import StepPlan
+
+    return StepPlan(recv=[recv])
