@@ -320,6 +320,7 @@ def test_connector_answers_vllm_033_hooks_honestly() -> None:
 
     # Sleep mode remaps the KV memory kvpush registered with NIXL: refused, not pretended.
     assert KVPushConnector.supports_sleep_mode(None) is False
+    assert KVPushConnector._cache_hit_source.name == "P2P"  # vLLM's hit-source metrics
     assert check_vllm_version(vllm_mod.__version__)
     connector = object.__new__(KVPushConnector)
     worker = KVPushWorker(AdapterConfig(), "kv_consumer", "e", 32, 16)

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..messages import PROTOCOL_VERSION
 from .vllm_common import (
@@ -175,6 +176,9 @@ class KVPushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
 class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """vLLM v1 KV connector over kvpush: push (producer WRITE) or pull (consumer READ) per
     request. See the module docstring."""
+
+    # vLLM's prefix-cache metrics count loaded tokens by source: ours come from a peer.
+    _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         # The connector interface changes between vLLM minor releases: refuse the ones this
