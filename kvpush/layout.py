@@ -423,7 +423,7 @@ class KVLayout:
                 total_kv_heads=wire.total_kv_heads,
                 block_order=wire.block_order,
                 kernel_tokens=wire.kernel_tokens,
-                identity=tuple(tuple(p) for p in wire.identity),  # type: ignore[misc]
+                identity=wire.identity,
             )
         except (ValueError, TypeError) as exc:
             from .errors import ProtocolError
