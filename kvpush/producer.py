@@ -19,7 +19,6 @@ for a registration.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from .errors import (
     ProtocolError,
 )
 from .layout import KVLayout, check_compatible
+from .messages import new_id
 from .metrics import LIVE
 from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
@@ -150,11 +150,6 @@ class _Links:
         return bytes(block_checksums(self._p.layout, ids).astype("<u8").tobytes())
 
 
-def new_id() -> int:
-    """A fresh random 63-bit non-zero id (a source use, a transfer)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1 | 1
-
-
 class Producer(Endpoint):
     """The prefill side of kvpush.
 
@@ -213,19 +208,28 @@ class Producer(Endpoint):
 
     # -- engine API (any thread) -----------------------------------------------------------
     def prefill_done(self, request_id: str, block_ids: Any,
-                     mode: TransferMode = TransferMode.PUSH) -> m.PullTicket | None:
+                     mode: TransferMode = TransferMode.PUSH, *,
+                     sid: int | None = None) -> m.PullTicket | None:
         """Prefill for ``request_id`` is done; its KV is in ``block_ids`` (int32/int64 array).
 
         PUSH: the WRITE starts as soon as the consumer's registration is here (at once if it
         already is). PULL: returns the :class:`~kvpush.messages.PullTicket` the router relays
         to the consumer(s). Either way the blocks are held until released, exactly once
         (see :meth:`get_released`). Never blocks on transfer setup.
+
+        ``sid`` names this use of the request id (it travels in pull tickets; a READ of
+        another use's ticket is refused). Leave it None for a fresh random one; an engine
+        that writes its tickets elsewhere (vLLM's scheduler process) passes the one it put
+        there (:func:`new_id`).
         """
         called = time.monotonic()
         check_request_id(request_id)
         mode = TransferMode(mode)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        sid = new_id()
+        if sid is None:
+            sid = new_id()
+        elif isinstance(sid, bool) or not isinstance(sid, int) or not 0 < sid < 1 << 63:
+            raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
         self._call_soon(lambda: self._event(lambda now: self._core.prefill_done(
             now, request_id, ids, mode, sid, called)))
         if mode is TransferMode.PULL:

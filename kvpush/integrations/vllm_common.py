@@ -542,6 +542,7 @@ class SendPlan:
     transfer_id: str
     mode: TransferMode
     src: list[int]
+    sid: int = 0              # the source use id the scheduler put in the pull tickets
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..messages import PullTicket, encode_ids
+from ..messages import PullTicket, encode_ids, new_id
 from ..request import TransferMode
 from .vllm_common import (
     PARAM_MODE,
@@ -75,6 +75,7 @@ class _Send:
     src: list[int]
     num_tokens: int
     issued_at: float          # wall clock, before prefill_done (a conservative lease start)
+    sid: int                  # the source use id, chosen here: the tickets carry it
 
 
 class KVPushScheduler:
@@ -194,8 +195,8 @@ class KVPushScheduler:
             ids = encode_ids(_as_ids(send.src))
             tickets = [PullTicket(producer=r.name, address=r.address,
                                   request_id=send.transfer_id, block_ids=ids,
-                                  lease_s=self.config.lease_s, issued_at=send.issued_at
-                                  ).to_bytes() for r in ranks]
+                                  lease_s=self.config.lease_s, issued_at=send.issued_at,
+                                  sid=send.sid).to_bytes() for r in ranks]
         return response_params(send.transfer_id, send.mode, producers, send.num_tokens, tickets,
                                request_id=send.req_id, engine_id=self.engine_id,
                                block_ids=send.src)
@@ -246,8 +247,9 @@ class KVPushScheduler:
             mode = self.config.default_mode
         (block_ids,) = self._kv_manager.get_block_ids(req_id)
         src = [int(b) for b in block_ids[:prompt_blocks(num_prompt, self.block_size)]]
-        self._sends[req_id] = _Send(req_id, transfer_id, mode, src, num_prompt, time.time())
-        return SendPlan(req_id, transfer_id, mode, src)
+        sid = new_id()
+        self._sends[req_id] = _Send(req_id, transfer_id, mode, src, num_prompt, time.time(), sid)
+        return SendPlan(req_id, transfer_id, mode, src, sid)
 
     def update_connector_output(self, output: Any) -> None:
         for req_id in getattr(output, "finished_sending", None) or ():

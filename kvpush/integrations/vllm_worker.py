@@ -384,7 +384,7 @@ class KVPushWorker:
             self._issued.add(send.req_id)
             try:
                 self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
-                                           send.mode)
+                                           send.mode, sid=send.sid or None)
             except (KvpushError, ValueError) as exc:
                 log.error("kvpush: prefill_done(%r) failed: %s; its blocks are released",
                           send.transfer_id, exc)
