@@ -53,6 +53,7 @@ class Stats:
     transfers_abandoned: int = 0   # released while NIXL still had them in progress
     results_unsafe: int = 0        # consumer: results with blocks_safe=False
     stale_messages: int = 0        # about a use (request id, xid) that is not live here
+    events_refused: int = 0        # an event the request's state does not allow
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -49,6 +49,7 @@ class ScriptedProducer:
         self.sealer: Sealer | None = None
         self.opener: Opener | None = None
         self.consumer_agent = ""
+        self.session = b""
         # NIXL progress on this side (a READ from it may need it), and its notifications
         self.notes: list[bytes] = []
         self._lock = threading.Lock()
@@ -103,6 +104,7 @@ class ScriptedProducer:
         else:
             nonce = new_nonce()
             session = session_key(self.key, hello.nonce, nonce)
+            self.session = session
             self.sealer, self.opener = Sealer(session, b"p2c"), Opener(session, b"c2p")
             ack = m.HelloAck(self.name, self.agent.metadata(), self.cache.layout.to_wire(),
                              nonce=nonce, echo=hello.nonce)
@@ -324,6 +326,43 @@ def test_hello_retransmits_are_identical_and_a_slow_answer_still_authenticates()
         assert isinstance(reg, m.Register) and reg.xid == h.xid
         prod.send(m.Failed("a", reg.xid, "aborted", "test"))
         assert h.wait(5).state is kvpush.RequestState.ABORTED
+        assert consumer.stats()["auth_rejected"] == 0
+    finally:
+        consumer.close()
+        prod.close()
+
+
+def test_a_landed_overtaken_by_thousands_of_notifications_still_counts() -> None:
+    """Issue 13, bug 7: the notification of a large WRITE, overtaken by more than the
+    4096-counter replay window of later notifications, was refused as a replay and the
+    request timed out. A Landed counts once per (xid, part) instead."""
+    prod = ScriptedProducer(auth_key=KEY)
+    dst = make_cache(**CACHE)
+    consumer = kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(auth_key=KEY))
+    try:
+        box: list[str] = []
+        t = threading.Thread(target=lambda: box.append(consumer.connect(prod.address, 10)))
+        t.start()
+        prod.identity, frame = prod.recv_frame()
+        prod.accept(frame)
+        t.join(10)
+        assert box == [prod.name]
+        h = consumer.expect("big", np.array([1]), prod.name, timeout=20)
+        reg = prod.recv()
+        assert isinstance(reg, m.Register)
+        assert prod.sealer is not None and prod.opener is not None
+        notif = Sealer(prod.session, b"p2c-notif")
+        late = m.encode(m.Landed("big", reg.xid, 0), notif)
+        overtaking = [m.encode(m.Landed(f"other{i}", 1, 0), notif) for i in range(4200)]
+        prod.send(m.Posted("big", reg.xid, 0))  # the consumer polls notifications now
+        time.sleep(0.1)
+        with prod._lock:
+            for note in overtaking:
+                prod.agent.send_notification(prod.consumer_agent, note)
+        _wait_stat(consumer, "stale_messages", 4200)
+        with prod._lock:
+            prod.agent.send_notification(prod.consumer_agent, late)
+        assert h.wait(10).state is kvpush.RequestState.READY
         assert consumer.stats()["auth_rejected"] == 0
     finally:
         consumer.close()
