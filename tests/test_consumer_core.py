@@ -292,3 +292,109 @@ def test_notification_opener_accepts_old_counters_but_not_repeats_or_forgeries()
             opener.open(later[-1])  # a repeat inside the window
         with pytest.raises(AuthenticationError, match="tag"):
             opener.open(first[:-1] + b"X")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_events_never_break_the_promises(seed: int) -> None:
+    """Seeded random events, stale and duplicated ones among them, at random times: every
+    use gets exactly one result; a READY push had every part landed, a READY pull its READ
+    done inside the producer's hold; nothing raises; close ends everything."""
+    import random
+    rng = random.Random(seed)
+    c = core(grace=0.5)
+    now = 0.0
+    uses: dict[int, dict[str, Any]] = {}     # xid -> what the test knows of that use
+    got: dict[int, TransferResult] = {}
+    reads: dict[int, int] = {}                # transfer key -> xid (posted, not ended)
+    next_xid = iter(range(1000, 10**6))
+
+    def collect() -> None:
+        while effects := c.drain():
+            collect_some(effects)
+
+    def collect_some(effects: list[Any]) -> None:
+        for effect in effects:
+            if isinstance(effect, Emit):
+                res = effect.item
+                assert isinstance(res, TransferResult)
+                assert res.xid not in got, "two results for one use"
+                got[res.xid] = res
+            elif isinstance(effect, Post):
+                reads[effect.key] = effect.notif.xid  # type: ignore[union-attr]
+            elif isinstance(effect, Abandon) and effect.key in reads:
+                xid = reads.pop(effect.key)
+                end = rng.choice([XferEnd.ABANDONED, XferEnd.DONE])
+                uses[xid]["read_end"] = now if end is XferEnd.DONE else None
+                c.transfer_ended(now, effect.key, end)
+
+    for _ in range(400):
+        now += rng.choice([0.0, 0.01, 0.1, 0.4])
+        live = [x for x in uses if x not in got]
+        xid = rng.choice(live) if live and rng.random() < 0.8 else rng.randrange(1, 50)
+        use = uses.get(xid, {"rid": "r0", "parts": 1, "mode": "push"})
+        rid = use["rid"]
+        action = rng.randrange(12)
+        if action == 0:
+            x = next(next_xid)
+            parts = rng.choice([1, 2])
+            rid = f"r{rng.randrange(3)}"
+            uses[x] = {"rid": rid, "parts": parts, "mode": "push", "landed": set()}
+            c.expect(now, rid, np.array([1, 2]), [P, Q][:parts], rng.choice([0.3, 5.0]),
+                     1, False, 1, x)
+        elif action == 1:
+            x = next(next_xid)
+            rid = f"r{rng.randrange(3)}"
+            uses[x] = {"rid": rid, "parts": 1, "mode": "pull", "began": now}
+            c.pull(now, [ticket(rid)], [np.array([3, 4])], np.array([8, 9]),
+                   rng.choice([0.3, 5.0]), 1, x)
+        elif action == 2:
+            c.on_message(now, P, m.Posted(rid, xid, rng.randrange(2)))
+        elif action == 3:
+            part = rng.randrange(2)
+            c.on_notification(now, [P, Q][part], m.Landed(rid, xid, part))
+            if xid in uses and uses[xid]["mode"] == "push" and xid not in got:
+                uses[xid]["landed"].add(part)
+        elif action == 4:
+            c.on_message(now, rng.choice([P, Q]), m.Failed(rid, xid, rng.choice(
+                ["aborted", "timeout", "boom"]), "x", unfenced=rng.random() < 0.3))
+        elif action == 5:
+            c.on_message(now, rng.choice([P, Q]), m.AbortAck(rid, xid))
+        elif action == 6:
+            hold = rng.choice([0.05, 10.0])
+            c.on_message(now, P, m.PullHeld(rid, xid, hold))
+            if xid in uses and uses[xid]["mode"] == "pull" and "hold" not in uses[xid]:
+                uses[xid]["hold"] = hold
+        elif action == 7 and reads:
+            key = rng.choice(sorted(reads))
+            x = reads.pop(key)
+            end = rng.choice([XferEnd.DONE, XferEnd.DONE, XferEnd.ERROR])
+            uses[x]["read_end"] = now if end is XferEnd.DONE else None
+            c.transfer_ended(now, key, end)
+        elif action == 8:
+            c.abort(now, rid, RequestState.ABORTED, RequestAborted("engine"))
+        elif action == 9:
+            c.on_message(now, rng.choice([P, Q]), m.Abort(rid, xid, "producer"))
+        elif action == 10 and rng.random() < 0.1:
+            peer = rng.choice([P, Q])
+            c.peer_lost(now, peer, "test")
+            c.peer_up(now, peer)
+        else:
+            c.tick(now)
+        collect()
+        for x, res in got.items():
+            if res.ok:
+                use = uses[x]
+                if use["mode"] == "push":
+                    assert use["landed"] >= set(range(use["parts"])), (seed, x)
+                else:
+                    assert use.get("read_end") is not None, (seed, x)
+                    assert use["read_end"] <= use["began"] + use["hold"], (seed, x)
+                assert res.blocks_safe
+    c.close(now)
+    collect()
+    while reads:
+        key, x = reads.popitem()
+        c.transfer_ended(now, key, XferEnd.DONE)
+        collect()
+    assert c.pending == 0 and c.next_deadline() is None
+    assert set(got) == set(uses), "a use without a result"
