@@ -547,8 +547,21 @@ class Consumer(Endpoint):
                 self._stats.messages_rejected += 1
 
     def _decode(self, peer: _Producer, frame: bytes) -> m.Message:
-        if peer.agent_name or self._key is None:
-            return m.decode(frame, peer.opener)
+        if self._key is None:
+            return m.decode(frame)
+        if peer.agent_name:
+            try:
+                return m.decode(frame, peer.opener)
+            except AuthenticationError:
+                if not m.is_sealed(frame):
+                    raise
+                # The producer's answer to a re-sent Hello, the same as the first (sealed
+                # with the key, not the session's): ignored, and not an attack.
+                try:
+                    return self._hello_answer(peer, frame)
+                except AuthenticationError:
+                    pass
+                raise
         # Handshake with a key: a sealed HelloAck echoing one of our nonces, or a plain
         # HelloReject (a producer without our key can only say no).
         if not m.is_sealed(frame):
@@ -556,6 +569,10 @@ class Consumer(Endpoint):
             if not isinstance(msg, m.HelloReject):
                 raise AuthenticationError(f"unauthenticated {type(msg).__name__}")
             return msg
+        return self._hello_answer(peer, frame)
+
+    def _hello_answer(self, peer: _Producer, frame: bytes) -> m.HelloAck:
+        assert self._key is not None
         msg = m.decode(frame, Opener(self._key, b"hello-ack", replay=False))
         if not isinstance(msg, m.HelloAck) or peer.hello is None \
                 or msg.echo != peer.hello.nonce:

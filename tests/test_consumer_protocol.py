@@ -86,8 +86,8 @@ class ScriptedProducer:
     def send(self, msg: m.Message) -> None:
         self.sock.send_multipart([self.identity, m.encode(msg, self.sealer)])
 
-    def accept(self, frame: bytes | None = None) -> m.Hello:
-        """Answer the consumer's (next) Hello with a HelloAck."""
+    def accept(self, frame: bytes | None = None) -> bytes:
+        """Answer the consumer's (next) Hello with a HelloAck; returns the answer's frame."""
         if frame is None:
             self.identity, frame = self.recv_frame()
         if self.key is None:
@@ -100,7 +100,7 @@ class ScriptedProducer:
             self.consumer_agent = self.agent.add_peer(hello.agent_metadata, layout)
         if self.key is None:
             ack = m.HelloAck(self.name, self.agent.metadata(), self.cache.layout.to_wire())
-            self.sock.send_multipart([self.identity, m.encode(ack)])
+            answer = m.encode(ack)
         else:
             nonce = new_nonce()
             session = session_key(self.key, hello.nonce, nonce)
@@ -108,9 +108,9 @@ class ScriptedProducer:
             self.sealer, self.opener = Sealer(session, b"p2c"), Opener(session, b"c2p")
             ack = m.HelloAck(self.name, self.agent.metadata(), self.cache.layout.to_wire(),
                              nonce=nonce, echo=hello.nonce)
-            self.sock.send_multipart([self.identity,
-                                      m.encode(ack, Sealer(self.key, b"hello-ack"))])
-        return hello
+            answer = m.encode(ack, Sealer(self.key, b"hello-ack"))
+        self.sock.send_multipart([self.identity, answer])
+        return answer
 
     def ticket(self, rid: str, ids: list[int], sid: int = 77, lease_s: float = 30.0) -> Any:
         return m.PullTicket(producer=self.name, address=self.address, request_id=rid,
@@ -318,9 +318,11 @@ def test_hello_retransmits_are_identical_and_a_slow_answer_still_authenticates()
         frames = [frame for _, frame in got]
         assert len(set(frames)) == 1, "Hello retransmits differ"
         prod.identity = got[0][0]
-        prod.accept(frames[-1])
+        ack = prod.accept(frames[-1])
         t.join(10)
         assert box == [prod.name]
+        for _ in range(3):  # the same answer to each duplicate: ignored, not an attack
+            prod.sock.send_multipart([prod.identity, ack])
         h = consumer.expect("a", np.array([1]), prod.name, timeout=10)
         reg = prod.recv()  # authenticated with the session key
         assert isinstance(reg, m.Register) and reg.xid == h.xid
