@@ -271,6 +271,13 @@ def test_a_claim_becomes_the_pull_or_is_dropped_when_refused() -> None:
     c.drain()
     c.abort_claim(0.2, "s", 41, "engine")
     assert sends(c.drain()) == [m.Abort("s", 41, "engine")]
+    # A claimed pull that cannot start gives the claim up at the producer.
+    c.claim(0.0, ticket("t", 8), xid=51)
+    c.drain()
+    c.pull(0.3, [ticket("t", 8)], [np.array([3, 4])], np.array([8, 9]), 0.0, 1, 51)
+    effects = c.drain()
+    assert sends(effects) == [m.Abort("t", 51, "the pull ticket's lease for 't' has run out")]
+    assert results(effects)[0].state is RequestState.TIMED_OUT and c.status("t") == "none"
 
 
 def test_notification_opener_accepts_old_counters_but_not_repeats_or_forgeries() -> None:

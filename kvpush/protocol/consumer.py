@@ -391,6 +391,8 @@ class ConsumerCore:
         claim = self._claims.get(rid)
         if claim is not None and claim.xid == xid:
             del self._claims[rid]  # the pull continues the claim
+        else:
+            claim = None
         error: KvpushError | None = None
         state = RequestState.FAILED
         plans: list[Any] = []
@@ -412,6 +414,10 @@ class ConsumerCore:
             except KvpushError as exc:
                 error = exc
         if error is not None:
+            if claim is not None:  # a claimed source is held for us: give it up
+                for name in claim.sids:
+                    if name in self._peers:
+                        self._out.append(Send(name, m.Abort(rid, xid, str(error))))
             self._emit(now, rid, xid, TransferMode.PULL, dst, state, error, now)
             return xid
         req = _Request(rid, xid, TransferMode.PULL, Phase.PULLING, dst, names, now,
