@@ -11,7 +11,10 @@ HMAC-SHA256 tag over (direction label, counter, body):
   connection cannot be replayed into another;
 * receivers accept each counter once (a sliding window, because NIXL notifications of
   different transfers may arrive out of order). Forged, tampered and replayed frames raise
-  :class:`~kvpush.errors.AuthenticationError` and are counted, never acted on.
+  :class:`~kvpush.errors.AuthenticationError` and are counted, never acted on. A consumer
+  opens notifications with ``accept_old``: one older than the window is not refused (a
+  large WRITE's can be overtaken by thousands of later ones), because a ``Landed`` counts
+  once per (transfer id, part) anyway.
 
 Keys are bytes of at least 16; give both sides the same key out of band.
 """
@@ -72,19 +75,23 @@ class Opener:
     """Checks the frames one side receives in one direction.
 
     ``window`` counters behind the highest seen are still accepted once each; older ones
-    and repeats are replays.
+    and repeats are replays. With ``accept_old``, counters older than the window are
+    accepted (repeats inside it still are not): for frames whose own content makes a
+    second copy harmless, such as NIXL notifications, which the consumer counts once per
+    (transfer id, part) and which a large WRITE's may arrive after thousands of later ones.
     """
 
-    __slots__ = ("_highest", "_key", "_label", "_replay", "_seen", "_window")
+    __slots__ = ("_accept_old", "_highest", "_key", "_label", "_replay", "_seen", "_window")
 
     def __init__(self, key: bytes, label: bytes, window: int = 4096,
-                 replay: bool = True) -> None:
+                 replay: bool = True, accept_old: bool = False) -> None:
         self._key = key
         self._label = label
         self._highest = 0
         self._seen = 0  # bit i set: counter (highest - i) was seen
         self._window = window
         self._replay = replay  # False for handshakes, which HelloGuard / nonces protect
+        self._accept_old = accept_old
 
     def open(self, sealed: bytes | memoryview) -> bytes:
         """The body of a sealed frame; raises AuthenticationError if forged or replayed."""
@@ -107,7 +114,11 @@ class Opener:
             self._highest = counter
         else:
             back = self._highest - counter
-            if back >= self._window or (self._seen >> back) & 1:
+            if back >= self._window:
+                if self._accept_old:
+                    return body
+                raise AuthenticationError(f"replayed frame (counter {counter})")
+            if (self._seen >> back) & 1:
                 raise AuthenticationError(f"replayed frame (counter {counter})")
             self._seen |= 1 << back
         return body
