@@ -22,6 +22,7 @@ loop's events and answers with effects (:mod:`kvpush.protocol.effects`) that
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -35,14 +36,23 @@ import zmq
 
 from . import messages as m
 from .agent import Agent, TransportConfig, XferState
-from .auth import HELLO_MAX_SKEW_S, Opener, Sealer, check_key, new_nonce, session_key
+from .auth import (
+    HELLO_MAX_SKEW_S,
+    Opener,
+    Sealer,
+    check_key,
+    decrypt,
+    encrypt,
+    new_nonce,
+    session_key,
+)
 from .endpoint import (
     RESULT_QUEUE,
     Endpoint,
     Timer,
     check_durations,
     check_timeout,
-    close_dead_links,
+    control_socket,
     queue_result,
 )
 from .errors import (
@@ -389,6 +399,11 @@ class Consumer(Endpoint):
                   else t for t in batch]
         if not parsed:
             raise ValueError(f"{what} needs at least one ticket")
+        if self._key is not None:  # a router can neither read nor alter a sealed ticket
+            parsed = [t.open(self._key) for t in parsed]
+        elif any(t.sealed for t in parsed):
+            raise AuthenticationError("the pull ticket is sealed, but this consumer has no "
+                                      "auth_key to open it")
         rid = self._check_request_id(parsed[0].request_id)
         if any(t.request_id != rid for t in parsed):
             raise InvalidBlockIds(f"all tickets of one {what} must be for the same request")
@@ -454,9 +469,11 @@ class Consumer(Endpoint):
             return
         if peer is None:
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self.name.encode())
-            close_dead_links(sock, self.config.peer_timeout_s)
+            control_socket(sock, self.config.peer_timeout_s)
+            # A random routing identity per connection: no other peer can take this
+            # connection over by connecting under the same identity (the producer knows a
+            # restarted consumer by the name in its Hello).
+            sock.setsockopt(zmq.IDENTITY, b"k" + os.urandom(15))
             sock.connect(address)
             peer = _Producer(address, sock)
             self._producers[address] = peer
@@ -478,10 +495,15 @@ class Consumer(Endpoint):
         # producer would find it stale (an attempt longer than HELLO_MAX_SKEW_S / 2).
         if peer.hello is None or now - peer.hello_made > HELLO_MAX_SKEW_S / 2:
             peer.hello_made = now
-            peer.hello = m.Hello(self.name, self._agent.metadata(), self.layout.to_wire()) \
-                if self._key is None else \
-                m.Hello(self.name, self._agent.metadata(), self.layout.to_wire(),
-                        new_nonce(), time.time())
+            if self._key is None:
+                peer.hello = m.Hello(self.name, self._agent.metadata(), self.layout.to_wire(),
+                                     to=peer.address)
+            else:  # the NIXL metadata (this side's memory keys) travels encrypted
+                nonce = new_nonce()
+                peer.hello = m.Hello(self.name, encrypt(self._key, b"hello-metadata",
+                                                        nonce + self.name.encode(),
+                                                        self._agent.metadata()),
+                                     self.layout.to_wire(), nonce, time.time(), peer.address)
         # A fresh Sealer each time: counter 1 again, so a retransmit is the same frame.
         self._send(peer.socket, peer.hello,
                    sealer=None if self._key is None else Sealer(self._key, b"hello"))
@@ -601,7 +623,11 @@ class Consumer(Endpoint):
         try:
             remote = KVLayout.from_wire(msg.layout)
             check_compatible(self.layout, remote)
-            name = self._agent.add_peer(msg.agent_metadata, remote)
+            metadata = msg.agent_metadata
+            if self._key is not None:
+                metadata = decrypt(session_key(self._key, msg.echo, msg.nonce),
+                                   b"ack-metadata", msg.nonce + msg.echo, metadata)
+            name = self._agent.add_peer(metadata, remote)
         except KvpushError as exc:
             self._connect_failed(peer, exc)
             return

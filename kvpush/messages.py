@@ -88,11 +88,12 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=Tru
 class Hello(_Msg, tag="hello", frozen=True):
     """Consumer -> producer: open a connection."""
 
-    name: str
-    agent_metadata: bytes
+    name: str                 # the sender's NIXL agent name (checked against its metadata)
+    agent_metadata: bytes     # with authentication: encrypted (auth.encrypt), bound to nonce
     layout: LayoutWire
     nonce: bytes = b""        # with authentication: fresh per connection attempt
     sent_at: float = 0.0      # wall clock, with authentication
+    to: str = ""              # the address the consumer dialed (the producer checks it)
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):
@@ -255,11 +256,26 @@ class PullDone(_Msg, tag="pull_done", frozen=True):
     sharers: Sharers = 1          # as in the PullBegin (a PullDone can overtake it)
 
 
+class _Sealed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The part of a pull ticket that a router must neither read nor alter."""
+
+    block_ids: bytes
+    lease_s: float
+    issued_at: float
+    sid: int
+    checksums: bytes
+
+
 class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the router relays to the consumer in pull mode: where the source blocks are.
 
     ``lease_s`` is how long the producer holds the blocks from ``issued_at`` (its wall
     clock); the consumer refuses to start a READ it could not finish inside that lease.
+
+    With an ``auth_key`` the ticket is *sealed* (:meth:`seal`): block ids, lease, sid and
+    checksums travel only inside ``sealed`` (AEAD, bound to producer, address and request
+    id), so a router can route it but not read or alter it; the consumer opens it
+    (:meth:`open`) and refuses an unsealed or altered ticket.
     """
 
     producer: str
@@ -271,9 +287,37 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sid: int = 0              # the producer's source use these blocks belong to
     checksums: bytes = b""    # per-block source checksums (ProducerConfig.verify)
     version: int = PROTOCOL_VERSION
+    sealed: bytes = b""       # with auth_key: the fields above, encrypted (see seal)
 
     def to_bytes(self) -> bytes:
         return msgspec.msgpack.encode(self)
+
+    def _aad(self) -> bytes:
+        return msgspec.msgpack.encode((self.producer, self.address, self.request_id,
+                                       self.version))
+
+    def seal(self, key: bytes) -> PullTicket:
+        """This ticket with its block ids, lease, sid and checksums encrypted under
+        ``key`` (the plain copies emptied)."""
+        from .auth import encrypt
+        inner = _Sealed(self.block_ids, self.lease_s, self.issued_at, self.sid, self.checksums)
+        return msgspec.structs.replace(
+            self, block_ids=b"", lease_s=0.0, issued_at=0.0, sid=0, checksums=b"",
+            sealed=encrypt(key, b"pull-ticket", self._aad(), msgspec.msgpack.encode(inner)))
+
+    def open(self, key: bytes) -> PullTicket:
+        """The sealed ticket's fields back (AuthenticationError for a ticket that is not
+        sealed, or was sealed with another key, or altered)."""
+        from .auth import decrypt
+        if not self.sealed:
+            raise AuthenticationError("pull ticket is not sealed, but this side has an "
+                                      "auth_key (a ticket from a producer without the key, "
+                                      "or forged)")
+        inner = msgspec.msgpack.decode(decrypt(key, b"pull-ticket", self._aad(), self.sealed),
+                                       type=_Sealed)
+        return msgspec.structs.replace(self, block_ids=inner.block_ids, lease_s=inner.lease_s,
+                                       issued_at=inner.issued_at, sid=inner.sid,
+                                       checksums=inner.checksums, sealed=b"")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PullTicket:

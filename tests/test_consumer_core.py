@@ -204,7 +204,7 @@ def _pull(c: ConsumerCore, rid: str = "p", xid: int = 21) -> int:
     assert isinstance(begin, Send) and isinstance(begin.msg, m.PullBegin)
     assert (begin.msg.xid, begin.msg.sid, begin.msg.sharers) == (xid, 5, 2)
     assert isinstance(post, Post) and post.op == "READ" and post.nbytes == 200
-    assert post.notif == m.PullDone(rid, xid, 5, 200)
+    assert post.notif == m.PullDone(rid, xid, 5, 200, sharers=2)
     return post.key
 
 
@@ -226,8 +226,8 @@ def test_pull_read_error_tells_the_producer_and_fails() -> None:
     key = _pull(c)
     c.transfer_ended(1.1, key, XferEnd.ERROR)
     effects = c.drain()
-    done, abort = sends(effects)
-    assert done == m.PullDone("p", 21, 5, 0) and isinstance(abort, m.Abort)
+    abort, done = sends(effects)  # the Abort first: the producer counts a give-up, not done
+    assert done == m.PullDone("p", 21, 5, 0, sharers=2) and isinstance(abort, m.Abort)
     (res,) = results(effects)
     assert res.state is RequestState.FAILED and res.blocks_safe
 

@@ -23,7 +23,7 @@ from harness import check_blocks, fill, make_cache
 import kvpush
 from kvpush import messages as m
 from kvpush.agent import Agent
-from kvpush.auth import Opener, Sealer, new_nonce, session_key
+from kvpush.auth import Opener, Sealer, decrypt, encrypt, new_nonce, session_key
 from kvpush.errors import AuthenticationError, InvalidBlockIds
 
 KEY = b"k" * 32
@@ -96,8 +96,10 @@ class ScriptedProducer:
             hello = m.decode(frame, Opener(self.key, b"hello", replay=False))
         assert isinstance(hello, m.Hello)
         layout = kvpush.KVLayout.from_wire(hello.layout)
+        metadata = hello.agent_metadata if self.key is None else decrypt(
+            self.key, b"hello-metadata", hello.nonce + hello.name.encode(), hello.agent_metadata)
         with self._lock:
-            self.consumer_agent = self.agent.add_peer(hello.agent_metadata, layout)
+            self.consumer_agent = self.agent.add_peer(metadata, layout)
         if self.key is None:
             ack = m.HelloAck(self.name, self.agent.metadata(), self.cache.layout.to_wire())
             answer = m.encode(ack)
@@ -106,16 +108,18 @@ class ScriptedProducer:
             session = session_key(self.key, hello.nonce, nonce)
             self.session = session
             self.sealer, self.opener = Sealer(session, b"p2c"), Opener(session, b"c2p")
-            ack = m.HelloAck(self.name, self.agent.metadata(), self.cache.layout.to_wire(),
-                             nonce=nonce, echo=hello.nonce)
+            ack = m.HelloAck(self.name, encrypt(session, b"ack-metadata", nonce + hello.nonce,
+                                                self.agent.metadata()),
+                             self.cache.layout.to_wire(), nonce=nonce, echo=hello.nonce)
             answer = m.encode(ack, Sealer(self.key, b"hello-ack"))
         self.sock.send_multipart([self.identity, answer])
         return answer
 
     def ticket(self, rid: str, ids: list[int], sid: int = 77, lease_s: float = 30.0) -> Any:
-        return m.PullTicket(producer=self.name, address=self.address, request_id=rid,
-                            block_ids=m.encode_ids(np.array(ids)), lease_s=lease_s,
-                            issued_at=time.time(), sid=sid)
+        ticket = m.PullTicket(producer=self.name, address=self.address, request_id=rid,
+                              block_ids=m.encode_ids(np.array(ids)), lease_s=lease_s,
+                              issued_at=time.time(), sid=sid)
+        return ticket if self.key is None else ticket.seal(self.key)
 
     def close(self) -> None:
         self._stop = True

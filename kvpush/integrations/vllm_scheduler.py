@@ -193,10 +193,12 @@ class KVPushScheduler:
                 log.error("kvpush: no producer endpoint known (handshake metadata missing); "
                           "the decode instance cannot pull %r", send.transfer_id)
             ids = encode_ids(_as_ids(send.src))
-            tickets = [PullTicket(producer=r.name, address=r.address,
-                                  request_id=send.transfer_id, block_ids=ids,
-                                  lease_s=self.config.lease_s, issued_at=send.issued_at,
-                                  sid=send.sid).to_bytes() for r in ranks]
+            key = self.config.auth_key()  # with a key, the router cannot read or alter them
+            plain = [PullTicket(producer=r.name, address=r.address,
+                                request_id=send.transfer_id, block_ids=ids,
+                                lease_s=self.config.lease_s, issued_at=send.issued_at,
+                                sid=send.sid) for r in ranks]
+            tickets = [(t if key is None else t.seal(key)).to_bytes() for t in plain]
         return response_params(send.transfer_id, send.mode, producers, send.num_tokens, tickets,
                                request_id=send.req_id, engine_id=self.engine_id,
                                block_ids=send.src)
