@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -296,6 +297,9 @@ class KVPushWorker:
         self._to_send: list[Any] = []                          # SendPlans of this step
         self._sending: dict[str, str] = {}                     # transfer id -> req id
         self._released: set[str] = set()                       # req ids released
+        # req id -> when its blocks may be freed: a transfer may still read them
+        # (Release.blocks_safe False), so vLLM must not reuse them before then
+        self._quarantined: dict[str, float] = {}
         self._finished: set[str] = set()                       # req ids finished in vLLM
         self._issued: set[str] = set()                         # req ids not yet reported
 
@@ -401,6 +405,11 @@ class KVPushWorker:
             self._finished |= finished_req_ids & self._issued
             for release in self.producer.get_released():
                 self._on_release(release)
+            now = time.monotonic()
+            for req_id, until in list(self._quarantined.items()):
+                if until <= now:
+                    del self._quarantined[req_id]
+                    self._released.add(req_id)
             sending = self._released & self._finished
             self._released -= sending
             self._finished -= sending
@@ -440,7 +449,13 @@ class KVPushWorker:
         req_id = self._sending.pop(release.request_id, None)
         if req_id is None:
             return
-        self._released.add(req_id)
+        if release.blocks_safe:
+            self._released.add(req_id)
+        else:  # a transfer may still read these blocks: vLLM frees them only later
+            log.warning("kvpush: %r released while a transfer may still read its blocks; "
+                        "they are kept %s s before vLLM may reuse them", release.request_id,
+                        self.config.transfer_timeout_s)
+            self._quarantined[req_id] = time.monotonic() + self.config.transfer_timeout_s
         if release.reason is ReleaseReason.TRANSFERRED:
             self._stats.data["num_released"].append(1)
         elif release.reason is ReleaseReason.LEASE_EXPIRED:

@@ -547,6 +547,11 @@ class ConsumerCore:
             # Another use of the id (earlier, or another consumer's), or none: it changes
             # nothing here.
             self.stats.stale_messages += 1
+            msg = args.get("msg")
+            if isinstance(msg, m.Failed) and msg.unfenced:
+                # The producer holds the source until we acknowledge that its abandoned
+                # WRITE is not trusted here (this use has ended: nothing of it will be).
+                self._out.append(Send(peer, m.Abort(rid, xid, "unfenced write acknowledged")))
             return
         self._event(now, req, event, peer=peer, **args)
 
