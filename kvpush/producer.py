@@ -42,7 +42,6 @@ from .auth import (
     session_key,
 )
 from .endpoint import (
-    RESULT_QUEUE,
     Endpoint,
     Timer,
     check_durations,
@@ -187,7 +186,7 @@ class Producer(Endpoint):
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_release = on_release
-        self._released: deque[Release] = deque(maxlen=RESULT_QUEUE)
+        self._released: deque[Release] = deque()
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
         self._hello_guard = HelloGuard()
