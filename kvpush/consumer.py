@@ -35,7 +35,7 @@ import numpy as np
 import zmq
 
 from . import messages as m
-from .agent import Agent, TransportConfig, XferState
+from .agent import Agent, TransportConfig
 from .auth import (
     HELLO_MAX_SKEW_S,
     Opener,
@@ -66,11 +66,9 @@ from .errors import (
     TransferTimeout,
 )
 from .layout import KVLayout, check_compatible
-from .metrics import LIVE
 from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.consumer import ConsumerCore, CoreConfig, new_xid
-from .protocol.effects import Abandon, Emit, Post, Send, XferEnd
 from .request import RequestState, TransferHandle, TransferMode, TransferResult
 
 __all__ = ["Consumer", "ConsumerConfig", "new_xid"]
@@ -218,11 +216,10 @@ class Consumer(Endpoint):
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
         # Every request's state lives in the core; this facade keeps only the handles the
         # engine waits on (by xid) and the NIXL transfers the core asked for (by key).
-        self._core = ConsumerCore(layout, CoreConfig(config.abort_grace_s, config.verify,
-                                                     config.coalesce),
-                                  _AgentLinks(self._agent, layout), self._stats)
+        self._core: ConsumerCore = ConsumerCore(
+            layout, CoreConfig(config.abort_grace_s, config.verify, config.coalesce),
+            _AgentLinks(self._agent, layout), self._stats)
         self._handles: dict[int, TransferHandle] = {}
-        self._xfers: dict[int, Any] = {}
         # pulls claimed and not begun, by request id: written by the engine's threads
         # (claim, pull, abort) and by the loop (a producer lost), hence the lock
         self._claims: dict[str, _Claim] = {}
@@ -710,78 +707,21 @@ class Consumer(Endpoint):
         self._core.abort(time.monotonic(), rid, state, error)
         self._apply()
 
-    # -- loop: the core's effects ----------------------------------------------------------
-    def _apply(self) -> None:
-        """Carry out what the core asked, in order, until it asks nothing more (carrying
-        one out may feed an event back: a post NIXL refuses at once)."""
-        while True:
-            effects = self._core.drain()
-            if not effects:
-                return
-            for effect in effects:
-                if isinstance(effect, Send):
-                    peer = self._by_name.get(effect.peer)
-                    if peer is not None:
-                        self._tell(peer, effect.msg)
-                elif isinstance(effect, Post):
-                    self._post(effect)
-                elif isinstance(effect, Abandon):
-                    self._abandon(effect.key)
-                elif isinstance(effect, Emit):
-                    assert isinstance(effect.item, TransferResult)
-                    self._deliver(effect.item)
-                # DropPeer: the consumer's core never asks it (peers are lost here first)
+    # -- loop: the core's effects (carried out by Endpoint._apply) ---------------------------
+    def _send_to(self, peer: str, msg: m.Message) -> None:
+        producer = self._by_name.get(peer)
+        if producer is not None:
+            self._tell(producer, msg)
 
-    def _post(self, effect: Post) -> None:
-        peer = self._by_name.get(effect.peer)
-        now = time.monotonic()
-        if peer is None:
-            self._core.transfer_ended(now, effect.key, XferEnd.LOST)
-            return
-        try:
-            xfer = self._agent.post(effect.op, effect.peer, effect.local, effect.remote,
-                                    m.encode(effect.notif, peer.notif_sealer))
-        except KvpushError as exc:
-            log.warning("%s: %s", self.name, exc)
-            self._core.transfer_ended(now, effect.key, XferEnd.LOST
-                                      if isinstance(exc, PeerUnavailable) else XferEnd.ERROR)
-            return
-        self._xfers[effect.key] = xfer
-        LIVE.add("transfers_in_flight", 1)
-        self._stats.transfers_posted += 1
-        self._stats.descriptors_posted += effect.descriptors
-        self._check_xfer(effect.key, xfer)  # on a host UCX often finishes inside the post
+    def _notif_sealer(self, peer: str) -> tuple[bool, Sealer | None]:
+        producer = self._by_name.get(peer)
+        return producer is not None, producer.notif_sealer if producer is not None else None
 
-    def _check_xfer(self, key: int, xfer: Any) -> bool:
-        """Report a transfer that ended; True if it had."""
-        state = self._agent.state(xfer)
-        if state is XferState.IN_PROGRESS:
-            return False
-        self._agent.release(xfer)
-        self._end_xfer(key)
-        self._core.transfer_ended(time.monotonic(), key, XferEnd.DONE
-                                  if state is XferState.DONE else XferEnd.ERROR)
-        return True
+    def _forget(self, peer: str, why: str) -> None:
+        """Never asked: this side drops a producer itself (:meth:`_lose_producer`)."""
 
-    def _abandon(self, key: int) -> None:
-        """Give up a transfer without its end: NIXL's release does not stop a READ in
-        progress, whose data may land later (the core reports the blocks unsafe)."""
-        xfer = self._xfers.get(key)
-        if xfer is None:
-            return
-        state = self._agent.state(xfer)
-        if not self._agent.release(xfer):
-            log.warning("%s: NIXL refused to release transfer %d", self.name, key)
-        self._end_xfer(key)
-        end = {XferState.IN_PROGRESS: XferEnd.ABANDONED,
-               XferState.DONE: XferEnd.DONE}.get(state, XferEnd.ERROR)
-        self._core.transfer_ended(time.monotonic(), key, end)
-
-    def _end_xfer(self, key: int) -> None:
-        del self._xfers[key]
-        LIVE.add("transfers_in_flight", -1)
-
-    def _deliver(self, result: TransferResult) -> None:
+    def _emit(self, result: Any) -> None:
+        assert isinstance(result, TransferResult)
         handle = self._handles.pop(result.xid, None)
         if handle is not None:
             handle._set(result)
@@ -794,19 +734,8 @@ class Consumer(Endpoint):
             log.exception("%s: on_finished callback raised", self.name)
 
     # -- loop: progress and time -----------------------------------------------------------
-    def _busy(self) -> bool:
-        return bool(self._xfers) or self._core.polling()
-
-    def _poll_transfers(self) -> bool:
-        moved = False
-        for key, xfer in list(self._xfers.items()):
-            moved |= self._check_xfer(key, xfer)
-        if self._core.polling():
-            for sender, msg in self._notifications():
-                moved = True
-                self._core.on_notification(time.monotonic(), sender, msg)
-        self._apply()
-        return moved
+    def _wants_notifications(self) -> bool:
+        return bool(self._core.polling())
 
     def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
         peer = self._by_name.get(sender)
@@ -814,22 +743,6 @@ class Consumer(Endpoint):
 
     def _predicted(self) -> tuple[float, float] | None:
         return self._core.predicted(time.monotonic(), self._progress_policy.spin_s)
-
-    def _next_timeout(self) -> float | None:
-        timeout = super()._next_timeout()
-        due = self._core.next_deadline()
-        if due is not None:
-            until = max(0.0, due - time.monotonic())
-            timeout = until if timeout is None else min(timeout, until)
-        return timeout
-
-    def _run_timers(self) -> None:
-        super()._run_timers()
-        now = time.monotonic()
-        due = self._core.next_deadline()
-        if due is not None and due <= now:
-            self._core.tick(now)
-            self._apply()
 
     # -- teardown --------------------------------------------------------------------------
     def _on_close(self) -> None:

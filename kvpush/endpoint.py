@@ -27,12 +27,13 @@ from typing import Any
 import zmq
 
 from . import messages as m
-from .agent import Agent, TransportConfig
+from .agent import Agent, TransportConfig, XferState
 from .auth import Opener, Sealer
-from .errors import AuthenticationError, ClosedError, KvpushError, ProtocolError
+from .errors import AuthenticationError, ClosedError, KvpushError, PeerUnavailable, ProtocolError
 from .layout import KVLayout
 from .metrics import LIVE, Stats
 from .progress import Backoff, ProgressPolicy
+from .protocol.effects import Abandon, DropPeer, Emit, Post, Send, XferEnd
 
 __all__ = ["OUTBOX_BYTES", "RESULT_QUEUE", "SEND_HWM", "Endpoint", "Timer", "check_durations",
            "check_timeout", "close_dead_links", "control_socket", "queue_result"]
@@ -143,6 +144,8 @@ class Endpoint:
         self._timers: list[tuple[float, int, Timer]] = []
         self._timer_seq = itertools.count()
         self._agent = Agent(self.name, layout, transport)
+        self._core: Any = None                  # the role's protocol core (subclass sets it)
+        self._xfers: dict[int, Any] = {}        # core transfer key -> NIXL handle
         LIVE.add("registrations", 1)
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
@@ -229,13 +232,129 @@ class Endpoint:
     def _after(self, delay: float, fn: Callable[[], None]) -> Timer:
         return self._at(time.monotonic() + delay, fn)
 
+    # -- driving the protocol core: events in, effects carried out ------------------------
+    def _apply(self) -> None:
+        """Carry out what the core asked, in order, until it asks nothing more (carrying one
+        out may feed an event back: a post NIXL refuses or finishes at once)."""
+        while True:
+            effects = self._core.drain()
+            if not effects:
+                break
+            for effect in effects:
+                if isinstance(effect, Send):
+                    self._send_to(effect.peer, effect.msg)
+                elif isinstance(effect, Post):
+                    self._post(effect)
+                elif isinstance(effect, Abandon):
+                    self._abandon(effect.key)
+                elif isinstance(effect, Emit):
+                    self._emit(effect.item)
+                elif isinstance(effect, DropPeer):
+                    self._forget(effect.peer, effect.why)
+        self._applied()
+
+    def _send_to(self, peer: str, msg: m.Message) -> None:
+        """Send ``msg`` over the control connection of connected peer ``peer``."""
+        raise NotImplementedError
+
+    def _emit(self, item: Any) -> None:
+        """Hand a result or a release to the engine."""
+        raise NotImplementedError
+
+    def _forget(self, peer: str, why: str) -> None:
+        """The core is done with ``peer``: drop its NIXL state."""
+        raise NotImplementedError
+
+    def _applied(self) -> None:
+        """After the core's effects were carried out (e.g. publish its gauges)."""
+
+    def _notif_sealer(self, peer: str) -> tuple[bool, Sealer | None]:
+        """(whether ``peer`` is connected, the sealer of notifications to it)."""
+        raise NotImplementedError
+
+    def _unreachable(self, peer: str, exc: KvpushError) -> None:
+        """NIXL says ``peer`` is disconnected (a post failed with PeerUnavailable)."""
+
+    def _post(self, effect: Post) -> None:
+        now = time.monotonic()
+        known, sealer = self._notif_sealer(effect.peer)
+        if not known:
+            self._core.transfer_ended(now, effect.key, XferEnd.LOST)
+            return
+        try:
+            handle = self._agent.post(effect.op, effect.peer, effect.local, effect.remote,
+                                      m.encode(effect.notif, sealer))
+        except KvpushError as exc:
+            log.warning("%s: %s", self.name, exc)
+            lost = isinstance(exc, PeerUnavailable)
+            self._core.transfer_ended(now, effect.key, XferEnd.LOST if lost else XferEnd.ERROR)
+            if lost:
+                self._unreachable(effect.peer, exc)
+            return
+        self._xfers[effect.key] = handle
+        LIVE.add("transfers_in_flight", 1)
+        self._stats.transfers_posted += 1
+        self._stats.descriptors_posted += effect.descriptors
+        self._check_xfer(effect.key, handle)  # on a host UCX often finishes inside the post
+
+    def _check_xfer(self, key: int, handle: Any) -> bool:
+        """Report a transfer that ended; True if it had."""
+        state = self._agent.state(handle)
+        if state is XferState.IN_PROGRESS:
+            return False
+        self._agent.release(handle)
+        self._end_xfer(key, XferEnd.DONE if state is XferState.DONE else XferEnd.ERROR)
+        return True
+
+    def _abandon(self, key: int) -> None:
+        """Give up a transfer without waiting for its end (its deadline passed, or its peer
+        is gone): NIXL's release does not stop its bytes, so the core hears ABANDONED if it
+        was still in progress. If NIXL refuses the release, it stays polled and is reported
+        when it ends."""
+        handle = self._xfers.get(key)
+        if handle is None:
+            return
+        state = self._agent.state(handle)
+        if not self._agent.release(handle):
+            log.warning("%s: NIXL refused to release a transfer; still polling it", self.name)
+            return
+        self._end_xfer(key, {XferState.IN_PROGRESS: XferEnd.ABANDONED,
+                             XferState.DONE: XferEnd.DONE}.get(state, XferEnd.ERROR))
+
+    def _end_xfer(self, key: int, end: XferEnd) -> None:
+        del self._xfers[key]
+        LIVE.add("transfers_in_flight", -1)
+        self._core.transfer_ended(time.monotonic(), key, end)
+
+    def _release_xfers(self) -> None:
+        """At close: release every transfer handle (the core is told by its close())."""
+        for key, handle in list(self._xfers.items()):
+            if not self._agent.release(handle):
+                log.error("%s: a transfer could not be released at close", self.name)
+            del self._xfers[key]
+            LIVE.add("transfers_in_flight", -1)
+
+    def _wants_notifications(self) -> bool:
+        """True while the core waits for a NIXL notification (reading them progresses the
+        agent, so it is only done then)."""
+        raise NotImplementedError
+
     def _busy(self) -> bool:
         """True while something is in flight that only polling NIXL will finish."""
-        raise NotImplementedError
+        return bool(self._xfers) or self._wants_notifications()
 
     def _poll_transfers(self) -> bool:
         """Poll NIXL (transfer states, notifications); True when anything moved."""
-        raise NotImplementedError
+        moved = False
+        for key, handle in list(self._xfers.items()):
+            moved |= self._check_xfer(key, handle)
+        if self._wants_notifications():
+            for sender, msg in self._notifications():
+                moved = True
+                self._core.on_notification(time.monotonic(), sender, msg)
+        if moved:
+            self._apply()
+        return moved
 
     def _on_close(self) -> None:
         """On the loop thread, before it exits: fail what is in flight, release handles."""
@@ -274,8 +393,12 @@ class Endpoint:
             if self._busy() else None
         while self._timers and self._timers[0][2].cancelled:
             heapq.heappop(self._timers)
-        if self._timers:
-            until = max(0.0, self._timers[0][0] - time.monotonic())
+        due = [self._timers[0][0]] if self._timers else []
+        core_due = self._core.next_deadline() if self._core is not None else None
+        if core_due is not None:
+            due.append(core_due)
+        if due:
+            until = max(0.0, min(due) - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
         return timeout
 
@@ -337,6 +460,10 @@ class Endpoint:
             if not timer.cancelled:
                 timer.cancelled = True
                 timer.fn()
+        due = self._core.next_deadline() if self._core is not None else None
+        if due is not None and due <= now:  # the core's own deadlines
+            self._core.tick(now)
+            self._apply()
 
     def _recv_all(self, sock: zmq.Socket[Any]) -> list[list[bytes]]:
         """Every frame waiting on ``sock``, once the commands queued before they were

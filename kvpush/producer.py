@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 
 from . import messages as m
-from .agent import TransportConfig, XferState
+from .agent import TransportConfig
 from .auth import (
     HelloGuard,
     Opener,
@@ -43,7 +43,6 @@ from .auth import (
 )
 from .endpoint import (
     Endpoint,
-    Timer,
     check_durations,
     control_socket,
     queue_result,
@@ -60,7 +59,7 @@ from .messages import new_id
 from .metrics import LIVE
 from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
-from .protocol.effects import Abandon, DropPeer, Emit, Post, Send, XferEnd
+from .protocol.effects import Emit
 from .protocol.producer import CoreConfig, ProducerCore
 from .request import Release, TransferMode
 
@@ -190,12 +189,10 @@ class Producer(Endpoint):
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
         self._hello_guard = HelloGuard()
-        self._core = ProducerCore(layout, CoreConfig(
+        self._core: ProducerCore = ProducerCore(layout, CoreConfig(
             lease_s=config.lease_s, max_wait_s=config.max_wait_s,
             transfer_timeout_s=config.transfer_timeout_s, tombstone_s=config.tombstone_s,
             coalesce=config.coalesce), _Links(self))
-        self._xfers: dict[int, Any] = {}        # core transfer key -> NIXL handle
-        self._core_timer: Timer | None = None
         self._gauges = dict.fromkeys(self._core.gauges, 0)
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -307,104 +304,28 @@ class Producer(Endpoint):
         feed(time.monotonic())
         self._apply()
 
-    def _apply(self) -> None:
-        while True:
-            effects = self._core.drain()
-            if not effects:
-                break
-            for effect in effects:
-                if isinstance(effect, Send):
-                    peer = self._by_agent.get(effect.peer)
-                    if peer is not None and self._consumers.get(peer.identity) is peer:
-                        self._tell(peer, effect.msg)
-                elif isinstance(effect, Post):
-                    self._post(effect)
-                elif isinstance(effect, Abandon):
-                    self._abandon(effect.key)
-                elif isinstance(effect, Emit):
-                    assert isinstance(effect.item, Release)
-                    self._emit(effect.item)
-                elif isinstance(effect, DropPeer):
-                    self._forget(effect.peer, effect.why)
+    def _send_to(self, peer: str, msg: m.Message) -> None:
+        consumer = self._by_agent.get(peer)
+        if consumer is not None and self._consumers.get(consumer.identity) is consumer:
+            self._tell(consumer, msg)
+
+    def _notif_sealer(self, peer: str) -> tuple[bool, Sealer | None]:
+        consumer = self._by_agent.get(peer)
+        return consumer is not None, consumer.notif_sealer if consumer is not None else None
+
+    def _unreachable(self, peer: str, exc: KvpushError) -> None:
+        consumer = self._by_agent.get(peer)
+        if consumer is not None:
+            self._drop_consumer(consumer, str(exc), abandon=True)
+
+    def _applied(self) -> None:
         for name, value in self._core.gauges.items():
             if value != self._gauges[name]:
                 LIVE.add(name, value - self._gauges[name])
                 self._gauges[name] = value
-        deadline = self._core.next_deadline()
-        timer = self._core_timer
-        if deadline is not None and (timer is None or timer.cancelled
-                                     or deadline < timer.deadline):
-            if timer is not None:
-                timer.cancel()
-            self._core_timer = self._at(deadline, self._tick)
 
-    def _tick(self) -> None:
-        self._core_timer = None
-        self._event(self._core.tick)
-
-    def _post(self, effect: Post) -> None:
-        now = time.monotonic()
-        peer = self._by_agent.get(effect.peer)
-        if peer is None:
-            self._core.transfer_ended(now, effect.key, XferEnd.LOST)
-            return
-        try:
-            handle = self._agent.post(effect.op, effect.peer, effect.local, effect.remote,
-                                      m.encode(effect.notif, peer.notif_sealer))
-        except PeerUnavailable as exc:
-            self._core.transfer_ended(now, effect.key, XferEnd.LOST)
-            self._drop_consumer(peer, str(exc), abandon=True)
-            return
-        except KvpushError as exc:
-            log.warning("%s: %s", self.name, exc)
-            self._core.transfer_ended(now, effect.key, XferEnd.ERROR)
-            return
-        self._xfers[effect.key] = handle
-        LIVE.add("transfers_in_flight", 1)
-        self._check(effect.key, handle)  # on a host UCX often finishes inside the post
-
-    def _check(self, key: int, handle: Any) -> bool:
-        state = self._agent.state(handle)
-        if state is XferState.IN_PROGRESS:
-            return False
-        self._agent.release(handle)
-        self._end(key, XferEnd.DONE if state is XferState.DONE else XferEnd.ERROR)
-        return True
-
-    def _end(self, key: int, end: XferEnd) -> None:
-        del self._xfers[key]
-        LIVE.add("transfers_in_flight", -1)
-        self._core.transfer_ended(time.monotonic(), key, end)
-
-    def _abandon(self, key: int) -> None:
-        """Give up a WRITE (its deadline passed, or its consumer is gone): release it and
-        tell the core how it ended. If NIXL refuses the release, the WRITE stays polled and
-        is reported when it ends."""
-        handle = self._xfers.get(key)
-        if handle is None:
-            return
-        state = self._agent.state(handle)
-        if not self._agent.release(handle):
-            log.warning("%s: NIXL refused to release a WRITE; still polling it", self.name)
-            return
-        self._end(key, XferEnd.ABANDONED if state is XferState.IN_PROGRESS
-                  else XferEnd.DONE if state is XferState.DONE else XferEnd.ERROR)
-
-    # -- loop: progress --------------------------------------------------------------------
-    def _busy(self) -> bool:
-        return bool(self._xfers) or self._core.watching_pulls()
-
-    def _poll_transfers(self) -> bool:
-        moved = False
-        for key, handle in list(self._xfers.items()):
-            moved |= self._check(key, handle)
-        if self._core.watching_pulls():
-            for sender, msg in self._notifications():
-                moved = True
-                self._core.on_notification(time.monotonic(), sender, msg)
-        if moved:
-            self._apply()
-        return moved
+    def _wants_notifications(self) -> bool:
+        return bool(self._core.watching_pulls())
 
     def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
         peer = self._by_agent.get(sender)
@@ -564,7 +485,8 @@ class Producer(Endpoint):
     def _tell(self, peer: _Consumer, msg: m.Message) -> None:
         self._send(self._router, msg, peer.identity, peer.sealer)
 
-    def _emit(self, release: Release) -> None:
+    def _emit(self, release: Any) -> None:
+        assert isinstance(release, Release)
         if self._on_release is None:
             queue_result(self._released, release, self.name, "get_released")
             return
@@ -615,17 +537,10 @@ class Producer(Endpoint):
     def _on_close(self) -> None:
         for peer in list(self._consumers.values()):
             self._tell(peer, m.Bye(self.name))
-        for key, handle in list(self._xfers.items()):
-            if not self._agent.release(handle):
-                log.error("%s: a WRITE could not be cancelled at close", self.name)
-            del self._xfers[key]
-            LIVE.add("transfers_in_flight", -1)
+        self._release_xfers()
         self._core.close(time.monotonic())
-        for effect in self._core.drain():
+        for effect in self._core.drain():  # only releases: nothing else can be done now
             if isinstance(effect, Emit):
-                assert isinstance(effect.item, Release)
                 self._emit(effect.item)
-        for name, value in self._core.gauges.items():
-            LIVE.add(name, value - self._gauges[name])
-            self._gauges[name] = value
+        self._applied()
         self._consumers.clear()

@@ -234,8 +234,8 @@ class ProducerCore:
         self.links = links
         self.stats: dict[str, int] = dict.fromkeys(
             ("requests_completed", "requests_failed", "requests_timed_out",
-             "requests_aborted", "transfers_posted", "blocks_moved", "bytes_moved",
-             "descriptors_posted", "blocks_released", "messages_rejected",
+             "requests_aborted", "blocks_moved", "bytes_moved", "blocks_released",
+             "messages_rejected",
              "transfers_abandoned", "stale_messages", "refused"), 0)
         self._requests: dict[str, _Request] = {}
         self._waiting: dict[str, int] = {}       # REGISTERED/CLAIMED shares by peer
@@ -931,8 +931,6 @@ class ProducerCore:
                                    lambda now: self._write_expired(rid, owner, key)))
         share.writes[group] = write
         self._writes[key] = (rid, owner)
-        self.stats["transfers_posted"] += 1
-        self.stats["descriptors_posted"] += plan.num_runs * (hi - lo)
         # The hint goes out before the WRITE: the consumer starts polling for the Landed
         # notification while the bytes move, instead of waking after them.
         self._send(peer, m.Posted(rid, share.xid, part))
