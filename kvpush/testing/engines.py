@@ -1,0 +1,316 @@
+"""Engine models: what a prefill and a decode engine do with their blocks, and the
+invariants that follow from it.
+
+The prefill engine writes a pattern unique to each (request, use) into its source blocks
+before ``prefill_done`` and remembers the bytes as they were then; after a ``Release`` it
+frees the blocks and reuses them at once (it overwrites them), so a transfer that still
+reads them copies the reuse's bytes. The decode engine allocates destination blocks (filled
+with its own pattern, so missing bytes show), checks every byte of a READY result against
+its source's snapshot, frees the blocks on a safe result and quarantines them on an unsafe
+one. Every byte that lands in a decode engine's memory is checked against who owns the
+blocks it lands in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..request import Release, RequestState, TransferMode, TransferResult
+
+if TYPE_CHECKING:
+    from .driver import Endpoint
+    from .fakes import Transfer
+    from .sim import Simulation
+
+__all__ = ["DecodeEngine", "PrefillEngine", "Request", "Source", "Use"]
+
+_DECODE_TAG = 1 << 39      # decode-side fills (missing bytes show as these)
+_REUSE_TAG = 1 << 38       # what a prefill engine writes into released blocks
+
+
+@dataclass(eq=False)
+class Request:
+    """One use of a request id across the cluster: one source, one or more consumer uses."""
+
+    rid: str
+    number: int
+    mode: TransferMode
+    producer: str
+    nblocks: int
+    sharers: int = 1
+    source: Source | None = None
+    uses: list[Use] = field(default_factory=list)
+    producer_done: bool = False   # released, aborted before prefill, or producer died
+    open_uses: int = 0
+    pending: int = 0              # engine calls scheduled and not yet made
+    consumers: list[str] = field(default_factory=list)   # pull: who gets the ticket
+    p_aborted: bool = False       # the prefill engine aborted it before prefill_done
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class Source:
+    req: Request
+    ep: Endpoint
+    ids: np.ndarray
+    idset: frozenset[int]
+    sid: int = 0
+    snapshot: np.ndarray | None = None
+    done_at: float = -1.0
+    released: bool = False
+    #: xid -> time until which the producer promised (PullHeld) to hold the blocks
+    held_until: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Use:
+    req: Request
+    ep: Endpoint
+    ids: np.ndarray
+    xid: int = 0
+    started: float = 0.0
+    deadline: float = 0.0
+    stall0: float = 0.0
+    result: TransferResult | None = None
+    moving: int = 0               # transfers of this use still moving bytes
+    quarantine_until: float = -1.0
+
+
+class PrefillEngine:
+    """The prefill side's block pool and sources."""
+
+    def __init__(self, sim: Simulation, ep: Endpoint) -> None:
+        self.sim = sim
+        self.ep = ep
+        self.free: list[int] = list(range(ep.memory.num_blocks))
+        self.sources: dict[str, Source] = {}
+        #: block id -> the live source holding it
+        self.owner: dict[int, Source] = {}
+
+    def allocate(self, req: Request) -> Source | None:
+        if len(self.free) < req.nblocks or req.rid in self.sources:
+            return None
+        rng = self.sim.sched.rng
+        ids = [self.free.pop(rng.randrange(len(self.free))) for _ in range(req.nblocks)]
+        arr = np.array(ids, dtype=np.int64)
+        src = Source(req, self.ep, arr, frozenset(ids))
+        self.sources[req.rid] = src
+        for b in ids:
+            self.owner[b] = src
+        return src
+
+    def give_back(self, src: Source) -> None:
+        """The engine frees blocks it never handed to kvpush (aborted before prefill)."""
+        self._free(src)
+
+    def _free(self, src: Source) -> None:
+        if self.sources.get(src.req.rid) is src:
+            del self.sources[src.req.rid]
+        for b in src.ids.tolist():
+            if self.owner.get(b) is src:
+                del self.owner[b]
+        self.sim.reuse_tag += 1
+        self.ep.memory.fill(src.ids, _REUSE_TAG | self.sim.reuse_tag)  # reused at once
+        self.free.extend(src.ids.tolist())
+
+    def prefill_done(self, src: Source) -> None:
+        self.ep.memory.fill(src.ids, src.req.number)
+        src.snapshot = self.ep.memory.snapshot(src.ids)
+        src.done_at = self.sim.sched.now
+
+    def on_release(self, rel: Release) -> None:
+        chk = self.sim.checker
+        src = self.sources.get(rel.request_id)
+        if src is None or src.done_at < 0:
+            chk.fail("release_not_held",
+                     f"{self.ep.name} released {rel.request_id!r} ({rel.reason.value}) "
+                     f"but holds no source of it (a second release?)")
+            return
+        if sorted(np.asarray(rel.block_ids).tolist()) != sorted(src.ids.tolist()):
+            chk.fail("release_wrong_blocks",
+                     f"{self.ep.name} released {rel.request_id!r} naming blocks "
+                     f"{np.asarray(rel.block_ids).tolist()}, held {src.ids.tolist()}")
+        now = self.sim.sched.now
+        for xfer in self.ep.xfers.values():
+            if xfer.op == "WRITE" and xfer.src is self.ep.memory \
+                    and not src.idset.isdisjoint(xfer.src_blocks):
+                chk.fail("release_while_writing",
+                         f"{self.ep.name} released {rel.request_id!r} ({rel.reason.value}) "
+                         f"while its WRITE {xfer.key} to {xfer.consumer} "
+                         f"(xid {xfer.xid:x}) had not ended")
+        for xfer in self.sim.nixl.reading(self.ep.memory):
+            until = src.held_until.get(xfer.xid)
+            if xfer.op == "READ" and until is not None and now < until \
+                    and not src.idset.isdisjoint(xfer.src_blocks):
+                chk.fail("release_while_held",
+                         f"{self.ep.name} released {rel.request_id!r} ({rel.reason.value}) "
+                         f"while {xfer.consumer}'s READ (xid {xfer.xid:x}) was in flight "
+                         f"under its PullHeld promise (until t={until:.6f})")
+        src.released = True
+        self.sim.checker.trace(f"{self.ep.name} release {rel.request_id} {rel.reason.value}")
+        self._free(src)
+        self.sim.producer_ended(src.req)
+
+    def check_write(self, xfer: Transfer) -> None:
+        """A WRITE may only read blocks of a source this engine has handed to kvpush."""
+        for b in xfer.src_blocks:
+            src = self.owner.get(b)
+            if src is None or src.done_at < 0:
+                self.sim.checker.fail(
+                    "write_from_unheld",
+                    f"{self.ep.name} posted WRITE {xfer.key} to {xfer.consumer} "
+                    f"(xid {xfer.xid:x}) reading block {b}, which no prefilled source holds")
+                return
+
+    def died(self) -> None:
+        for src in list(self.sources.values()):
+            self.sim.producer_ended(src.req)
+        self.sources.clear()
+
+
+class DecodeEngine:
+    """The decode side's block pool and request uses."""
+
+    def __init__(self, sim: Simulation, ep: Endpoint) -> None:
+        self.sim = sim
+        self.ep = ep
+        self.free: list[int] = list(range(ep.memory.num_blocks))
+        self.uses: dict[int, Use] = {}          # by xid, until its result
+        self.by_rid: dict[str, Use] = {}
+        #: block id -> xid of the use whose bytes may land there (0: nobody's)
+        self.owner = [0] * ep.memory.num_blocks
+        self.quarantined: list[Use] = []
+        self.done: dict[int, Use] = {}          # xid -> use with a result, transfers moving
+
+    def allocate(self, req: Request) -> Use | None:
+        if len(self.free) < req.nblocks or req.rid in self.by_rid:
+            return None
+        rng = self.sim.sched.rng
+        ids = [self.free.pop(rng.randrange(len(self.free))) for _ in range(req.nblocks)]
+        arr = np.array(ids, dtype=np.int64)
+        self.sim.reuse_tag += 1
+        self.ep.memory.fill(arr, _DECODE_TAG | self.sim.reuse_tag)
+        use = Use(req, self.ep, arr)
+        return use
+
+    def started(self, use: Use, xid: int) -> None:
+        use.xid = xid
+        if xid in self.uses or xid in self.done:
+            self.sim.checker.fail("xid_reused", f"{self.ep.name} got xid {xid:x} twice")
+        self.uses[xid] = use
+        self.by_rid[use.req.rid] = use
+        for b in use.ids.tolist():
+            self.owner[b] = xid
+
+    def cancel(self, use: Use) -> None:
+        """The call that would have started ``use`` raised: the engine keeps its blocks."""
+        self.free.extend(use.ids.tolist())
+
+    def on_result(self, res: TransferResult) -> None:
+        chk = self.sim.checker
+        xid = getattr(res, "xid", 0)
+        use = self.uses.get(xid) if xid else self.by_rid.get(res.request_id)
+        if use is None or use.req.rid != res.request_id:
+            prior = self.done.get(xid) if xid else None
+            what = "a second result" if prior is not None else "a result of no live use"
+            chk.fail("result_not_once",
+                     f"{self.ep.name}: {what} for {res.request_id!r} xid {xid:x} "
+                     f"({res.state.value})")
+            return
+        now = self.sim.sched.now
+        use.result = res
+        del self.uses[use.xid]
+        if self.by_rid.get(use.req.rid) is use:
+            del self.by_rid[use.req.rid]
+        chk.trace(f"{self.ep.name} result {res.request_id} xid={use.xid:x} {res.state.value} "
+                  f"safe={res.blocks_safe}")
+        ids = getattr(res, "block_ids", None)
+        if ids is not None and sorted(np.asarray(ids).tolist()) != sorted(use.ids.tolist()):
+            chk.fail("result_wrong_blocks",
+                     f"{self.ep.name}: result of {res.request_id!r} names blocks "
+                     f"{np.asarray(ids).tolist()}, the use has {use.ids.tolist()}")
+        if res.state is RequestState.READY:
+            self._check_ready(use, res)
+        self.sim.stats["results_" + res.state.value] += 1
+        if res.blocks_safe:
+            self._free(use)
+        else:
+            self.sim.stats["results_unsafe"] += 1
+            use.quarantine_until = now + self.sim.timings.quarantine_s
+            self.quarantined.append(use)
+        if use.moving:
+            self.done[use.xid] = use
+        self.sim.consumer_ended(use)
+
+    def _check_ready(self, use: Use, res: TransferResult) -> None:
+        chk = self.sim.checker
+        src = use.req.source
+        if src is None or src.snapshot is None:
+            chk.fail("ready_without_source",
+                     f"{self.ep.name}: {use.req.rid!r} READY but its prefill never finished")
+            return
+        got = self.ep.memory.snapshot(use.ids)
+        if not np.array_equal(got, src.snapshot):
+            bad = sorted({int(r) % len(use.ids) for r in
+                          np.nonzero((got != src.snapshot).any(axis=1))[0]})
+            tags = self.ep.memory.tags(use.ids[bad])
+            found = ", ".join(_describe(t) for t in tags)
+            chk.fail("ready_wrong_bytes",
+                     f"{self.ep.name}: {use.req.rid!r} (xid {use.xid:x}, {use.req.mode.value}"
+                     f" from {use.req.producer}) READY with {len(bad)} of {len(use.ids)} "
+                     f"blocks not equal to the source at prefill_done (use "
+                     f"{use.req.number}); found: {found}")
+
+    def _free(self, use: Use) -> None:
+        for b in use.ids.tolist():
+            if self.owner[b] == use.xid:
+                self.owner[b] = 0
+        self.free.extend(use.ids.tolist())
+
+    def release_quarantine(self) -> None:
+        now = self.sim.sched.now
+        keep = []
+        for use in self.quarantined:
+            if use.moving == 0 and now >= use.quarantine_until:
+                self._free(use)
+            else:
+                keep.append(use)
+        self.quarantined = keep
+
+    def on_landing(self, xfer: Transfer, lo: int, hi: int) -> None:
+        """Bytes of ``xfer`` just landed in this engine's memory."""
+        nb = self.ep.memory.num_blocks
+        for row in xfer.dst_rows[lo:hi].tolist():
+            b = row % nb
+            if self.owner[b] != xfer.xid:
+                use = self.done.get(xfer.xid)
+                how = (f"after its {use.result.state.value} result with blocks_safe=True"
+                       if use is not None and use.result is not None else
+                       "into blocks it does not own")
+                self.sim.checker.fail(
+                    "landed_after_safe",
+                    f"{xfer.op} {xfer.key} of {xfer.consumer} xid {xfer.xid:x} wrote block "
+                    f"{b} {how} (block now owned by xid {self.owner[b]:x})")
+                return
+
+    def transfer_stopped(self, use: Use) -> None:
+        if use.moving == 0 and use.result is not None:
+            self.done.pop(use.xid, None)
+
+    def died(self) -> None:
+        for use in list(self.uses.values()):
+            self.sim.consumer_ended(use)
+        self.uses.clear()
+        self.by_rid.clear()
+
+
+def _describe(tag: int) -> str:
+    if tag & _DECODE_TAG:
+        return "the decode engine's own fill (bytes never landed)"
+    if tag & _REUSE_TAG:
+        return "bytes of a released block's reuse"
+    return f"bytes of request use {tag}"
+

@@ -1,0 +1,337 @@
+"""The fakes a simulation runs on: a seeded scheduler, fake KV memory, a fake NIXL that
+copies real bytes, a fake control network, and the ``links`` object the protocol cores
+plan with.
+
+Everything here is driven by one :class:`Scheduler`: its ``rng`` (one
+:class:`random.Random`) draws every delay, and its simulated clock is the ``now`` handed to
+the cores. Nothing reads the wall clock, so a seed replays exactly.
+
+What the fakes model, and why:
+
+* :class:`FakeNixl`: a posted WRITE or READ is an in-flight transfer whose bytes move *at
+  times the scheduler chooses*, possibly in several pieces. Each piece reads the source
+  memory when it moves, so a transfer that runs after its source blocks were released and
+  reused copies the reuse's bytes. Releasing a transfer in progress (``Abandon``) does not
+  stop its bytes (NIXL 1.5.1 over UCX: ``ucp_request_cancel`` does nothing for RMA). While
+  the link between its two endpoints is cut, a transfer makes no progress.
+* :class:`Network`: control frames between two endpoints keep their order per direction
+  (ZeroMQ over one TCP connection never reorders) but race NIXL notifications; frames sent
+  or due while a link is cut are lost.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from ..layout import KVLayout
+from ..protocol.effects import XferEnd
+
+__all__ = ["FakeMemory", "FakeNixl", "Network", "Scheduler", "SimLinks", "Transfer"]
+
+
+class Scheduler:
+    """Simulated time and the one source of randomness.
+
+    Events are callables kept in a heap by (time, sequence number): two events due at the
+    same time run in the order they were scheduled, so a run is a pure function of the
+    seed.
+    """
+
+    __slots__ = ("_heap", "_seq", "now", "rng", "steps")
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.steps = 0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+
+    def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` at simulated time ``when`` (never earlier than now)."""
+        if when < self.now:
+            when = self.now
+        heapq.heappush(self._heap, (when, self._seq, fn, args))
+        self._seq += 1
+
+    def after(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
+        self.at(self.now + delay, fn, *args)
+
+    def step(self) -> bool:
+        """Run the next event; False when none is left."""
+        if not self._heap:
+            return False
+        when, _, fn, args = heapq.heappop(self._heap)
+        self.now = when
+        self.steps += 1
+        fn(*args)
+        return True
+
+    def next_time(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class FakeMemory:
+    """One endpoint's registered KV memory: ``num_regions`` regions of ``num_blocks``
+    blocks of ``block_bytes`` bytes, all in one numpy array of shape
+    ``(num_regions * num_blocks, block_bytes)`` (row ``r * num_blocks + b`` is block ``b``
+    of region ``r``: exactly NIXL descriptor ``r * num_blocks + b`` of the region-major
+    lists kvpush prepares). :attr:`layout` is a real :class:`~kvpush.layout.KVLayout` over
+    it (one packed K+V region per layer, uint8)."""
+
+    __slots__ = ("block_bytes", "data", "layout", "num_blocks", "num_regions", "words")
+
+    def __init__(self, num_regions: int = 2, num_blocks: int = 32, block_bytes: int = 16) -> None:
+        if block_bytes % 16:
+            # 2 (K and V) * head_size uint8 elements; words of 8 bytes for the patterns
+            raise ValueError("FakeMemory.block_bytes must be a multiple of 16")
+        self.num_regions = num_regions
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.data = np.zeros((num_regions * num_blocks, block_bytes), dtype=np.uint8)
+        #: The same bytes as uint64 words: patterns are written a word at a time.
+        self.words = self.data.view(np.uint64)
+        regions = [self.data[r * num_blocks:(r + 1) * num_blocks] for r in range(num_regions)]
+        self.layout = KVLayout.from_buffers(
+            regions, num_layers=num_regions, num_blocks=num_blocks, tokens_per_block=1,
+            num_kv_heads=1, head_size=block_bytes // 2, dtype="uint8", kv_packed=True)
+
+    def rows(self, block_ids: np.ndarray) -> np.ndarray:
+        """Rows (descriptor indices) of ``block_ids`` in every region, region-major."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return (np.arange(self.num_regions, dtype=np.int64)[:, None] * self.num_blocks
+                + ids[None, :]).ravel()
+
+    def fill(self, block_ids: np.ndarray, tag: int) -> None:
+        """Write a pattern unique to ``tag`` (< 2**40) into ``block_ids``: every word of
+        row ``k`` of the selection holds ``tag << 24 | k << 8 | word``."""
+        rows = self.rows(block_ids)
+        n, w = len(rows), self.words.shape[1]
+        vals = (np.uint64(tag) << np.uint64(24)) \
+            | (np.arange(n, dtype=np.uint64)[:, None] << np.uint64(8)) \
+            | np.arange(w, dtype=np.uint64)[None, :]
+        self.words[rows] = vals
+
+    def snapshot(self, block_ids: np.ndarray) -> np.ndarray:
+        return self.words[self.rows(block_ids)].copy()
+
+    def tags(self, block_ids: np.ndarray) -> list[int]:
+        """The pattern tag found in the first word of each block of region 0 (which use's
+        bytes are there: for messages)."""
+        return [int(v) >> 24 for v in self.words[np.asarray(block_ids, dtype=np.int64), 0]]
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One posted WRITE or READ in the fake NIXL."""
+
+    key: int
+    op: str
+    poster: Any              # the posting endpoint (testing.sim.Endpoint or any object)
+    poster_inc: int
+    target: Any
+    target_inc: int
+    src: FakeMemory
+    dst: FakeMemory
+    src_rows: np.ndarray
+    dst_rows: np.ndarray
+    notif: bytes
+    xid: int                 # the consumer use it belongs to (from its notification)
+    consumer: str            # the consumer's name (the WRITE's target or the READ's poster)
+    posted_at: float
+    src_blocks: frozenset[int] = frozenset()   # block ids it reads
+    pieces: list[tuple[int, int]] = field(default_factory=list)  # row ranges still to move
+    moved: int = 0           # rows moved so far
+    state: str = "moving"    # moving | landed | error | dead
+    reported: bool = False   # transfer_ended was handed to the poster's core
+    abandoned: bool = False
+    fail_at: int = -1        # the piece at which it errors (-1: never)
+    use: Any = None          # the simulation's record of the consumer use, if known
+
+    @property
+    def still_moving(self) -> bool:
+        return self.state == "moving"
+
+
+class FakeNixl:
+    """All in-flight transfers of a simulation.
+
+    Hooks (set by the simulation): ``on_piece(transfer, lo, hi)`` after a piece's bytes
+    moved, ``on_landed(transfer)`` when the last piece moved, ``on_error(transfer)`` when
+    it failed, ``on_stopped(transfer)`` whenever it stops moving for any reason (landed,
+    error, dead), and ``link_cut_until(a, b) -> float`` for the link between two
+    endpoints (0 when whole).
+    """
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.active: dict[int, Transfer] = {}   # by id(transfer): still moving
+        self.on_piece: Callable[[Transfer, int, int], None] = lambda t, lo, hi: None
+        self.on_landed: Callable[[Transfer], None] = lambda t: None
+        self.on_error: Callable[[Transfer], None] = lambda t: None
+        self.on_stopped: Callable[[Transfer], None] = lambda t: None
+        self.link_cut_until: Callable[[Any, Any], float] = lambda a, b: 0.0
+        # delay of one piece: (min, max) seconds; pieces per transfer at most
+        self.piece_delay = (20e-6, 1e-3)
+        self.max_pieces = 3
+
+    def start(self, xfer: Transfer, slow: float = 0.0) -> None:
+        """Schedule the pieces of ``xfer``; ``slow`` (seconds) stretches every piece's delay
+        up to that long (a slow fabric)."""
+        rng = self.sched.rng
+        n = len(xfer.src_rows)
+        k = 1 if n <= 1 else rng.randint(1, min(self.max_pieces, n))
+        cuts = sorted(rng.sample(range(1, n), k - 1)) if k > 1 else []
+        bounds = [0, *cuts, n]
+        xfer.pieces = [(bounds[i], bounds[i + 1]) for i in range(k)]
+        self.active[id(xfer)] = xfer
+        self._schedule_next(xfer, slow)
+
+    def _schedule_next(self, xfer: Transfer, slow: float) -> None:
+        lo, hi = self.piece_delay
+        delay = self.sched.rng.uniform(lo, hi)
+        if slow:
+            delay += self.sched.rng.uniform(0, slow)
+        self.sched.after(delay, self._piece, xfer, slow)
+
+    def _piece(self, xfer: Transfer, slow: float) -> None:
+        if xfer.state != "moving":
+            return
+        until = self.link_cut_until(xfer.poster, xfer.target)
+        if until > self.sched.now:   # no progress while the link is cut
+            self.sched.at(until + self.sched.rng.uniform(*self.piece_delay),
+                          self._piece, xfer, slow)
+            return
+        if xfer.fail_at == 0:
+            self._stop(xfer, "error")
+            self.on_error(xfer)
+            return
+        xfer.fail_at -= 1
+        lo, hi = xfer.pieces.pop(0)
+        # The bytes as the source holds them *now*.
+        xfer.dst.data[xfer.dst_rows[lo:hi]] = xfer.src.data[xfer.src_rows[lo:hi]]
+        xfer.moved += hi - lo
+        self.on_piece(xfer, lo, hi)
+        if xfer.pieces:
+            self._schedule_next(xfer, slow)
+        else:
+            self._stop(xfer, "landed")
+            self.on_landed(xfer)
+
+    def _stop(self, xfer: Transfer, state: str) -> None:
+        xfer.state = state
+        self.active.pop(id(xfer), None)
+        self.on_stopped(xfer)
+
+    def kill(self, xfer: Transfer) -> None:
+        """Stop a transfer for good (its poster or target process died): no more bytes."""
+        if xfer.state == "moving":
+            self._stop(xfer, "dead")
+
+    def abandon(self, xfer: Transfer) -> XferEnd:
+        """What NIXL's release of the handle finds: DONE if every byte moved, ERROR if it
+        failed, else ABANDONED -- and then its bytes keep moving."""
+        xfer.abandoned = True
+        if xfer.state == "landed":
+            return XferEnd.DONE
+        if xfer.state in ("error", "dead"):
+            return XferEnd.ERROR
+        return XferEnd.ABANDONED
+
+    def reading(self, mem: FakeMemory) -> Iterator[Transfer]:
+        """Transfers still moving whose source is ``mem``."""
+        return (x for x in self.active.values() if x.src is mem)
+
+
+class Network:
+    """Control frames between endpoints.
+
+    Per directed pair, frames are delivered in the order sent (each is due no earlier than
+    the one before it); a frame sent while the pair's link is cut, or due while it is, is
+    lost. ``deliver(sender, frame)`` is called at delivery time; whether the
+    target can take it (alive, not stalled) is the caller's business.
+    """
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self._last: dict[tuple[str, str], float] = {}
+        self._cut: dict[frozenset[str], float] = {}
+        self.delay = (50e-6, 2e-3)
+        self.slow_p = 0.01          # chance of a slow frame (a retransmission, a full queue)
+        self.slow_delay = 20e-3
+        self.dup_p = 0.0            # chance of duplicating an idempotent frame
+        self.sent = 0
+        self.lost = 0
+        self.duplicated = 0
+
+    def cut(self, a: str, b: str, until: float) -> None:
+        key = frozenset((a, b))
+        self._cut[key] = max(until, self._cut.get(key, 0.0))
+
+    def cut_until(self, a: str, b: str) -> float:
+        until = self._cut.get(frozenset((a, b)), 0.0)
+        return until if until > self.sched.now else 0.0
+
+    def heal_all(self) -> None:
+        self._cut.clear()
+
+    def send(self, src: str, dst: str, frame: bytes, deliver: Callable[[str, bytes], None],
+             idempotent: bool = False) -> None:
+        self.sent += 1
+        if self.cut_until(src, dst):
+            self.lost += 1
+            return
+        rng = self.sched.rng
+        delay = rng.uniform(*self.delay)
+        if rng.random() < self.slow_p:
+            delay += rng.uniform(0, self.slow_delay)
+        pair = (src, dst)
+        when = max(self.sched.now + delay, self._last.get(pair, 0.0))
+        self._last[pair] = when
+        self.sched.at(when, self._arrive, src, dst, frame, deliver)
+        if idempotent and self.dup_p and rng.random() < self.dup_p:
+            self.duplicated += 1
+            self.sched.at(when, self._arrive, src, dst, frame, deliver)
+
+    def _arrive(self, src: str, dst: str, frame: bytes,
+                deliver: Callable[[str, bytes], None]) -> None:
+        if self.cut_until(src, dst):
+            self.lost += 1
+            return
+        deliver(src, frame)
+
+
+class SimLinks:
+    """The ``links`` object a protocol core plans with (docs/PROTOCOL.md): descriptor
+    indices from the compiled planner over the two sides' fake memories."""
+
+    def __init__(self, local: FakeMemory, peer_memory: Callable[[str], FakeMemory | None]) -> None:
+        self.local = local
+        self._peer_memory = peer_memory
+
+    def plan(self, peer: str, local_ids: np.ndarray, remote_ids: np.ndarray,
+             coalesce: bool = True) -> _core.TransferPlan:
+        remote = self._peer_memory(peer)
+        if remote is None:
+            raise KeyError(f"no link to {peer!r}")
+        return _core.plan_transfer(np.ascontiguousarray(local_ids, dtype=np.int64),
+                                   np.ascontiguousarray(remote_ids, dtype=np.int64),
+                                   self.local.num_blocks, remote.num_blocks,
+                                   self.local.num_regions, coalesce)
+
+    def desc_bytes(self, peer: str) -> int:
+        return self.local.block_bytes
+
+    def checksums(self, ids: np.ndarray) -> bytes:
+        from ..plan import block_checksums
+        sums: np.ndarray = block_checksums(self.local.layout, np.asarray(ids, dtype=np.int64))
+        return sums.astype("<u8").tobytes()

@@ -1,0 +1,712 @@
+"""Deterministic simulation of producers and consumers (``python -m kvpush.testing.sim``).
+
+The protocol cores (:mod:`kvpush.protocol`) run unchanged against the fakes of
+:mod:`kvpush.testing.fakes`, driven by :mod:`kvpush.testing.driver`, with engine models
+(:mod:`kvpush.testing.engines`) that write real bytes and check every invariant of
+docs/PROTOCOL.md as it happens. One ``random.Random(seed)`` draws everything (arrivals,
+delays, faults, block ids, transfer ids), and time is simulated, so a seed replays exactly::
+
+    python -m kvpush.testing.sim --requests 20000 --seed 7
+    python -m kvpush.testing.sim --requests 2000 --seed 7 --producers 16 --consumers 16
+
+The last line reads ``requests=N faults=F violations=V``; the exit code is 1 when V > 0.
+Each violation prints its seed, step and the trace's tail.
+
+Workload: requests arrive at random; each picks a producer and one consumer (or, with
+``sharers``, several that share the source), push or pull, 1-4 blocks. The prefill engine
+finishes early or late relative to the consumer's registration; aborts come from either
+side at random moments; request ids are reused once their previous use ended; a pull ticket
+is sometimes handed to a second consumer; tickets are sometimes relayed after their lease.
+Faults: link cuts (both directions lose frames, transfers stop; both sides declare the peer
+lost after ``peer_timeout_s``), loop stalls, kills and restarts (a new incarnation under
+the same name), duplicated idempotent frames, transfers in error, slow transfers (past
+``transfer_timeout_s``). Every ``epoch`` requests the run quiesces: no new requests until
+every open one has ended, then ``tombstone_s`` more, and every core must hold no record of
+any request id and no transfer in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import numpy as np
+
+from .. import messages as m
+from ..errors import KvpushError, RequestAborted
+from ..protocol.effects import XferEnd
+from ..request import RequestState, TransferMode
+from .checker import Checker
+from .driver import Endpoint
+from .engines import Request, Source, Use
+from .fakes import FakeMemory, FakeNixl, Network, Scheduler, Transfer
+
+__all__ = ["FAULTS", "CoreFactory", "Faults", "Simulation", "Timings", "main"]
+
+CoreFactory = Callable[[Endpoint], Any]
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Durations (simulated seconds) and sizes of a simulation. Short on purpose: faults
+    outlast timeouts often, so every timeout path runs."""
+
+    num_regions: int = 2
+    num_blocks: int = 48
+    block_bytes: int = 16
+    # producer
+    lease_s: float = 1.0
+    max_wait_s: float = 2.0
+    transfer_timeout_s: float = 0.4
+    tombstone_s: float = 2.0
+    # consumer
+    request_timeout_s: float = 1.5
+    abort_grace_s: float = 0.3
+    lease_margin_s: float = 0.05
+    # both
+    heartbeat_s: float = 0.25
+    peer_timeout_s: float = 1.0
+    hello_retry_s: float = 0.05
+    heartbeats_to_core: bool = False
+    # engines
+    quarantine_s: float = 5.0
+    prefill_max_s: float = 0.03
+    expect_max_s: float = 0.01
+    relay_max_s: float = 0.01
+    max_request_blocks: int = 4
+    # checks: slack on deadlines (timers fire at their time; messages take a little)
+    slack_s: float = 0.05
+
+
+#: Fault names for ``--faults`` (comma separated; "all", "none").
+FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
+          "double", "late", "sharers")
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What goes wrong, and how often. Per-request chances are per request; process faults
+    (cut, stall, kill) come at ``rate`` per simulated second, spread over their kinds."""
+
+    enabled: frozenset[str] = frozenset(FAULTS)
+    rate: float = 1.5            # process faults per simulated second
+    dup_p: float = 0.05
+    xerr_p: float = 0.02
+    slow_p: float = 0.02
+    abort_p: float = 0.04
+    pabort_p: float = 0.02
+    reuse_p: float = 0.05
+    double_p: float = 0.03
+    late_p: float = 0.02
+    sharers_p: float = 0.05
+
+    def on(self, name: str) -> bool:
+        return name in self.enabled
+
+    @classmethod
+    def parse(cls, spec: str) -> Faults:
+        if spec in ("", "all"):
+            return cls()
+        if spec == "none":
+            return cls(enabled=frozenset())
+        names = frozenset(s.strip() for s in spec.split(",") if s.strip())
+        unknown = names - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        return cls(enabled=names)
+
+
+@dataclass
+class _Epoch:
+    rids: set[str] = field(default_factory=set)
+    issued: int = 0
+
+
+class Simulation:
+    """A cluster of ``producers`` x ``consumers`` endpoints under one seed.
+
+    ``make_producer`` / ``make_consumer`` build a protocol core for an endpoint (defaults:
+    the real :class:`~kvpush.protocol.producer.ProducerCore` and
+    :class:`~kvpush.protocol.consumer.ConsumerCore`); tests wrap them to plant bugs.
+    """
+
+    def __init__(self, seed: int, *, producers: int = 2, consumers: int = 2,
+                 requests: int = 1000, rate: float | None = None,
+                 timings: Timings | None = None, faults: Faults | None = None,
+                 epoch: int = 2000, make_producer: CoreFactory | None = None,
+                 make_consumer: CoreFactory | None = None, out: Any = None,
+                 progress_every: int = 0) -> None:
+        self.seed = seed
+        self.timings = timings or Timings()
+        self.faults = faults or Faults()
+        self.sched = Scheduler(seed)
+        self.rng = self.sched.rng
+        self.checker = Checker(seed, out=out)
+        self.out = out if out is not None else sys.stdout
+        self.net = Network(self.sched)
+        self.net.dup_p = self.faults.dup_p if self.faults.on("dup") else 0.0
+        self.nixl = FakeNixl(self.sched)
+        self.nixl.on_piece = self._on_piece
+        self.nixl.on_landed = self._on_landed
+        self.nixl.on_error = self._on_error
+        self.nixl.on_stopped = self._on_stopped
+        self.nixl.link_cut_until = lambda a, b: self.net.cut_until(a.name, b.name)
+        self.stats: Counter[str] = Counter()
+        self.make_producer = make_producer or default_producer
+        self.make_consumer = make_consumer or default_consumer
+        self.requests = requests
+        self.epoch_size = max(1, epoch)
+        self.progress_every = progress_every
+        self.producer_names = [f"p{i}" for i in range(producers)]
+        self.consumer_names = [f"c{i}" for i in range(consumers)]
+        # ~concurrency of a few requests per producer at a time
+        self.rate = rate if rate is not None else 40.0 * producers
+        self.endpoints: dict[str, Endpoint] = {}
+        self.reuse_tag = 0
+        self.faults_injected = 0
+        self.issued = 0
+        self.finished = 0
+        self._number = 0
+        self._epoch = _Epoch()
+        self._live_rids: set[str] = set()
+        self._reusable: deque[str] = deque(maxlen=256)
+        self._open: set[Request] = set()
+        self._quiescing = False
+        self._done = False
+        self._wall0 = 0.0
+
+    # -- setup -------------------------------------------------------------------------
+    def peer_memory(self, name: str) -> FakeMemory | None:
+        ep = self.endpoints.get(name)
+        return ep.memory if ep is not None else None
+
+    def _spawn(self, name: str, role: str, inc: int) -> Endpoint:
+        factory = self.make_producer if role == "producer" else self.make_consumer
+        ep = Endpoint(self, name, role, inc, factory)
+        self.endpoints[name] = ep
+        ep.start_liveness()
+        if role == "consumer":
+            for p in self.producer_names:
+                ep.connect(p)
+        return ep
+
+    # -- the run -----------------------------------------------------------------------
+    def run(self) -> int:
+        """Run to the end; return the number of violations."""
+        self._wall0 = time.perf_counter()
+        for p in self.producer_names:
+            self._spawn(p, "producer", 0)
+        for c in self.consumer_names:
+            self._spawn(c, "consumer", 0)
+        self.sched.after(0.2, self._arrive)          # handshakes first
+        if self.faults.enabled & {"cut", "stall", "kill"} and self.faults.rate > 0:
+            self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
+        chk = self.checker
+        sched = self.sched
+        while not self._done and sched.step():
+            chk.step = sched.steps
+            chk.now = sched.now
+        return len(chk.violations)
+
+    def summary(self) -> str:
+        return (f"requests={self.issued} faults={self.faults_injected} "
+                f"violations={len(self.checker.violations)}")
+
+    def details(self) -> str:
+        wall = time.perf_counter() - self._wall0
+        s = self.stats
+        results = " ".join(f"{k[8:]}={v}" for k, v in sorted(s.items())
+                           if k.startswith("results_"))
+        return (f"seed={self.seed} steps={self.sched.steps} sim_time={self.sched.now:.1f}s "
+                f"wall={wall:.1f}s ({self.issued / max(wall, 1e-9):.0f} requests/s) "
+                f"trace={self.checker.trace_hash:08x} skipped={s['skipped']} {results}")
+
+    # -- arrivals ----------------------------------------------------------------------
+    def _arrive(self) -> None:
+        if self.issued >= self.requests:
+            self._quiesce()
+            return
+        if self._epoch.issued >= self.epoch_size:
+            self._quiesce()
+            return
+        self.issued += 1
+        self._epoch.issued += 1
+        if self.progress_every and self.issued % self.progress_every == 0:
+            wall = time.perf_counter() - self._wall0
+            print(f"progress: requests={self.issued} faults={self.faults_injected} "
+                  f"violations={len(self.checker.violations)} sim_time={self.sched.now:.1f}s "
+                  f"wall={wall:.1f}s", file=self.out, flush=True)
+        self.sched.after(self.rng.expovariate(self.rate), self._arrive)
+        self._new_request()
+
+    def _pick_rid(self) -> str:
+        if self.faults.on("reuse") and self._reusable and self.rng.random() < self.faults.reuse_p:
+            rid = self._reusable.popleft()
+            if rid not in self._live_rids:
+                self._fault("reuse")
+                return rid
+        self._number += 1
+        return f"r{self._number}"
+
+    def _new_request(self) -> None:
+        rng, f, t = self.rng, self.faults, self.timings
+        pname = rng.choice(self.producer_names)
+        pe = self.endpoints[pname]
+        mode = TransferMode.PUSH if rng.random() < 0.6 else TransferMode.PULL
+        sharers = 1
+        if f.on("sharers") and len(self.consumer_names) > 1 and rng.random() < f.sharers_p:
+            sharers = rng.randint(2, min(3, len(self.consumer_names)))
+            self._fault("sharers")
+        consumers = rng.sample(self.consumer_names, sharers)
+        rid = self._pick_rid()
+        self.reuse_tag += 1
+        req = Request(rid, self.reuse_tag, mode, pname, rng.randint(1, t.max_request_blocks),
+                      sharers)
+        if not pe.alive:
+            self.stats["skipped"] += 1
+            return
+        src = pe.engine.allocate(req)
+        if src is None:
+            self.stats["skipped"] += 1
+            return
+        req.source = src
+        self._live_rids.add(rid)
+        self._epoch.rids.add(rid)
+        self._open.add(req)
+        now = self.sched.now
+        prefill = rng.uniform(0, t.prefill_max_s)
+        if f.on("late") and rng.random() < f.late_p:
+            prefill = rng.uniform(t.lease_s, t.request_timeout_s * 1.5)   # prefill very late
+            self._fault("late")
+        req.pending = 1
+        self.sched.at(now + prefill, self._prefill_done, req, src)
+        if mode is TransferMode.PUSH:
+            for c in consumers:
+                req.pending += 1
+                self.sched.at(now + rng.uniform(0, t.expect_max_s), self._expect, req, c)
+        else:
+            req.consumers = consumers
+        if f.on("abort") and rng.random() < f.abort_p:
+            self._fault("abort")
+            self.sched.at(now + rng.uniform(0, prefill + 0.05), self._consumer_abort, req,
+                          rng.choice(consumers))
+        if f.on("pabort") and rng.random() < f.pabort_p:
+            self._fault("pabort")
+            self.sched.at(now + rng.uniform(0, prefill + 0.05), self._producer_abort, req, src)
+
+    # -- producer engine calls ---------------------------------------------------------
+    def _prefill_done(self, req: Request, src: Source) -> None:
+        pe = src.ep
+        req.pending -= 1
+        if not pe.alive or req.p_aborted:
+            if pe.alive:
+                pe.engine.give_back(src)
+            self.producer_ended(req)
+            return
+        pe.engine.prefill_done(src)   # the engine wrote the KV: these are the bytes
+        src.sid = self.rng.getrandbits(63) | 1
+        self.checker.trace(f"{pe.name} engine prefill_done {req.rid} "
+                           f"{req.mode.value} sid={src.sid:x} ids={src.ids.tolist()}")
+        pe.run(self._call_prefill_done, pe, req, src)
+        if req.mode is TransferMode.PULL:
+            ticket = m.PullTicket(producer=pe.name, address=f"sim://{pe.name}",
+                                  request_id=req.rid, block_ids=m.encode_ids(src.ids),
+                                  lease_s=self.timings.lease_s, issued_at=self.sched.now,
+                                  sid=src.sid)
+            consumers = list(req.consumers)
+            f, rng = self.faults, self.rng
+            if f.on("double") and req.sharers == 1 and len(self.consumer_names) > 1 \
+                    and rng.random() < f.double_p:
+                self._fault("double")
+                consumers.append(rng.choice([c for c in self.consumer_names
+                                             if c not in consumers]))
+            for c in consumers:
+                delay = rng.uniform(0, self.timings.relay_max_s)
+                if f.on("late") and rng.random() < f.late_p:
+                    self._fault("late")
+                    delay = rng.uniform(self.timings.lease_s * 0.8, self.timings.lease_s * 1.5)
+                req.pending += 1
+                self.sched.after(delay, self._pull, req, c, ticket)
+
+    def _call_prefill_done(self, pe: Endpoint, req: Request, src: Source) -> None:
+        now = self.sched.now
+        pe.core.prefill_done(now, req.rid, src.ids, req.mode, src.sid)
+        # Its release must come within the producer's documented bounds.
+        t = self.timings
+        bound = now + max(t.lease_s, t.max_wait_s) + t.transfer_timeout_s \
+            + t.peer_timeout_s + t.slack_s
+        self.sched.at(bound, self._check_released, src, pe.stall_total, bound)
+
+    def _producer_abort(self, req: Request, src: Source) -> None:
+        pe = src.ep
+        if not pe.alive:
+            return
+        if src.done_at < 0:
+            req.p_aborted = True
+        self.checker.trace(f"{pe.name} engine abort {req.rid}")
+        pe.run(lambda: pe.core.abort(self.sched.now, req.rid, "aborted by the sim's engine"))
+
+    def _check_released(self, src: Source, stall0: float, bound: float) -> None:
+        pe = src.ep
+        if src.released or not pe.alive or pe.engine.sources.get(src.req.rid) is not src:
+            return
+        ext = pe.stall_total - stall0 + max(0.0, pe.stalled_until - self.sched.now)
+        if ext > 1e-9:
+            self.sched.after(ext, self._check_released, src, pe.stall_total, bound + ext)
+            return
+        self.checker.fail("never_released",
+                          f"{pe.name} still holds {src.req.rid!r} (sid {src.sid:x}, "
+                          f"{src.req.mode.value}, prefill_done at {src.done_at:.6f}) past "
+                          f"its bound t={bound:.6f}; core says {pe.core.status(src.req.rid)}")
+        # Reported once; give the blocks back so the run goes on.
+        pe.engine.give_back(src)
+        self.producer_ended(src.req)
+
+    # -- consumer engine calls ---------------------------------------------------------
+    def _expect(self, req: Request, cname: str) -> None:
+        req.pending -= 1
+        ce = self.endpoints[cname]
+        use = ce.engine.allocate(req) if ce.alive else None
+        if use is None:
+            self.stats["skipped_uses"] += 1
+            self._maybe_finished(req)
+            return
+        self._begin_use(req, use)
+        ce.run(self._call_expect, ce, use)
+
+    def _pull(self, req: Request, cname: str, ticket: m.PullTicket) -> None:
+        req.pending -= 1
+        ce = self.endpoints[cname]
+        use = ce.engine.allocate(req) if ce.alive else None
+        if use is None:
+            self.stats["skipped_uses"] += 1
+            self._maybe_finished(req)
+            return
+        self._begin_use(req, use)
+        ce.run(self._call_pull, ce, use, ticket)
+
+    def _begin_use(self, req: Request, use: Use) -> None:
+        req.uses.append(use)
+        req.open_uses += 1
+        use.started = -1.0
+
+    def _started(self, ce: Endpoint, use: Use, xid: Any) -> None:
+        now = self.sched.now
+        if not isinstance(xid, int) or xid == 0:
+            self.checker.fail("bad_xid", f"{ce.name}: the core returned xid {xid!r}")
+            xid = self.rng.getrandbits(63) | 1
+        ce.engine.started(use, xid)
+        use.started = now
+        t = self.timings
+        use.deadline = now + t.request_timeout_s + t.abort_grace_s + t.slack_s
+        use.stall0 = ce.stall_total
+        self.sched.at(use.deadline, self._check_result, use, use.stall0, use.deadline)
+        self.checker.trace(f"{ce.name} engine {use.req.mode.value} {use.req.rid} "
+                           f"xid={xid:x} ids={use.ids.tolist()} sharers={use.req.sharers}")
+
+    def _refused(self, ce: Endpoint, use: Use, exc: Exception) -> None:
+        self.stats["refused_calls"] += 1
+        self.checker.trace(f"{ce.name} engine call refused: {exc!r}")
+        ce.engine.cancel(use)
+        self.consumer_ended(use)
+
+    def _call_expect(self, ce: Endpoint, use: Use) -> None:
+        try:
+            xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, [use.req.producer],
+                                 self.timings.request_timeout_s, 1, False, use.req.sharers)
+        except KvpushError as exc:
+            self._refused(ce, use, exc)
+            return
+        self._started(ce, use, xid)
+
+    def _call_pull(self, ce: Endpoint, use: Use, ticket: m.PullTicket) -> None:
+        src = m.decode_ids(ticket.block_ids)
+        try:
+            xid = ce.core.pull(self.sched.now, [ticket], [src], use.ids,
+                               self.timings.request_timeout_s, use.req.sharers)
+        except KvpushError as exc:
+            self._refused(ce, use, exc)
+            return
+        self._started(ce, use, xid)
+
+    def _consumer_abort(self, req: Request, cname: str) -> None:
+        ce = self.endpoints[cname]
+        if not ce.alive:
+            return
+        now = self.sched.now
+        use = ce.engine.by_rid.get(req.rid)
+        if use is not None and use.req is req and use.started >= 0:
+            # the result must come within abort_grace_s (documented), or its deadline
+            use.deadline = min(use.deadline, now + self.timings.abort_grace_s
+                               + self.timings.slack_s)
+            self.sched.at(use.deadline, self._check_result, use, ce.stall_total, use.deadline)
+        self.checker.trace(f"{ce.name} engine abort {req.rid}")
+        ce.run(lambda: ce.core.abort(self.sched.now, req.rid, RequestState.ABORTED,
+                                     RequestAborted("aborted by the sim's engine")))
+
+    def _check_result(self, use: Use, stall0: float, bound: float) -> None:
+        ce = use.ep
+        if use.result is not None or not ce.alive or bound != use.deadline:
+            return
+        ext = ce.stall_total - stall0 + max(0.0, ce.stalled_until - self.sched.now)
+        if ext > 1e-9:
+            use.deadline = bound + ext
+            self.sched.after(ext, self._check_result, use, ce.stall_total, use.deadline)
+            return
+        self.checker.fail("no_result_in_time",
+                          f"{ce.name}: {use.req.rid!r} (xid {use.xid:x}, {use.req.mode.value} "
+                          f"from {use.req.producer}) has no result by t={bound:.6f} "
+                          f"(started {use.started:.6f})")
+
+    # -- request bookkeeping -----------------------------------------------------------
+    def producer_ended(self, req: Request) -> None:
+        req.producer_done = True
+        self._maybe_finished(req)
+
+    def consumer_ended(self, use: Use) -> None:
+        use.req.open_uses -= 1
+        self._maybe_finished(use.req)
+
+    def _maybe_finished(self, req: Request) -> None:
+        if req.finished or not req.producer_done or req.open_uses > 0 \
+                or req.pending > 0:
+            return
+        req.finished = True
+        self.finished += 1
+        self._open.discard(req)
+        self._live_rids.discard(req.rid)
+        self._reusable.append(req.rid)
+
+    # -- transfers ---------------------------------------------------------------------
+    def _consumer_of(self, xfer: Transfer) -> Endpoint | None:
+        ep = xfer.target if xfer.op == "WRITE" else xfer.poster
+        if not isinstance(ep, Endpoint) or ep.role != "consumer":
+            return None
+        return ep
+
+    def _use_of(self, xfer: Transfer) -> Use | None:
+        ce = self._consumer_of(xfer)
+        if ce is None:
+            return None
+        eng = ce.engine
+        use: Use | None = eng.uses.get(xfer.xid) or eng.done.get(xfer.xid)
+        return use
+
+    def start_transfer(self, xfer: Transfer) -> None:
+        f = self.faults
+        if f.on("xerr") and self.rng.random() < f.xerr_p:
+            self._fault("xerr")
+            xfer.fail_at = self.rng.randint(0, 2)
+        slow = 0.0
+        if f.on("slow") and self.rng.random() < f.slow_p:
+            self._fault("slow")
+            slow = self.timings.transfer_timeout_s * 2.5
+        use = self._use_of(xfer)
+        if use is not None:
+            use.moving += 1
+            xfer.use = use
+        self.nixl.start(xfer, slow)
+
+    def _on_piece(self, xfer: Transfer, lo: int, hi: int) -> None:
+        ce = self._consumer_of(xfer)
+        if ce is not None and ce.alive and xfer.dst is ce.memory:
+            ce.engine.on_landing(xfer, lo, hi)
+
+    def _poll_delay(self) -> float:
+        return self.rng.uniform(5e-6, 3e-4)
+
+    def _on_landed(self, xfer: Transfer) -> None:
+        poster, target = xfer.poster, xfer.target
+        self.sched.after(self._poll_delay(), poster.run, poster.transfer_finished, xfer,
+                         XferEnd.DONE)
+        self._notify(xfer, self.rng.uniform(10e-6, 1e-3))
+
+    def _notify(self, xfer: Transfer, delay: float) -> None:
+        self.sched.after(delay, self._deliver_notif, xfer)
+
+    def _deliver_notif(self, xfer: Transfer) -> None:
+        target = xfer.target
+        if not target.alive:
+            return
+        until = self.net.cut_until(xfer.poster.name, target.name)
+        if until:
+            self.sched.at(until + self.rng.uniform(10e-6, 1e-3), self._deliver_notif, xfer)
+            return
+        target.run(target.notification, xfer.poster.name, xfer.notif)
+
+    def _on_error(self, xfer: Transfer) -> None:
+        poster = xfer.poster
+        self.sched.after(self._poll_delay(), poster.run, poster.transfer_finished, xfer,
+                         XferEnd.ERROR)
+
+    def _on_stopped(self, xfer: Transfer) -> None:
+        use: Use | None = getattr(xfer, "use", None)
+        if use is not None:
+            use.moving -= 1
+            use.ep.engine.transfer_stopped(use)
+        if xfer.state == "dead" and xfer.poster.alive and not xfer.reported:
+            poster = xfer.poster
+            self.sched.after(self._poll_delay() + 1e-3, poster.run, poster.transfer_finished,
+                             xfer, XferEnd.ERROR)
+
+    # -- faults ------------------------------------------------------------------------
+    def _fault(self, name: str) -> None:
+        self.faults_injected += 1
+        self.stats["fault_" + name] += 1
+
+    def _process_fault(self) -> None:
+        if self._quiescing or self._done:
+            return
+        rng, t = self.rng, self.timings
+        kinds = sorted(self.faults.enabled & {"cut", "stall", "kill"})
+        kind = rng.choice(kinds)
+        now = self.sched.now
+        if kind == "cut":
+            p, c = rng.choice(self.producer_names), rng.choice(self.consumer_names)
+            dur = rng.uniform(0.01, 2.5 * t.peer_timeout_s)
+            self.net.cut(p, c, now + dur)
+            self.checker.trace(f"FAULT cut {p}-{c} for {dur:.3f}s")
+        elif kind == "stall":
+            name = rng.choice(self.producer_names + self.consumer_names)
+            dur = rng.uniform(0.005, 2.0 * t.peer_timeout_s)
+            ep = self.endpoints[name]
+            if ep.alive:
+                ep.stall(now + dur)
+            self.checker.trace(f"FAULT stall {name} for {dur:.3f}s")
+        else:
+            name = rng.choice(self.producer_names + self.consumer_names)
+            ep = self.endpoints[name]
+            if not ep.alive:
+                self.sched.after(rng.expovariate(self.faults.rate), self._process_fault)
+                return
+            self.checker.trace(f"FAULT kill {name}#{ep.inc}")
+            ep.kill()
+            self.sched.after(rng.uniform(0.1, 1.5), self._restart, name, ep.role, ep.inc + 1)
+        self._fault(kind)
+        self.sched.after(rng.expovariate(self.faults.rate), self._process_fault)
+
+    def _restart(self, name: str, role: str, inc: int) -> None:
+        self.checker.trace(f"FAULT restart {name}#{inc}")
+        self._spawn(name, role, inc)
+
+    # -- quiescence --------------------------------------------------------------------
+    def _quiesce(self) -> None:
+        """No new requests until every open one has ended; then, after ``tombstone_s``,
+        no core may hold any record of this epoch's request ids."""
+        self._quiescing = True
+        self.sched.after(0.05, self._quiesce_wait, self.sched.now)
+
+    def _quiesce_wait(self, since: float) -> None:
+        t = self.timings
+        limit = since + max(t.lease_s, t.max_wait_s) + t.request_timeout_s + 3 * t.peer_timeout_s \
+            + t.transfer_timeout_s + 10.0
+        if self._open and self.sched.now < limit:
+            self.sched.after(0.05, self._quiesce_wait, since)
+            return
+        for req in list(self._open):
+            self.checker.fail("request_never_ended",
+                              f"{req.rid!r} ({req.mode.value} from {req.producer}) has not "
+                              f"ended: producer_done={req.producer_done} "
+                              f"open_uses={req.open_uses}")
+            self._open.discard(req)
+            self._live_rids.discard(req.rid)
+        self.sched.after(t.tombstone_s + t.slack_s + 0.1, self._quiesce_check)
+
+    def _quiesce_check(self) -> None:
+        chk = self.checker
+        for ep in self.endpoints.values():
+            if not ep.alive:
+                continue
+            if ep.role == "consumer":
+                ep.engine.release_quarantine()
+            n = ep.core.in_flight()
+            if n:
+                chk.fail("state_unbounded", f"{ep.name}: in_flight()={n} once quiet")
+            left = [(rid, st) for rid in sorted(self._epoch.rids)
+                    if (st := ep.core.status(rid)) != "none"]
+            if left:
+                chk.fail("state_unbounded",
+                         f"{ep.name}: {len(left)} request record(s) left once quiet and "
+                         f"past tombstone_s: {left[:5]}")
+            records = getattr(ep.core, "records", None)
+            if callable(records) and records() > 0:
+                chk.fail("state_unbounded", f"{ep.name}: records()={records()} once quiet")
+        self._epoch = _Epoch()
+        self._quiescing = False
+        if self.issued >= self.requests:
+            self._done = True
+            return
+        self.sched.after(0.0, self._arrive)
+        if self.faults.enabled & {"cut", "stall", "kill"} and self.faults.rate > 0:
+            self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
+
+
+# -- the real cores ------------------------------------------------------------------------
+def default_producer(ep: Endpoint) -> Any:
+    """The real :class:`~kvpush.protocol.producer.ProducerCore` with the run's timings."""
+    from ..protocol.producer import CoreConfig, ProducerCore
+    t = ep.sim.timings
+    return ProducerCore(ep.layout, CoreConfig(lease_s=t.lease_s, max_wait_s=t.max_wait_s,
+                                              transfer_timeout_s=t.transfer_timeout_s,
+                                              tombstone_s=t.tombstone_s), ep.links)
+
+
+def default_consumer(ep: Endpoint) -> Any:
+    """The real :class:`~kvpush.protocol.consumer.ConsumerCore` with the run's timings."""
+    try:
+        from ..protocol import consumer as cmod
+    except ImportError as exc:
+        raise RuntimeError("kvpush.protocol.consumer is not there yet; pass make_consumer "
+                           "(e.g. tests/sim_doubles.py)") from exc
+    t = ep.sim.timings
+    cfg_cls: Any = getattr(cmod, "CoreConfig", None) or getattr(cmod, "ConsumerCoreConfig")
+    names = {f.name for f in fields(cfg_cls)}
+    values = {"abort_grace_s": t.abort_grace_s, "lease_margin_s": t.lease_margin_s,
+              "tombstone_s": t.tombstone_s, "request_timeout_s": t.request_timeout_s}
+    cfg = cfg_cls(**{k: v for k, v in values.items() if k in names})
+    return cmod.ConsumerCore(ep.layout, cfg, ep.links)
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvpush.testing.sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--consumers", type=int, default=2)
+    ap.add_argument("--faults", default="all",
+                    help=f"comma-separated subset of {','.join(FAULTS)}, or all / none")
+    ap.add_argument("--fault-rate", type=float, default=None,
+                    help="process faults (cut/stall/kill) per simulated second")
+    ap.add_argument("--rate", type=float, default=None, help="requests per simulated second")
+    ap.add_argument("--epoch", type=int, default=2000,
+                    help="requests between quiescence checks")
+    ap.add_argument("--progress", type=int, default=0,
+                    help="a progress line every N requests (default: N/10 for big runs)")
+    args = ap.parse_args(argv)
+    faults = Faults.parse(args.faults)
+    if args.fault_rate is not None:
+        faults = replace(faults, rate=args.fault_rate)
+    progress = args.progress or (args.requests // 10 if args.requests >= 20_000 else 0)
+    sim = Simulation(args.seed, producers=args.producers, consumers=args.consumers,
+                     requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
+                     progress_every=progress)
+    violations = sim.run()
+    print(sim.details())
+    if violations:
+        print(f"replay: python -m kvpush.testing.sim --requests {args.requests} "
+              f"--seed {args.seed} --producers {args.producers} --consumers {args.consumers} "
+              f"--faults {args.faults}" + (f" --rate {args.rate}" if args.rate else ""))
+    print(sim.summary())
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
