@@ -14,6 +14,8 @@ release of a transfer in progress does not stop its bytes. Where that end cannot
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 from collections import deque
@@ -28,7 +30,7 @@ import zmq
 from . import _core
 from . import messages as m
 from .agent import TransportConfig, XferState
-from .auth import Opener, Sealer, check_key, new_nonce, session_key
+from .auth import HELLO_MAX_SKEW_S, Opener, Sealer, check_key, new_nonce, session_key
 from .endpoint import (
     RESULT_QUEUE,
     Endpoint,
@@ -56,9 +58,21 @@ from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
 from .request import RequestState, TransferHandle, TransferMode, TransferResult
 
-__all__ = ["Consumer", "ConsumerConfig"]
+__all__ = ["Consumer", "ConsumerConfig", "new_xid"]
 
 log = logging.getLogger("kvpush.consumer")
+
+
+def new_xid() -> int:
+    """A fresh transfer id (see :mod:`kvpush.messages`): random, 63 bits, never 0."""
+    return int.from_bytes(os.urandom(8), "big") >> 1 | 1
+
+
+def check_sharers(value: Any, what: str = "sharers") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or not 1 <= value <= m.MAX_SHARERS:
+        raise ValueError(f"{what} must be an int in [1, {m.MAX_SHARERS}], got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -125,8 +139,12 @@ class _Producer:
     waiters: list[Callable[[str | None, KvpushError | None], None]] = field(default_factory=list)
     hello_timer: Timer | None = None
     hb_seq: int = 0
-    # With authentication (None without a key):
-    hello_nonces: list[bytes] = field(default_factory=list)
+    # The Hello of this connection attempt: every retransmit is the same message (same
+    # nonce and time), so a producer answers retransmits as duplicates of one Hello and
+    # derives one session key (a new nonce per retransmit once gave the producer a new
+    # key per Hello while this side kept the first answer's: issue 13, bug 2).
+    hello: m.Hello | None = None
+    hello_made: float = 0.0
     sealer: Sealer | None = None
     opener: Opener | None = None
     notif_sealer: Sealer | None = None
@@ -156,6 +174,16 @@ class _Request:
     fence: set[int] = field(default_factory=set)   # posted parts whose Landed must come
     unheld: set[str] = field(default_factory=set)  # pull: producers yet to answer PullHeld
     unsafe: bool = False             # a transfer may still land: blocks_safe=False
+    # pull: per producer, the source use read, when this side sent its PullBegin, the
+    # latest end the producer's PullHeld guarantees (sent + hold_s), when the READ ended
+    sids: dict[str, int] = field(default_factory=dict)
+    began: dict[str, float] = field(default_factory=dict)
+    held_until: dict[str, float] = field(default_factory=dict)
+    read_end: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def xid(self) -> int:
+        return self.handle.xid
 
     def producer_of(self, part: int) -> str:
         return self.producers[part // self.groups]
@@ -166,6 +194,16 @@ class _Request:
 
     def settled_producer(self, name: str) -> bool:
         return all(part in self.settled for part in self.parts_of(name))
+
+
+@dataclass
+class _Claim:
+    """A pull promised (``Consumer.claim``) but not begun: its transfer id, and the
+    source use claimed from each producer."""
+
+    xid: int
+    sids: dict[str, int]   # producer name -> sid
+    sharers: int
 
 
 _FAILED_CODES = {
@@ -209,6 +247,10 @@ class Consumer(Endpoint):
         # requests with push parts announced in flight (Posted) and not landed yet
         self._posting: dict[str, _Request] = {}
         self._reads: set[str] = set()
+        # pulls claimed and not begun, by request id: written by the engine's threads
+        # (claim, pull, abort) and by the loop (a producer lost), hence the lock
+        self._claims: dict[str, _Claim] = {}
+        self._claims_lock = threading.Lock()
         self._after(config.heartbeat_s, self._heartbeat)
         self._finalized = False
         self._start()
@@ -242,7 +284,7 @@ class Consumer(Endpoint):
 
     def expect(self, request_id: str, block_ids: Any, producers: str | Sequence[str], *,
                timeout: float | None = None, layerwise: bool = False,
-               source_tail: bool = False) -> TransferHandle:
+               source_tail: bool = False, sharers: int | Sequence[int] = 1) -> TransferHandle:
         """Push: the decode engine allocated ``block_ids`` for ``request_id``; register them
         with each producer (a producer name from :meth:`connect`, or one per rank that owes
         data). Returns at once; the handle reports the result.
@@ -253,39 +295,49 @@ class Consumer(Endpoint):
 
         ``source_tail``: ``block_ids`` receive only the *last* ``len(block_ids)`` of the
         producer's source blocks (this side holds the earlier ones already: a prefix-cache
-        hit); without it the two counts must match."""
+        hit); without it the two counts must match.
+
+        ``sharers``: how many consumer endpoints take a share of each producer's source
+        for this request (heterogeneous TP: decode ranks each written their head share of
+        one prefill request); one int for every producer, or one per producer. The
+        producer holds its source until that many have finished or given up.
+
+        The handle's ``xid`` (and its result's) names this use of ``request_id``."""
         rid = self._check_request_id(request_id)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
             raise ValueError("expect needs at least one producer")
+        if isinstance(sharers, (list, tuple)):
+            shares = [check_sharers(s, "each of sharers") for s in sharers]
+            if len(shares) != len(names):
+                raise ValueError(f"sharers names {len(shares)} counts for {len(names)} "
+                                 "producers")
+        else:
+            shares = [check_sharers(sharers)] * len(names)
         timeout = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "expect timeout")
         groups = self.layout.num_layers if layerwise else 1
-        handle = TransferHandle(rid, TransferMode.PUSH)
+        handle = TransferHandle(rid, TransferMode.PUSH, new_xid())
         self._call_soon(lambda: self._register(handle, ids, names, timeout, groups,
-                                               source_tail))
+                                               source_tail, shares))
         return handle
 
     def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
              block_ids: Any, *, timeout: float | None = None,
-             source_tail: bool = False) -> TransferHandle:
+             source_tail: bool = False, sharers: int = 1) -> TransferHandle:
         """Pull: READ the blocks named by a :class:`~kvpush.messages.PullTicket` (or by one
         ticket per producer rank, for the same request) into ``block_ids``. Connects to a
         ticket's producer first if needed (blocking, at most ``connect_timeout_s`` and never
         past the tickets' lease or ``timeout``). ``source_tail``: read only the last
-        ``len(block_ids)`` blocks of each ticket (see :meth:`expect`)."""
-        batch = [tickets] if isinstance(tickets, (m.PullTicket, bytes, bytearray)) \
-            else list(tickets)
-        parsed = [m.PullTicket.from_bytes(bytes(t)) if isinstance(t, (bytes, bytearray))
-                  else t for t in batch]
-        if not parsed:
-            raise ValueError("pull needs at least one ticket")
-        rid = self._check_request_id(parsed[0].request_id)
-        if any(t.request_id != rid for t in parsed):
-            raise InvalidBlockIds("all tickets of one pull must be for the same request")
-        if len({t.producer for t in parsed}) != len(parsed):
-            raise InvalidBlockIds("two tickets of one pull name the same producer")
+        ``len(block_ids)`` blocks of each ticket (see :meth:`expect`). ``sharers``: how many
+        consumer endpoints read a share of each ticket's source (see :meth:`expect`).
+
+        A pull of the tickets a :meth:`claim` named continues that claim (same ``xid``;
+        the producer holds a claimed source past the ticket's lease, so only ``timeout``
+        bounds the READ)."""
+        rid, parsed = self._parse_tickets(tickets, "pull")
+        check_sharers(sharers)
         dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         sources = [m.decode_ids(t.block_ids) for t in parsed]
         if source_tail:
@@ -301,11 +353,91 @@ class Consumer(Endpoint):
             else check_timeout(timeout, "pull timeout")
 
         def budget() -> float:  # seconds left to the READ: the timeout and every lease
-            now = time.time()
-            return min([timeout] + [t.lease_s - (now - t.issued_at) - self.config.lease_margin_s
-                                    for t in parsed])
+            return min(timeout, self._lease_left(parsed))
 
+        with self._claims_lock:
+            claimed = rid in self._claims
+        self._connect_tickets(parsed, budget if not claimed else lambda: timeout)
         for t, src in zip(parsed, sources, strict=True):
+            peer = self._by_name.get(t.producer)
+            same_blocks = peer is None or peer.layout is None or \
+                peer.layout.tokens_per_block == self.layout.tokens_per_block
+            if same_blocks and len(src) != len(dst):
+                raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
+                                      f"blocks but block_ids has {len(dst)}")
+        with self._claims_lock:
+            claim = self._claims.pop(rid, None)
+        if claim is not None and claim.sids != {t.producer: t.sid for t in parsed}:
+            # Claimed from another source use (an earlier prefill of this id): give it up.
+            stale = claim
+            self._call_soon(lambda: self._abort_claim(rid, stale, "claim superseded"))
+            claim = None
+        left = timeout if claim is not None else budget()
+        handle = TransferHandle(rid, TransferMode.PULL,
+                                claim.xid if claim is not None else new_xid())
+        self._call_soon(lambda: self._read(handle, parsed, sources, dst, left, sharers))
+        return handle
+
+    def claim(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
+              sharers: int = 1) -> int:
+        """Pull later: this consumer will READ the tickets' blocks but cannot yet (its
+        engine has no free blocks). Asks each ticket's producer to hold its source past the
+        ticket's lease while this consumer is connected (bounded by the producer's
+        ``max_wait_s``). A later :meth:`pull` of the same tickets continues the claim;
+        :meth:`abort` of the request gives it up. Connects first if needed (as
+        :meth:`pull`). Returns the claim's transfer id (the pull's ``xid``)."""
+        rid, parsed = self._parse_tickets(tickets, "claim")
+        check_sharers(sharers)
+
+        def budget() -> float:
+            return self._lease_left(parsed)
+
+        self._connect_tickets(parsed, budget)
+        if budget() <= 0:
+            raise TransferTimeout(f"the pull ticket's lease for {rid!r} has run out")
+        claim = _Claim(new_xid(), {t.producer: t.sid for t in parsed}, sharers)
+        with self._claims_lock:
+            if rid in self._claims:
+                raise InvalidBlockIds(f"request {rid!r} is already claimed")
+            self._claims[rid] = claim
+        self._call_soon(lambda: self._send_claim(rid, claim))
+        return claim.xid
+
+    def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
+        """Give up ``request_id``; its result (ABORTED) comes once the blocks are safe. A
+        claimed request not pulled yet is given up at its producers (no result: it has no
+        handle)."""
+        with self._claims_lock:
+            claim = self._claims.pop(request_id, None)
+        if claim is not None:
+            self._call_soon(lambda: self._abort_claim(request_id, claim, reason))
+        self._call_soon(lambda: self._abort(request_id, RequestState.ABORTED,
+                                            RequestAborted(reason)))
+
+    def _parse_tickets(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
+                       what: str) -> tuple[str, list[m.PullTicket]]:
+        batch = [tickets] if isinstance(tickets, (m.PullTicket, bytes, bytearray)) \
+            else list(tickets)
+        parsed = [m.PullTicket.from_bytes(bytes(t)) if isinstance(t, (bytes, bytearray))
+                  else t for t in batch]
+        if not parsed:
+            raise ValueError(f"{what} needs at least one ticket")
+        rid = self._check_request_id(parsed[0].request_id)
+        if any(t.request_id != rid for t in parsed):
+            raise InvalidBlockIds(f"all tickets of one {what} must be for the same request")
+        if len({t.producer for t in parsed}) != len(parsed):
+            raise InvalidBlockIds(f"two tickets of one {what} name the same producer")
+        return rid, parsed
+
+    def _lease_left(self, tickets: list[m.PullTicket]) -> float:
+        """Seconds until the first of the tickets' leases ends, less ``lease_margin_s``."""
+        now = time.time()
+        return min(t.lease_s - (now - t.issued_at) - self.config.lease_margin_s
+                   for t in tickets)
+
+    def _connect_tickets(self, tickets: list[m.PullTicket],
+                         budget: Callable[[], float]) -> None:
+        for t in tickets:
             # A handshake that outlasts the tickets' lease cannot make this pull succeed:
             # the engine's thread waits no longer than that (an expired pull is TIMED_OUT).
             wait = min(self.config.connect_timeout_s, budget())
@@ -314,21 +446,6 @@ class Consumer(Endpoint):
                 if name != t.producer:
                     raise PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
                                           f"{t.producer!r}")
-            peer = self._by_name.get(t.producer)
-            same_blocks = peer is None or peer.layout is None or \
-                peer.layout.tokens_per_block == self.layout.tokens_per_block
-            if same_blocks and len(src) != len(dst):
-                raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
-                                      f"blocks but block_ids has {len(dst)}")
-        left = budget()
-        handle = TransferHandle(rid, TransferMode.PULL)
-        self._call_soon(lambda: self._read(handle, parsed, sources, dst, left))
-        return handle
-
-    def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
-        """Give up ``request_id``; its result (ABORTED) comes once the blocks are safe."""
-        self._call_soon(lambda: self._abort(request_id, RequestState.ABORTED,
-                                            RequestAborted(reason)))
 
     def get_finished(self) -> list[TransferResult]:
         """Results since the last call (for engines that poll rather than take callbacks)."""
@@ -389,17 +506,19 @@ class Consumer(Endpoint):
         if now >= deadline:
             self._connect_failed(peer, PeerUnavailable(f"no answer from {peer.address}"))
             return
-        if self._key is None:
-            self._send(peer.socket, m.Hello(self.name, self._agent.metadata(),
-                                            self.layout.to_wire()))
-        else:
-            nonce = new_nonce()
-            peer.hello_nonces.append(nonce)
-            self._send(peer.socket, m.Hello(self.name, self._agent.metadata(),
-                                            self.layout.to_wire(), nonce, time.time()),
-                       sealer=Sealer(self._key, b"hello"))
+        # One Hello per connection attempt, re-sent as is; renewed only before the
+        # producer would find it stale (an attempt longer than HELLO_MAX_SKEW_S / 2).
+        if peer.hello is None or now - peer.hello_made > HELLO_MAX_SKEW_S / 2:
+            peer.hello_made = now
+            peer.hello = m.Hello(self.name, self._agent.metadata(), self.layout.to_wire()) \
+                if self._key is None else \
+                m.Hello(self.name, self._agent.metadata(), self.layout.to_wire(),
+                        new_nonce(), time.time())
+        # A fresh Sealer each time: counter 1 again, so a retransmit is the same frame.
+        self._send(peer.socket, peer.hello,
+                   sealer=None if self._key is None else Sealer(self._key, b"hello"))
         # Re-send with backoff: the producer may not be up yet, or a starved host may have
-        # missed it; a Hello is idempotent.
+        # missed it; a Hello is idempotent (the producer answers a duplicate as the first).
         peer.hello_timer = self._at(min(deadline, now + delay),
                                     lambda: self._send_hello(peer, deadline, min(delay * 2, 2.0)))
 
@@ -447,9 +566,10 @@ class Consumer(Endpoint):
             elif not peer.agent_name:
                 self._stats.messages_rejected += 1
             elif isinstance(msg, m.Posted):
-                req = self._requests.get(msg.request_id)
+                req = self._live(msg.request_id, msg.xid)
                 if msg.empty and req is not None:
-                    self._on_landed(peer.agent_name, m.Landed(msg.request_id, msg.part))
+                    self._on_landed(peer.agent_name, m.Landed(msg.request_id, msg.xid,
+                                                              msg.part))
                 elif (req is not None and 0 <= msg.part < len(req.producers) * req.groups
                         and msg.part not in req.settled and msg.part not in req.posted):
                     req.posted[msg.part] = time.monotonic()
@@ -457,9 +577,9 @@ class Consumer(Endpoint):
             elif isinstance(msg, m.Failed):
                 self._on_failed(peer, msg)
             elif isinstance(msg, m.AbortAck):
-                self._on_ack(peer, msg.request_id, msg.errored, msg.unfenced)
+                self._on_ack(peer, msg.request_id, msg.xid, msg.errored, msg.unfenced)
             elif isinstance(msg, m.PullHeld):
-                self._on_held(peer, msg.request_id)
+                self._on_held(peer, msg)
             elif isinstance(msg, m.Abort):
                 self._on_producer_abort(peer, msg)
             elif isinstance(msg, m.HeartbeatAck):
@@ -481,9 +601,19 @@ class Consumer(Endpoint):
                 raise AuthenticationError(f"unauthenticated {type(msg).__name__}")
             return msg
         msg = m.decode(frame, Opener(self._key, b"hello-ack", replay=False))
-        if not isinstance(msg, m.HelloAck) or msg.echo not in peer.hello_nonces:
+        if not isinstance(msg, m.HelloAck) or peer.hello is None \
+                or msg.echo != peer.hello.nonce:
             raise AuthenticationError("handshake answer does not match our Hello")
         return msg
+
+    def _live(self, rid: str, xid: int) -> _Request | None:
+        """The live request that a message about use ``(rid, xid)`` is for; None (and the
+        message counted stale: it changes nothing) when that use is not live here."""
+        req = self._requests.get(rid)
+        if req is None or req.xid != xid:
+            self._stats.stale_messages += 1
+            return None
+        return req
 
     def _tell(self, peer: _Producer, msg: m.Message) -> None:
         self._send(peer.socket, msg, sealer=peer.sealer)
@@ -541,6 +671,9 @@ class Consumer(Endpoint):
         del self._producers[peer.address]
         self._by_name.pop(name, None)
         self._remove_socket(peer.socket)
+        with self._claims_lock:  # its claims cannot be held any more; a pull starts anew
+            for rid in [r for r, c in self._claims.items() if name in c.sids]:
+                del self._claims[rid]
         for rid, req in list(self._requests.items()):
             if name not in req.producers:
                 continue
@@ -566,17 +699,19 @@ class Consumer(Endpoint):
 
     # -- loop: push ------------------------------------------------------------------------
     def _register(self, handle: TransferHandle, ids: np.ndarray, names: list[str],
-                  timeout: float, groups: int, tail: bool) -> None:
+                  timeout: float, groups: int, tail: bool, sharers: list[int]) -> None:
         rid = handle.request_id
         now = time.monotonic()
         if rid in self._requests:
+            # Its own result (its own xid and blocks): never taken for the live request's.
             self._report(handle, RequestState.FAILED,
-                         InvalidBlockIds(f"request {rid!r} is already pending"), now, 0)
+                         InvalidBlockIds(f"request {rid!r} is already pending"), now, 0,
+                         ids=ids)
             return
         missing = [n for n in names if n not in self._by_name]
         if missing:
             self._report(handle, RequestState.FAILED,
-                         PeerUnavailable(f"not connected to {missing}"), now, 0)
+                         PeerUnavailable(f"not connected to {missing}"), now, 0, ids=ids)
             return
         deadline = self._after(timeout, lambda: self._expire(rid))
         self._requests[rid] = _Request(handle, ids, names, now, deadline, groups=groups)
@@ -584,16 +719,19 @@ class Consumer(Endpoint):
         self._completions.expect(rid, len(names) * groups)
         payload = m.encode_ids(ids)
         verify = self.config.verify and len(names) * groups == 1
-        for index, name in enumerate(names):
+        for index, (name, share) in enumerate(zip(names, sharers, strict=True)):
             self._tell(self._by_name[name],
-                       m.Register(rid, payload, index, timeout, verify, groups, tail))
+                       m.Register(rid, handle.xid, payload, index, timeout, verify, groups,
+                                  tail, share))
 
     def _on_failed(self, peer: _Producer, msg: m.Failed) -> None:
-        req = self._requests.get(msg.request_id)
+        if self._drop_claim(peer, msg.request_id, msg.xid, f"{msg.code}: {msg.reason}"):
+            return
+        req = self._live(msg.request_id, msg.xid)
         if req is None or peer.agent_name not in req.producers:
             return
         if req.closing is not None:
-            self._on_ack(peer, msg.request_id, msg.errored, msg.unfenced)
+            self._on_ack(peer, msg.request_id, msg.xid, msg.errored, msg.unfenced)
             return
         state, cls = _FAILED_CODES.get(msg.code, (RequestState.FAILED, TransferFailed))
         error = cls(f"producer {peer.agent_name}: {msg.code}: {msg.reason}")
@@ -607,17 +745,20 @@ class Consumer(Endpoint):
         """The producer gave the request up while its WRITE was in flight: the request ends
         ABORTED once that WRITE has (its Failed follows, then the Landed of what was
         posted)."""
-        req = self._requests.get(msg.request_id)
+        if self._drop_claim(peer, msg.request_id, msg.xid, msg.reason):
+            return
+        req = self._live(msg.request_id, msg.xid)
         if req is None or req.closing is not None or peer.agent_name not in req.producers:
             return
         self._close_request(msg.request_id, RequestState.ABORTED,
                             RequestAborted(f"producer {peer.agent_name}: {msg.reason}"),
                             ask=True)
 
-    def _on_ack(self, peer: _Producer, rid: str, errored: list[int], unfenced: bool) -> None:
+    def _on_ack(self, peer: _Producer, rid: str, xid: int, errored: list[int],
+                unfenced: bool) -> None:
         """The producer's WRITEs of ``rid`` have all ended (``AbortAck``, or ``Failed`` for a
         request that was closing already)."""
-        req = self._requests.get(rid)
+        req = self._live(rid, xid)
         if req is None or req.closing is None or peer.agent_name not in req.producers:
             return
         req.unsafe |= unfenced
@@ -636,17 +777,49 @@ class Consumer(Endpoint):
             else:
                 self._settle(req, part)
 
-    def _on_held(self, peer: _Producer, rid: str) -> None:
-        req = self._requests.get(rid)
+    def _on_held(self, peer: _Producer, msg: m.PullHeld) -> None:
+        rid = msg.request_id
+        req = self._live(rid, msg.xid)
         if req is None or peer.agent_name not in req.unheld:
             return
         req.unheld.discard(peer.agent_name)
+        # The producer holds the blocks hold_s from its receipt of our PullBegin, which is
+        # after we sent it: counted from our send, the guarantee is never overstated. (A
+        # NaN or negative hold guarantees nothing.)
+        hold = msg.hold_s if msg.hold_s >= 0 else -math.inf
+        req.held_until[peer.agent_name] = req.began.get(peer.agent_name, -math.inf) + hold
         if not req.unheld and not req.reads and req.closing is None:
             self._pull_done(rid, req)
 
+    # -- loop: claims ----------------------------------------------------------------------
+    def _send_claim(self, rid: str, claim: _Claim) -> None:
+        for name, sid in claim.sids.items():
+            peer = self._by_name.get(name)
+            if peer is None:  # lost meanwhile (its claims went with it)
+                continue
+            self._tell(peer, m.Claim(rid, claim.xid, sid, claim.sharers))
+
+    def _abort_claim(self, rid: str, claim: _Claim, reason: str) -> None:
+        for name in claim.sids:
+            peer = self._by_name.get(name)
+            if peer is not None:
+                self._tell(peer, m.Abort(rid, claim.xid, reason))
+
+    def _drop_claim(self, peer: _Producer, rid: str, xid: int, why: str) -> bool:
+        """A producer refused or gave up a claim (``Failed`` / ``Abort`` with its xid): drop
+        it, so a later pull starts afresh (and learns the source's fate itself)."""
+        with self._claims_lock:
+            claim = self._claims.get(rid)
+            if claim is None or claim.xid != xid or peer.agent_name not in claim.sids:
+                return False
+            del self._claims[rid]
+        log.info("%s: claim of %r dropped by %s: %s", self.name, rid, peer.agent_name, why)
+        return True
+
     # -- loop: pull ------------------------------------------------------------------------
     def _read(self, handle: TransferHandle, tickets: list[m.PullTicket],
-              sources: list[np.ndarray], dst: np.ndarray, budget: float) -> None:
+              sources: list[np.ndarray], dst: np.ndarray, budget: float,
+              sharers: int) -> None:
         rid = handle.request_id
         now = time.monotonic()
         error: KvpushError | None = None
@@ -674,31 +847,37 @@ class Consumer(Endpoint):
             except KvpushError as exc:
                 error = exc
         if error is not None:
-            self._report(handle, state, error, now, 0)
+            self._report(handle, state, error, now, 0, ids=dst)
             return
         deadline = self._after(budget, lambda: self._expire(rid))
         names = [t.producer for t in tickets]
         req = _Request(handle, dst, names, now, deadline)
+        req.sids = {t.producer: t.sid for t in tickets}
+        xid = handle.xid
         if self.config.verify and len(tickets) == 1:
             req.checksums = tickets[0].checksums
         self._requests[rid] = req
         LIVE.add("requests_pending", 1)
         for peer, plan in zip(peers, plans, strict=True):
             assert peer is not None
+            sid = req.sids[peer.agent_name]
             nbytes = len(plan.local_indices) * self._agent.link(peer.agent_name).desc_bytes
-            notif = m.encode(m.PullDone(rid, nbytes), peer.notif_sealer)
+            notif = m.encode(m.PullDone(rid, xid, sid, nbytes), peer.notif_sealer)
             try:
                 if plan.num_blocks == 0:  # see Posted.empty: no NIXL traffic for nothing
-                    self._tell(peer, m.PullDone(rid, 0))
+                    self._tell(peer, m.PullDone(rid, xid, sid, 0))
                     continue
                 # The producer's PullHeld answer gates READY: ask before the READ so the
                 # round trip overlaps it (on a host the READ often ends inside the post).
-                self._tell(peer, m.PullBegin(rid))
+                # Its hold_s counts from this moment (see _on_held).
+                req.began[peer.agent_name] = time.monotonic()
+                self._tell(peer, m.PullBegin(rid, xid, sid, sharers))
                 xfer = self._agent.post("READ", peer.agent_name, plan.local_indices,
                                         plan.remote_indices, notif)
             except KvpushError as exc:
                 self._close_request(rid, RequestState.FAILED, exc, ask=True)
-                self._tell(peer, m.PullDone(rid, 0))  # no READ: the source need not wait
+                # no READ: the source need not wait
+                self._tell(peer, m.PullDone(rid, xid, sid, 0))
                 return
             req.reads[peer.agent_name] = xfer
             req.unheld.add(peer.agent_name)
@@ -742,6 +921,7 @@ class Consumer(Endpoint):
             if state is XferState.IN_PROGRESS:
                 continue
             moved = True
+            req.read_end[name] = time.monotonic()
             self._agent.release(xfer)
             self._end_read(rid, req, name)
             if state is not XferState.DONE and req.closing is None:
@@ -758,6 +938,16 @@ class Consumer(Endpoint):
 
     def _pull_done(self, rid: str, req: _Request) -> None:
         """Every READ is done and every producer confirmed it held the blocks."""
+        for name, ended in req.read_end.items():
+            late = ended - req.held_until.get(name, -math.inf)
+            if late > 0:
+                # The producer may have released the blocks before our READ ended: what it
+                # read is not trusted. The READ has ended, so the blocks are safe.
+                self._close_request(rid, RequestState.FAILED, TransferFailed(
+                    f"READ of {rid!r} from {name} ended {late:.3f} s past the hold the "
+                    "producer guaranteed (PullHeld.hold_s): its data is not trusted"),
+                    ask=False)
+                return
         self._stats.bytes_moved += req.read_bytes
         self._stats.blocks_moved += len(req.ids)
         mismatch = self._verify(req, req.checksums)
@@ -786,7 +976,7 @@ class Consumer(Endpoint):
     def _on_landed(self, sender: str, msg: m.Landed) -> None:
         """Part ``msg.part`` of a push has landed (NIXL notification after its WRITE, or an
         empty part announced over the control socket)."""
-        req = self._requests.get(msg.request_id)
+        req = self._live(msg.request_id, msg.xid)
         if req is None or not 0 <= msg.part < len(req.producers) * req.groups \
                 or req.producer_of(msg.part) != sender:
             return
@@ -906,7 +1096,7 @@ class Consumer(Endpoint):
             peer = self._by_name.get(name)
             if peer is None:
                 continue
-            self._tell(peer, m.Abort(rid, reason))
+            self._tell(peer, m.Abort(rid, req.xid, reason))
             if req.handle.mode is TransferMode.PUSH and any(
                     p not in req.settled and p not in req.fence for p in req.parts_of(name)):
                 req.waiting_acks.add(name)
@@ -944,10 +1134,12 @@ class Consumer(Endpoint):
         if req.handle.mode is TransferMode.PUSH:
             self._completions.remove(rid)
         LIVE.add("requests_pending", -1)
-        self._report(req.handle, state, error, req.started, req.read_bytes, not req.unsafe)
+        self._report(req.handle, state, error, req.started, req.read_bytes, not req.unsafe,
+                     ids=req.ids)
 
     def _report(self, handle: TransferHandle, state: RequestState, error: KvpushError | None,
-                started: float, nbytes: int, safe: bool = True) -> None:
+                started: float, nbytes: int, safe: bool = True, *,
+                ids: np.ndarray) -> None:
         counter = {
             RequestState.READY: "requests_completed",
             RequestState.FAILED: "requests_failed",
@@ -957,7 +1149,7 @@ class Consumer(Endpoint):
         setattr(self._stats, counter, getattr(self._stats, counter) + 1)
         self._stats.results_unsafe += not safe
         result = TransferResult(handle.request_id, state, handle.mode, error,
-                                time.monotonic() - started, nbytes, safe)
+                                time.monotonic() - started, nbytes, safe, ids, handle.xid)
         handle._set(result)
         if self._on_finished is None:
             queue_result(self._finished, result, self.name, "get_finished")
@@ -978,7 +1170,12 @@ class Consumer(Endpoint):
         for rid, req in list(self._requests.items()):
             for name in list(req.reads):
                 self._abandon_read(rid, req, name)
-            req.unsafe |= bool(req.posted)
+            # A push part that has not landed may still be written: its WRITE may be posted
+            # though its Posted hint has not come (or never will: Bye ends nothing in
+            # flight), so every such part, not only announced ones, leaves blocks unsafe.
+            if req.handle.mode is TransferMode.PUSH:
+                req.unsafe |= any(p not in req.settled
+                                  for p in range(len(req.producers) * req.groups))
             self._finish(rid, RequestState.ABORTED, ClosedError("consumer closed"))
         self._by_name.clear()
         self._producers.clear()

@@ -34,14 +34,20 @@ from .layout import KVLayout
 from .metrics import LIVE, Stats
 from .progress import Backoff, ProgressPolicy
 
-__all__ = ["RESULT_QUEUE", "Endpoint", "Timer", "check_durations", "check_timeout",
-           "close_dead_links", "queue_result"]
+__all__ = ["OUTBOX_BYTES", "RESULT_QUEUE", "SEND_HWM", "Endpoint", "Timer", "check_durations",
+           "check_timeout", "close_dead_links", "control_socket", "queue_result"]
 
 log = logging.getLogger("kvpush")
 
 #: Results kept for ``get_finished`` / ``get_released`` when no callback takes them; an
 #: engine that uses neither (handles only) must not grow memory without bound.
 RESULT_QUEUE = 1 << 16
+#: Control frames ZeroMQ queues per peer before a send would block (its high-water mark);
+#: past it, frames wait in the endpoint's own outbox (:meth:`Endpoint._send`).
+SEND_HWM = 1 << 14
+#: Bytes of control frames that may wait for one peer; past it the peer is given up
+#: (its requests fail with a clear status) rather than memory growing without bound.
+OUTBOX_BYTES = 64 << 20
 
 
 def check_durations(config: Any, *names: str) -> None:
@@ -74,6 +80,15 @@ def close_dead_links(sock: zmq.Socket[Any], peer_timeout_s: float) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
     sock.setsockopt(zmq.TCP_MAXRT, max(int(peer_timeout_s * 1000), 1000))
+
+
+def control_socket(sock: zmq.Socket[Any], peer_timeout_s: float) -> None:
+    """Options every control socket gets: no linger, dead links closed
+    (:func:`close_dead_links`), and a deliberate high-water mark (:data:`SEND_HWM`)."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+    sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+    close_dead_links(sock, peer_timeout_s)
 
 
 def queue_result(queue: deque[Any], item: Any, owner: str, drain: str) -> None:
@@ -125,6 +140,12 @@ class Endpoint:
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._sockets: dict[zmq.Socket[Any], Callable[[zmq.Socket[Any]], None]] = {}
+        # Frames ZeroMQ could not take yet, per (socket, identity), in order; retried
+        # from a timer that backs off (nothing spins while a peer cannot take them).
+        self._outbox: dict[tuple[zmq.Socket[Any], bytes | None], deque[bytes]] = {}
+        self._outbox_bytes: dict[tuple[zmq.Socket[Any], bytes | None], int] = {}
+        self._flush_timer: Timer | None = None
+        self._flush_delay = 1e-3
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
         self._stop = False
         self._loop_error: BaseException | None = None
@@ -168,7 +189,13 @@ class Endpoint:
     def _remove_socket(self, sock: zmq.Socket[Any]) -> None:
         if self._sockets.pop(sock, None) is not None:
             self._poller.unregister(sock)
+        for key in [k for k in self._outbox if k[0] is sock]:
+            self._drop_outbox(key)
         sock.close(linger=0)
+
+    def _drop_outbox(self, key: tuple[zmq.Socket[Any], bytes | None]) -> None:
+        self._outbox.pop(key, None)
+        self._outbox_bytes.pop(key, None)
 
     def _at(self, deadline: float, fn: Callable[[], None]) -> Timer:
         if not math.isfinite(deadline):  # a NaN in the heap would stop every timer
@@ -344,13 +371,65 @@ class Endpoint:
     def closed(self) -> bool:
         return self._closed
 
+    # -- control frames: delivered, or their loss known -------------------------------------
     def _send(self, sock: zmq.Socket[Any], msg: m.Message, identity: bytes | None = None,
-              sealer: Sealer | None = None) -> None:
+              sealer: Sealer | None = None, *, best_effort: bool = False) -> None:
+        """Send a control frame without blocking the loop. A frame ZeroMQ cannot take now
+        (its high-water mark reached, or a ROUTER peer momentarily unreachable while it
+        reconnects) waits in an outbox, in order, and is retried; a peer whose outbox
+        outgrows :data:`OUTBOX_BYTES` is given up through :meth:`_send_failed`.
+        ``best_effort``: an answer to a stranger (a refused handshake), tried once."""
         frame = m.encode(msg, sealer)
+        if best_effort:
+            if not self._try_send(sock, frame, identity):
+                log.info("%s: could not send %s to a stranger", self.name, type(msg).__name__)
+            return
+        self._send_frame(sock, frame, identity)
+
+    def _send_frame(self, sock: zmq.Socket[Any], frame: bytes,
+                    identity: bytes | None = None) -> None:
+        key = (sock, identity)
+        if key not in self._outbox and self._try_send(sock, frame, identity):
+            return
+        box = self._outbox.setdefault(key, deque())
+        box.append(frame)
+        self._outbox_bytes[key] = self._outbox_bytes.get(key, 0) + len(frame)
+        self._stats.frames_queued += 1
+        if self._outbox_bytes[key] > OUTBOX_BYTES:
+            self._drop_outbox(key)
+            self._send_failed(sock, identity, f"more than {OUTBOX_BYTES} bytes of control "
+                                              f"frames could not be delivered")
+            return
+        if self._flush_timer is None:
+            self._flush_delay = 1e-3
+            self._flush_timer = self._after(self._flush_delay, self._flush)
+
+    def _try_send(self, sock: zmq.Socket[Any], frame: bytes, identity: bytes | None) -> bool:
         try:
             if identity is None:
                 sock.send(frame, zmq.NOBLOCK)
             else:
                 sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as exc:
-            log.info("%s: dropping %s: %s", self.name, type(msg).__name__, exc)
+            if exc.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: not connected right now
+                return False
+            raise
+        return True
+
+    def _flush(self) -> None:
+        self._flush_timer = None
+        for key, box in list(self._outbox.items()):
+            sock, identity = key
+            while box and self._try_send(sock, box[0], identity):
+                self._outbox_bytes[key] -= len(box.popleft())
+            if not box:
+                self._drop_outbox(key)
+        if self._outbox:
+            self._flush_delay = min(self._flush_delay * 2, 0.05)
+            self._flush_timer = self._after(self._flush_delay, self._flush)
+
+    def _send_failed(self, sock: zmq.Socket[Any], identity: bytes | None, why: str) -> None:
+        """Frames for a peer could not be delivered: the role gives the peer up."""
+        log.warning("%s: control frames to a peer undeliverable: %s", self.name, why)

@@ -236,6 +236,7 @@ class PullDone(_Msg, tag="pull_done", frozen=True):
     xid: int
     sid: int
     nbytes: int = 0           # bytes the READ moved
+    sharers: int = 1          # as in the PullBegin (a PullDone can overtake it)
 
 
 class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -52,6 +52,8 @@ class Stats:
     peers_lost: int = 0
     transfers_abandoned: int = 0   # released while NIXL still had them in progress
     results_unsafe: int = 0        # consumer: results with blocks_safe=False
+    frames_queued: int = 0         # control frames ZeroMQ could not take at once (retried)
+    stale_messages: int = 0        # about a use (request id, xid) that is not live here
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -85,6 +85,12 @@ class TransferResult:
     still land in its destination blocks at any later time: do not hand those blocks to
     another request (quarantine them; :meth:`Consumer.stats` counts such results as
     ``results_unsafe``).
+
+    ``block_ids`` are the destination blocks the request named (an empty array for a
+    request refused before it had any), ``xid`` the transfer id of this use of
+    ``request_id`` (see :mod:`kvpush.messages`; also ``TransferHandle.xid``): a result
+    whose ``xid`` is not the one of the engine's live use (e.g. the FAILED result of a
+    duplicate ``expect`` for a pending id) is about another use and its blocks.
     """
 
     request_id: str
@@ -94,6 +100,9 @@ class TransferResult:
     elapsed_s: float
     bytes_moved: int
     blocks_safe: bool = True
+    block_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64),
+                                  compare=False)
+    xid: int = 0
 
     @property
     def ok(self) -> bool:
@@ -107,13 +116,14 @@ class TransferResult:
 
 class TransferHandle:
     """The consumer's view of one request; :meth:`wait` blocks (with a timeout) for its
-    :class:`TransferResult`."""
+    :class:`TransferResult`. ``xid`` is the transfer id of this use of ``request_id``."""
 
-    __slots__ = ("_event", "_result", "mode", "request_id")
+    __slots__ = ("_event", "_result", "mode", "request_id", "xid")
 
-    def __init__(self, request_id: str, mode: TransferMode) -> None:
+    def __init__(self, request_id: str, mode: TransferMode, xid: int = 0) -> None:
         self.request_id = request_id
         self.mode = mode
+        self.xid = xid
         self._event = threading.Event()
         self._result: TransferResult | None = None
 

@@ -78,7 +78,7 @@ def test_forged_messages_are_rejected_and_counted() -> None:
             rogue.setsockopt(zmq.LINGER, 0)
             rogue.setsockopt(zmq.IDENTITY, b"victim-2")
             rogue.connect(p.address)
-            register = m.Register("evil", m.encode_ids(np.array([1])), 0, 10.0)
+            register = m.Register("evil", 1, m.encode_ids(np.array([1])), 0, 10.0)
             rogue.send(m.encode(register))                              # plain
             rogue.send(m.encode(register, Sealer(b"w" * 32, b"c2p")))   # wrong key
             rogue.send(m.encode(register, Sealer(KEY, b"hello")))       # not a Hello

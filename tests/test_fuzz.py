@@ -573,7 +573,7 @@ def test_nan_wait_does_not_stop_the_producers_timers() -> None:
         ctx, sock, agent = _handshaken(producer.address)
         try:
             for i in range(4):
-                sock.send(m.encode(m.Register(f"nan{i}", m.encode_ids(np.array([1])), 0,
+                sock.send(m.encode(m.Register(f"nan{i}", 1, m.encode_ids(np.array([1])), 0,
                                               float("nan"))))
             time.sleep(0.3)
             producer.prefill_done("leased", np.array([2]))
@@ -591,7 +591,7 @@ def test_huge_part_does_not_crash_the_producer() -> None:
     with kvpush.Producer(src.layout, kvpush.ProducerConfig(lease_s=0.5)) as producer:
         ctx, sock, agent = _handshaken(producer.address)
         try:
-            sock.send(m.encode(m.Register("big", m.encode_ids(np.array([1])), 2**64 - 1,
+            sock.send(m.encode(m.Register("big", 1, m.encode_ids(np.array([1])), 2**64 - 1,
                                           5.0, False, CACHE["num_layers"])))
             time.sleep(0.3)
             producer.prefill_done("big", np.array([2]))
@@ -646,8 +646,9 @@ def test_garbage_notifications() -> None:
     notes = st.one_of(st.binary(max_size=120), messages.map(m.encode).flatmap(mutated),
                       tagged.map(lambda o: b"\x01\x00" + msgspec.msgpack.encode(o)),
                       # well-formed, for requests nobody has
-                      st.builds(lambda r: m.encode(m.PullDone(r)), texts),
-                      st.builds(lambda r, p: m.encode(m.Landed(r, p)), texts, wire_ints))
+                      st.builds(lambda r, x: m.encode(m.PullDone(r, x, x)), texts, wire_ints),
+                      st.builds(lambda r, x, p: m.encode(m.Landed(r, x, p)), texts,
+                                wire_ints, wire_ints))
     with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
         name = c.connect(p.address)
         batch: list[tuple[str, bytes]] = []

@@ -1,0 +1,1053 @@
+"""The prefill side's protocol core: sources, their owners, WRITEs, leases (sans-IO).
+
+One record per request id (:class:`_Request`) with an explicit state (:class:`State`); every
+event goes through :meth:`ProducerCore._dispatch`, which looks the (state, event) pair up in
+:data:`TRANSITIONS`. A pair not in the table is refused: counted (``stats["refused"]``),
+logged, and never acted on -- except that a consumer waiting for an answer gets the true one
+(a ``Failed`` naming the state, or an ``AbortAck`` with nothing in flight).
+
+States of a request id on this side::
+
+    WAITING        push registrations are here, prefill is not done
+    PARTIAL        some layers are final (layer_done), prefill is not done
+    HELD           prefill done: the source blocks are held for their owners
+    ENDING         given up (abort, failure): held until no transfer can read them
+    RELEASED_EARLY a layer-wise push ended before prefill_done: the blocks went back already;
+                   the rest of this use's layer_done/prefill_done calls are swallowed
+    ENDED          released; remembered until ``tombstone_s`` so that late messages of
+                   this use are answered truly (a late registration after an abort or a
+                   lease expiry fails fast); a new prefill_done or registration after a
+                   successful transfer starts a new use at once
+    ABORTED_EARLY  the engine aborted an id with no use here: its next prefill_done
+                   (within ``tombstone_s``, once) is released ABORTED at once
+
+``Producer.abort`` acts on the live use; an abort of an ended use changes nothing.
+
+A source has **owners** (:class:`_Share`, keyed by (consumer agent name, xid)): the consumer
+endpoints that take a share of it, up to ``sharers`` of them (heterogeneous TP). The source is
+released exactly once: when every owner has finished or given up and no transfer can still
+read it, or when its lease ends with no owner left to come and nothing in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .. import messages as m
+from ..errors import KvpushError, PeerUnavailable
+from ..layout import KVLayout
+from ..request import Release, ReleaseReason, TransferMode
+from .effects import Abandon, DropPeer, Effect, Emit, Post, Send, XferEnd
+
+__all__ = ["TRANSITIONS", "CoreConfig", "Event", "Links", "ProducerCore", "ShareState",
+           "State"]
+
+log = logging.getLogger("kvpush.producer")
+
+#: Bound on a registration's part index (producer ranks x layer groups).
+MAX_PARTS = 1 << 20
+#: Bound on registrations and claims waiting per consumer (a misbehaving peer cannot grow
+#: this side's memory without bound).
+MAX_WAITING_PER_PEER = 1 << 16
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PARTIAL = "partial"
+    HELD = "held"
+    ENDING = "ending"
+    RELEASED_EARLY = "released_early"
+    ENDED = "ended"
+    ABORTED_EARLY = "aborted_early"
+
+
+class Event(enum.Enum):
+    PREFILL_DONE = "prefill_done"
+    LAYER_DONE = "layer_done"
+    ENGINE_ABORT = "engine_abort"
+    REGISTER = "register"
+    CLAIM = "claim"
+    PULL_BEGIN = "pull_begin"
+    PULL_DONE = "pull_done"
+    CONSUMER_ABORT = "consumer_abort"
+
+
+S, E = State, Event
+#: Which events each state accepts. Share-level events (a WRITE ending, a deadline, a lost
+#: peer) act on the owner they name and reach the request only through :meth:`_settle`.
+TRANSITIONS: dict[State, frozenset[Event]] = {
+    S.WAITING: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.ENGINE_ABORT, E.REGISTER,
+                          E.CONSUMER_ABORT}),
+    S.PARTIAL: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.ENGINE_ABORT, E.REGISTER,
+                          E.CONSUMER_ABORT}),
+    S.HELD: frozenset({E.ENGINE_ABORT, E.REGISTER, E.CLAIM, E.PULL_BEGIN, E.PULL_DONE,
+                       E.CONSUMER_ABORT, E.PREFILL_DONE}),
+    S.ENDING: frozenset({E.PULL_DONE, E.CONSUMER_ABORT, E.PREFILL_DONE}),
+    S.RELEASED_EARLY: frozenset({E.LAYER_DONE, E.PREFILL_DONE, E.CONSUMER_ABORT}),
+    # ENDED: a register is a new use unless the tombstone says late ones must fail fast
+    S.ENDED: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.REGISTER, E.CONSUMER_ABORT}),
+    S.ABORTED_EARLY: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.CONSUMER_ABORT}),
+}
+del S, E
+
+
+class ShareState(enum.Enum):
+    REGISTERED = "registered"  # push: waiting for the source (or its final layers)
+    WRITING = "writing"        # push: WRITEs posted, more groups may follow
+    CLAIMED = "claimed"        # pull: announced, READ not begun
+    PULLING = "pulling"        # pull: a READ may be in flight (until PullDone or hold)
+    DONE = "done"              # finished: its data was delivered
+    GONE = "gone"              # gave up, failed, expired or lost: it takes nothing more
+
+
+_LIVE = frozenset({ShareState.REGISTERED, ShareState.WRITING, ShareState.CLAIMED,
+                   ShareState.PULLING})
+
+
+class Links(Protocol):
+    """What the core needs of the prepared descriptor lists (pure, no I/O)."""
+
+    def plan(self, peer: str, src: np.ndarray, dst: np.ndarray, coalesce: bool) -> Any: ...
+
+    def desc_bytes(self, peer: str) -> int: ...
+
+    def checksums(self, ids: np.ndarray) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    lease_s: float = 60.0
+    max_wait_s: float = 600.0
+    transfer_timeout_s: float = 30.0
+    tombstone_s: float = 120.0
+    coalesce: bool = True
+
+
+@dataclass
+class _Write:
+    key: int
+    group: int
+    nbytes: int
+    nblocks: int
+    deadline: _Timer
+
+
+@dataclass
+class _Share:
+    """One owner of a request: a consumer endpoint's use (peer, xid)."""
+
+    peer: str
+    xid: int
+    mode: TransferMode
+    state: ShareState
+    sharers: int
+    # push
+    ids: np.ndarray | None = None
+    part: int = 0
+    groups: int = 1
+    verify: bool = False
+    tail: bool = False
+    wait: _Timer | None = None
+    plan: Any = None
+    src: np.ndarray | None = None
+    posted: set[int] = field(default_factory=set)
+    writes: dict[int, _Write] = field(default_factory=dict)
+    errored: list[int] = field(default_factory=list)
+    unfenced: bool = False
+    # A push that will not complete ends (message to the consumer, release reason, detail)
+    # once no WRITE of it is in flight; message "ack" | a Failed code | "" (peer gone).
+    end: tuple[str, ReleaseReason, str] | None = None
+    reason: ReleaseReason = ReleaseReason.TRANSFERRED   # how it ended (DONE/GONE)
+    detail: str = ""
+    hold: _Timer | None = None                          # pull: blocks held until then
+
+
+@dataclass
+class _Source:
+    ids: np.ndarray
+    mode: TransferMode
+    sid: int
+    complete: bool
+    layers: set[int] = field(default_factory=set)
+    lease: _Timer | None = None
+    stamps: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Request:
+    rid: str
+    state: State
+    source: _Source | None = None
+    shares: dict[tuple[str, int], _Share] = field(default_factory=dict)
+    sharers: int | None = None
+    ending: tuple[ReleaseReason, str] | None = None     # ENDING: the release to make
+    code: str = ""                                      # ENDED/ABORTED_EARLY: Failed code
+    why: str = ""
+    done_owners: set[tuple[str, int]] = field(default_factory=set)
+    tomb: _Timer | None = None
+
+    def live(self) -> list[_Share]:
+        return [s for s in self.shares.values() if s.state in _LIVE]
+
+
+class _Timer:
+    __slots__ = ("cancelled", "deadline", "fn")
+
+    def __init__(self, deadline: float, fn: Callable[[float], None]) -> None:
+        self.deadline = deadline
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _cancel(timer: _Timer | None) -> None:
+    if timer is not None:
+        timer.cancel()
+
+
+class ProducerCore:
+    """The producer's per-request logic. Not thread-safe: one caller (the loop) at a time.
+
+    ``stats`` counts what happened (the facade merges it into ``Producer.stats()``).
+    """
+
+    def __init__(self, layout: KVLayout, config: CoreConfig, links: Links) -> None:
+        self.layout = layout
+        self.config = config
+        self.links = links
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("requests_completed", "requests_failed", "requests_timed_out",
+             "requests_aborted", "transfers_posted", "blocks_moved", "bytes_moved",
+             "descriptors_posted", "blocks_released", "messages_rejected",
+             "transfers_abandoned", "stale_messages", "refused"), 0)
+        self._requests: dict[str, _Request] = {}
+        self._waiting: dict[str, int] = {}       # REGISTERED/CLAIMED shares by peer
+        self._pulling = 0                        # PULLING shares
+        #: Gauges for :data:`kvpush.metrics.LIVE` (the facade publishes their changes).
+        self.gauges = {"sources_held": 0, "registrations_waiting": 0}
+        self._writes: dict[int, tuple[str, tuple[str, int]]] = {}   # key -> (rid, owner)
+        self._peers: dict[str, KVLayout] = {}
+        self._lost: dict[str, str] = {}          # lost peers with WRITEs still in flight
+        self._keys = itertools.count(1)
+        self._timers: list[tuple[float, int, _Timer]] = []
+        self._seq = itertools.count()
+        self._out: list[Effect] = []
+        self._now = 0.0
+
+    # -- the driver's side -------------------------------------------------------------------
+    def drain(self) -> list[Effect]:
+        out, self._out = self._out, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        while self._timers and self._timers[0][2].cancelled:
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
+    def tick(self, now: float) -> None:
+        self._now = now
+        while self._timers and self._timers[0][0] <= now:
+            _, _, timer = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                timer.cancelled = True
+                timer.fn(now)
+
+    def in_flight(self) -> int:
+        return len(self._writes)
+
+    def watching_pulls(self) -> bool:
+        """True while a READ of this side's blocks may be in flight (its PullDone
+        notification is awaited)."""
+        return self._pulling > 0
+
+    def status(self, rid: str) -> str:
+        req = self._requests.get(rid)
+        return "none" if req is None else req.state.value
+
+    def held(self) -> int:
+        """Requests whose source blocks are held (not released yet)."""
+        return self.gauges["sources_held"]
+
+    def debug_state(self, rid: str) -> str:
+        """Where ``rid`` is, in a word (for tests and logs): writing, pulling, registered,
+        held-push, held-pull, ending, partial, or none (unknown or ended)."""
+        req = self._requests.get(rid)
+        if req is None or (req.source is None and req.state is not State.WAITING):
+            return "none"
+        states = {s.state for s in req.shares.values()}
+        if ShareState.WRITING in states:
+            return "writing"
+        if ShareState.PULLING in states:
+            return "pulling"
+        if req.state is State.WAITING or ShareState.REGISTERED in states:
+            return "registered"
+        if req.state is State.HELD:
+            assert req.source is not None
+            return "held-" + str(req.source.mode.value)
+        return str(req.state.value)
+
+    def records(self) -> int:
+        return len(self._requests)
+
+    # -- engine events -----------------------------------------------------------------------
+    def prefill_done(self, now: float, rid: str, ids: np.ndarray, mode: TransferMode,
+                     sid: int, called: float | None = None) -> None:
+        self._now = now
+        stamps = {"prefill_done": now if called is None else called, "held": now}
+        self._dispatch(rid, Event.PREFILL_DONE, lambda req: self._on_prefill_done(
+            req, ids, mode, sid, stamps), new=lambda: self._new(rid, State.WAITING))
+
+    def layer_done(self, now: float, rid: str, ids: np.ndarray, layer: int,
+                   sid: int) -> None:
+        self._now = now
+        self._dispatch(rid, Event.LAYER_DONE, lambda req: self._on_layer_done(
+            req, ids, layer, sid), new=lambda: self._new(rid, State.WAITING))
+
+    def abort(self, now: float, rid: str, reason: str) -> None:
+        self._now = now
+        self.stats["requests_aborted"] += 1
+        if rid not in self._requests:  # no use here yet: the next prefill_done is aborted
+            req = self._new(rid, State.ABORTED_EARLY)
+            self._tomb(req, "aborted", reason, state=State.ABORTED_EARLY)
+            return
+        self._dispatch(rid, Event.ENGINE_ABORT, lambda req: self._on_engine_abort(req, reason))
+
+    def close(self, now: float) -> None:
+        """Release every held source CLOSED (the driver releases NIXL handles itself)."""
+        self._now = now
+        for req in list(self._requests.values()):
+            for share in req.shares.values():
+                _cancel(share.wait)
+                _cancel(share.hold)
+                for w in share.writes.values():
+                    w.deadline.cancel()
+                share.writes.clear()
+                self._to(share, ShareState.GONE)
+            if req.source is not None and req.state in (State.PARTIAL, State.HELD,
+                                                          State.ENDING):
+                self._release(req, ReleaseReason.CLOSED, "producer closed")
+        self._requests.clear()
+        self._writes.clear()
+        self._timers.clear()
+
+    # -- network events ----------------------------------------------------------------------
+    def peer_up(self, now: float, peer: str, layout: KVLayout) -> None:
+        self._now = now
+        self._peers[peer] = layout
+        self._lost.pop(peer, None)
+
+    def peer_lost(self, now: float, peer: str, why: str, *, abandon: bool = False) -> None:
+        """``peer`` is gone (silent, said Bye, or NIXL says it is disconnected). Its waiting
+        registrations and claims end; its WRITEs are left to end (``abandon``: given up at
+        once, e.g. the peer restarted and must be re-added); its READs keep the blocks held
+        until their hold deadline, since a READ is one-sided and may still run."""
+        self._now = now
+        self._peers.pop(peer, None)
+        for req in list(self._requests.values()):
+            for share in list(req.shares.values()):
+                if share.peer != peer or share.state not in _LIVE:
+                    continue
+                if share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
+                    self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
+                elif share.state is ShareState.WRITING:
+                    self._end_push(req, share, "", ReleaseReason.FAILED,
+                                   f"consumer lost: {why}")
+                    if abandon:
+                        for write in list(share.writes.values()):
+                            self._out.append(Abandon(write.key))
+                    self._conclude(req, share)
+                # PULLING: its hold timer ends it
+            self._settle(req)
+        if any(owner[0] == peer for _, owner in self._writes.values()):
+            self._lost[peer] = why       # DropPeer once its WRITEs have ended
+        else:
+            self._out.append(DropPeer(peer, why))
+
+    def on_message(self, now: float, peer: str, msg: m.Message) -> None:
+        """A decoded control frame from connected consumer ``peer``."""
+        self._now = now
+        if isinstance(msg, m.Register):
+            self._dispatch(msg.request_id, Event.REGISTER,
+                           lambda req: self._on_register(req, peer, msg),
+                           new=lambda: self._new(msg.request_id, State.WAITING),
+                           refuse=lambda req: self._fail(peer, msg.request_id, msg.xid,
+                                                         *self._refusal(req)))
+        elif isinstance(msg, m.Claim):
+            self._dispatch(msg.request_id, Event.CLAIM,
+                           lambda req: self._on_claim(req, peer, msg),
+                           refuse=lambda req: self._fail(peer, msg.request_id, msg.xid,
+                                                         *self._refusal(req)))
+        elif isinstance(msg, m.PullBegin):
+            self._dispatch(msg.request_id, Event.PULL_BEGIN,
+                           lambda req: self._on_pull_begin(req, peer, msg),
+                           refuse=lambda req: self._pull_refused(req, peer, msg))
+        elif isinstance(msg, m.PullDone):
+            self.on_notification(now, peer, msg)
+        elif isinstance(msg, m.Abort):
+            self._dispatch(msg.request_id, Event.CONSUMER_ABORT,
+                           lambda req: self._on_consumer_abort(req, peer, msg),
+                           refuse=lambda req: self._send(peer, m.AbortAck(msg.request_id,
+                                                                          msg.xid)))
+        else:
+            self.stats["messages_rejected"] += 1
+
+    def on_notification(self, now: float, peer: str, msg: m.Message) -> None:
+        """A decoded NIXL notification from ``peer`` (a READ's PullDone)."""
+        self._now = now
+        if not isinstance(msg, m.PullDone):
+            self.stats["messages_rejected"] += 1
+            return
+        self._dispatch(msg.request_id, Event.PULL_DONE,
+                       lambda req: self._on_pull_done(req, peer, msg),
+                       refuse=lambda req: self._stale(msg))
+
+    def transfer_ended(self, now: float, key: int, end: XferEnd) -> None:
+        """WRITE ``key`` ended (or was abandoned, or NIXL refused its post)."""
+        self._now = now
+        entry = self._writes.pop(key, None)
+        if entry is None:
+            return
+        rid, owner = entry
+        req = self._requests[rid]
+        share = req.shares[owner]
+        write = next(w for w in share.writes.values() if w.key == key)
+        del share.writes[write.group]
+        write.deadline.cancel()
+        if req.source is not None:
+            req.source.stamps["written"] = now
+        if end is XferEnd.DONE:
+            self.stats["blocks_moved"] += write.nblocks if write.group == 0 else 0
+            self.stats["bytes_moved"] += write.nbytes
+        else:
+            if end is XferEnd.ABANDONED:
+                share.unfenced = True
+                self.stats["transfers_abandoned"] += 1
+            else:  # in error, refused or lost: nothing more of it lands
+                share.errored.append(share.part * share.groups + write.group)
+            if share.end is None:
+                code = "timeout" if end is XferEnd.ABANDONED else (
+                    "peer_unavailable" if end is XferEnd.LOST else "transfer_failed")
+                self.stats["requests_timed_out"] += end is XferEnd.ABANDONED
+                self._end_push(req, share, code, ReleaseReason.FAILED, f"WRITE {code}")
+        self._conclude(req, share)
+        self._settle(req)
+        if share.peer in self._lost and not any(
+                o[0] == share.peer for _, o in self._writes.values()):
+            self._out.append(DropPeer(share.peer, self._lost.pop(share.peer)))
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def _new(self, rid: str, state: State) -> _Request:
+        req = _Request(rid, state)
+        self._requests[rid] = req
+        return req
+
+    def _dispatch(self, rid: str, event: Event, act: Callable[[_Request], None], *,
+                  new: Callable[[], _Request] | None = None,
+                  refuse: Callable[[_Request | None], None] | None = None) -> None:
+        req = self._requests.get(rid)
+        if req is None and new is not None:
+            req = new()
+        if req is None or event not in TRANSITIONS[req.state]:
+            self.stats["refused"] += 1
+            log.debug("refused %s for %r in state %s", event.value, rid,
+                      "none" if req is None else req.state.value)
+            if refuse is not None:
+                refuse(req)
+            return
+        act(req)
+        self._settle(req)
+
+    def _refusal(self, req: _Request | None) -> tuple[str, str]:
+        if req is None:
+            return "not_held", "the producer does not hold this request's blocks"
+        if req.state in (State.ENDED, State.ABORTED_EARLY, State.RELEASED_EARLY):
+            if not req.code:
+                return "not_held", "the producer does not hold this request's blocks"
+            return req.code, req.why
+        if req.state is State.ENDING:
+            assert req.ending is not None
+            return ("aborted" if req.ending[0] is ReleaseReason.ABORTED else "failed",
+                    req.ending[1])
+        return "not_held", f"the request is {req.state.value} here"
+
+    def _stale(self, msg: m.PullDone) -> None:
+        self.stats["stale_messages"] += 1
+
+    def _to(self, share: _Share, state: ShareState) -> None:
+        """Every share state change goes through here (it keeps the counters)."""
+        old = share.state
+        if old is state:
+            return
+        if old in (ShareState.REGISTERED, ShareState.CLAIMED):
+            self._waiting[share.peer] -= 1
+            if not self._waiting[share.peer]:
+                del self._waiting[share.peer]
+        if state in (ShareState.REGISTERED, ShareState.CLAIMED):
+            self._waiting[share.peer] = self._waiting.get(share.peer, 0) + 1
+        self._pulling += (state is ShareState.PULLING) - (old is ShareState.PULLING)
+        self.gauges["registrations_waiting"] += (state is ShareState.REGISTERED) - (
+            old is ShareState.REGISTERED)
+        share.state = state
+
+    def _add_share(self, req: _Request, share: _Share) -> None:
+        state, share.state = share.state, ShareState.GONE
+        req.shares[(share.peer, share.xid)] = share
+        req.sharers = share.sharers
+        self._to(share, state)
+
+    # -- engine event handlers ---------------------------------------------------------------
+    def _on_prefill_done(self, req: _Request, ids: np.ndarray, mode: TransferMode, sid: int,
+                         stamps: dict[str, float]) -> None:
+        state = req.state
+        if state is State.ABORTED_EARLY:
+            req.state = State.ENDED   # this use is settled; the id is free after its tomb
+            if mode is TransferMode.PULL:
+                # A ticket for these blocks is out: a READ may start at any moment until
+                # its lease ends, so the blocks stay held (ENDING) until then.
+                _cancel(req.tomb)
+                req.source = _Source(ids, mode, sid, True, stamps=stamps)
+                self.gauges["sources_held"] += 1
+                req.ending = (ReleaseReason.ABORTED, req.why)
+                req.state = State.ENDING
+                req.source.lease = self._after(self.config.lease_s,
+                                               self._lease_expired_fn(req))
+                return
+            self._out.append(Emit(Release(req.rid, ReleaseReason.ABORTED, ids, req.why,
+                                          {**stamps, "released": self._now})))
+            self.stats["blocks_released"] += len(ids)
+            return
+        if state is State.RELEASED_EARLY:
+            req.state = State.ENDED    # the late prefill_done of a use released already
+            self._tomb(req, req.code, req.why)
+            return
+        if state is State.ENDED:
+            self._reuse(req)
+            state = req.state
+        if state in (State.HELD, State.ENDING):
+            assert req.source is not None
+            # The same blocks twice are held once (and released once); blocks this use
+            # does not hold go back at once.
+            extra = np.setdiff1d(ids, req.source.ids)
+            log.warning("prefill_done for %r twice; %d block(s) not held are released",
+                        req.rid, len(extra))
+            self.stats["refused"] += 1
+            if len(extra):
+                self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED, extra,
+                                              "duplicate prefill_done")))
+            return
+        if state is State.PARTIAL:
+            assert req.source is not None
+            if mode is not TransferMode.PUSH or not np.array_equal(req.source.ids, ids):
+                log.warning("prefill_done for %r names other blocks than its layer_done "
+                            "calls; released as FAILED", req.rid)
+                self.stats["refused"] += 1
+                self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED,
+                                              np.setdiff1d(ids, req.source.ids),
+                                              "prefill_done does not match layer_done")))
+                ids = req.source.ids
+            req.source.complete = True
+            req.source.stamps.update(stamps)
+        else:  # WAITING
+            req.source = _Source(ids, mode, sid, True, stamps=stamps)
+            self.gauges["sources_held"] += 1
+            if mode is TransferMode.PULL:  # push registrations cannot be served
+                for share in req.live():
+                    self._fail(share.peer, req.rid, share.xid, "mode_conflict",
+                               "the producer exposed this request for pull")
+                    self._share_gone(req, share, ReleaseReason.FAILED, "mode conflict")
+                req.shares, req.sharers = {}, None
+        req.state = State.HELD
+        req.source.lease = self._after(self.config.lease_s, self._lease_expired_fn(req))
+        self._advance(req)
+
+    def _on_layer_done(self, req: _Request, ids: np.ndarray, layer: int, sid: int) -> None:
+        if req.state in (State.RELEASED_EARLY, State.ABORTED_EARLY):
+            return  # swallowed: prefill_done settles the use
+        if req.state is State.ENDED:
+            self._reuse(req)
+        if req.state is State.WAITING:
+            req.source = _Source(ids, TransferMode.PUSH, sid, False,
+                                 stamps={"held": self._now})
+            self.gauges["sources_held"] += 1
+            req.state = State.PARTIAL
+        assert req.source is not None
+        if not np.array_equal(req.source.ids, ids):
+            log.warning("layer_done(%r, %d) names other blocks than before; ignored",
+                        req.rid, layer)
+            self.stats["refused"] += 1
+            return
+        req.source.layers.add(layer)
+        self._advance(req)
+
+    def _on_engine_abort(self, req: _Request, reason: str) -> None:
+        if req.state is State.WAITING:
+            for share in req.live():
+                self._fail(share.peer, req.rid, share.xid, "aborted", reason)
+                self._share_gone(req, share, ReleaseReason.ABORTED, reason)
+            req.shares, req.sharers = {}, None
+            self._tomb(req, "aborted", reason, state=State.ABORTED_EARLY)
+            return
+        self._give_up(req, ReleaseReason.ABORTED, reason, code="aborted")
+
+    # -- consumer event handlers -------------------------------------------------------------
+    def _admit(self, req: _Request, peer: str, xid: int, sharers: int) -> str:
+        """Whether (peer, xid) may own a share of ``req``: "" or a Failed code."""
+        if not 1 <= sharers <= m.MAX_SHARERS:
+            return "sharers"
+        if (peer, xid) in req.shares:
+            return "duplicate"
+        if any(s.peer == peer and s.state in _LIVE for s in req.shares.values()):
+            return "duplicate"
+        if req.sharers is not None and sharers != req.sharers:
+            return "sharers"
+        if len(req.shares) >= sharers:
+            return "not_owner"
+        if self._waiting.get(peer, 0) >= MAX_WAITING_PER_PEER:
+            return "too_many"
+        return ""
+
+    _ADMIT_REASON = {
+        "sharers": "the number of sharers differs from the other owners' (or is out of range)",
+        "duplicate": "this consumer already has this request registered",
+        "not_owner": "every share of this request is taken",
+        "too_many": "too many requests waiting from this consumer",
+    }
+
+    def _on_register(self, req: _Request, peer: str, msg: m.Register) -> None:
+        rid = req.rid
+        if req.state is State.ENDED:
+            if req.code:  # a late registration of a use that ended badly
+                self._fail(peer, rid, msg.xid, *self._refusal(req))
+                return
+            self._reuse(req)
+        if req.source is not None and req.source.mode is TransferMode.PULL:
+            self._fail(peer, rid, msg.xid, "mode_conflict",
+                       "the producer exposed this request for pull")
+            return
+        code = self._admit(req, peer, msg.xid, msg.sharers)
+        if code:
+            self._fail(peer, rid, msg.xid, code, self._ADMIT_REASON[code])
+            return
+        layers = self.layout.num_layers
+        if msg.groups != 1 and (msg.groups != layers or self.layout.layers_per_region != 1):
+            self._fail(peer, rid, msg.xid, "invalid_groups",
+                       f"{msg.groups} layer groups requested; this producer writes 1 or "
+                       f"{layers} (one per layer)")
+            return
+        if not 0 <= msg.part < MAX_PARTS:
+            self._fail(peer, rid, msg.xid, "invalid_part", f"part {msg.part} out of range")
+            return
+        try:
+            ids = m.decode_ids(msg.block_ids)
+        except KvpushError as exc:
+            self._fail(peer, rid, msg.xid, "invalid_ids", str(exc))
+            return
+        wait = min(max(msg.wait_s, 0.0), self.config.max_wait_s) \
+            if math.isfinite(msg.wait_s) else self.config.max_wait_s
+        share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.REGISTERED, msg.sharers,
+                       ids=ids, part=msg.part, groups=msg.groups, verify=msg.verify,
+                       tail=msg.tail)
+        owner = (peer, msg.xid)
+        share.wait = self._after(wait, lambda now: self._wait_expired(rid, owner))
+        self._add_share(req, share)
+        if req.source is not None:
+            req.source.stamps.setdefault("registered", self._now)
+        self._advance(req)
+
+    def _on_claim(self, req: _Request, peer: str, msg: m.Claim) -> None:
+        source = req.source
+        if source is None or source.sid != msg.sid or source.mode is not TransferMode.PULL:
+            self._fail(peer, req.rid, msg.xid, "not_held",
+                       "the producer does not hold this ticket's blocks")
+            return
+        code = self._admit(req, peer, msg.xid, msg.sharers)
+        if code:
+            self._fail(peer, req.rid, msg.xid, code, self._ADMIT_REASON[code])
+            return
+        owner = (peer, msg.xid)
+        share = _Share(peer, msg.xid, TransferMode.PULL, ShareState.CLAIMED, msg.sharers)
+        share.wait = self._after(self.config.max_wait_s,
+                                 lambda now: self._wait_expired(req.rid, owner))
+        self._add_share(req, share)
+
+    def _on_pull_begin(self, req: _Request, peer: str, msg: m.PullBegin) -> None:
+        source = req.source
+        owner = (peer, msg.xid)
+        share = req.shares.get(owner)
+        if source is None or source.sid != msg.sid or source.mode is not TransferMode.PULL:
+            self._pull_refused(req, peer, msg)
+            return
+        if share is not None and share.state is ShareState.DONE:
+            self._send(peer, m.PullHeld(req.rid, msg.xid, self._hold_s()))
+            return  # its PullDone overtook this PullBegin: the READ ended while held
+        if share is not None and share.state is not ShareState.CLAIMED:
+            self.stats["stale_messages"] += 1  # a duplicate
+            return
+        if share is None:
+            code = self._admit(req, peer, msg.xid, msg.sharers)
+            if code:
+                self._fail(peer, req.rid, msg.xid, code, self._ADMIT_REASON[code])
+                return
+            share = _Share(peer, msg.xid, TransferMode.PULL, ShareState.CLAIMED, msg.sharers)
+            self._add_share(req, share)
+        _cancel(share.wait)
+        self._to(share, ShareState.PULLING)
+        source.stamps.setdefault("pull_begin", self._now)
+        share.hold = self._after(self._hold_s(), lambda now: self._hold_over(req.rid, owner))
+        if req.state is State.ENDING:
+            self._fail(peer, req.rid, msg.xid, *self._refusal(req))
+        else:
+            self._send(peer, m.PullHeld(req.rid, msg.xid, self._hold_s()))
+
+    def _pull_refused(self, req: _Request | None, peer: str, msg: m.PullBegin) -> None:
+        if req is not None and (peer, msg.xid) in req.done_owners:
+            self._send(peer, m.PullHeld(req.rid, msg.xid, self._hold_s()))
+            return
+        code, why = self._refusal(req)
+        if req is not None and req.source is not None and req.source.sid != msg.sid:
+            code, why = "not_held", "this ticket's blocks were released (the id was reused)"
+        self._fail(peer, msg.request_id, msg.xid, code, why)
+
+    def _on_pull_done(self, req: _Request, peer: str, msg: m.PullDone) -> None:
+        source = req.source
+        if source is None or source.sid != msg.sid:
+            self._stale(msg)
+            return
+        owner = (peer, msg.xid)
+        share = req.shares.get(owner)
+        if share is None:
+            # The READ's notification overtook its PullBegin (it rides NIXL, the PullBegin
+            # ZeroMQ): the READ ended while the blocks were held. Remember the owner so
+            # the late PullBegin gets its PullHeld.
+            if self._admit(req, peer, msg.xid, msg.sharers):
+                self._stale(msg)
+                return
+            share = _Share(peer, msg.xid, TransferMode.PULL, ShareState.CLAIMED, msg.sharers)
+            self._add_share(req, share)
+        if share.state not in (ShareState.CLAIMED, ShareState.PULLING):
+            self._stale(msg)
+            return
+        _cancel(share.wait)
+        _cancel(share.hold)
+        if req.state is State.ENDING or share.end is not None:
+            reason = share.end[1] if share.end else ReleaseReason.ABORTED
+            self._share_gone(req, share, reason,
+                             share.detail or (req.ending[1] if req.ending else ""))
+            return
+        self._to(share, ShareState.DONE)
+        share.reason = ReleaseReason.TRANSFERRED
+        req.done_owners.add(owner)
+        self.stats["requests_completed"] += 1
+        self.stats["blocks_moved"] += len(source.ids)
+        self.stats["bytes_moved"] += msg.nbytes
+
+    def _on_consumer_abort(self, req: _Request, peer: str, msg: m.Abort) -> None:
+        owner = (peer, msg.xid)
+        share = req.shares.get(owner)
+        why = f"consumer: {msg.reason}"
+        if share is None or share.state not in _LIVE:
+            self._send(peer, m.AbortAck(req.rid, msg.xid))  # nothing of it is in flight
+            self.stats["stale_messages"] += share is None
+            return
+        if share.state is ShareState.WRITING:
+            self._end_push(req, share, "ack", ReleaseReason.ABORTED, why)
+            self._conclude(req, share)
+            return
+        if share.state is ShareState.PULLING:
+            # Its READ may still run (and over TCP needs this side to progress): the share
+            # ends at its PullDone or its hold deadline.
+            share.end = ("", ReleaseReason.ABORTED, why)
+            share.detail = why
+            self._send(peer, m.AbortAck(req.rid, msg.xid))
+            return
+        self._share_gone(req, share, ReleaseReason.ABORTED, why)
+        self._send(peer, m.AbortAck(req.rid, msg.xid))
+
+    # -- timers ------------------------------------------------------------------------------
+    def _after(self, delay: float, fn: Callable[[float], None]) -> _Timer:
+        timer = _Timer(self._now + delay, fn)
+        heapq.heappush(self._timers, (timer.deadline, next(self._seq), timer))
+        return timer
+
+    def _hold_s(self) -> float:
+        return self.config.transfer_timeout_s
+
+    def _lease_expired_fn(self, req: _Request) -> Callable[[float], None]:
+        def fire(now: float) -> None:
+            if self._requests.get(req.rid) is req:
+                self._settle(req)
+        return fire
+
+    def _wait_expired(self, rid: str, owner: tuple[str, int]) -> None:
+        req = self._requests.get(rid)
+        share = req.shares.get(owner) if req is not None else None
+        if req is None or share is None or share.state not in _LIVE:
+            return
+        self.stats["requests_timed_out"] += 1
+        if share.state is ShareState.WRITING:  # layer-wise: the last layers never came
+            self._end_push(req, share, "timeout", ReleaseReason.FAILED,
+                           "prefill did not finish in time")
+            self._conclude(req, share)
+        elif share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
+            self._fail(share.peer, rid, share.xid, "timeout", "prefill did not finish in time"
+                       if share.mode is TransferMode.PUSH else "the claim was not pulled")
+            self._share_gone(req, share, ReleaseReason.FAILED, "registration expired")
+        self._settle(req)
+
+    def _hold_over(self, rid: str, owner: tuple[str, int]) -> None:
+        req = self._requests.get(rid)
+        share = req.shares.get(owner) if req is not None else None
+        if req is None or share is None or share.state is not ShareState.PULLING:
+            return
+        self.stats["requests_timed_out"] += share.end is None
+        self._share_gone(req, share, share.end[1] if share.end else ReleaseReason.FAILED,
+                         share.detail or "the READ did not end within its hold")
+        self._settle(req)
+
+    def _write_expired(self, rid: str, owner: tuple[str, int], key: int) -> None:
+        if key in self._writes:
+            self._out.append(Abandon(key))
+
+    # -- the rendezvous ----------------------------------------------------------------------
+    def _advance(self, req: _Request) -> None:
+        """Match push owners with the source and post every group that is final."""
+        source = req.source
+        if source is None or req.state not in (State.PARTIAL, State.HELD):
+            return
+        for share in list(req.shares.values()):
+            if share.mode is not TransferMode.PUSH or share.end is not None:
+                continue
+            if share.state is ShareState.REGISTERED:
+                if share.groups == 1 and not source.complete:
+                    continue  # whole-request push: wait for prefill_done
+                if not self._match(req, share):
+                    continue
+            if share.state is ShareState.WRITING:
+                self._pump(req, share)
+
+    def _match(self, req: _Request, share: _Share) -> bool:
+        source = req.source
+        assert source is not None and share.ids is not None
+        src = source.ids
+        if share.tail and len(share.ids) <= len(src):  # the consumer holds the prefix
+            src = src[len(src) - len(share.ids):]
+        try:
+            plan = self.links.plan(share.peer, src, share.ids, self.config.coalesce)
+        except KvpushError as exc:
+            self.stats["requests_failed"] += 1
+            self._fail(share.peer, req.rid, share.xid, "invalid_ids", str(exc))
+            self._share_gone(req, share, ReleaseReason.FAILED, str(exc))
+            return False
+        share.plan, share.src = plan, src
+        self._to(share, ShareState.WRITING)
+        return True
+
+    def _pump(self, req: _Request, share: _Share) -> None:
+        source = req.source
+        assert source is not None
+        for group in range(share.groups):
+            if share.end is not None:
+                break
+            if group in share.posted or not (source.complete or group in source.layers):
+                continue
+            self._post(req, share, group)
+        if len(share.posted) == share.groups:
+            _cancel(share.wait)  # nothing left to wait for from the engine
+        self._conclude(req, share)
+
+    def _post(self, req: _Request, share: _Share, group: int) -> None:
+        plan, peer, lay = share.plan, share.peer, self.layout
+        n = len(plan.local_indices) // lay.num_regions   # descriptors per region
+        if share.groups == 1:
+            lo, hi = 0, lay.num_regions
+        else:
+            per_layer = lay.num_regions // lay.num_layers
+            lo, hi = group * per_layer, (group + 1) * per_layer
+        part = share.part * share.groups + group
+        share.posted.add(group)
+        if n == 0:  # nothing to move, but the consumer still counts this part
+            self._send(peer, m.Posted(req.rid, share.xid, part, empty=True))
+            return
+        assert req.source is not None and share.src is not None
+        req.source.stamps.setdefault("posted", self._now)
+        sums = self.links.checksums(share.src) if share.verify and share.groups == 1 else b""
+        try:
+            nbytes = (hi - lo) * n * self.links.desc_bytes(peer)
+        except PeerUnavailable:
+            nbytes = 0
+        key = next(self._keys)
+        owner = (peer, share.xid)
+        rid = req.rid
+        write = _Write(key, group, nbytes, plan.num_blocks,
+                       self._after(self.config.transfer_timeout_s,
+                                   lambda now: self._write_expired(rid, owner, key)))
+        share.writes[group] = write
+        self._writes[key] = (rid, owner)
+        self.stats["transfers_posted"] += 1
+        self.stats["descriptors_posted"] += plan.num_runs * (hi - lo)
+        # The hint goes out before the WRITE: the consumer starts polling for the Landed
+        # notification while the bytes move, instead of waking after them.
+        self._send(peer, m.Posted(rid, share.xid, part))
+        self._out.append(Post(key, "WRITE", peer, plan.local_indices[lo * n:hi * n],
+                              plan.remote_indices[lo * n:hi * n],
+                              m.Landed(rid, share.xid, part, sums, nbytes), nbytes,
+                              plan.num_runs * (hi - lo)))
+
+    def _end_push(self, req: _Request, share: _Share, message: str, reason: ReleaseReason,
+                  detail: str) -> None:
+        """A push that will not complete: it ends once none of its WRITEs is in flight
+        (they are left to finish: releasing a NIXL transfer in progress does not stop its
+        bytes, so only their real end tells the consumer nothing more lands)."""
+        if share.end is None:
+            share.end = (message, reason, detail)
+            _cancel(share.wait)
+
+    def _conclude(self, req: _Request, share: _Share) -> None:
+        """End a writing share once nothing of it is in flight."""
+        if share.state is not ShareState.WRITING or share.writes:
+            return
+        if share.end is None:
+            if len(share.posted) < share.groups:
+                return  # layers still to come
+            self._to(share, ShareState.DONE)
+            share.reason = ReleaseReason.TRANSFERRED
+            req.done_owners.add((share.peer, share.xid))
+            self.stats["requests_completed"] += 1
+            return
+        message, reason, detail = share.end
+        if reason is ReleaseReason.FAILED:
+            self.stats["requests_failed"] += 1
+        if message == "ack":
+            self._send(share.peer, m.AbortAck(req.rid, share.xid, share.errored,
+                                              share.unfenced))
+        elif message:
+            self._send(share.peer, m.Failed(req.rid, share.xid, message, detail,
+                                            share.errored, share.unfenced))
+        self._share_gone(req, share, reason, detail)
+
+    def _share_gone(self, req: _Request, share: _Share, reason: ReleaseReason,
+                    detail: str) -> None:
+        _cancel(share.wait)
+        _cancel(share.hold)
+        self._to(share, ShareState.GONE)
+        share.reason, share.detail = reason, detail
+
+    def _give_up(self, req: _Request, reason: ReleaseReason, detail: str, code: str) -> None:
+        """The engine gave up a request that holds (or is getting) its source: every owner
+        is told; the source is released once no transfer can read it."""
+        for share in req.live():
+            if share.state is ShareState.WRITING:
+                if share.writes:  # tell the consumer now; Failed follows once they ended
+                    self._send(share.peer, m.Abort(req.rid, share.xid, detail))
+                self._end_push(req, share, code, reason, detail)
+                self._conclude(req, share)
+            elif share.state is ShareState.PULLING:
+                share.end = ("", reason, detail)
+                share.detail = detail
+                self._fail(share.peer, req.rid, share.xid, code, detail)
+            else:
+                self._fail(share.peer, req.rid, share.xid, code, detail)
+                self._share_gone(req, share, reason, detail)
+        req.state, req.ending = State.ENDING, (reason, detail)
+
+    def _settle(self, req: _Request) -> None:
+        """Release the source once no transfer can read it and its owners are done with it
+        (or, with owners still to come, its lease is over); forget a request once nothing
+        of it is left. Called after every event that touches ``req``."""
+        if self._requests.get(req.rid) is not req:
+            return
+        if req.state is State.WAITING:
+            if not req.live():
+                del self._requests[req.rid]
+            return
+        source = req.source
+        if req.state not in (State.PARTIAL, State.HELD, State.ENDING) or source is None:
+            return
+        live = req.live()
+        if any(s.state in (ShareState.WRITING, ShareState.PULLING) for s in live):
+            return  # a transfer may still read the blocks
+        ended = [s for s in req.shares.values() if s.state not in _LIVE]
+        all_came = req.sharers is not None and len(ended) >= req.sharers
+        lease_over = source.lease is not None and self._now >= source.lease.deadline
+        if req.state is State.ENDING:
+            # An aborted pull source: a READ may still start under its ticket until the
+            # lease ends, unless every owner has come and gone.
+            if source.mode is TransferMode.PULL and not all_came and not lease_over:
+                return
+            assert req.ending is not None
+            self._release(req, *req.ending)
+            return
+        if all_came:
+            bad = next((s for s in ended if s.reason is not ReleaseReason.TRANSFERRED), None)
+            if bad is None:
+                self._release(req, ReleaseReason.TRANSFERRED)
+            else:
+                self._release(req, bad.reason, bad.detail)
+            return
+        if req.state is State.PARTIAL or live or not lease_over:
+            return  # owners still to come (no lease runs before prefill_done)
+        self.stats["requests_timed_out"] += 1
+        if req.done_owners:
+            self._release(req, ReleaseReason.TRANSFERRED,
+                          f"{len(req.done_owners)} of {req.sharers} owners took it before "
+                          f"the lease ended", code="lease_expired")
+            return
+        self._release(req, ReleaseReason.LEASE_EXPIRED, code="lease_expired",
+                      why="source blocks were released after their lease")
+
+    def _release(self, req: _Request, reason: ReleaseReason, detail: str = "", *,
+                 code: str = "", why: str = "") -> None:
+        source = req.source
+        assert source is not None
+        _cancel(source.lease)
+        for share in req.shares.values():
+            _cancel(share.wait)
+            _cancel(share.hold)
+            self._to(share, ShareState.GONE)
+        self.stats["blocks_released"] += len(source.ids)
+        self.gauges["sources_held"] -= 1
+        self._out.append(Emit(Release(req.rid, reason, source.ids, detail,
+                                      {**source.stamps, "released": self._now})))
+        early = req.state is State.PARTIAL
+        if not code and reason is not ReleaseReason.TRANSFERRED:
+            code = "aborted" if reason is ReleaseReason.ABORTED else "failed"
+        why = why or detail
+        req.source = None
+        req.shares = {}
+        req.ending = None
+        self._tomb(req, code, why, state=State.RELEASED_EARLY if early else State.ENDED)
+
+    def _tomb(self, req: _Request, code: str, why: str, state: State = State.ENDED) -> None:
+        req.state, req.code, req.why = state, code, why
+        _cancel(req.tomb)
+        rid = req.rid
+
+        def expire(now: float) -> None:
+            if self._requests.get(rid) is req and req.state in (State.ENDED,
+                                                                  State.ABORTED_EARLY):
+                del self._requests[rid]
+        req.tomb = self._after(self.config.tombstone_s, expire)
+
+    def _reuse(self, req: _Request) -> None:
+        """A new use of an ended request id: its tombstone goes."""
+        _cancel(req.tomb)
+        req.state, req.code, req.why = State.WAITING, "", ""
+        req.shares, req.sharers, req.done_owners = {}, None, set()
+
+    # -- sending -----------------------------------------------------------------------------
+    def _send(self, peer: str, msg: m.Message) -> None:
+        self._out.append(Send(peer, msg))
+
+    def _fail(self, peer: str, rid: str, xid: int, code: str, reason: str) -> None:
+        self._send(peer, m.Failed(rid, xid, code, reason))

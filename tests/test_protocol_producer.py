@@ -1,0 +1,352 @@
+"""The producer's protocol core, sans-IO: each bug of issue 13 that lived on the producer side
+(tombstones honoured forever, nobody owning a source, layer-wise double release, freed while
+being read, a second prefill_done) as the event sequence that showed it, checked on the
+effects the core returns. No sockets, NIXL or threads: events in, effects out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpush import messages as m
+from kvpush.layout import KVLayout, Region
+from kvpush.plan import plan_transfer
+from kvpush.protocol.effects import Abandon, DropPeer, Emit, Post, Send, XferEnd
+from kvpush.protocol.producer import TRANSITIONS, CoreConfig, ProducerCore, State
+from kvpush.request import Release, ReleaseReason, TransferMode
+
+NUM_BLOCKS = 32
+LAYERS = 2
+
+
+def layout() -> KVLayout:
+    return KVLayout(regions=tuple(Region(1 << 20 * (i + 1), NUM_BLOCKS * 128)
+                                  for i in range(LAYERS)),
+                    num_layers=LAYERS, num_blocks=NUM_BLOCKS, tokens_per_block=4,
+                    num_kv_heads=1, head_size=8, dtype="float16")
+
+
+class Links:
+    def plan(self, peer: str, src: np.ndarray, dst: np.ndarray, coalesce: bool) -> Any:
+        return plan_transfer(src, dst, NUM_BLOCKS, NUM_BLOCKS, LAYERS, coalesce)
+
+    def desc_bytes(self, peer: str) -> int:
+        return 64
+
+    def checksums(self, ids: np.ndarray) -> bytes:
+        return b"\0" * 8 * len(ids)
+
+
+class Harness:
+    """A core, a clock, and what it asked for so far."""
+
+    def __init__(self, **config: Any) -> None:
+        self.now = 0.0
+        self.core = ProducerCore(layout(), CoreConfig(**{"lease_s": 10.0,
+                                                          "tombstone_s": 5.0, **config}),
+                                 Links())
+        self.effects: list[Any] = []
+        for peer in ("A", "B"):
+            self.core.peer_up(self.now, peer, layout())
+
+    def run(self) -> list[Any]:
+        out = self.core.drain()
+        self.effects += out
+        return out
+
+    def advance(self, dt: float) -> list[Any]:
+        self.now += dt
+        self.core.tick(self.now)
+        return self.run()
+
+    def releases(self) -> list[Release]:
+        return [e.item for e in self.effects if isinstance(e, Emit)]
+
+    def sent(self, kind: type, peer: str | None = None) -> list[Any]:
+        return [e.msg for e in self.effects if isinstance(e, Send)
+                and isinstance(e.msg, kind) and (peer is None or e.peer == peer)]
+
+    def posts(self) -> list[Post]:
+        return [e for e in self.effects if isinstance(e, Post)]
+
+    def register(self, peer: str, rid: str, xid: int, ids: list[int], **kw: Any) -> None:
+        msg = m.Register(rid, xid, m.encode_ids(np.array(ids)), kw.pop("part", 0),
+                         kw.pop("wait_s", 30.0), **kw)
+        self.core.on_message(self.now, peer, msg)
+        self.run()
+
+    def prefill(self, rid: str, ids: list[int], mode: TransferMode = TransferMode.PUSH,
+                sid: int = 7) -> None:
+        self.core.prefill_done(self.now, rid, np.array(ids, dtype=np.int64), mode, sid)
+        self.run()
+
+    def end_writes(self, end: XferEnd = XferEnd.DONE) -> None:
+        for post in self.posts():
+            self.core.transfer_ended(self.now, post.key, end)
+        self.run()
+
+
+def test_every_state_has_a_row_in_the_transition_table() -> None:
+    assert set(TRANSITIONS) == set(State)
+
+
+def test_push_releases_once_after_the_write() -> None:
+    h = Harness()
+    h.register("A", "r", 11, [1, 2])
+    h.prefill("r", [5, 6])
+    assert [type(e.msg) for e in h.effects if isinstance(e, Send)] == [m.Posted]
+    assert h.releases() == []            # the WRITE is in flight: nothing released yet
+    h.end_writes()
+    (release,) = h.releases()
+    assert release.reason is ReleaseReason.TRANSFERRED
+    assert release.block_ids.tolist() == [5, 6]
+    landed = h.posts()[0].notif
+    assert isinstance(landed, m.Landed) and landed.xid == 11
+    assert h.core.held() == 0 and h.core.in_flight() == 0
+
+
+def test_bug1_a_tombstone_expires_and_the_id_is_usable_again() -> None:
+    """Issue 13, bug 1: a reuse after the tombstone's expiry got its prefill_done swallowed
+    (blocks never released) and its registration failed indefinitely."""
+    h = Harness(tombstone_s=0.5)
+    h.core.abort(h.now, "r", "engine gave up")       # no use yet: the next one is aborted
+    h.prefill("r", [1])
+    assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]
+    h.advance(1.0)                                   # the tombstone is gone
+    assert h.core.records() == 0
+    h.register("A", "r", 12, [3])
+    h.prefill("r", [2])
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED,
+                                                ReleaseReason.TRANSFERRED]
+    assert h.sent(m.Failed) == []
+
+
+def test_bug1_an_abort_after_a_finished_request_does_not_block_later_uses() -> None:
+    h = Harness()
+    h.register("A", "r", 1, [3])
+    h.prefill("r", [2])
+    h.end_writes()
+    h.core.abort(h.now, "r", "late abort")           # the use has ended: nothing to abort
+    h.run()
+    h.register("A", "r", 2, [4])                      # a new use, at once
+    h.prefill("r", [5])
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED] * 2
+    assert h.sent(m.Failed) == []
+
+
+def test_bug3_a_message_of_a_non_owner_changes_nothing() -> None:
+    """Issue 13, bug 3: consumer B's Abort or PullDone released the source consumer A was
+    reading; A then reported READY over blocks the engine had reused."""
+    h = Harness()
+    h.prefill("r", [1, 2, 3], TransferMode.PULL, sid=99)
+    h.core.on_message(h.now, "A", m.PullBegin("r", 21, 99))
+    h.run()
+    assert h.sent(m.PullHeld, "A")[0].xid == 21
+    # B takes the same ticket (a router retrying on a second decode instance)
+    h.core.on_message(h.now, "B", m.PullBegin("r", 31, 99))
+    h.core.on_message(h.now, "B", m.Abort("r", 31, "gave up"))
+    h.core.on_notification(h.now, "B", m.PullDone("r", 31, 99, 64))
+    h.run()
+    assert h.releases() == []                        # A's READ may still run
+    assert [f.code for f in h.sent(m.Failed, "B")] == ["not_owner"]
+    h.core.on_notification(h.now, "A", m.PullDone("r", 21, 99, 192))
+    h.run()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+
+
+def test_bug3_a_source_shared_by_two_decode_ranks_waits_for_both() -> None:
+    """Heterogeneous TP: two decode ranks each read their share of one prefill request
+    under one request id; the source is held until both are done."""
+    h = Harness()
+    h.prefill("r", [1, 2], TransferMode.PULL, sid=5)
+    h.core.on_message(h.now, "A", m.PullBegin("r", 1, 5, sharers=2))
+    h.core.on_notification(h.now, "A", m.PullDone("r", 1, 5, 10, sharers=2))
+    h.run()
+    assert h.releases() == []
+    h.core.on_notification(h.now, "B", m.PullDone("r", 2, 5, 10, sharers=2))  # overtook
+    h.run()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+    h.core.on_message(h.now, "B", m.PullBegin("r", 2, 5, sharers=2))          # its PullBegin
+    h.run()
+    assert [p.xid for p in h.sent(m.PullHeld, "B")] == [2]
+
+
+def test_bug3_push_to_two_sharers_and_a_third_is_refused() -> None:
+    h = Harness()
+    h.register("A", "r", 1, [1], sharers=2)
+    h.core.peer_up(h.now, "C", layout())
+    h.register("B", "r", 2, [2], sharers=2)
+    h.register("C", "r", 3, [3], sharers=2)
+    assert [f.code for f in h.sent(m.Failed, "C")] == ["not_owner"]
+    h.prefill("r", [9])
+    assert len(h.posts()) == 2
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+
+
+def test_bug4_layerwise_failure_before_prefill_done_releases_once() -> None:
+    """Issue 13, bug 4: a planning failure released FAILED while prefill still wrote layers;
+    the next layer_done held the blocks again and they were released a second time."""
+    h = Harness()
+    h.register("A", "r", 1, [NUM_BLOCKS + 5], groups=LAYERS)   # an id out of range
+    h.core.layer_done(h.now, "r", np.array([1]), 0, 3)
+    h.run()
+    h.core.layer_done(h.now, "r", np.array([1]), 1, 3)
+    h.prefill("r", [1], sid=3)
+    assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED]
+    assert [f.code for f in h.sent(m.Failed)] == ["invalid_ids"]
+
+
+def test_bug4_no_lease_runs_out_during_a_long_layerwise_prefill() -> None:
+    h = Harness(lease_s=1.0)
+    h.core.layer_done(h.now, "r", np.array([1]), 0, 3)
+    h.run()
+    h.advance(5.0)                                   # prefill takes longer than the lease
+    h.register("A", "r", 1, [2], groups=LAYERS)
+    h.core.layer_done(h.now, "r", np.array([1]), 1, 3)
+    h.run()
+    h.end_writes()
+    h.prefill("r", [1], sid=3)
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+
+
+def test_bug5_a_lost_reader_keeps_the_blocks_until_its_hold_ends() -> None:
+    """Issue 13, bug 5: the producer released the sources a silent consumer was reading; a
+    consumer whose loop had stalled finished its READ on resume and reported READY."""
+    h = Harness(transfer_timeout_s=3.0)
+    h.prefill("r", [1], TransferMode.PULL, sid=4)
+    h.core.on_message(h.now, "A", m.PullBegin("r", 1, 4))
+    h.run()
+    assert h.sent(m.PullHeld)[0].hold_s == 3.0
+    h.core.peer_lost(h.now, "A", "silent")
+    h.run()
+    assert h.releases() == []
+    assert any(isinstance(e, DropPeer) for e in h.effects)   # no WRITE to wait for
+    h.advance(2.9)
+    assert h.releases() == []
+    h.advance(0.2)
+    assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED]
+
+
+def test_a_lost_consumer_write_ends_before_the_source_goes() -> None:
+    h = Harness()
+    h.register("A", "r", 1, [2])
+    h.prefill("r", [1])
+    h.core.peer_lost(h.now, "A", "silent")
+    h.run()
+    assert h.releases() == [] and not any(isinstance(e, DropPeer) for e in h.effects)
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED]
+    assert any(isinstance(e, DropPeer) for e in h.effects)
+
+
+def test_a_write_past_its_deadline_is_abandoned_and_the_consumer_told() -> None:
+    h = Harness(transfer_timeout_s=2.0)
+    h.register("A", "r", 1, [2])
+    h.prefill("r", [1])
+    out = h.advance(2.5)
+    (abandon,) = [e for e in out if isinstance(e, Abandon)]
+    h.core.transfer_ended(h.now, abandon.key, XferEnd.ABANDONED)
+    h.run()
+    (failed,) = h.sent(m.Failed)
+    assert failed.code == "timeout" and failed.unfenced
+    assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED]
+
+
+def test_bug8_a_second_prefill_done_releases_nothing_still_held() -> None:
+    """Issue 13, bug 8: a second prefill_done released the blocks still held (two Releases
+    of the same blocks, the first while they were still to be written from)."""
+    h = Harness()
+    h.prefill("r", [1, 2])
+    h.prefill("r", [1, 2, 3])
+    assert [(r.reason, r.block_ids.tolist()) for r in h.releases()] == [
+        (ReleaseReason.FAILED, [3])]
+    h.register("A", "r", 1, [4, 5])
+    h.end_writes()
+    assert [r.block_ids.tolist() for r in h.releases()] == [[3], [1, 2]]
+
+
+@pytest.mark.parametrize("when", ["registered", "writing"])
+def test_consumer_abort_is_acked_with_its_xid(when: str) -> None:
+    h = Harness()
+    h.register("A", "r", 8, [2])
+    if when == "writing":
+        h.prefill("r", [1])
+    h.core.on_message(h.now, "A", m.Abort("r", 8, "bye"))
+    h.run()
+    if when == "writing":
+        assert h.sent(m.AbortAck) == []          # once the WRITE has ended
+        h.end_writes()
+    (ack,) = h.sent(m.AbortAck)
+    assert ack.xid == 8
+    h.prefill("r", [1]) if when == "registered" else None
+    assert [r.reason for r in h.releases()] == (
+        [ReleaseReason.ABORTED] if when == "writing" else [])
+
+
+def test_a_stale_abort_of_an_unknown_use_is_answered_and_changes_nothing() -> None:
+    h = Harness()
+    h.register("A", "r", 8, [2])
+    h.core.on_message(h.now, "A", m.Abort("r", 999, "old use"))
+    h.run()
+    assert [a.xid for a in h.sent(m.AbortAck)] == [999]
+    h.prefill("r", [1])
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+
+
+def test_lease_expiry_releases_and_late_registrations_fail_fast() -> None:
+    h = Harness(lease_s=1.0)
+    h.prefill("r", [1])
+    h.advance(1.5)
+    assert [r.reason for r in h.releases()] == [ReleaseReason.LEASE_EXPIRED]
+    h.register("A", "r", 3, [2])
+    assert [f.code for f in h.sent(m.Failed)] == ["lease_expired"]
+
+
+def test_a_claim_holds_the_source_past_its_lease() -> None:
+    h = Harness(lease_s=1.0)
+    h.prefill("r", [1], TransferMode.PULL, sid=6)
+    h.core.on_message(h.now, "A", m.Claim("r", 4, 6))
+    h.advance(5.0)
+    assert h.releases() == []
+    h.core.on_message(h.now, "A", m.PullBegin("r", 4, 6))
+    h.core.on_notification(h.now, "A", m.PullDone("r", 4, 6, 64))
+    h.run()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+
+
+def test_a_claimer_lost_gives_its_share_up() -> None:
+    h = Harness(lease_s=1.0)
+    h.prefill("r", [1], TransferMode.PULL, sid=6)
+    h.core.on_message(h.now, "A", m.Claim("r", 4, 6))
+    h.advance(5.0)
+    h.core.peer_lost(h.now, "A", "gone")
+    h.run()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED]
+
+
+def test_registrations_waiting_per_peer_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpush.protocol import producer as core_module
+    monkeypatch.setattr(core_module, "MAX_WAITING_PER_PEER", 3)
+    h = Harness()
+    for i in range(4):
+        h.register("A", f"r{i}", i + 1, [i])
+    assert [f.code for f in h.sent(m.Failed)] == ["too_many"]
+    assert h.core.gauges["registrations_waiting"] == 3
+
+
+def test_state_is_bounded_once_quiet() -> None:
+    h = Harness(lease_s=1.0, tombstone_s=2.0)
+    for i in range(50):
+        h.register("A", f"r{i}", i + 1, [i % NUM_BLOCKS])
+        h.prefill(f"r{i}", [i % NUM_BLOCKS])
+    h.end_writes()
+    h.core.abort(h.now, "x", "never seen")
+    h.advance(3.0)
+    assert h.core.records() == 0 and h.core.next_deadline() is None
+    assert h.core.gauges == {"sources_held": 0, "registrations_waiting": 0}
