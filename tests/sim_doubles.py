@@ -180,7 +180,9 @@ class StandinConsumerCore:
             if use.peer != peer:
                 continue
             if use.mode is TransferMode.PUSH:
-                use.unsafe |= use.posted and not use.landed
+                # a Register in flight (or held by a stalled producer) may still be
+                # served: nothing is safe until the producer said how it ended
+                use.unsafe |= not use.landed
             elif use.read_key in self._xfers:
                 self._out.append(Abandon(use.read_key))
                 use.unsafe = True

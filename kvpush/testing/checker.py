@@ -38,8 +38,8 @@ class Checker:
     two runs can be compared by their :attr:`trace_hash` without keeping whole traces.
     """
 
-    def __init__(self, seed: int, tail: int = 60, out: TextIO | None = None,
-                 print_limit: int = 5) -> None:
+    def __init__(self, seed: int, tail: int = 120, out: TextIO | None = None,
+                 print_limit: int = 5, keep: TextIO | None = None) -> None:
         self.seed = seed
         self.violations: list[Violation] = []
         self.lines: deque[str] = deque(maxlen=tail)
@@ -49,10 +49,14 @@ class Checker:
         self.out = out if out is not None else sys.stdout
         self.print_limit = print_limit
         self.quiet = False
+        #: every trace line goes here too, when set (``--trace FILE``)
+        self.keep = keep
 
     def trace(self, line: str) -> None:
         text = f"{self.now:.6f} {line}"
         self.lines.append(text)
+        if self.keep is not None:
+            print(text, file=self.keep)
         self.trace_hash = zlib.crc32(text.encode(), self.trace_hash)
 
     def fail(self, kind: str, detail: str) -> Violation:

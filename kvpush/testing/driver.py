@@ -174,7 +174,8 @@ class Endpoint:
         target = self.sim.endpoints.get(peer)
         if target is None:
             return
-        self.sim.checker.trace(f"{self.name} > {peer} {_brief(msg)}")
+        if not isinstance(msg, _IDEMPOTENT):
+            self.sim.checker.trace(f"{self.name} > {peer} {_brief(msg)}")
         if isinstance(msg, m.PullHeld) and self.role == "producer":
             src = self.engine.sources.get(msg.request_id)
             if src is not None:
@@ -191,7 +192,8 @@ class Endpoint:
             self.sim.checker.fail("bad_frame", f"{sender} -> {self.name}: {exc}")
             return
         now = self.sim.sched.now
-        self.sim.checker.trace(f"{self.name} < {sender} {_brief(msg)}")
+        if not isinstance(msg, _IDEMPOTENT):
+            self.sim.checker.trace(f"{self.name} < {sender} {_brief(msg)}")
         if self.role == "producer":
             self._producer_frame(sender, msg, now)
         else:

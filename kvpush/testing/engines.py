@@ -184,6 +184,7 @@ class DecodeEngine:
         self.owner = [0] * ep.memory.num_blocks
         self.quarantined: list[Use] = []
         self.done: dict[int, Use] = {}          # xid -> use with a result, transfers moving
+        self.calling: set[Use] = set()          # engine calls queued to a (stalled) loop
 
     def allocate(self, req: Request) -> Use | None:
         if len(self.free) < req.nblocks or req.rid in self.by_rid:
@@ -301,9 +302,10 @@ class DecodeEngine:
             self.done.pop(use.xid, None)
 
     def died(self) -> None:
-        for use in list(self.uses.values()):
+        for use in [*self.uses.values(), *self.calling]:
             self.sim.consumer_ended(use)
         self.uses.clear()
+        self.calling.clear()
         self.by_rid.clear()
 
 

@@ -15,8 +15,8 @@ What the fakes model, and why:
   stop its bytes (NIXL 1.5.1 over UCX: ``ucp_request_cancel`` does nothing for RMA). While
   the link between its two endpoints is cut, a transfer makes no progress.
 * :class:`Network`: control frames between two endpoints keep their order per direction
-  (ZeroMQ over one TCP connection never reorders) but race NIXL notifications; frames sent
-  or due while a link is cut are lost.
+  (ZeroMQ over one TCP connection never reorders) but race NIXL notifications; a link cut
+  holds them, and one long enough to break the connection loses them.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class FakeMemory:
         self.words[rows] = vals
 
     def snapshot(self, block_ids: np.ndarray) -> np.ndarray:
-        return self.words[self.rows(block_ids)].copy()
+        out: np.ndarray = self.words[self.rows(block_ids)].copy()
+        return out
 
     def tags(self, block_ids: np.ndarray) -> list[int]:
         """The pattern tag found in the first word of each block of region 0 (which use's
@@ -255,31 +256,40 @@ class FakeNixl:
 class Network:
     """Control frames between endpoints.
 
-    Per directed pair, frames are delivered in the order sent (each is due no earlier than
-    the one before it); a frame sent while the pair's link is cut, or due while it is, is
-    lost. ``deliver(sender, frame)`` is called at delivery time; whether the
-    target can take it (alive, not stalled) is the caller's business.
+    Per directed pair, frames are delivered in the order sent: each is due no earlier than
+    the one before it. A link cut holds every frame of the pair (TCP retransmits) until the
+    cut heals; a cut that lasts ``reset_s`` or more breaks the connection (the facades close
+    a connection dead for ``peer_timeout_s``: TCP keepalive), and every frame held by it is
+    lost. ``deliver(sender, frame)`` is called at delivery time; whether the target can take
+    it (alive, not stalled) is the caller's business.
     """
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self._last: dict[tuple[str, str], float] = {}
-        self._cut: dict[frozenset[str], float] = {}
+        self._cut: dict[frozenset[str], tuple[float, float]] = {}   # pair -> (start, until)
         self.delay = (50e-6, 2e-3)
         self.slow_p = 0.01          # chance of a slow frame (a retransmission, a full queue)
         self.slow_delay = 20e-3
         self.dup_p = 0.0            # chance of duplicating an idempotent frame
+        self.reset_s = 1.0
         self.sent = 0
         self.lost = 0
         self.duplicated = 0
 
     def cut(self, a: str, b: str, until: float) -> None:
         key = frozenset((a, b))
-        self._cut[key] = max(until, self._cut.get(key, 0.0))
+        now = self.sched.now
+        start, old = self._cut.get(key, (now, 0.0))
+        if old <= now:
+            start = now
+        self._cut[key] = (start, max(until, old))
 
     def cut_until(self, a: str, b: str) -> float:
-        until = self._cut.get(frozenset((a, b)), 0.0)
-        return until if until > self.sched.now else 0.0
+        entry = self._cut.get(frozenset((a, b)))
+        if entry is None:
+            return 0.0
+        return entry[1] if entry[1] > self.sched.now else 0.0
 
     def heal_all(self) -> None:
         self._cut.clear()
@@ -287,25 +297,33 @@ class Network:
     def send(self, src: str, dst: str, frame: bytes, deliver: Callable[[str, bytes], None],
              idempotent: bool = False) -> None:
         self.sent += 1
-        if self.cut_until(src, dst):
-            self.lost += 1
-            return
         rng = self.sched.rng
         delay = rng.uniform(*self.delay)
         if rng.random() < self.slow_p:
             delay += rng.uniform(0, self.slow_delay)
-        pair = (src, dst)
-        when = max(self.sched.now + delay, self._last.get(pair, 0.0))
-        self._last[pair] = when
-        self.sched.at(when, self._arrive, src, dst, frame, deliver)
+        self._queue(src, dst, frame, deliver, self.sched.now + delay, -1.0)
         if idempotent and self.dup_p and rng.random() < self.dup_p:
             self.duplicated += 1
-            self.sched.at(when, self._arrive, src, dst, frame, deliver)
+            self._queue(src, dst, frame, deliver, self.sched.now + delay, -1.0)
+
+    def _queue(self, src: str, dst: str, frame: bytes, deliver: Callable[[str, bytes], None],
+               when: float, held_since: float) -> None:
+        pair = (src, dst)
+        when = max(when, self._last.get(pair, 0.0))
+        self._last[pair] = when
+        self.sched.at(when, self._arrive, src, dst, frame, deliver, held_since)
 
     def _arrive(self, src: str, dst: str, frame: bytes,
-                deliver: Callable[[str, bytes], None]) -> None:
-        if self.cut_until(src, dst):
-            self.lost += 1
+                deliver: Callable[[str, bytes], None], held_since: float) -> None:
+        entry = self._cut.get(frozenset((src, dst)))
+        now = self.sched.now
+        if entry is not None and entry[1] > now:       # held until the cut heals
+            since = entry[0] if held_since < 0 else held_since
+            self._queue(src, dst, frame, deliver,
+                        entry[1] + self.sched.rng.uniform(*self.delay), since)
+            return
+        if held_since >= 0 and entry is not None and entry[1] - entry[0] >= self.reset_s:
+            self.lost += 1                              # the connection broke meanwhile
             return
         deliver(src, frame)
 

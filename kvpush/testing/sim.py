@@ -28,15 +28,12 @@ any request id and no transfer in flight.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
-
-import numpy as np
 
 from .. import messages as m
 from ..errors import KvpushError, RequestAborted
@@ -58,7 +55,7 @@ class Timings:
     outlast timeouts often, so every timeout path runs."""
 
     num_regions: int = 2
-    num_blocks: int = 48
+    num_blocks: int = 128
     block_bytes: int = 16
     # producer
     lease_s: float = 1.0
@@ -151,6 +148,7 @@ class Simulation:
         self.out = out if out is not None else sys.stdout
         self.net = Network(self.sched)
         self.net.dup_p = self.faults.dup_p if self.faults.on("dup") else 0.0
+        self.net.reset_s = self.timings.peer_timeout_s
         self.nixl = FakeNixl(self.sched)
         self.nixl.on_piece = self._on_piece
         self.nixl.on_landed = self._on_landed
@@ -395,12 +393,14 @@ class Simulation:
         req.uses.append(use)
         req.open_uses += 1
         use.started = -1.0
+        use.ep.engine.calling.add(use)
 
     def _started(self, ce: Endpoint, use: Use, xid: Any) -> None:
         now = self.sched.now
         if not isinstance(xid, int) or xid == 0:
             self.checker.fail("bad_xid", f"{ce.name}: the core returned xid {xid!r}")
             xid = self.rng.getrandbits(63) | 1
+        ce.engine.calling.discard(use)
         ce.engine.started(use, xid)
         use.started = now
         t = self.timings
@@ -413,6 +413,7 @@ class Simulation:
     def _refused(self, ce: Endpoint, use: Use, exc: Exception) -> None:
         self.stats["refused_calls"] += 1
         self.checker.trace(f"{ce.name} engine call refused: {exc!r}")
+        ce.engine.calling.discard(use)
         ce.engine.cancel(use)
         self.consumer_ended(use)
 
@@ -522,7 +523,7 @@ class Simulation:
         return self.rng.uniform(5e-6, 3e-4)
 
     def _on_landed(self, xfer: Transfer) -> None:
-        poster, target = xfer.poster, xfer.target
+        poster = xfer.poster
         self.sched.after(self._poll_delay(), poster.run, poster.transfer_finished, xfer,
                          XferEnd.DONE)
         self._notify(xfer, self.rng.uniform(10e-6, 1e-3))
@@ -660,12 +661,13 @@ def default_producer(ep: Endpoint) -> Any:
 def default_consumer(ep: Endpoint) -> Any:
     """The real :class:`~kvpush.protocol.consumer.ConsumerCore` with the run's timings."""
     try:
-        from ..protocol import consumer as cmod
+        import importlib
+        cmod: Any = importlib.import_module("kvpush.protocol.consumer")
     except ImportError as exc:
         raise RuntimeError("kvpush.protocol.consumer is not there yet; pass make_consumer "
                            "(e.g. tests/sim_doubles.py)") from exc
     t = ep.sim.timings
-    cfg_cls: Any = getattr(cmod, "CoreConfig", None) or getattr(cmod, "ConsumerCoreConfig")
+    cfg_cls: Any = getattr(cmod, "CoreConfig", None) or cmod.ConsumerCoreConfig
     names = {f.name for f in fields(cfg_cls)}
     values = {"abort_grace_s": t.abort_grace_s, "lease_margin_s": t.lease_margin_s,
               "tombstone_s": t.tombstone_s, "request_timeout_s": t.request_timeout_s}
@@ -674,6 +676,28 @@ def default_consumer(ep: Endpoint) -> Any:
 
 
 # -- CLI -------------------------------------------------------------------------------------
+def _load(spec: str | None) -> CoreFactory | None:
+    """``module:func`` or ``path/to/file.py:func`` -> the function (None: the default)."""
+    if spec is None:
+        return None
+    import importlib
+    import importlib.util
+    where, _, func = spec.rpartition(":")
+    if not where or not func:
+        raise SystemExit(f"--*-core takes MODULE:FUNC, got {spec!r}")
+    if where.endswith(".py"):
+        mspec = importlib.util.spec_from_file_location("_sim_cores", where)
+        if mspec is None or mspec.loader is None:
+            raise SystemExit(f"cannot load {where}")
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules["_sim_cores"] = module
+        mspec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    factory: CoreFactory = getattr(module, func)
+    return factory
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvpush.testing.sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -690,6 +714,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="requests between quiescence checks")
     ap.add_argument("--progress", type=int, default=0,
                     help="a progress line every N requests (default: N/10 for big runs)")
+    ap.add_argument("--producer-core", default=None, metavar="MODULE:FUNC",
+                    help="build producer cores with FUNC(endpoint) from MODULE (a dotted "
+                         "name or a .py path); default: kvpush.protocol.producer")
+    ap.add_argument("--consumer-core", default=None, metavar="MODULE:FUNC",
+                    help="the same for consumer cores; default: kvpush.protocol.consumer")
     args = ap.parse_args(argv)
     faults = Faults.parse(args.faults)
     if args.fault_rate is not None:
@@ -697,7 +726,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = args.progress or (args.requests // 10 if args.requests >= 20_000 else 0)
     sim = Simulation(args.seed, producers=args.producers, consumers=args.consumers,
                      requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
-                     progress_every=progress)
+                     progress_every=progress, make_producer=_load(args.producer_core),
+                     make_consumer=_load(args.consumer_core))
     violations = sim.run()
     print(sim.details())
     if violations:

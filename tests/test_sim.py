@@ -1,0 +1,212 @@
+"""kvpush.testing: the fakes themselves, seeded runs, replay, and planted bugs caught."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpush import messages as m
+from kvpush.protocol.effects import Emit, XferEnd
+from kvpush.request import RequestState, TransferMode
+from kvpush.testing import FakeMemory, FakeNixl, Faults, Network, Scheduler, Simulation, Transfer
+from kvpush.testing.sim import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sim_doubles import EarlyReleaseProducer, StandinResult, standin_consumer
+
+
+def _consumers() -> list[object]:
+    """The consumer cores to run against: the stand-in, and the real one once it exists."""
+    makers: list[object] = [pytest.param(standin_consumer, id="standin-consumer")]
+    try:
+        import kvpush.protocol.consumer  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        makers.append(pytest.param(None, id="real-consumer"))
+    return makers
+
+
+# -- the fakes ---------------------------------------------------------------------------
+def _xfer(sched: Scheduler, src: FakeMemory, dst: FakeMemory, ids: list[int]) -> Transfer:
+    rows = src.rows(np.array(ids))
+    return Transfer(1, "WRITE", object(), 0, object(), 0, src, dst, rows, rows.copy(), b"",
+                    7, "c0", sched.now, src_blocks=frozenset(ids))
+
+
+def test_write_copies_the_bytes() -> None:
+    sched = Scheduler(1)
+    nixl = FakeNixl(sched)
+    landed: list[Transfer] = []
+    nixl.on_landed = landed.append
+    src, dst = FakeMemory(num_blocks=8), FakeMemory(num_blocks=8)
+    src.fill(np.array([1, 2, 5]), 42)
+    xfer = _xfer(sched, src, dst, [1, 2, 5])
+    nixl.start(xfer)
+    assert not np.array_equal(dst.snapshot(np.array([1, 2, 5])), src.snapshot(np.array([1, 2, 5])))
+    while sched.step():
+        pass
+    assert landed == [xfer] and xfer.state == "landed"
+    assert np.array_equal(dst.snapshot(np.array([1, 2, 5])), src.snapshot(np.array([1, 2, 5])))
+    assert dst.tags(np.array([1, 2, 5])) == [42, 42, 42]
+    assert not dst.snapshot(np.array([0, 3])).any()   # nothing else touched
+
+
+def test_abandoned_write_still_lands_and_copies_what_the_source_holds_then() -> None:
+    sched = Scheduler(2)
+    nixl = FakeNixl(sched)
+    src, dst = FakeMemory(num_blocks=8), FakeMemory(num_blocks=8)
+    src.fill(np.array([3, 4]), 1)
+    xfer = _xfer(sched, src, dst, [3, 4])
+    nixl.start(xfer)
+    assert nixl.abandon(xfer) is XferEnd.ABANDONED
+    src.fill(np.array([3, 4]), 2)            # released and reused before the bytes moved
+    while sched.step():
+        pass
+    assert xfer.state == "landed"
+    assert dst.tags(np.array([3, 4])) == [2, 2]   # the reuse's bytes
+    assert nixl.abandon(xfer) is XferEnd.DONE
+
+
+def test_transfer_makes_no_progress_while_its_link_is_cut() -> None:
+    sched = Scheduler(3)
+    nixl = FakeNixl(sched)
+    nixl.link_cut_until = lambda a, b: 5.0 if sched.now < 5.0 else 0.0
+    src, dst = FakeMemory(num_blocks=4), FakeMemory(num_blocks=4)
+    src.fill(np.array([0]), 9)
+    xfer = _xfer(sched, src, dst, [0])
+    nixl.start(xfer)
+    while sched.step() and xfer.state == "moving":
+        pass
+    assert xfer.state == "landed" and sched.now >= 5.0
+
+
+def test_control_frames_are_fifo_per_pair_and_a_long_cut_loses_them() -> None:
+    sched = Scheduler(4)
+    net = Network(sched)
+    net.slow_p = 0.3
+    net.reset_s = 1.0
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    for i in range(300):
+        net.send("a", "z", bytes([i % 256]), lambda s, f: got[s].append(f[0]))
+        net.send("b", "z", bytes([i % 256]), lambda s, f: got[s].append(f[0]))
+        sched.at(sched.now + 1e-4, lambda: None)
+        sched.step()
+    while sched.step():
+        pass
+    assert got["a"] == [i % 256 for i in range(300)] == got["b"]
+    # a short cut holds frames (TCP retransmits) and keeps their order
+    order: list[int] = []
+    net.cut("a", "z", sched.now + 0.5)
+    for i in range(50):
+        net.send("a", "z", bytes([i]), lambda s, f: order.append(f[0]))
+    while sched.step():
+        pass
+    assert order == list(range(50))
+    # a cut as long as the connection timeout breaks the connection: they are lost
+    lost: list[int] = []
+    net.cut("a", "z", sched.now + 1.5)
+    net.send("a", "z", b"x", lambda s, f: lost.append(1))
+    while sched.step():
+        pass
+    assert lost == [] and net.lost == 1
+
+
+def test_frames_and_notifications_race_but_both_arrive() -> None:
+    sim = Simulation(5, requests=300, faults=Faults.parse("none"),
+                     make_consumer=standin_consumer)
+    assert sim.run() == 0
+    assert sim.stats["results_ready"] > 250
+
+
+# -- runs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("make_consumer", _consumers())
+@pytest.mark.parametrize("faults", ["none", "dup,abort,pabort,reuse,double,sharers,late"])
+def test_short_seeded_run_has_no_violations(make_consumer: object, faults: str) -> None:
+    out = io.StringIO()
+    sim = Simulation(11, requests=1500, producers=2, consumers=3, faults=Faults.parse(faults),
+                     make_consumer=make_consumer, out=out, epoch=500)  # type: ignore[arg-type]
+    violations = sim.run()
+    assert violations == 0, out.getvalue()
+    assert sim.issued == 1500
+    assert sim.stats["results_ready"] > 500
+
+
+@pytest.mark.parametrize("make_consumer", _consumers())
+def test_same_seed_replays_the_same_trace(make_consumer: object) -> None:
+    def run(seed: int) -> tuple[int, int, int]:
+        sim = Simulation(seed, requests=600, make_consumer=make_consumer,  # type: ignore[arg-type]
+                         out=io.StringIO())
+        sim.run()
+        return sim.checker.trace_hash, sim.sched.steps, len(sim.checker.violations)
+
+    assert run(21) == run(21)
+    assert run(21)[0] != run(22)[0]
+
+
+def test_sixteen_by_sixteen_runs() -> None:
+    out = io.StringIO()
+    sim = Simulation(3, requests=800, producers=16, consumers=16,
+                     faults=Faults.parse("dup,abort,reuse,double,sharers"),
+                     make_consumer=standin_consumer, out=out)
+    assert sim.run() == 0, out.getvalue()
+    assert sim.issued == 800 and len(sim.endpoints) == 32
+
+
+# -- the checker catches planted bugs ----------------------------------------------------
+def test_a_source_released_before_its_write_ends_is_caught() -> None:
+    from kvpush.testing.sim import default_producer
+
+    out = io.StringIO()
+    sim = Simulation(31, requests=200, faults=Faults.parse("none"),
+                     make_producer=lambda ep: EarlyReleaseProducer(default_producer(ep)),
+                     make_consumer=standin_consumer, out=out)
+    assert sim.run() > 0
+    kinds = set(sim.checker.kinds())
+    assert "release_while_writing" in kinds, kinds
+    assert "seed=31" in out.getvalue() and "trace tail" in out.getvalue()
+
+
+def test_ready_before_the_bytes_landed_is_caught() -> None:
+    class Eager:
+        """Reports READY as soon as the producer says it is posting."""
+
+        def __init__(self, inner: object) -> None:
+            self._inner = inner
+            self._extra: list[object] = []
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._inner, name)
+
+        def on_message(self, now: float, peer: str, msg: object) -> None:
+            use = self._inner._uses.get(getattr(msg, "xid", 0))  # type: ignore[attr-defined]
+            if isinstance(msg, m.Posted) and use is not None:
+                self._extra.append(Emit(StandinResult(use.rid, RequestState.READY,
+                                                      TransferMode.PUSH, None, 0.0, 0,
+                                                      xid=use.xid, block_ids=use.ids)))
+                self._inner._uses.pop(use.xid)  # type: ignore[attr-defined]
+                return
+            self._inner.on_message(now, peer, msg)  # type: ignore[attr-defined]
+
+        def drain(self) -> list[object]:
+            out, self._extra = self._extra + self._inner.drain(), []  # type: ignore[attr-defined]
+            return out
+
+    sim = Simulation(32, requests=100, faults=Faults.parse("none"),
+                     make_consumer=lambda ep: Eager(standin_consumer(ep)), out=io.StringIO())
+    assert sim.run() > 0
+    assert "ready_wrong_bytes" in sim.checker.kinds()
+
+
+# -- CLI ---------------------------------------------------------------------------------
+def test_cli_last_line(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--requests", "300", "--seed", "5", "--faults", "none",
+               "--consumer-core", str(Path(__file__).parent / "sim_doubles.py:standin_consumer")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"requests=300 faults=0 violations=0", lines[-1]), lines[-3:]
+    assert rc == 0
