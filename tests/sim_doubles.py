@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,12 +21,6 @@ from kvpush import messages as m
 from kvpush.errors import PeerUnavailable, RequestAborted, TransferFailed, TransferTimeout
 from kvpush.protocol.effects import Abandon, Emit, Post, Send, XferEnd
 from kvpush.request import Release, ReleaseReason, RequestState, TransferMode, TransferResult
-
-
-@dataclass(frozen=True)
-class StandinResult(TransferResult):
-    xid: int = 0
-    block_ids: Any = None
 
 
 @dataclass
@@ -56,8 +50,6 @@ class _Use:
 @dataclass
 class _Cfg:
     abort_grace_s: float = 0.3
-    lease_margin_s: float = 0.05
-    new_id: Any = field(default=None)
 
 
 class StandinConsumerCore:
@@ -75,7 +67,6 @@ class StandinConsumerCore:
         self._timers: list[tuple[float, int, int, int]] = []
         self._seq = itertools.count()
         self._out: list[Any] = []
-        self._counter = itertools.count(1)
         self.stats: dict[str, int] = {}
 
     # -- driver side
@@ -117,15 +108,9 @@ class StandinConsumerCore:
         use.gen += 1
         heapq.heappush(self._timers, (when, next(self._seq), use.xid, use.gen))
 
-    def _new_xid(self) -> int:
-        if self.config.new_id is not None:
-            return int(self.config.new_id())
-        return next(self._counter)
-
     # -- engine events
     def expect(self, now: float, rid: str, ids: np.ndarray, producers: list[str],
-               timeout: float, groups: int = 1, tail: bool = False, sharers: int = 1) -> int:
-        xid = self._new_xid()
+               timeout: float, groups: int, tail: bool, sharers: list[int], xid: int) -> int:
         use = _Use(rid, xid, ids, producers[0], TransferMode.PUSH, now, now + timeout)
         self._uses[xid] = use
         self._by_rid[rid] = xid
@@ -134,14 +119,13 @@ class StandinConsumerCore:
             self._finish(now, use, RequestState.FAILED, PeerUnavailable("not connected"))
             return xid
         self._out.append(Send(use.peer, m.Register(rid, xid, m.encode_ids(ids), 0, timeout,
-                                                   sharers=sharers)))
+                                                   sharers=sharers[0])))
         self._arm(use, use.deadline)
         return xid
 
     def pull(self, now: float, tickets: list[m.PullTicket], sources: list[np.ndarray],
-             dst: np.ndarray, budget: float, sharers: int = 1) -> int:
+             dst: np.ndarray, budget: float, sharers: int, xid: int) -> int:
         t = tickets[0]
-        xid = self._new_xid()
         use = _Use(t.request_id, xid, dst, t.producer, TransferMode.PULL, now, now + budget,
                    sid=t.sid)
         self._uses[xid] = use
@@ -149,7 +133,7 @@ class StandinConsumerCore:
         if use.peer not in self._peers:
             self._finish(now, use, RequestState.FAILED, PeerUnavailable("not connected"))
             return xid
-        if now > t.issued_at + t.lease_s - self.config.lease_margin_s:
+        if budget <= 0:
             self._finish(now, use, RequestState.TIMED_OUT, TransferTimeout("lease over"))
             return xid
         self._out.append(Send(use.peer, m.PullBegin(use.rid, xid, t.sid, sharers)))
@@ -171,7 +155,7 @@ class StandinConsumerCore:
             self._give_up(now, use, state, error)
 
     # -- network events
-    def peer_up(self, now: float, peer: str, layout: Any) -> None:
+    def peer_up(self, now: float, peer: str) -> None:
         self._peers.add(peer)
 
     def peer_lost(self, now: float, peer: str, why: str) -> None:
@@ -277,16 +261,13 @@ class StandinConsumerCore:
         if self._by_rid.get(use.rid) == use.xid:
             del self._by_rid[use.rid]
         state = state or use.ending or RequestState.FAILED
-        self._out.append(Emit(StandinResult(use.rid, state, use.mode, error or use.error,
+        self._out.append(Emit(TransferResult(use.rid, state, use.mode, error or use.error,
                                             now - use.started, 0, not use.unsafe,
                                             xid=use.xid, block_ids=use.ids)))
 
 
 def standin_consumer(ep: Any) -> StandinConsumerCore:
-    t = ep.sim.timings
-    rng = ep.sim.rng
-    return StandinConsumerCore(ep.layout, _Cfg(t.abort_grace_s, t.lease_margin_s,
-                                               lambda: rng.getrandbits(63) | 1), ep.links)
+    return StandinConsumerCore(ep.layout, _Cfg(ep.sim.timings.abort_grace_s), ep.links)
 
 
 class EarlyReleaseProducer:

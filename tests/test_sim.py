@@ -12,12 +12,12 @@ import pytest
 
 from kvpush import messages as m
 from kvpush.protocol.effects import Emit, XferEnd
-from kvpush.request import RequestState, TransferMode
+from kvpush.request import RequestState, TransferMode, TransferResult
 from kvpush.testing import FakeMemory, FakeNixl, Faults, Network, Scheduler, Simulation, Transfer
 from kvpush.testing.sim import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sim_doubles import EarlyReleaseProducer, StandinResult, standin_consumer
+from sim_doubles import EarlyReleaseProducer, standin_consumer
 
 
 def _consumers() -> list[object]:
@@ -186,9 +186,9 @@ def test_ready_before_the_bytes_landed_is_caught() -> None:
         def on_message(self, now: float, peer: str, msg: object) -> None:
             use = self._inner._uses.get(getattr(msg, "xid", 0))  # type: ignore[attr-defined]
             if isinstance(msg, m.Posted) and use is not None:
-                self._extra.append(Emit(StandinResult(use.rid, RequestState.READY,
-                                                      TransferMode.PUSH, None, 0.0, 0,
-                                                      xid=use.xid, block_ids=use.ids)))
+                self._extra.append(Emit(TransferResult(use.rid, RequestState.READY,
+                                                       TransferMode.PUSH, None, 0.0, 0,
+                                                       block_ids=use.ids, xid=use.xid)))
                 self._inner._uses.pop(use.xid)  # type: ignore[attr-defined]
                 return
             self._inner.on_message(now, peer, msg)  # type: ignore[attr-defined]

@@ -11,9 +11,21 @@
   ``python -m kvpush.testing.sim --requests N --seed S``.
 """
 
+from typing import Any
+
 from .checker import Checker, Violation
 from .fakes import FakeMemory, FakeNixl, Network, Scheduler, SimLinks, Transfer
-from .sim import FAULTS, Faults, Simulation, Timings, main
+
+_FROM_SIM = ("FAULTS", "Faults", "Simulation", "Timings", "main")
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so ``python -m kvpush.testing.sim`` does not find the module
+    # already imported by its package (runpy warns about that).
+    if name in _FROM_SIM:
+        from . import sim
+        return getattr(sim, name)
+    raise AttributeError(f"module 'kvpush.testing' has no attribute {name!r}")
 
 __all__ = ["FAULTS", "Checker", "FakeMemory", "FakeNixl", "Faults", "Network", "Scheduler",
            "SimLinks", "Simulation", "Timings", "Transfer", "Violation", "main"]

@@ -251,7 +251,7 @@ class Endpoint:
                 self._peer_lost(sender, "replaced by a new incarnation")
                 self.flush()
             peer.up, peer.inc, peer.last_seen = True, inc, now
-            self.core.peer_up(now, sender, KVLayout.from_wire(msg.layout))
+            self.core.peer_up(now, sender)     # the consumer core takes no layout
             return
         if not peer.up:
             self.sim.stats["frames_from_unknown"] += 1

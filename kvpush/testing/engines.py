@@ -255,10 +255,10 @@ class DecodeEngine:
             return
         got = self.ep.memory.snapshot(use.ids)
         if not np.array_equal(got, src.snapshot):
-            bad = sorted({int(r) % len(use.ids) for r in
-                          np.nonzero((got != src.snapshot).any(axis=1))[0]})
-            tags = self.ep.memory.tags(use.ids[bad])
-            found = ", ".join(_describe(t) for t in tags)
+            rows = np.nonzero((got != src.snapshot).any(axis=1))[0]
+            bad = sorted({int(r) % len(use.ids) for r in rows})
+            # which use's bytes sit in each wrong (region, block)
+            found = ", ".join(sorted({_describe(int(w) >> 24) for w in got[rows, 0]}))
             chk.fail("ready_wrong_bytes",
                      f"{self.ep.name}: {use.req.rid!r} (xid {use.xid:x}, {use.req.mode.value}"
                      f" from {use.req.producer}) READY with {len(bad)} of {len(use.ids)} "

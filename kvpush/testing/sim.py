@@ -254,21 +254,24 @@ class Simulation:
 
     def _new_request(self) -> None:
         rng, f, t = self.rng, self.faults, self.timings
-        pname = rng.choice(self.producer_names)
+        # the router sends requests to instances that are up
+        live_p = [p for p in self.producer_names if self.endpoints[p].alive]
+        live_c = [c for c in self.consumer_names if self.endpoints[c].alive]
+        if not live_p or not live_c:
+            self.stats["skipped"] += 1
+            return
+        pname = rng.choice(live_p)
         pe = self.endpoints[pname]
         mode = TransferMode.PUSH if rng.random() < 0.6 else TransferMode.PULL
         sharers = 1
-        if f.on("sharers") and len(self.consumer_names) > 1 and rng.random() < f.sharers_p:
-            sharers = rng.randint(2, min(3, len(self.consumer_names)))
+        if f.on("sharers") and len(live_c) > 1 and rng.random() < f.sharers_p:
+            sharers = rng.randint(2, min(3, len(live_c)))
             self._fault("sharers")
-        consumers = rng.sample(self.consumer_names, sharers)
+        consumers = rng.sample(live_c, sharers)
         rid = self._pick_rid()
         self.reuse_tag += 1
         req = Request(rid, self.reuse_tag, mode, pname, rng.randint(1, t.max_request_blocks),
                       sharers)
-        if not pe.alive:
-            self.stats["skipped"] += 1
-            return
         src = pe.engine.allocate(req)
         if src is None:
             self.stats["skipped"] += 1
@@ -418,9 +421,11 @@ class Simulation:
         self.consumer_ended(use)
 
     def _call_expect(self, ce: Endpoint, use: Use) -> None:
+        xid = self.rng.getrandbits(63) | 1     # the facade draws it (new_xid)
         try:
             xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, [use.req.producer],
-                                 self.timings.request_timeout_s, 1, False, use.req.sharers)
+                                 self.timings.request_timeout_s, 1, False,
+                                 [use.req.sharers], xid)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
@@ -428,9 +433,14 @@ class Simulation:
 
     def _call_pull(self, ce: Endpoint, use: Use, ticket: m.PullTicket) -> None:
         src = m.decode_ids(ticket.block_ids)
+        now = self.sched.now
+        t = self.timings
+        # as the facade: the READ's budget is the timeout and what is left of the lease
+        budget = min(t.request_timeout_s,
+                     ticket.issued_at + ticket.lease_s - t.lease_margin_s - now)
+        xid = self.rng.getrandbits(63) | 1
         try:
-            xid = ce.core.pull(self.sched.now, [ticket], [src], use.ids,
-                               self.timings.request_timeout_s, use.req.sharers)
+            xid = ce.core.pull(now, [ticket], [src], use.ids, budget, use.req.sharers, xid)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
