@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,8 +33,9 @@ class _Use:
     started: float
     deadline: float
     sid: int = 0
-    posted: bool = False
-    landed: bool = False
+    groups: int = 1
+    posted_parts: set[int] = field(default_factory=set)
+    landed_parts: set[int] = field(default_factory=set)
     held: bool = False
     hold_until: float = 0.0
     read_key: int = 0
@@ -45,6 +46,19 @@ class _Use:
     unsafe: bool = False
     grace: float = 0.0
     gen: int = 0
+
+    @property
+    def posted(self) -> bool:
+        return bool(self.posted_parts)
+
+    @property
+    def landed(self) -> bool:
+        """Nothing announced is still to land (every posted part landed or errored)."""
+        return self.posted_parts <= self.landed_parts
+
+    @property
+    def complete(self) -> bool:
+        return len(self.landed_parts) == self.groups
 
 
 @dataclass
@@ -111,7 +125,8 @@ class StandinConsumerCore:
     # -- engine events
     def expect(self, now: float, rid: str, ids: np.ndarray, producers: list[str],
                timeout: float, groups: int, tail: bool, sharers: list[int], xid: int) -> int:
-        use = _Use(rid, xid, ids, producers[0], TransferMode.PUSH, now, now + timeout)
+        use = _Use(rid, xid, ids, producers[0], TransferMode.PUSH, now, now + timeout,
+                   groups=groups)
         self._uses[xid] = use
         self._by_rid[rid] = xid
         if use.peer not in self._peers:
@@ -119,7 +134,7 @@ class StandinConsumerCore:
             self._finish(now, use, RequestState.FAILED, PeerUnavailable("not connected"))
             return xid
         self._out.append(Send(use.peer, m.Register(rid, xid, m.encode_ids(ids), 0, timeout,
-                                                   sharers=sharers[0])))
+                                                   groups=groups, sharers=sharers[0])))
         self._arm(use, use.deadline)
         return xid
 
@@ -166,7 +181,7 @@ class StandinConsumerCore:
             if use.mode is TransferMode.PUSH:
                 # a Register in flight (or held by a stalled producer) may still be
                 # served: nothing is safe until the producer said how it ended
-                use.unsafe |= not use.landed
+                use.unsafe |= not use.complete
             elif use.read_key in self._xfers:
                 self._out.append(Abandon(use.read_key))
                 use.unsafe = True
@@ -178,14 +193,13 @@ class StandinConsumerCore:
         if use is None or use.peer != peer:
             return
         if isinstance(msg, m.Posted):
-            use.posted = True
+            use.posted_parts.add(msg.part)
             if msg.empty:
-                use.landed = True
+                use.landed_parts.add(msg.part)
         elif isinstance(msg, (m.Failed, m.AbortAck)):
             use.failed = True
             use.unsafe |= msg.unfenced
-            if 0 in msg.errored:
-                use.landed = True   # nothing more lands from it
+            use.landed_parts.update(msg.errored)   # nothing more lands from them
             state = use.ending or RequestState.FAILED
             self._finish_when_quiet(now, use, state, use.error or TransferFailed(
                 getattr(msg, "reason", "aborted")))
@@ -202,11 +216,14 @@ class StandinConsumerCore:
             use = self._uses.get(msg.xid)
             if use is None or use.peer != peer:
                 return
-            use.landed = True
-            if use.failed or use.ending is not None:
+            use.landed_parts.add(msg.part)
+            use.posted_parts.add(msg.part)
+            if use.failed:     # the producer's word came: finish once nothing is to land
                 self._finish_when_quiet(now, use, use.ending or RequestState.FAILED,
                                         use.error or TransferFailed("failed"))
-            else:
+            elif use.ending is not None:
+                pass           # aborting: wait for the AbortAck (it names what is in flight)
+            elif use.complete:
                 self._finish(now, use, RequestState.READY, None)
 
     def transfer_ended(self, now: float, key: int, end: XferEnd) -> None:

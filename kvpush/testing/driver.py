@@ -67,6 +67,7 @@ class Endpoint:
         self.xfers: dict[int, Transfer] = {}      # posted here, end not yet reported
         self.stalled_until = 0.0
         self.stall_total = 0.0
+        self._stall_start = 0.0
         self.backlog: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._armed = math.inf
         self._same_deadline = 0
@@ -140,14 +141,15 @@ class Endpoint:
     def stall(self, until: float) -> None:
         if until <= self.stalled_until or until <= self.sim.sched.now:
             return
-        start = max(self.sim.sched.now, self.stalled_until)
-        self.stall_total += until - start
+        if self.sim.sched.now >= self.stalled_until:
+            self._stall_start = self.sim.sched.now
         self.stalled_until = until
         self.sim.sched.at(until, self._resume, until)
 
     def _resume(self, until: float) -> None:
         if not self.alive or until != self.stalled_until:
             return
+        self.stall_total += until - self._stall_start   # counted once the stall is over
         backlog, self.backlog = self.backlog, []
         for fn, args in backlog:
             self._call(fn, *args)

@@ -41,6 +41,7 @@ class Request:
     producer: str
     nblocks: int
     sharers: int = 1
+    groups: int = 1               # push: 1, or one WRITE per layer (layer-wise)
     source: Source | None = None
     uses: list[Use] = field(default_factory=list)
     producer_done: bool = False   # released, aborted before prefill, or producer died
@@ -63,6 +64,9 @@ class Source:
     released: bool = False
     #: xid -> time until which the producer promised (PullHeld) to hold the blocks
     held_until: dict[int, float] = field(default_factory=dict)
+    layers_written: set[int] = field(default_factory=set)
+    handed: bool = False          # given to kvpush (layer_done or prefill_done)
+    engine_done: bool = False     # the engine writes no more into them (done or aborted)
 
 
 @dataclass(eq=False)
@@ -112,19 +116,34 @@ class PrefillEngine:
         for b in src.ids.tolist():
             if self.owner.get(b) is src:
                 del self.owner[b]
+            else:   # the model's own bookkeeping is wrong: say so, loudly
+                self.sim.checker.fail("sim_model", f"{self.ep.name}: block {b} of "
+                                      f"{src.req.rid!r} freed twice")
+                return
         self.sim.reuse_tag += 1
         self.ep.memory.fill(src.ids, _REUSE_TAG | self.sim.reuse_tag)  # reused at once
         self.free.extend(src.ids.tolist())
 
+    def layer_done(self, src: Source, layer: int) -> None:
+        """Layer ``layer`` (one region per layer here) is final: the engine wrote it."""
+        self.ep.memory.fill(src.ids, src.req.number, region=layer)
+        src.layers_written.add(layer)
+        src.handed = True
+
     def prefill_done(self, src: Source) -> None:
-        self.ep.memory.fill(src.ids, src.req.number)
-        src.snapshot = self.ep.memory.snapshot(src.ids)
+        mem = self.ep.memory
+        for r in range(mem.num_regions):
+            if r not in src.layers_written:
+                mem.fill(src.ids, src.req.number, region=r)
+        src.snapshot = mem.snapshot(src.ids)
         src.done_at = self.sim.sched.now
+        src.handed = True
+        src.engine_done = True
 
     def on_release(self, rel: Release) -> None:
         chk = self.sim.checker
         src = self.sources.get(rel.request_id)
-        if src is None or src.done_at < 0:
+        if src is None or src.released or not src.handed:
             chk.fail("release_not_held",
                      f"{self.ep.name} released {rel.request_id!r} ({rel.reason.value}) "
                      f"but holds no source of it (a second release?)")
@@ -151,18 +170,31 @@ class PrefillEngine:
                          f"under its PullHeld promise (until t={until:.6f})")
         src.released = True
         self.sim.checker.trace(f"{self.ep.name} release {rel.request_id} {rel.reason.value}")
+        if not src.engine_done:
+            return   # layer-wise, before prefill_done: the engine frees them once it is done
         self._free(src)
         self.sim.producer_ended(src.req)
 
     def check_write(self, xfer: Transfer) -> None:
-        """A WRITE may only read blocks of a source this engine has handed to kvpush."""
-        for b in xfer.src_blocks:
+        """A WRITE may only read blocks of a source this engine has handed to kvpush and
+        not had back, and (layer-wise) only layers the engine said are final."""
+        nb = self.ep.memory.num_blocks
+        for row in xfer.src_rows.tolist():
+            b, region = row % nb, row // nb
             src = self.owner.get(b)
-            if src is None or src.done_at < 0:
+            if src is None or not src.handed or src.released:
                 self.sim.checker.fail(
                     "write_from_unheld",
                     f"{self.ep.name} posted WRITE {xfer.key} to {xfer.consumer} "
-                    f"(xid {xfer.xid:x}) reading block {b}, which no prefilled source holds")
+                    f"(xid {xfer.xid:x}) reading block {b}, which no source held by kvpush "
+                    f"holds")
+                return
+            if src.done_at < 0 and region not in src.layers_written:
+                self.sim.checker.fail(
+                    "write_before_final",
+                    f"{self.ep.name} posted WRITE {xfer.key} to {xfer.consumer} "
+                    f"(xid {xfer.xid:x}) reading layer {region} of {src.req.rid!r} before "
+                    f"the engine said it is final")
                 return
 
     def died(self) -> None:
@@ -283,6 +315,8 @@ class DecodeEngine:
 
     def on_landing(self, xfer: Transfer, lo: int, hi: int) -> None:
         """Bytes of ``xfer`` just landed in this engine's memory."""
+        if xfer.flagged:
+            return      # reported once per transfer
         nb = self.ep.memory.num_blocks
         for row in xfer.dst_rows[lo:hi].tolist():
             b = row % nb
@@ -295,6 +329,7 @@ class DecodeEngine:
                     "landed_after_safe",
                     f"{xfer.op} {xfer.key} of {xfer.consumer} xid {xfer.xid:x} wrote block "
                     f"{b} {how} (block now owned by xid {self.owner[b]:x})")
+                xfer.flagged = True
                 return
 
     def transfer_stopped(self, use: Use) -> None:

@@ -111,13 +111,18 @@ class FakeMemory:
         return (np.arange(self.num_regions, dtype=np.int64)[:, None] * self.num_blocks
                 + ids[None, :]).ravel()
 
-    def fill(self, block_ids: np.ndarray, tag: int) -> None:
+    def fill(self, block_ids: np.ndarray, tag: int, region: int | None = None) -> None:
         """Write a pattern unique to ``tag`` (< 2**40) into ``block_ids``: every word of
-        row ``k`` of the selection holds ``tag << 24 | k << 8 | word``."""
+        row ``k`` of the selection (region-major) holds ``tag << 24 | k << 8 | word``.
+        ``region``: only that region's rows (a layer of a layer-wise prefill), with the
+        values a whole fill would give them."""
         rows = self.rows(block_ids)
         n, w = len(rows), self.words.shape[1]
-        vals = (np.uint64(tag) << np.uint64(24)) \
-            | (np.arange(n, dtype=np.uint64)[:, None] << np.uint64(8)) \
+        k = np.arange(n, dtype=np.uint64)
+        if region is not None:
+            per = len(block_ids)
+            rows, k = rows[region * per:(region + 1) * per], k[region * per:(region + 1) * per]
+        vals = (np.uint64(tag) << np.uint64(24)) | (k[:, None] << np.uint64(8)) \
             | np.arange(w, dtype=np.uint64)[None, :]
         self.words[rows] = vals
 
@@ -157,6 +162,7 @@ class Transfer:
     abandoned: bool = False
     fail_at: int = -1        # the piece at which it errors (-1: never)
     use: Any = None          # the simulation's record of the consumer use, if known
+    flagged: bool = False    # a violation was reported for it (once is enough)
 
     @property
     def still_moving(self) -> bool:

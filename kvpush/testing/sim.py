@@ -77,6 +77,7 @@ class Timings:
     expect_max_s: float = 0.01
     relay_max_s: float = 0.01
     max_request_blocks: int = 4
+    layerwise_p: float = 0.2      # share of pushes written layer by layer
     # checks: slack on deadlines (timers fire at their time; messages take a little)
     slack_s: float = 0.05
 
@@ -287,6 +288,12 @@ class Simulation:
             self._fault("late")
         req.pending = 1
         self.sched.at(now + prefill, self._prefill_done, req, src)
+        if mode is TransferMode.PUSH and rng.random() < t.layerwise_p:
+            req.groups = src.ep.memory.num_regions     # one region per layer here
+            for layer in range(req.groups - 1):        # the last is final at prefill_done
+                req.pending += 1
+                self.sched.at(now + prefill * rng.uniform(0.1, 0.9) ** (1 / (layer + 1)),
+                              self._layer_done, req, src, layer)
         if mode is TransferMode.PUSH:
             for c in consumers:
                 req.pending += 1
@@ -305,16 +312,26 @@ class Simulation:
     def _prefill_done(self, req: Request, src: Source) -> None:
         pe = src.ep
         req.pending -= 1
-        if not pe.alive or req.p_aborted:
-            if pe.alive:
-                pe.engine.give_back(src)
+        if not pe.alive:
             self.producer_ended(req)
             return
+        if req.p_aborted:
+            if not src.handed:        # kvpush never had them: the engine frees them
+                pe.engine.give_back(src)
+                self.producer_ended(req)
+            self._maybe_finished(req)  # else kvpush releases them (see _producer_abort)
+            return
+        early = src.released          # layer-wise: kvpush gave them back already
         pe.engine.prefill_done(src)   # the engine wrote the KV: these are the bytes
-        src.sid = self.rng.getrandbits(63) | 1
+        if not src.sid:
+            src.sid = self.rng.getrandbits(63) | 1
         self.checker.trace(f"{pe.name} engine prefill_done {req.rid} "
                            f"{req.mode.value} sid={src.sid:x} ids={src.ids.tolist()}")
         pe.run(self._call_prefill_done, pe, req, src)
+        if early:                     # and the engine is done with them now
+            pe.engine.give_back(src)
+            self.producer_ended(req)
+            return
         if req.mode is TransferMode.PULL:
             ticket = m.PullTicket(producer=pe.name, address=f"sim://{pe.name}",
                                   request_id=req.rid, block_ids=m.encode_ids(src.ids),
@@ -335,6 +352,18 @@ class Simulation:
                 req.pending += 1
                 self.sched.after(delay, self._pull, req, c, ticket)
 
+    def _layer_done(self, req: Request, src: Source, layer: int) -> None:
+        pe = src.ep
+        req.pending -= 1
+        if not pe.alive or req.p_aborted or src.done_at >= 0:
+            self._maybe_finished(req)
+            return
+        pe.engine.layer_done(src, layer)
+        if not src.sid:
+            src.sid = self.rng.getrandbits(63) | 1
+        self.checker.trace(f"{pe.name} engine layer_done {req.rid} layer={layer}")
+        pe.run(lambda: pe.core.layer_done(self.sched.now, req.rid, src.ids, layer, src.sid))
+
     def _call_prefill_done(self, pe: Endpoint, req: Request, src: Source) -> None:
         now = self.sched.now
         pe.core.prefill_done(now, req.rid, src.ids, req.mode, src.sid)
@@ -349,7 +378,13 @@ class Simulation:
         if not pe.alive:
             return
         if src.done_at < 0:
+            # the engine stops prefilling; layers it already handed over (layer_done) are
+            # kvpush's to release, and the engine frees them once released
             req.p_aborted = True
+            src.engine_done = True
+            if src.released:
+                pe.engine.give_back(src)
+                self.producer_ended(req)
         self.checker.trace(f"{pe.name} engine abort {req.rid}")
         pe.run(lambda: pe.core.abort(self.sched.now, req.rid, "aborted by the sim's engine"))
 
@@ -424,7 +459,7 @@ class Simulation:
         xid = self.rng.getrandbits(63) | 1     # the facade draws it (new_xid)
         try:
             xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, [use.req.producer],
-                                 self.timings.request_timeout_s, 1, False,
+                                 self.timings.request_timeout_s, use.req.groups, False,
                                  [use.req.sharers], xid)
         except KvpushError as exc:
             self._refused(ce, use, exc)
