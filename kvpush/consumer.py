@@ -862,10 +862,10 @@ class Consumer(Endpoint):
             assert peer is not None
             sid = req.sids[peer.agent_name]
             nbytes = len(plan.local_indices) * self._agent.link(peer.agent_name).desc_bytes
-            notif = m.encode(m.PullDone(rid, xid, sid, nbytes), peer.notif_sealer)
+            notif = m.encode(m.PullDone(rid, xid, sid, nbytes, sharers), peer.notif_sealer)
             try:
                 if plan.num_blocks == 0:  # see Posted.empty: no NIXL traffic for nothing
-                    self._tell(peer, m.PullDone(rid, xid, sid, 0))
+                    self._tell(peer, m.PullDone(rid, xid, sid, 0, sharers))
                     continue
                 # The producer's PullHeld answer gates READY: ask before the READ so the
                 # round trip overlaps it (on a host the READ often ends inside the post).
@@ -877,7 +877,7 @@ class Consumer(Endpoint):
             except KvpushError as exc:
                 self._close_request(rid, RequestState.FAILED, exc, ask=True)
                 # no READ: the source need not wait
-                self._tell(peer, m.PullDone(rid, xid, sid, 0))
+                self._tell(peer, m.PullDone(rid, xid, sid, 0, sharers))
                 return
             req.reads[peer.agent_name] = xfer
             req.unheld.add(peer.agent_name)

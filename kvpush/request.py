@@ -60,6 +60,10 @@ class Release:
     often before ``prefill_done``), ``posted`` (push: the first WRITE handed to NIXL,
     planning done), ``written`` (push: the last WRITE seen done), ``pull_begin`` (pull: the
     consumer announced its READ), ``released``. A stage that did not happen is absent.
+
+    ``sid`` names the use of ``request_id`` these blocks belong to (the source id of its
+    ``prefill_done``, also in its pull ticket), so an engine that reuses request ids can tell
+    which use's blocks came back.
     """
 
     request_id: str
@@ -67,6 +71,7 @@ class Release:
     block_ids: np.ndarray
     detail: str = ""
     timings: Mapping[str, float] = field(default_factory=dict)
+    sid: int = 0
 
 
 @dataclass(frozen=True)

@@ -283,9 +283,9 @@ def test_consumer_abort_is_acked_with_its_xid(when: str) -> None:
         h.end_writes()
     (ack,) = h.sent(m.AbortAck)
     assert ack.xid == 8
-    h.prefill("r", [1]) if when == "registered" else None
-    assert [r.reason for r in h.releases()] == (
-        [ReleaseReason.ABORTED] if when == "writing" else [])
+    if when == "registered":
+        h.prefill("r", [1])       # late: released at once, its only owner gave up
+    assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]
 
 
 def test_a_stale_abort_of_an_unknown_use_is_answered_and_changes_nothing() -> None:
@@ -350,3 +350,16 @@ def test_state_is_bounded_once_quiet() -> None:
     h.advance(3.0)
     assert h.core.records() == 0 and h.core.next_deadline() is None
     assert h.core.gauges == {"sources_held": 0, "registrations_waiting": 0}
+
+
+def test_a_prefill_after_every_owner_gave_up_is_released_at_once() -> None:
+    h = Harness(tombstone_s=2.0)
+    h.register("A", "r", 1, [2])
+    h.core.on_message(h.now, "A", m.Abort("r", 1, "timed out"))
+    h.run()
+    h.prefill("r", [5])
+    assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]
+    h.register("A", "q", 2, [2])
+    h.core.on_message(h.now, "A", m.Abort("q", 2, "timed out"))
+    h.advance(3.0)                                   # remembered for tombstone_s only
+    assert h.core.records() == 0

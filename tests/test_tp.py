@@ -5,6 +5,7 @@ both hold into the right offset of the consumer's blocks."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -51,7 +52,12 @@ def test_heterogeneous_tp(p_tp: int, c_tp: int, mode: TransferMode) -> None:
     with contextlib.ExitStack() as stack:
         producers = [stack.enter_context(kvpush.Producer(c.layout)) for c in src]
         consumers = [stack.enter_context(kvpush.Consumer(c.layout)) for c in dst]
-        handles = []
+        # One prefill request, one request id: every producer rank calls prefill_done once,
+        # and every decode rank takes its heads' share from the ranks covering them. A
+        # source shared by several decode ranks is held until each has taken its share.
+        rid = "tp"
+        chosen: list[list[str]] = []
+        by_name: dict[str, kvpush.Producer] = {}
         for ci, consumer in enumerate(consumers):
             names = {}
             for p in producers:
@@ -59,19 +65,41 @@ def test_heterogeneous_tp(p_tp: int, c_tp: int, mode: TransferMode) -> None:
                     names[consumer.connect(p.address)] = p
                 except kvpush.LayoutMismatch as exc:  # shares no head with this consumer
                     assert exc.field == "head_start"
-            chosen = covering_producers(
-                dst[ci].layout, {n: consumer.producer_layout(n) for n in names})
-            rid = f"tp-{ci}"
+            by_name.update(names)
+            chosen.append(covering_producers(
+                dst[ci].layout, {n: consumer.producer_layout(n) for n in names}))
+        sharers = {n: sum(n in c for c in chosen) for n in by_name}
+        handles = []
+        tickets = {}
+        for n, p in by_name.items():
+            if not sharers[n]:
+                continue
             if mode is TransferMode.PUSH:
-                handles.append(consumer.expect(rid, dst_ids, chosen))
-                for n in chosen:
-                    names[n].prefill_done(rid, src_ids)
+                p.prefill_done(rid, src_ids)
+            else:
+                tickets[n] = p.prefill_done(rid, src_ids, TransferMode.PULL)
+        for ci, consumer in enumerate(consumers):
+            if mode is TransferMode.PUSH:
+                handles.append(consumer.expect(rid, dst_ids, chosen[ci],
+                                               sharers=[sharers[n] for n in chosen[ci]]))
             else:  # one READ per producer rank, one request
-                tickets = [names[n].prefill_done(rid, src_ids, TransferMode.PULL)
-                           for n in chosen]
-                handles.append(consumer.pull(tickets, dst_ids))
+                counts = {sharers[n] for n in chosen[ci]}
+                assert len(counts) == 1
+                handles.append(consumer.pull([tickets[n] for n in chosen[ci]], dst_ids,
+                                             sharers=counts.pop()))
         for h in handles:
             assert h.wait(10).state is RequestState.READY
+        # Each producer rank's blocks come back once, after every sharer took its share.
+        deadline = time.monotonic() + 10
+        released: dict[str, list[kvpush.Release]] = {n: [] for n in by_name}
+        while time.monotonic() < deadline and any(
+                len(released[n]) < (1 if sharers[n] else 0) for n in by_name):
+            for n, p in by_name.items():
+                released[n] += p.get_released()
+            time.sleep(0.01)
+        for n in by_name:
+            assert [r.reason for r in released[n]] == (
+                [kvpush.ReleaseReason.TRANSFERRED] if sharers[n] else []), n
         # Every head of every consumer block holds the producer's bytes for that head.
         expected: dict[int, dict[int, bytes]] = {}
         for r in range(src[0].layout.num_regions):

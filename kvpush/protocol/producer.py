@@ -290,8 +290,10 @@ class ProducerCore:
             return "writing"
         if ShareState.PULLING in states:
             return "pulling"
-        if req.state is State.WAITING or ShareState.REGISTERED in states:
+        if ShareState.REGISTERED in states:
             return "registered"
+        if req.state is State.WAITING:
+            return "none"   # its owners gave up: remembered for a late prefill_done
         if req.state is State.HELD:
             assert req.source is not None
             return "held-" + str(req.source.mode.value)
@@ -524,7 +526,7 @@ class ProducerCore:
                                                self._lease_expired_fn(req))
                 return
             self._out.append(Emit(Release(req.rid, ReleaseReason.ABORTED, ids, req.why,
-                                          {**stamps, "released": self._now})))
+                                          {**stamps, "released": self._now}, sid)))
             self.stats["blocks_released"] += len(ids)
             return
         if state is State.RELEASED_EARLY:
@@ -544,7 +546,7 @@ class ProducerCore:
             self.stats["refused"] += 1
             if len(extra):
                 self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED, extra,
-                                              "duplicate prefill_done")))
+                                              "duplicate prefill_done", sid=sid)))
             return
         if state is State.PARTIAL:
             assert req.source is not None
@@ -554,11 +556,13 @@ class ProducerCore:
                 self.stats["refused"] += 1
                 self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED,
                                               np.setdiff1d(ids, req.source.ids),
-                                              "prefill_done does not match layer_done")))
+                                              "prefill_done does not match layer_done",
+                                              sid=sid)))
                 ids = req.source.ids
             req.source.complete = True
             req.source.stamps.update(stamps)
         else:  # WAITING
+            _cancel(req.tomb)
             req.source = _Source(ids, mode, sid, True, stamps=stamps)
             self.gauges["sources_held"] += 1
             if mode is TransferMode.PULL:  # push registrations cannot be served
@@ -968,8 +972,13 @@ class ProducerCore:
         if self._requests.get(req.rid) is not req:
             return
         if req.state is State.WAITING:
-            if not req.live():
+            if not req.shares:
                 del self._requests[req.rid]
+            elif not req.live() and (req.tomb is None or req.tomb.cancelled):
+                # Every owner gave up before prefill: remembered for tombstone_s, so a late
+                # prefill_done is released at once (with the owners' reason), not after a
+                # lease.
+                self._tomb(req, "", "", state=State.WAITING)
             return
         source = req.source
         if req.state not in (State.PARTIAL, State.HELD, State.ENDING) or source is None:
@@ -1018,7 +1027,7 @@ class ProducerCore:
         self.stats["blocks_released"] += len(source.ids)
         self.gauges["sources_held"] -= 1
         self._out.append(Emit(Release(req.rid, reason, source.ids, detail,
-                                      {**source.stamps, "released": self._now})))
+                                      {**source.stamps, "released": self._now}, source.sid)))
         early = req.state is State.PARTIAL
         if not code and reason is not ReleaseReason.TRANSFERRED:
             code = "aborted" if reason is ReleaseReason.ABORTED else "failed"
@@ -1034,8 +1043,10 @@ class ProducerCore:
         rid = req.rid
 
         def expire(now: float) -> None:
-            if self._requests.get(rid) is req and req.state in (State.ENDED,
-                                                                  State.ABORTED_EARLY):
+            if self._requests.get(rid) is not req:
+                return
+            if req.state in (State.ENDED, State.ABORTED_EARLY) or (
+                    req.state is State.WAITING and not req.live()):
                 del self._requests[rid]
         req.tomb = self._after(self.config.tombstone_s, expire)
 
