@@ -65,6 +65,7 @@ class Endpoint:
             else DecodeEngine(sim, self)
         self.peers: dict[str, Peer] = {}
         self.xfers: dict[int, Transfer] = {}      # posted here, end not yet reported
+        self.clock_skew = 0.0        # this process's wall clock minus simulated time
         self.stalled_until = 0.0
         self.stall_total = 0.0
         self._stall_start = 0.0
@@ -151,6 +152,14 @@ class Endpoint:
             return
         self.stall_total += until - self._stall_start   # counted once the stall is over
         backlog, self.backlog = self.backlog, []
+        if self.sim.sched.rng.random() < 0.5:
+            # the loop may see its overdue timers (the core's, and the peer checks) before
+            # what its sockets hold
+            self._armed = math.inf
+            self._call(self.core.tick, self.sim.sched.now)
+            self.flush()
+            timers = [e for e in backlog if e[0] == self._liveness]
+            backlog = timers + [e for e in backlog if e[0] != self._liveness]
         for fn, args in backlog:
             self._call(fn, *args)
             self.flush()

@@ -28,6 +28,7 @@ any request id and no transfer in flight.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from collections import Counter, deque
@@ -84,7 +85,7 @@ class Timings:
 
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
-          "double", "late", "sharers")
+          "double", "late", "sharers", "skew")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Faults:
     double_p: float = 0.03
     late_p: float = 0.02
     sharers_p: float = 0.05
+    skew_s: float = 0.02         # wall clocks differ by up to this (pull tickets' leases)
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -188,6 +190,8 @@ class Simulation:
     def _spawn(self, name: str, role: str, inc: int) -> Endpoint:
         factory = self.make_producer if role == "producer" else self.make_consumer
         ep = Endpoint(self, name, role, inc, factory)
+        if self.faults.on("skew"):
+            ep.clock_skew = self.rng.uniform(-self.faults.skew_s, self.faults.skew_s)
         self.endpoints[name] = ep
         ep.start_liveness()
         if role == "consumer":
@@ -335,7 +339,8 @@ class Simulation:
         if req.mode is TransferMode.PULL:
             ticket = m.PullTicket(producer=pe.name, address=f"sim://{pe.name}",
                                   request_id=req.rid, block_ids=m.encode_ids(src.ids),
-                                  lease_s=self.timings.lease_s, issued_at=self.sched.now,
+                                  lease_s=self.timings.lease_s,
+                                  issued_at=self.sched.now + pe.clock_skew,
                                   sid=src.sid)
             consumers = list(req.consumers)
             f, rng = self.faults, self.rng
@@ -471,8 +476,8 @@ class Simulation:
         now = self.sched.now
         t = self.timings
         # as the facade: the READ's budget is the timeout and what is left of the lease
-        budget = min(t.request_timeout_s,
-                     ticket.issued_at + ticket.lease_s - t.lease_margin_s - now)
+        budget = min(t.request_timeout_s, ticket.issued_at + ticket.lease_s
+                     - t.lease_margin_s - (now + ce.clock_skew))   # its own wall clock
         xid = self.rng.getrandbits(63) | 1
         try:
             xid = ce.core.pull(now, [ticket], [src], use.ids, budget, use.req.sharers, xid)
@@ -764,7 +769,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "name or a .py path); default: kvpush.protocol.producer")
     ap.add_argument("--consumer-core", default=None, metavar="MODULE:FUNC",
                     help="the same for consumer cores; default: kvpush.protocol.consumer")
+    ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
     args = ap.parse_args(argv)
+    if not args.verbose:   # the cores log every refused event; the checks say what matters
+        logging.getLogger("kvpush").setLevel(logging.ERROR)
     faults = Faults.parse(args.faults)
     if args.fault_rate is not None:
         faults = replace(faults, rate=args.fault_rate)
