@@ -76,6 +76,7 @@ class StandinConsumerCore:
         self._uses: dict[int, _Use] = {}
         self._by_rid: dict[str, int] = {}
         self._peers: set[str] = set()
+        self._claims: dict[int, dict[str, int]] = {}
         self._keys = itertools.count(1)
         self._xfers: dict[int, int] = {}
         self._timers: list[tuple[float, int, int, int]] = []
@@ -141,6 +142,7 @@ class StandinConsumerCore:
     def pull(self, now: float, tickets: list[m.PullTicket], sources: list[np.ndarray],
              dst: np.ndarray, budget: float, sharers: int, xid: int) -> int:
         t = tickets[0]
+        self._claims.pop(xid, None)
         use = _Use(t.request_id, xid, dst, t.producer, TransferMode.PULL, now, now + budget,
                    sid=t.sid)
         self._uses[xid] = use
@@ -160,6 +162,18 @@ class StandinConsumerCore:
                               m.PullDone(use.rid, xid, t.sid), 0, plan.num_descriptors))
         self._arm(use, use.deadline)
         return xid
+
+    def claim(self, now: float, rid: str, sids: dict[str, int], sharers: int,
+              xid: int) -> None:
+        for name, sid in sids.items():
+            if name in self._peers:
+                self._out.append(Send(name, m.Claim(rid, xid, sid, sharers)))
+        self._claims[xid] = dict(sids)
+
+    def abort_claim(self, now: float, rid: str, xid: int, reason: str) -> None:
+        for name in self._claims.pop(xid, {}):
+            if name in self._peers:
+                self._out.append(Send(name, m.Abort(rid, xid, reason)))
 
     def abort(self, now: float, rid: str, state: RequestState, error: Any) -> None:
         xid = self._by_rid.get(rid)

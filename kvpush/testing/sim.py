@@ -85,7 +85,7 @@ class Timings:
 
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
-          "double", "late", "sharers", "skew")
+          "double", "late", "sharers", "skew", "claim")
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ class Faults:
     late_p: float = 0.02
     sharers_p: float = 0.05
     skew_s: float = 0.02         # wall clocks differ by up to this (pull tickets' leases)
+    claim_p: float = 0.1         # a pull is claimed first (the engine has no blocks yet)
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -355,7 +356,11 @@ class Simulation:
                     self._fault("late")
                     delay = rng.uniform(self.timings.lease_s * 0.8, self.timings.lease_s * 1.5)
                 req.pending += 1
-                self.sched.after(delay, self._pull, req, c, ticket)
+                if f.on("claim") and rng.random() < f.claim_p:
+                    self._fault("claim")
+                    self.sched.after(delay, self._claim, req, c, ticket)
+                else:
+                    self.sched.after(delay, self._pull, req, c, ticket)
 
     def _layer_done(self, req: Request, src: Source, layer: int) -> None:
         pe = src.ep
@@ -421,16 +426,47 @@ class Simulation:
         self._begin_use(req, use)
         ce.run(self._call_expect, ce, use)
 
-    def _pull(self, req: Request, cname: str, ticket: m.PullTicket) -> None:
+    def _pull(self, req: Request, cname: str, ticket: m.PullTicket,
+              claim: tuple[Endpoint, int] | None = None) -> None:
         req.pending -= 1
         ce = self.endpoints[cname]
+        if claim is not None and claim[0] is not ce:
+            claim = None          # claimed by an incarnation that died since
         use = ce.engine.allocate(req) if ce.alive else None
         if use is None:
             self.stats["skipped_uses"] += 1
+            if claim is not None:   # the engine gives its claim up
+                ce.run(lambda: ce.core.abort_claim(self.sched.now, req.rid, claim[1],
+                                                   "no blocks"))
             self._maybe_finished(req)
             return
         self._begin_use(req, use)
-        ce.run(self._call_pull, ce, use, ticket)
+        ce.run(self._call_pull, ce, use, ticket, claim[1] if claim else 0)
+
+    def _claim(self, req: Request, cname: str, ticket: m.PullTicket) -> None:
+        """The engine cannot take the blocks yet: claim the source, pull (or give up)
+        later -- possibly after the ticket's lease, which the claim extends."""
+        ce = self.endpoints[cname]
+        if not ce.alive:
+            req.pending -= 1
+            self._maybe_finished(req)
+            return
+        xid = self.rng.getrandbits(63) | 1
+        self.checker.trace(f"{ce.name} engine claim {req.rid} xid={xid:x}")
+        ce.run(lambda: ce.core.claim(self.sched.now, req.rid, {req.producer: ticket.sid},
+                                     req.sharers, xid))
+        later = self.rng.uniform(0, self.timings.lease_s * 1.5)
+        if self.rng.random() < 0.2:
+            self.sched.after(later, self._unclaim, req, ce, xid)
+        else:
+            self.sched.after(later, self._pull, req, cname, ticket, (ce, xid))
+
+    def _unclaim(self, req: Request, ce: Endpoint, xid: int) -> None:
+        req.pending -= 1
+        if ce.alive:
+            self.checker.trace(f"{ce.name} engine abort_claim {req.rid} xid={xid:x}")
+            ce.run(lambda: ce.core.abort_claim(self.sched.now, req.rid, xid, "gave up"))
+        self._maybe_finished(req)
 
     def _begin_use(self, req: Request, use: Use) -> None:
         req.uses.append(use)
@@ -471,14 +507,16 @@ class Simulation:
             return
         self._started(ce, use, xid)
 
-    def _call_pull(self, ce: Endpoint, use: Use, ticket: m.PullTicket) -> None:
+    def _call_pull(self, ce: Endpoint, use: Use, ticket: m.PullTicket, claimed: int) -> None:
         src = m.decode_ids(ticket.block_ids)
         now = self.sched.now
         t = self.timings
         # as the facade: the READ's budget is the timeout and what is left of the lease
-        budget = min(t.request_timeout_s, ticket.issued_at + ticket.lease_s
-                     - t.lease_margin_s - (now + ce.clock_skew))   # its own wall clock
-        xid = self.rng.getrandbits(63) | 1
+        # (judged on this side's own wall clock), or the whole timeout when claimed
+        budget = t.request_timeout_s if claimed else min(
+            t.request_timeout_s, ticket.issued_at + ticket.lease_s - t.lease_margin_s
+            - (now + ce.clock_skew))
+        xid = claimed or self.rng.getrandbits(63) | 1
         try:
             xid = ce.core.pull(now, [ticket], [src], use.ids, budget, use.req.sharers, xid)
         except KvpushError as exc:
