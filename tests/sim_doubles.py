@@ -163,12 +163,12 @@ class StandinConsumerCore:
         self._arm(use, use.deadline)
         return xid
 
-    def claim(self, now: float, rid: str, sids: dict[str, int], sharers: int,
-              xid: int) -> None:
-        for name, sid in sids.items():
-            if name in self._peers:
-                self._out.append(Send(name, m.Claim(rid, xid, sid, sharers)))
-        self._claims[xid] = dict(sids)
+    def claim(self, now: float, ticket: m.PullTicket, sharers: int, xid: int) -> int:
+        if ticket.producer in self._peers:
+            self._out.append(Send(ticket.producer, m.Claim(ticket.request_id, xid, ticket.sid,
+                                                           sharers)))
+        self._claims[xid] = {ticket.producer: ticket.sid}
+        return xid
 
     def abort_claim(self, now: float, rid: str, xid: int, reason: str) -> None:
         for name in self._claims.pop(xid, {}):

@@ -33,8 +33,8 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 from .. import messages as m
 from ..errors import KvpushError, RequestAborted
@@ -453,8 +453,7 @@ class Simulation:
             return
         xid = self.rng.getrandbits(63) | 1
         self.checker.trace(f"{ce.name} engine claim {req.rid} xid={xid:x}")
-        ce.run(lambda: ce.core.claim(self.sched.now, req.rid, {req.producer: ticket.sid},
-                                     req.sharers, xid))
+        ce.run(lambda: ce.core.claim(self.sched.now, ticket, req.sharers, xid))
         later = self.rng.uniform(0, self.timings.lease_s * 1.5)
         if self.rng.random() < 0.2:
             self.sched.after(later, self._unclaim, req, ce, xid)
@@ -747,20 +746,24 @@ def default_producer(ep: Endpoint) -> Any:
 
 
 def default_consumer(ep: Endpoint) -> Any:
-    """The real :class:`~kvpush.protocol.consumer.ConsumerCore` with the run's timings."""
-    try:
-        import importlib
-        cmod: Any = importlib.import_module("kvpush.protocol.consumer")
-    except ImportError as exc:
-        raise RuntimeError("kvpush.protocol.consumer is not there yet; pass make_consumer "
-                           "(e.g. tests/sim_doubles.py)") from exc
-    t = ep.sim.timings
-    cfg_cls: Any = getattr(cmod, "CoreConfig", None) or cmod.ConsumerCoreConfig
-    names = {f.name for f in fields(cfg_cls)}
-    values = {"abort_grace_s": t.abort_grace_s, "lease_margin_s": t.lease_margin_s,
-              "tombstone_s": t.tombstone_s, "request_timeout_s": t.request_timeout_s}
-    cfg = cfg_cls(**{k: v for k, v in values.items() if k in names})
-    return cmod.ConsumerCore(ep.layout, cfg, ep.links)
+    """The real :class:`~kvpush.protocol.consumer.ConsumerCore` with the run's timings (its
+    own xids, if it draws any, come from the run's seed)."""
+    from ..protocol.consumer import ConsumerCore, CoreConfig
+    rng = ep.sim.rng
+    return ConsumerCore(ep.layout, CoreConfig(abort_grace_s=ep.sim.timings.abort_grace_s),
+                        ep.links, stats=cast(Any, _CoreStats()), xids=lambda: rng.getrandbits(63) | 1)
+
+
+class _CoreStats:
+    """Counters a core bumps (``stats.name += 1``): any name, starting at 0."""
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
 
 
 # -- CLI -------------------------------------------------------------------------------------

@@ -1,0 +1,867 @@
+"""The decode side's protocol core: what a Consumer does with each request, without I/O.
+
+One record per live request use (``request_id`` + the ``xid`` this side chose), with an
+explicit :class:`Phase` and one transition table, :data:`TRANSITIONS`: for every phase, the
+events allowed in it and what each does. An event that the table does not allow in the
+request's phase changes nothing; it is counted (``stats.events_refused``) and logged. A
+message whose ``(request_id, xid)`` names no live use is counted as ``stale_messages``.
+
+::
+
+                 expect                                pull
+                   |                                     |
+                   v          every part landed          v       READs done + PullHeld
+               PUSHING  ------------------------>  (READY)  <------------------- PULLING
+                   |                                                                |
+    Failed, Abort, deadline, engine abort, peer lost, close                 (same) |
+                   v                                                                v
+             PUSH_CLOSING  --- nothing can land any more --->  (result)  <---  PULL_CLOSING
+                   |                                                                |
+                   +------ abort_grace_s passed: result with blocks_safe=False ------+
+
+A closing push waits for each producer's word that its WRITEs ended (``AbortAck``, or its
+``Failed``) and then for the ``Landed`` of every part it had announced (``Posted``): the
+notification travels behind the bytes. A closing pull waits for its READs to end. Nothing
+is cancelled (NIXL's release of a transfer in progress does not stop its bytes): where the
+end cannot be learnt in ``abort_grace_s``, or a producer is lost with parts not landed, or
+the consumer closes, the result says ``blocks_safe=False``.
+
+The driver (:class:`kvpush.Consumer`) owns sockets, the NIXL agent, the handshake,
+authentication and heartbeats; it feeds events in with its ``now`` (monotonic seconds) and
+carries out the effects of :meth:`ConsumerCore.drain` (:mod:`kvpush.protocol.effects`).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .. import _core
+from .. import messages as m
+from ..errors import (
+    ClosedError,
+    InvalidBlockIds,
+    KvpushError,
+    PeerUnavailable,
+    RequestAborted,
+    TransferFailed,
+    TransferTimeout,
+)
+from ..layout import KVLayout
+from ..metrics import LIVE, Stats
+from ..request import RequestState, TransferMode, TransferResult
+from .effects import Abandon, Effect, Emit, Post, Send, XferEnd
+
+__all__ = ["TRANSITIONS", "ConsumerCore", "CoreConfig", "Event", "Links", "Phase", "Settings",
+           "new_xid"]
+
+log = logging.getLogger("kvpush.consumer")
+
+
+def new_xid() -> int:
+    """A fresh transfer id (see :mod:`kvpush.messages`): random, 63 bits, never 0."""
+    return int.from_bytes(os.urandom(8), "big") >> 1 | 1
+
+
+class Phase(enum.Enum):
+    """Where a live request use is. A request that has its result has no record."""
+
+    PUSHING = "pushing"            # registered; waiting for every part's Landed
+    PULLING = "pulling"            # READs posted; waiting for their end and PullHeld
+    PUSH_CLOSING = "push_closing"  # ending without success; waiting until nothing lands
+    PULL_CLOSING = "pull_closing"  # ending without success; waiting for the READs' end
+
+
+class Event(enum.Enum):
+    POSTED = "posted"              # Posted: a part's WRITE is being posted
+    LANDED = "landed"              # Landed notification (or Posted.empty)
+    FAILED = "failed"              # Failed from a producer
+    ABORT_ACK = "abort_ack"        # AbortAck: the producer's WRITEs have ended
+    PEER_ABORT = "peer_abort"      # Abort from a producer
+    PULL_HELD = "pull_held"        # PullHeld: the producer holds the source
+    READ_ENDED = "read_ended"      # the driver: a READ ended (done, error, abandoned)
+    DEADLINE = "deadline"          # the request's own timeout
+    ABORT = "abort"                # the engine gave the request up
+    PEER_LOST = "peer_lost"        # a producer of the request is gone
+    GRACE_OVER = "grace_over"      # abort_grace_s after the close began
+    CLOSE = "close"                # the consumer closes
+
+
+_IGNORE = "_ignore"  # allowed, and changes nothing (e.g. a second abort of a closing use)
+
+#: For each phase, the events allowed in it and the method of ConsumerCore that runs each.
+TRANSITIONS: dict[Phase, dict[Event, str]] = {
+    Phase.PUSHING: {
+        Event.POSTED: "_on_posted", Event.LANDED: "_on_landed", Event.FAILED: "_on_failed",
+        Event.PEER_ABORT: "_on_peer_abort", Event.DEADLINE: "_on_deadline",
+        Event.ABORT: "_on_abort", Event.PEER_LOST: "_on_peer_lost", Event.CLOSE: "_on_close",
+    },
+    Phase.PUSH_CLOSING: {
+        # A WRITE posted before our Abort reached the producer is announced late: wait
+        # for its Landed too.
+        Event.POSTED: "_on_posted", Event.LANDED: "_on_landed", Event.FAILED: "_on_ack",
+        Event.ABORT_ACK: "_on_ack", Event.PEER_ABORT: _IGNORE, Event.ABORT: _IGNORE,
+        Event.PEER_LOST: "_on_peer_lost", Event.GRACE_OVER: "_on_grace_over",
+        Event.CLOSE: "_on_close",
+    },
+    Phase.PULLING: {
+        Event.PULL_HELD: "_on_held", Event.READ_ENDED: "_on_read_ended",
+        Event.FAILED: "_on_failed", Event.PEER_ABORT: "_on_peer_abort",
+        Event.DEADLINE: "_on_deadline", Event.ABORT: "_on_abort",
+        Event.PEER_LOST: "_on_peer_lost", Event.CLOSE: "_on_close",
+    },
+    Phase.PULL_CLOSING: {
+        # The producer's answers to our PullBegin or Abort may still come: nothing to do.
+        Event.PULL_HELD: _IGNORE, Event.FAILED: _IGNORE, Event.ABORT_ACK: _IGNORE,
+        Event.PEER_ABORT: _IGNORE, Event.ABORT: _IGNORE,
+        Event.READ_ENDED: "_on_read_ended", Event.PEER_LOST: "_on_peer_lost",
+        Event.GRACE_OVER: "_on_grace_over", Event.CLOSE: "_on_close",
+    },
+}
+
+_CLOSING = {Phase.PUSHING: Phase.PUSH_CLOSING, Phase.PULLING: Phase.PULL_CLOSING,
+            Phase.PUSH_CLOSING: Phase.PUSH_CLOSING, Phase.PULL_CLOSING: Phase.PULL_CLOSING}
+
+_FAILED_CODES: dict[str, tuple[RequestState, type[KvpushError]]] = {
+    "aborted": (RequestState.ABORTED, RequestAborted),
+    "timeout": (RequestState.TIMED_OUT, TransferTimeout),
+    "lease_expired": (RequestState.TIMED_OUT, TransferTimeout),
+}
+
+_COUNTERS = {
+    RequestState.READY: "requests_completed",
+    RequestState.FAILED: "requests_failed",
+    RequestState.TIMED_OUT: "requests_timed_out",
+    RequestState.ABORTED: "requests_aborted",
+}
+
+
+class Links(Protocol):
+    """What the core needs of the prepared descriptor lists (pure, no I/O)."""
+
+    def plan(self, peer: str, local_ids: np.ndarray, remote_ids: np.ndarray,
+             coalesce: bool) -> Any:
+        """The compiled core's plan of moving ``remote_ids`` of ``peer`` into
+        ``local_ids`` (``local_indices``, ``remote_indices``, ``num_blocks``,
+        ``num_descriptors``); raises a KvpushError for ids it cannot pair."""
+
+    def desc_bytes(self, peer: str) -> int:
+        """Bytes one descriptor of ``peer``'s link moves."""
+
+    def checksums(self, ids: np.ndarray) -> np.ndarray | bytes:
+        """Per-block 64-bit checksums of this side's blocks ``ids`` (uint64 array, or
+        little-endian bytes)."""
+
+
+class Settings(Protocol):
+    """What the core reads of its configuration (:class:`CoreConfig`, or a
+    :class:`kvpush.ConsumerConfig` itself)."""
+
+    @property
+    def abort_grace_s(self) -> float: ...
+    @property
+    def verify(self) -> bool: ...
+    @property
+    def coalesce(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """The settings of :class:`kvpush.ConsumerConfig` that the core reads."""
+
+    abort_grace_s: float = 5.0
+    verify: bool = False
+    coalesce: bool = True
+
+
+@dataclass
+class _Read:
+    peer: str
+    nbytes: int
+    abandoning: bool = False      # Abandon asked; the driver's transfer_ended follows
+
+
+@dataclass
+class _Request:
+    """One live use of a request id on this side."""
+
+    rid: str
+    xid: int
+    mode: TransferMode
+    phase: Phase
+    ids: np.ndarray
+    producers: list[str]          # agent names, index = part // groups
+    started: float
+    deadline: float
+    groups: int = 1               # parts per producer (1, or one per layer)
+    landed: set[int] = field(default_factory=set)    # parts whose data landed
+    settled: set[int] = field(default_factory=set)   # parts that will write nothing more
+    posted: dict[int, float] = field(default_factory=dict)  # announced, not landed: when
+    fence: set[int] = field(default_factory=set)     # closing: posted parts whose Landed must come
+    waiting_acks: set[str] = field(default_factory=set)  # closing push: producers to confirm
+    asked: bool = False           # Abort sent to the producers
+    moved: int = 0                # bytes moved into the destination so far
+    end: RequestState | None = None       # closing: the state it will be reported in
+    error: KvpushError | None = None
+    grace: float | None = None    # closing: when abort_grace_s runs out
+    unsafe: bool = False          # a transfer may still land: blocks_safe=False
+    checksums: bytes | None = None        # pull with verify: the ticket's source checksums
+    # pull
+    sids: dict[str, int] = field(default_factory=dict)      # producer -> source use
+    reads: dict[int, _Read] = field(default_factory=dict)   # transfer key -> READ
+    unheld: set[str] = field(default_factory=set)           # producers yet to send PullHeld
+    began: dict[str, float] = field(default_factory=dict)   # PullBegin sent at
+    held_until: dict[str, float] = field(default_factory=dict)  # began + hold_s
+    read_end: dict[str, float] = field(default_factory=dict)    # READ seen ended at
+
+    @property
+    def parts(self) -> int:
+        return len(self.producers) * self.groups
+
+    def producer_of(self, part: int) -> str:
+        return self.producers[part // self.groups]
+
+    def parts_of(self, name: str) -> range:
+        p = self.producers.index(name)
+        return range(p * self.groups, (p + 1) * self.groups)
+
+    def settled_producer(self, name: str) -> bool:
+        return all(part in self.settled for part in self.parts_of(name))
+
+
+@dataclass
+class _Claim:
+    xid: int
+    sids: dict[str, int]
+    sharers: int
+
+
+class ConsumerCore:
+    """The decode side's per-request state machines (see the module docstring).
+
+    Parameters
+    ----------
+    layout
+        This side's KV cache (for the size classes of landing predictions).
+    config
+        :class:`CoreConfig` (or a :class:`kvpush.ConsumerConfig`).
+    links
+        :class:`Links` over the driver's prepared descriptor lists.
+    stats
+        Where to count (the driver's :class:`~kvpush.metrics.Stats`, shared).
+    xids
+        Where transfer ids come from when a call does not bring its own (a simulator
+        passes a seeded generator, so a run replays exactly).
+    """
+
+    def __init__(self, layout: KVLayout, config: Settings, links: Links,
+                 stats: Stats | None = None, xids: Callable[[], int] = new_xid) -> None:
+        self._new_xid = xids
+        self.layout = layout
+        self.config = config
+        self.links = links
+        self.stats = stats if stats is not None else Stats()
+        self._out: list[Effect] = []
+        self._peers: set[str] = set()
+        self._requests: dict[str, _Request] = {}
+        self._claims: dict[str, _Claim] = {}
+        self._completions = _core.CompletionTable()
+        self._keys = itertools.count(1)
+        self._read_of: dict[int, str] = {}          # transfer key -> request id
+        # (when, seq, rid, xid, kind): deadlines, checked against the record when due
+        self._timers: list[tuple[float, int, str, int, str]] = []
+        self._seq = itertools.count()
+        # Seconds from a push part's Posted hint to its landing, smoothed, by size class
+        # (bit length of its bytes): when the driver should poll for the next landing.
+        self._landing_s: dict[int, float] = {}
+        self._posting: dict[str, _Request] = {}     # push parts announced and not landed
+
+    # -- outputs -----------------------------------------------------------------------
+    def drain(self) -> list[Effect]:
+        out, self._out = self._out, []
+        return out
+
+    def status(self, rid: str) -> str:
+        """The phase of ``rid``'s live use, ``"claimed"``, or ``"none"``."""
+        req = self._requests.get(rid)
+        if req is not None:
+            return req.phase.value
+        return "claimed" if rid in self._claims else "none"
+
+    def xid_of(self, rid: str) -> int | None:
+        req = self._requests.get(rid)
+        return None if req is None else req.xid
+
+    @property
+    def pending(self) -> int:
+        return len(self._requests)
+
+    def in_flight(self) -> int:
+        """READs posted whose end the driver has not reported."""
+        return len(self._read_of)
+
+    def polling(self) -> bool:
+        """True while a push part is announced in flight: poll NIXL's notifications."""
+        return bool(self._posting)
+
+    def next_deadline(self) -> float | None:
+        while self._timers and not self._armed(self._timers[0]):
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
+    def predicted(self, now: float, spin_s: float) -> tuple[float, float] | None:
+        """The earliest predicted landing of an announced push part still to come: from
+        the smoothed hint-to-landing time of its size class, to be polled closely for a
+        quarter of that time (at least ``spin_s``)."""
+        best: tuple[float, float] | None = None
+        for req in self._posting.values():
+            took = self._landing_s.get(self._size_class(req))
+            if took is None:
+                continue
+            for hinted in req.posted.values():
+                start = hinted + took
+                end = start + max(0.25 * took, spin_s)
+                if end > now and (best is None or start < best[0]):
+                    best = (start, end)
+        return best
+
+    # -- peers -------------------------------------------------------------------------
+    def peer_up(self, now: float, peer: str, layout: KVLayout | None = None) -> None:
+        self._peers.add(peer)
+
+    def peer_lost(self, now: float, peer: str, why: str) -> None:
+        """``peer`` is gone (silent, Bye, NIXL disconnect, restarted elsewhere)."""
+        self._peers.discard(peer)
+        for rid in [r for r, c in self._claims.items() if peer in c.sids]:
+            del self._claims[rid]
+        for req in list(self._requests.values()):
+            if peer in req.producers:
+                self._event(now, req, Event.PEER_LOST, peer=peer, why=why)
+
+    # -- engine events -----------------------------------------------------------------
+    def expect(self, now: float, rid: str, ids: np.ndarray, producers: Sequence[str],
+               timeout: float, groups: int = 1, tail: bool = False,
+               sharers: int | Sequence[int] = 1, xid: int | None = None) -> int:
+        """Push: register ``ids`` with each producer (part = its index); returns the use's
+        xid (``xid``, or a fresh one). A use that cannot start (id pending, producer not
+        connected) gets a FAILED result of its own."""
+        names = list(producers)
+        xid = self._new_xid() if xid is None else xid
+        shares = [sharers] * len(names) if isinstance(sharers, int) else list(sharers)
+        if rid in self._requests:
+            # Its own result, its own xid and blocks: never taken for the live use's.
+            self._emit(now, rid, xid, TransferMode.PUSH, ids, RequestState.FAILED,
+                       InvalidBlockIds(f"request {rid!r} is already pending"), now)
+            return xid
+        missing = [n for n in names if n not in self._peers]
+        if missing:
+            self._emit(now, rid, xid, TransferMode.PUSH, ids, RequestState.FAILED,
+                       PeerUnavailable(f"not connected to {missing}"), now)
+            return xid
+        req = _Request(rid, xid, TransferMode.PUSH, Phase.PUSHING, ids, names, now,
+                       now + timeout, groups=groups)
+        self._add(req)
+        self._completions.expect(rid, req.parts)
+        payload = m.encode_ids(ids)
+        verify = self.config.verify and req.parts == 1
+        for index, (name, share) in enumerate(zip(names, shares, strict=True)):
+            self._out.append(Send(name, m.Register(rid, xid, payload, index, timeout, verify,
+                                                   groups, tail, share)))
+        return xid
+
+    def pull(self, now: float, tickets: Sequence[m.PullTicket], sources: Sequence[np.ndarray],
+             dst: np.ndarray, budget: float, sharers: int = 1,
+             xid: int | None = None) -> int:
+        """Pull: READ each ticket's ``sources`` (its block ids, or their tail) into ``dst``
+        within ``budget`` seconds (the driver's bound from the timeout and the tickets'
+        leases, unless claimed); returns the use's xid (``xid``, or a fresh one). A pull
+        with a claim's xid continues that claim."""
+        rid = tickets[0].request_id
+        xid = self._new_xid() if xid is None else xid
+        names = [t.producer for t in tickets]
+        claim = self._claims.get(rid)
+        if claim is not None and claim.xid == xid:
+            del self._claims[rid]  # the pull continues the claim
+        error: KvpushError | None = None
+        state = RequestState.FAILED
+        plans: list[Any] = []
+        if rid in self._requests:
+            error = InvalidBlockIds(f"request {rid!r} is already pending")
+        elif budget <= 0:
+            state, error = RequestState.TIMED_OUT, TransferTimeout(
+                f"the pull ticket's lease for {rid!r} has run out")
+        elif any(n not in self._peers for n in names):
+            error = PeerUnavailable(f"not connected to all of {names}")
+        elif self.config.verify and len(tickets) == 1 and \
+                len(tickets[0].checksums) != 8 * len(dst):
+            error = TransferFailed(f"verify is on but the ticket for {rid!r} carries no "
+                                   "per-block checksums (set ProducerConfig.verify)")
+        else:
+            try:
+                plans = [self.links.plan(n, dst, src, self.config.coalesce)
+                         for n, src in zip(names, sources, strict=True)]
+            except KvpushError as exc:
+                error = exc
+        if error is not None:
+            self._emit(now, rid, xid, TransferMode.PULL, dst, state, error, now)
+            return xid
+        req = _Request(rid, xid, TransferMode.PULL, Phase.PULLING, dst, names, now,
+                       now + budget)
+        req.sids = {t.producer: t.sid for t in tickets}
+        if self.config.verify and len(tickets) == 1:
+            req.checksums = tickets[0].checksums
+        self._add(req)
+        for name, plan in zip(names, plans, strict=True):
+            sid = req.sids[name]
+            if plan.num_blocks == 0:  # see Posted.empty: no NIXL traffic for nothing
+                self._out.append(Send(name, m.PullDone(rid, xid, sid, 0)))
+                continue
+            nbytes = len(plan.local_indices) * self.links.desc_bytes(name)
+            req.moved += nbytes
+            key = next(self._keys)
+            req.reads[key] = _Read(name, nbytes)
+            req.unheld.add(name)
+            self._read_of[key] = rid
+            # The producer's PullHeld gates READY: ask before the READ so the round trip
+            # overlaps it. Its hold_s counts from this moment (see _on_held).
+            req.began[name] = now
+            self._out.append(Send(name, m.PullBegin(rid, xid, sid, sharers)))
+            self._out.append(Post(key, "READ", name, plan.local_indices, plan.remote_indices,
+                                  m.PullDone(rid, xid, sid, nbytes), nbytes,
+                                  plan.num_descriptors))
+        if not req.reads:
+            self._pull_done(now, req)
+        return xid
+
+    def claim(self, now: float, tickets: m.PullTicket | Sequence[m.PullTicket],
+              sharers: int = 1, xid: int | None = None) -> int:
+        """Pull later: ask each ticket's producer to hold its source use for this consumer;
+        returns the claim's xid, which the pull passes to continue it."""
+        batch = [tickets] if isinstance(tickets, m.PullTicket) else list(tickets)
+        rid = batch[0].request_id
+        xid = self._new_xid() if xid is None else xid
+        sids = {t.producer: t.sid for t in batch}
+        self._claims[rid] = _Claim(xid, sids, sharers)
+        for name, sid in sids.items():
+            if name in self._peers:
+                self._out.append(Send(name, m.Claim(rid, xid, sid, sharers)))
+        return xid
+
+    def abort_claim(self, now: float, rid: str, xid: int, reason: str) -> None:
+        """Give a claim up (the engine's abort, or a pull of another source use)."""
+        claim = self._claims.get(rid)
+        if claim is not None and claim.xid == xid:
+            del self._claims[rid]
+        sids = claim.sids if claim is not None and claim.xid == xid else {}
+        for name in sids:
+            if name in self._peers:
+                self._out.append(Send(name, m.Abort(rid, xid, reason)))
+
+    def abort(self, now: float, rid: str, state: RequestState, error: KvpushError) -> None:
+        """The engine gives ``rid``'s live use up (no use: nothing happens)."""
+        req = self._requests.get(rid)
+        if req is not None:
+            self._event(now, req, Event.ABORT, state=state, error=error)
+
+    def close(self, now: float) -> None:
+        """The consumer closes: every use ends ABORTED (``ClosedError``) once its READs
+        are abandoned; what may still land makes it ``blocks_safe=False``."""
+        self._claims.clear()
+        for req in list(self._requests.values()):
+            self._event(now, req, Event.CLOSE)
+
+    # -- network events ----------------------------------------------------------------
+    def on_message(self, now: float, peer: str, msg: m.Message) -> None:
+        """A decoded control frame about a request from connected producer ``peer``."""
+        if isinstance(msg, m.Posted):
+            if msg.empty:  # nothing to write: the part counts as landed now
+                self._request_event(now, peer, msg.request_id, msg.xid, Event.LANDED,
+                                    part=msg.part, nbytes=0, checksums=b"")
+            else:
+                self._request_event(now, peer, msg.request_id, msg.xid, Event.POSTED,
+                                    part=msg.part)
+        elif isinstance(msg, m.Failed):
+            if not self._drop_claim(peer, msg.request_id, msg.xid, msg.reason):
+                self._request_event(now, peer, msg.request_id, msg.xid, Event.FAILED,
+                                    msg=msg)
+        elif isinstance(msg, m.AbortAck):
+            self._request_event(now, peer, msg.request_id, msg.xid, Event.ABORT_ACK, msg=msg)
+        elif isinstance(msg, m.PullHeld):
+            self._request_event(now, peer, msg.request_id, msg.xid, Event.PULL_HELD, msg=msg)
+        elif isinstance(msg, m.Abort):
+            if not self._drop_claim(peer, msg.request_id, msg.xid, msg.reason):
+                self._request_event(now, peer, msg.request_id, msg.xid, Event.PEER_ABORT,
+                                    msg=msg)
+        else:
+            self.stats.messages_rejected += 1
+
+    def on_notification(self, now: float, peer: str, msg: m.Message) -> None:
+        """A decoded NIXL notification from ``peer`` (a push part's ``Landed``)."""
+        if isinstance(msg, m.Landed):
+            self._request_event(now, peer, msg.request_id, msg.xid, Event.LANDED,
+                                part=msg.part, nbytes=msg.nbytes, checksums=msg.checksums)
+        else:
+            self.stats.messages_rejected += 1
+
+    def transfer_ended(self, now: float, key: int, end: XferEnd) -> None:
+        """The driver: READ ``key`` ended (or was abandoned)."""
+        rid = self._read_of.pop(key, None)
+        req = self._requests.get(rid) if rid is not None else None
+        if req is None or key not in req.reads:
+            log.warning("consumer core: end of unknown transfer %d", key)
+            return
+        self._event(now, req, Event.READ_ENDED, key=key, end=end)
+
+    def tick(self, now: float) -> None:
+        """Run every deadline due by ``now``."""
+        while self._timers and self._timers[0][0] <= now:
+            entry = heapq.heappop(self._timers)
+            if not self._armed(entry):
+                continue
+            req = self._requests[entry[2]]
+            self._event(now, req, Event.DEADLINE if entry[4] == "deadline"
+                        else Event.GRACE_OVER)
+
+    # -- the state machine -------------------------------------------------------------
+    def _request_event(self, now: float, peer: str, rid: str, xid: int, event: Event,
+                       **args: Any) -> None:
+        req = self._requests.get(rid)
+        if req is None or req.xid != xid or peer not in req.producers:
+            # Another use of the id (earlier, or another consumer's), or none: it changes
+            # nothing here.
+            self.stats.stale_messages += 1
+            return
+        self._event(now, req, event, peer=peer, **args)
+
+    def _event(self, now: float, req: _Request, event: Event, **args: Any) -> None:
+        handler = TRANSITIONS[req.phase].get(event)
+        if handler is None:
+            self._refuse(req, event, "not allowed in this phase")
+            return
+        if handler != _IGNORE:
+            getattr(self, handler)(now, req, **args)
+
+    def _refuse(self, req: _Request, event: Event, why: str) -> None:
+        self.stats.events_refused += 1
+        log.info("consumer core: %s of %r (xid %x) in %s refused: %s", event.value, req.rid,
+                 req.xid, req.phase.value, why)
+
+    # push
+    def _on_posted(self, now: float, req: _Request, peer: str, part: int) -> None:
+        if not 0 <= part < req.parts or req.producer_of(part) != peer \
+                or part in req.settled or part in req.posted:
+            self._refuse(req, Event.POSTED, f"part {part}")
+            return
+        req.posted[part] = now
+        self._posting[req.rid] = req
+
+    def _on_landed(self, now: float, req: _Request, peer: str, part: int, nbytes: int,
+                   checksums: bytes) -> None:
+        if not 0 <= part < req.parts or req.producer_of(part) != peer:
+            self._refuse(req, Event.LANDED, f"part {part} is not {peer}'s")
+            return
+        # Counted once per (use, part): a replayed or duplicated Landed changes nothing
+        # (which is why notifications need no replay window: issue 13, bug 7).
+        arrival = self._completions.arrive(req.rid, part)
+        if arrival not in (_core.Arrival.PENDING, _core.Arrival.COMPLETE):
+            self._refuse(req, Event.LANDED, f"part {part}: {arrival.name.lower()}")
+            return
+        hinted = req.posted.get(part)
+        if hinted is not None:
+            size = self._size_class(req)
+            took = now - hinted
+            last = self._landing_s.get(size)
+            self._landing_s[size] = took if last is None else 0.75 * last + 0.25 * took
+        req.landed.add(part)
+        self._settle(req, part)
+        if part % req.groups == 0:
+            self.stats.blocks_moved += len(req.ids)
+        req.moved += nbytes
+        self.stats.bytes_moved += nbytes
+        if req.phase is Phase.PUSHING and req.parts == 1 and self.config.verify:
+            mismatch = self._verify(req, checksums)
+            if mismatch is not None:
+                self._begin_close(now, req, RequestState.FAILED, mismatch, ask=False)
+                return
+        if req.phase is Phase.PUSH_CLOSING:
+            req.fence.discard(part)
+            if req.settled_producer(peer):
+                req.waiting_acks.discard(peer)
+            self._try_finish(now, req)
+        elif arrival == _core.Arrival.COMPLETE:
+            self._finish(now, req, RequestState.READY, None)
+
+    def _on_ack(self, now: float, req: _Request, peer: str, msg: m.AbortAck | m.Failed) -> None:
+        """The producer's WRITEs have all ended (AbortAck, or a Failed while closing)."""
+        req.unsafe |= msg.unfenced
+        self._settle_producer(req, peer, msg.errored)
+        req.waiting_acks.discard(peer)
+        self._try_finish(now, req)
+
+    # pull
+    def _on_held(self, now: float, req: _Request, peer: str, msg: m.PullHeld) -> None:
+        if peer not in req.unheld:
+            self._refuse(req, Event.PULL_HELD, f"{peer} already answered")
+            return
+        req.unheld.discard(peer)
+        # The producer holds the source hold_s from its receipt of our PullBegin, which is
+        # after we sent it: counted from our send, the guarantee is never overstated. (A
+        # NaN or negative hold guarantees nothing.)
+        hold = msg.hold_s if msg.hold_s >= 0 else -math.inf
+        req.held_until[peer] = req.began.get(peer, -math.inf) + hold
+        if not req.unheld and not req.reads:
+            self._pull_done(now, req)
+
+    def _on_read_ended(self, now: float, req: _Request, key: int, end: XferEnd) -> None:
+        read = req.reads.pop(key)
+        req.read_end[read.peer] = now
+        if end is XferEnd.ABANDONED:
+            req.unsafe = True  # its bytes may land at any later time
+            self.stats.transfers_abandoned += 1
+        if req.phase is Phase.PULL_CLOSING:
+            self._try_finish(now, req)
+        elif end is not XferEnd.DONE:
+            if end is not XferEnd.ABANDONED:
+                # Nothing more reads the source: the producer need not wait for us.
+                self._out.append(Send(read.peer, m.PullDone(req.rid, req.xid,
+                                                            req.sids[read.peer], 0)))
+            self._begin_close(now, req, RequestState.FAILED, PeerUnavailable(
+                f"producer {read.peer} unreachable for the READ of {req.rid!r}")
+                if end is XferEnd.LOST else
+                TransferFailed(f"READ of {req.rid!r} from {read.peer} {end.value}"), ask=True)
+        elif not req.reads and not req.unheld:
+            self._pull_done(now, req)
+
+    # both
+    def _on_failed(self, now: float, req: _Request, peer: str, msg: m.Failed) -> None:
+        state, cls = _FAILED_CODES.get(msg.code, (RequestState.FAILED, TransferFailed))
+        error = cls(f"producer {peer}: {msg.code}: {msg.reason}")
+        # This producer's WRITEs have all ended: it will write nothing more.
+        req.unsafe |= msg.unfenced
+        if req.mode is TransferMode.PUSH:
+            self._settle_producer(req, peer, msg.errored)
+        req.unheld.discard(peer)
+        self._begin_close(now, req, state, error, ask=True)
+
+    def _on_peer_abort(self, now: float, req: _Request, peer: str, msg: m.Abort) -> None:
+        """The producer gave the use up while a WRITE was in flight: it ends ABORTED once
+        that WRITE has (its Failed follows, then the Landed of what was posted)."""
+        self._begin_close(now, req, RequestState.ABORTED,
+                          RequestAborted(f"producer {peer}: {msg.reason}"), ask=True)
+
+    def _on_deadline(self, now: float, req: _Request) -> None:
+        what = "READ" if req.mode is TransferMode.PULL else "data"
+        self._begin_close(now, req, RequestState.TIMED_OUT,
+                          TransferTimeout(f"{what} for {req.rid!r} did not land in time"),
+                          ask=True)
+
+    def _on_abort(self, now: float, req: _Request, state: RequestState,
+                  error: KvpushError) -> None:
+        self._begin_close(now, req, state, error, ask=True)
+
+    def _on_peer_lost(self, now: float, req: _Request, peer: str, why: str) -> None:
+        # What it may still have in flight cannot be waited for any more: a READ is
+        # abandoned, and a push part that has not landed may land later: its WRITE may
+        # have been posted even if its Posted hint was lost with the link (over TCP a cut
+        # link keeps UCX's connection; see blocks_safe).
+        for part in req.parts_of(peer):
+            if req.mode is TransferMode.PUSH and part not in req.settled:
+                req.unsafe = True
+            req.fence.discard(part)
+            self._settle(req, part)
+        req.unheld.discard(peer)
+        req.waiting_acks.discard(peer)
+        self._abandon_reads(req, peer)
+        if req.phase in (Phase.PUSHING, Phase.PULLING):
+            self._begin_close(now, req, RequestState.FAILED,
+                              PeerUnavailable(f"producer {peer} lost: {why}"), ask=True)
+        else:
+            self._try_finish(now, req)
+
+    def _on_grace_over(self, now: float, req: _Request) -> None:
+        """``abort_grace_s`` after the close began, something may still land: report with
+        ``blocks_safe=False`` (once any READ still in flight has been abandoned)."""
+        log.warning("consumer core: %r not fenced after %s s (READs from %s, no "
+                    "confirmation from %s, Landed awaited for parts %s): its blocks are "
+                    "reported unsafe", req.rid, self.config.abort_grace_s,
+                    sorted(r.peer for r in req.reads.values()), sorted(req.waiting_acks),
+                    sorted(req.fence))
+        self._ask_abort(req)  # a pull's producer may release its blocks now
+        req.unsafe = True
+        req.waiting_acks.clear()
+        req.fence.clear()
+        self._abandon_reads(req, None)
+        self._try_finish(now, req)
+
+    def _on_close(self, now: float, req: _Request) -> None:
+        if req.mode is TransferMode.PUSH:
+            # A part not landed may still be written: its WRITE may be posted though its
+            # Posted hint has not come (or never will: Bye ends nothing in flight), so every
+            # such part, not only announced ones, leaves the blocks unsafe.
+            req.unsafe |= any(p not in req.landed and p not in req.settled
+                              for p in range(req.parts))
+        req.end, req.error = RequestState.ABORTED, ClosedError("consumer closed")
+        req.phase = _CLOSING[req.phase]
+        req.waiting_acks.clear()
+        req.fence.clear()
+        req.asked = True  # the driver says Bye to every producer
+        self._abandon_reads(req, None)
+        self._try_finish(now, req)
+
+    # -- endings -----------------------------------------------------------------------
+    def _begin_close(self, now: float, req: _Request, state: RequestState,
+                     error: KvpushError | None, ask: bool) -> None:
+        """Begin ending a use that did not succeed: ask the producers to abort, and report
+        once nothing can land any more (see the module docstring)."""
+        req.phase = _CLOSING[req.phase]
+        req.end, req.error = state, error
+        if ask:
+            self._ask_abort(req)
+        if not self._try_finish(now, req) and req.grace is None:
+            req.grace = now + self.config.abort_grace_s
+            self._arm(req, req.grace, "grace")
+
+    def _ask_abort(self, req: _Request) -> None:
+        """Send Abort to the use's producers (once); push: wait for the AbortAck of each
+        that may still be writing."""
+        if req.asked:
+            return
+        req.asked = True
+        reason = str(req.error) if req.error else "aborted"
+        for name in req.producers:
+            if name not in self._peers:
+                continue
+            self._out.append(Send(name, m.Abort(req.rid, req.xid, reason)))
+            if req.mode is TransferMode.PUSH and any(
+                    p not in req.settled and p not in req.fence for p in req.parts_of(name)):
+                req.waiting_acks.add(name)
+
+    def _try_finish(self, now: float, req: _Request) -> bool:
+        """Report a closing use once nothing of it is in flight; True if reported."""
+        if req.end is None or req.reads or req.waiting_acks or req.fence:
+            return False
+        self._finish(now, req, req.end, req.error)
+        return True
+
+    def _pull_done(self, now: float, req: _Request) -> None:
+        """Every READ is done and every producer confirmed it held the blocks."""
+        for name, ended in req.read_end.items():
+            late = ended - req.held_until.get(name, -math.inf)
+            if late > 0:
+                # The producer may have released the blocks before our READ ended: what it
+                # read is not trusted. The READ has ended, so the blocks are safe.
+                self._begin_close(now, req, RequestState.FAILED, TransferFailed(
+                    f"READ of {req.rid!r} from {name} ended {late:.3f} s past the hold the "
+                    "producer guaranteed (PullHeld.hold_s): its data is not trusted"),
+                    ask=False)
+                return
+        self.stats.bytes_moved += req.moved
+        self.stats.blocks_moved += len(req.ids)
+        mismatch = self._verify(req, req.checksums)
+        if mismatch is None:
+            self._finish(now, req, RequestState.READY, None)
+        else:
+            self._begin_close(now, req, RequestState.FAILED, mismatch, ask=False)
+
+    def _finish(self, now: float, req: _Request, state: RequestState,
+                error: KvpushError | None) -> None:
+        del self._requests[req.rid]
+        self._posting.pop(req.rid, None)
+        if req.mode is TransferMode.PUSH:
+            self._completions.remove(req.rid)
+        LIVE.add("requests_pending", -1)
+        self._emit(now, req.rid, req.xid, req.mode, req.ids, state, error, req.started,
+                   req.moved, not req.unsafe)
+
+    def _emit(self, now: float, rid: str, xid: int, mode: TransferMode, ids: np.ndarray,
+              state: RequestState, error: KvpushError | None, started: float,
+              nbytes: int = 0, safe: bool = True) -> None:
+        counter = _COUNTERS[state]
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        self.stats.results_unsafe += not safe
+        self._out.append(Emit(TransferResult(rid, state, mode, error, now - started, nbytes,
+                                             safe, ids, xid)))
+
+    # -- helpers -----------------------------------------------------------------------
+    def _add(self, req: _Request) -> None:
+        self._requests[req.rid] = req
+        LIVE.add("requests_pending", 1)
+        self._arm(req, req.deadline, "deadline")
+
+    def _arm(self, req: _Request, when: float, kind: str) -> None:
+        heapq.heappush(self._timers, (when, next(self._seq), req.rid, req.xid, kind))
+
+    def _armed(self, entry: tuple[float, int, str, int, str]) -> bool:
+        """Whether a timer entry still applies to a live use: its deadline runs while the
+        use is not closing; its grace once it is."""
+        when, _, rid, xid, kind = entry
+        req = self._requests.get(rid)
+        if req is None or req.xid != xid:
+            return False
+        if kind == "deadline":
+            return req.phase in (Phase.PUSHING, Phase.PULLING)
+        return req.grace == when
+
+    def _abandon_reads(self, req: _Request, peer: str | None) -> None:
+        for key, read in req.reads.items():
+            if (peer is None or read.peer == peer) and not read.abandoning:
+                read.abandoning = True
+                self._out.append(Abandon(key))
+
+    def _settle(self, req: _Request, part: int) -> None:
+        """Part ``part`` of ``req`` will write nothing more."""
+        req.settled.add(part)
+        if req.posted.pop(part, None) is not None and not req.posted:
+            self._posting.pop(req.rid, None)
+
+    def _settle_producer(self, req: _Request, name: str, errored: Iterable[int]) -> None:
+        """Producer ``name`` writes nothing more for ``req``. A part it announced (Posted)
+        and whose WRITE did not end in error may still have bytes on the way, ahead of its
+        Landed notification: the use waits for that notification (its fence)."""
+        errored = set(errored)
+        for part in req.parts_of(name):
+            if part in req.posted and part not in errored:
+                req.fence.add(part)
+            else:
+                self._settle(req, part)
+
+    def _drop_claim(self, peer: str, rid: str, xid: int, why: str) -> bool:
+        """A producer refused or gave up a claim: drop it, so a later pull starts anew."""
+        claim = self._claims.get(rid)
+        if claim is None or claim.xid != xid or peer not in claim.sids:
+            return False
+        del self._claims[rid]
+        log.info("consumer core: claim of %r dropped by %s: %s", rid, peer, why)
+        return True
+
+    def _verify(self, req: _Request, checksums: bytes | None) -> KvpushError | None:
+        """None when the landed blocks match the producer's checksums (or verify is off)."""
+        if checksums is None:
+            return None
+        if len(checksums) != 8 * len(req.ids):
+            return TransferFailed(f"{req.rid!r}: the producer sent {len(checksums) // 8} "
+                                  f"checksums for {len(req.ids)} blocks")
+        want = np.frombuffer(checksums, dtype="<u8")
+        got = self.links.checksums(req.ids)
+        if isinstance(got, (bytes, bytearray)):
+            got = np.frombuffer(got, dtype="<u8")
+        bad = np.nonzero(got != want)[0]
+        if len(bad) == 0:
+            return None
+        self.stats.checksum_mismatches += len(bad)
+        return TransferFailed(f"{req.rid!r}: {len(bad)} block(s) differ from the source "
+                              f"after transfer, e.g. block {int(req.ids[bad[0]])}")
+
+    def _size_class(self, req: _Request) -> int:
+        """Bit length of the bytes one part of ``req`` moves (all regions, whole blocks)."""
+        return (len(req.ids) * self.layout.block_bytes * self.layout.num_regions
+                // req.groups).bit_length()
