@@ -72,6 +72,7 @@ class Timings:
     peer_timeout_s: float = 1.0
     hello_retry_s: float = 0.05
     heartbeats_to_core: bool = False
+    verify: bool = False          # per-block checksums travel with the data (both sides)
     # engines
     quarantine_s: float = 5.0
     prefill_max_s: float = 0.03
@@ -342,7 +343,8 @@ class Simulation:
                                   request_id=req.rid, block_ids=m.encode_ids(src.ids),
                                   lease_s=self.timings.lease_s,
                                   issued_at=self.sched.now + pe.clock_skew,
-                                  sid=src.sid)
+                                  sid=src.sid, checksums=pe.links.checksums(src.ids)
+                                  if self.timings.verify else b"")
             consumers = list(req.consumers)
             f, rng = self.faults, self.rng
             if f.on("double") and req.sharers == 1 and len(self.consumer_names) > 1 \
@@ -750,8 +752,10 @@ def default_consumer(ep: Endpoint) -> Any:
     own xids, if it draws any, come from the run's seed)."""
     from ..protocol.consumer import ConsumerCore, CoreConfig
     rng = ep.sim.rng
-    return ConsumerCore(ep.layout, CoreConfig(abort_grace_s=ep.sim.timings.abort_grace_s),
-                        ep.links, stats=cast(Any, _CoreStats()), xids=lambda: rng.getrandbits(63) | 1)
+    t = ep.sim.timings
+    return ConsumerCore(ep.layout, CoreConfig(abort_grace_s=t.abort_grace_s, verify=t.verify),
+                        ep.links, stats=cast(Any, _CoreStats()),
+                        xids=lambda: rng.getrandbits(63) | 1)
 
 
 class _CoreStats:
@@ -810,6 +814,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "name or a .py path); default: kvpush.protocol.producer")
     ap.add_argument("--consumer-core", default=None, metavar="MODULE:FUNC",
                     help="the same for consumer cores; default: kvpush.protocol.consumer")
+    ap.add_argument("--verify", action="store_true",
+                    help="per-block checksums with the data (ConsumerConfig.verify)")
     ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
     args = ap.parse_args(argv)
     if not args.verbose:   # the cores log every refused event; the checks say what matters
@@ -818,7 +824,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fault_rate is not None:
         faults = replace(faults, rate=args.fault_rate)
     progress = args.progress or (args.requests // 10 if args.requests >= 20_000 else 0)
+    timings = Timings(verify=args.verify)
     sim = Simulation(args.seed, producers=args.producers, consumers=args.consumers,
+                     timings=timings,
                      requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
                      progress_every=progress, make_producer=_load(args.producer_core),
                      make_consumer=_load(args.consumer_core))
@@ -827,7 +835,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if violations:
         print(f"replay: python -m kvpush.testing.sim --requests {args.requests} "
               f"--seed {args.seed} --producers {args.producers} --consumers {args.consumers} "
-              f"--faults {args.faults}" + (f" --rate {args.rate}" if args.rate else ""))
+              f"--faults {args.faults}" + (f" --rate {args.rate}" if args.rate else "")
+              + (" --verify" if args.verify else ""))
     print(sim.summary())
     return 1 if violations else 0
 
