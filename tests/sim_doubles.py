@@ -175,6 +175,15 @@ class StandinConsumerCore:
             if name in self._peers:
                 self._out.append(Send(name, m.Abort(rid, xid, reason)))
 
+    def close(self, now: float) -> None:
+        for use in list(self._uses.values()):
+            if use.read_key in self._xfers:
+                self._out.append(Abandon(use.read_key))
+            use.unsafe |= not use.complete if use.mode is TransferMode.PUSH \
+                else use.read_key in self._xfers
+            self._finish(now, use, RequestState.ABORTED, RequestAborted("closed"))
+        self._xfers.clear()
+
     def abort(self, now: float, rid: str, state: RequestState, error: Any) -> None:
         xid = self._by_rid.get(rid)
         if xid is None:

@@ -12,6 +12,7 @@ A restart is a new Endpoint under the same name.
 from __future__ import annotations
 
 import math
+import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,20 +52,28 @@ class Endpoint:
     """One incarnation of a producer (``role="producer"``) or consumer process."""
 
     def __init__(self, sim: Simulation, name: str, role: str, inc: int,
-                 make_core: Callable[[Endpoint], Any]) -> None:
+                 make_core: Callable[[Endpoint], Any], reopen: Endpoint | None = None) -> None:
         self.sim = sim
         self.name = name
         self.role = role
         self.inc = inc
         self.alive = True
         t = sim.timings
-        self.memory = FakeMemory(t.num_regions, t.num_blocks, t.block_bytes)
+        self.engine: Any
+        self.memory: FakeMemory
+        if reopen is not None:   # closed and opened again over the same KV cache
+            self.memory = reopen.memory
+            self.engine = reopen.engine
+            self.engine.ep = self
+        else:
+            self.memory = FakeMemory(t.num_regions, t.num_blocks, t.block_bytes)
+            self.engine = PrefillEngine(sim, self) if role == "producer" \
+                else DecodeEngine(sim, self)
         self.layout: KVLayout = self.memory.layout
         self.links = SimLinks(self.memory, sim.peer_memory)
-        self.engine: Any = PrefillEngine(sim, self) if role == "producer" \
-            else DecodeEngine(sim, self)
         self.peers: dict[str, Peer] = {}
         self.xfers: dict[int, Transfer] = {}      # posted here, end not yet reported
+        self.closing = False
         self.clock_skew = 0.0        # this process's wall clock minus simulated time
         self.stalled_until = 0.0
         self.stall_total = 0.0
@@ -75,6 +84,11 @@ class Endpoint:
         self._hb_seq = 0
         self.core: Any = None
         self.core = make_core(self)
+
+    @property
+    def open(self) -> bool:
+        """Whether the engine's calls reach this endpoint (alive and not closing)."""
+        return self.alive and not self.closing
 
     # -- the loop ----------------------------------------------------------------------
     def run(self, fn: Callable[..., None], *args: Any) -> None:
@@ -165,6 +179,38 @@ class Endpoint:
             self.flush()
         self._armed = math.inf       # timers that came due meanwhile fire now, late
         self.settle()
+
+    def close(self, then: Callable[[], None]) -> None:
+        """``Producer.close()`` / ``Consumer.close()``, as the loop carries it out (after
+        what was queued before it): NIXL handles released (their bytes go on), the core
+        closed (everything released CLOSED / ended ABORTED), Bye to every peer; then
+        ``then()``. The engine keeps its KV cache and may open a new endpoint over it."""
+        self.closing = True     # the engine's calls from now on raise ClosedError
+        self.run(self._close, then)
+
+    def _close(self, then: Callable[[], None]) -> None:
+        if not self.alive:
+            return
+        now = self.sim.sched.now
+        # ProducerCore.close() leaves the NIXL handles to the driver; ConsumerCore.close()
+        # asks for them (Abandon effects). Whatever is left after the core is released.
+        if self.role == "producer":
+            self._release_handles()
+        self._call(self.core.close, now)
+        self.flush()
+        self._release_handles()
+        for peer in self.peers.values():
+            if peer.up or self.role == "producer":
+                self.send(peer.name, m.Bye(self.name))
+        self.alive = False
+        self.backlog.clear()
+        then()
+
+    def _release_handles(self) -> None:
+        for key in list(self.xfers):
+            xfer = self.xfers.pop(key)
+            self.sim.nixl.abandon(xfer)
+            xfer.reported = True
 
     def kill(self) -> None:
         self.alive = False
@@ -468,5 +514,6 @@ def _brief(msg: Any) -> str:
 
 
 def _short(args: tuple[Any, ...]) -> str:
-    text = repr(args)
+    # no addresses: the trace (and its hash) must be the same in every run of a seed
+    text = re.sub(r" at 0x[0-9a-f]+", "", repr(args))
     return text if len(text) < 300 else text[:300] + "..."

@@ -67,6 +67,7 @@ class Source:
     layers_written: set[int] = field(default_factory=set)
     handed: bool = False          # given to kvpush (layer_done or prefill_done)
     engine_done: bool = False     # the engine writes no more into them (done or aborted)
+    released_by: Endpoint | None = None
 
 
 @dataclass(eq=False)
@@ -89,6 +90,8 @@ class PrefillEngine:
     def __init__(self, sim: Simulation, ep: Endpoint) -> None:
         self.sim = sim
         self.ep = ep
+        self.dead = False
+        ep.memory.owner = self
         self.free: list[int] = list(range(ep.memory.num_blocks))
         self.sources: dict[str, Source] = {}
         #: block id -> the live source holding it
@@ -153,8 +156,8 @@ class PrefillEngine:
                      f"{self.ep.name} released {rel.request_id!r} naming blocks "
                      f"{np.asarray(rel.block_ids).tolist()}, held {src.ids.tolist()}")
         now = self.sim.sched.now
-        for xfer in self.ep.xfers.values():
-            if xfer.op == "WRITE" and xfer.src is self.ep.memory \
+        for xfer in self.sim.posted_from(self.ep.memory):
+            if xfer.op == "WRITE" \
                     and not src.idset.isdisjoint(xfer.src_blocks):
                 chk.fail("release_while_writing",
                          f"{self.ep.name} released {rel.request_id!r} ({rel.reason.value}) "
@@ -169,6 +172,7 @@ class PrefillEngine:
                          f"while {xfer.consumer}'s READ (xid {xfer.xid:x}) was in flight "
                          f"under its PullHeld promise (until t={until:.6f})")
         src.released = True
+        src.released_by = self.ep
         self.sim.checker.trace(f"{self.ep.name} release {rel.request_id} {rel.reason.value}")
         if not src.engine_done:
             return   # layer-wise, before prefill_done: the engine frees them once it is done
@@ -198,6 +202,7 @@ class PrefillEngine:
                 return
 
     def died(self) -> None:
+        self.dead = True
         for src in list(self.sources.values()):
             self.sim.producer_ended(src.req)
         self.sources.clear()
@@ -209,6 +214,8 @@ class DecodeEngine:
     def __init__(self, sim: Simulation, ep: Endpoint) -> None:
         self.sim = sim
         self.ep = ep
+        self.dead = False
+        ep.memory.owner = self
         self.free: list[int] = list(range(ep.memory.num_blocks))
         self.uses: dict[int, Use] = {}          # by xid, until its result
         self.by_rid: dict[str, Use] = {}
@@ -337,6 +344,7 @@ class DecodeEngine:
             self.done.pop(use.xid, None)
 
     def died(self) -> None:
+        self.dead = True
         for use in [*self.uses.values(), *self.calling]:
             self.sim.consumer_ended(use)
         self.uses.clear()

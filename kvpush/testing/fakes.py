@@ -88,7 +88,8 @@ class FakeMemory:
     lists kvpush prepares). :attr:`layout` is a real :class:`~kvpush.layout.KVLayout` over
     it (one packed K+V region per layer, uint8)."""
 
-    __slots__ = ("block_bytes", "data", "layout", "num_blocks", "num_regions", "words")
+    __slots__ = ("block_bytes", "data", "layout", "num_blocks", "num_regions", "owner",
+                 "words")
 
     def __init__(self, num_regions: int = 2, num_blocks: int = 32, block_bytes: int = 16) -> None:
         if block_bytes % 16:
@@ -96,6 +97,8 @@ class FakeMemory:
             raise ValueError("FakeMemory.block_bytes must be a multiple of 16")
         self.num_regions = num_regions
         self.num_blocks = num_blocks
+        #: the engine model whose KV cache this is (the simulation sets it)
+        self.owner: Any = None
         self.block_bytes = block_bytes
         self.data = np.zeros((num_regions * num_blocks, block_bytes), dtype=np.uint8)
         #: The same bytes as uint64 words: patterns are written a word at a time.

@@ -38,11 +38,12 @@ from typing import Any, cast
 
 from .. import messages as m
 from ..errors import KvpushError, RequestAborted
+from ..metrics import LIVE
 from ..protocol.effects import XferEnd
 from ..request import RequestState, TransferMode
 from .checker import Checker
 from .driver import Endpoint
-from .engines import Request, Source, Use
+from .engines import DecodeEngine, Request, Source, Use
 from .fakes import FakeMemory, FakeNixl, Network, Scheduler, Transfer
 
 __all__ = ["FAULTS", "CoreFactory", "Faults", "Simulation", "Timings", "main"]
@@ -86,7 +87,7 @@ class Timings:
 
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
-          "double", "late", "sharers", "skew", "claim")
+          "double", "late", "sharers", "skew", "claim", "close")
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,10 @@ class Simulation:
         ep = self.endpoints.get(name)
         return ep.memory if ep is not None else None
 
-    def _spawn(self, name: str, role: str, inc: int) -> Endpoint:
+    def _spawn(self, name: str, role: str, inc: int,
+               reopen: Endpoint | None = None) -> Endpoint:
         factory = self.make_producer if role == "producer" else self.make_consumer
-        ep = Endpoint(self, name, role, inc, factory)
+        ep = Endpoint(self, name, role, inc, factory, reopen)
         if self.faults.on("skew"):
             ep.clock_skew = self.rng.uniform(-self.faults.skew_s, self.faults.skew_s)
         self.endpoints[name] = ep
@@ -210,13 +212,22 @@ class Simulation:
         for c in self.consumer_names:
             self._spawn(c, "consumer", 0)
         self.sched.after(0.2, self._arrive)          # handshakes first
-        if self.faults.enabled & {"cut", "stall", "kill"} and self.faults.rate > 0:
+        if self.faults.enabled & {"cut", "stall", "kill", "close"} and self.faults.rate > 0:
             self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
         chk = self.checker
         sched = self.sched
-        while not self._done and sched.step():
-            chk.step = sched.steps
-            chk.now = sched.now
+        # The cores count live resources in the process-wide kvpush.metrics.LIVE; simulated
+        # ones are not the process's, so the counts go back to what they were.
+        with LIVE._lock:
+            live_before = dict(LIVE._counts)
+        try:
+            while not self._done and sched.step():
+                chk.step = sched.steps
+                chk.now = sched.now
+        finally:
+            with LIVE._lock:
+                LIVE._counts.clear()
+                LIVE._counts.update(live_before)
         return len(chk.violations)
 
     def summary(self) -> str:
@@ -262,8 +273,8 @@ class Simulation:
     def _new_request(self) -> None:
         rng, f, t = self.rng, self.faults, self.timings
         # the router sends requests to instances that are up
-        live_p = [p for p in self.producer_names if self.endpoints[p].alive]
-        live_c = [c for c in self.consumer_names if self.endpoints[c].alive]
+        live_p = [p for p in self.producer_names if self.endpoints[p].open]
+        live_c = [c for c in self.consumer_names if self.endpoints[c].open]
         if not live_p or not live_c:
             self.stats["skipped"] += 1
             return
@@ -315,11 +326,29 @@ class Simulation:
             self.sched.at(now + rng.uniform(0, prefill + 0.05), self._producer_abort, req, src)
 
     # -- producer engine calls ---------------------------------------------------------
+    def _producer_now(self, src: Source) -> Endpoint:
+        """The incarnation the engine talks to now: a reopened endpoint over the same
+        cache takes over its sources; a killed one's sources died with it."""
+        cur = self.endpoints[src.req.producer]
+        if cur.engine is src.ep.engine:
+            src.ep = cur
+        return src.ep
+
     def _prefill_done(self, req: Request, src: Source) -> None:
-        pe = src.ep
+        pe = self._producer_now(src)
         req.pending -= 1
-        if not pe.alive:
-            self.producer_ended(req)
+        if not pe.open:
+            if pe.engine.dead:
+                self.producer_ended(req)
+            elif not src.handed:      # closed: the call raises ClosedError, the engine
+                pe.engine.give_back(src)  # keeps its blocks
+                self.producer_ended(req)
+            else:                     # layers went to kvpush before the close: it
+                src.engine_done = True    # releases them (CLOSED); the engine then frees
+                if src.released:
+                    pe.engine.give_back(src)
+                    self.producer_ended(req)
+            self._maybe_finished(req)
             return
         if req.p_aborted:
             if not src.handed:        # kvpush never had them: the engine frees them
@@ -333,7 +362,10 @@ class Simulation:
             src.sid = self.rng.getrandbits(63) | 1
         self.checker.trace(f"{pe.name} engine prefill_done {req.rid} "
                            f"{req.mode.value} sid={src.sid:x} ids={src.ids.tolist()}")
-        pe.run(self._call_prefill_done, pe, req, src)
+        if not early or src.released_by is pe:
+            # (the endpoint that released them early swallows this call; a new one, after
+            # a close, would take it as a new use: the engine does not make it)
+            pe.run(self._call_prefill_done, pe, req, src)
         if early:                     # and the engine is done with them now
             pe.engine.give_back(src)
             self.producer_ended(req)
@@ -365,9 +397,9 @@ class Simulation:
                     self.sched.after(delay, self._pull, req, c, ticket)
 
     def _layer_done(self, req: Request, src: Source, layer: int) -> None:
-        pe = src.ep
+        pe = self._producer_now(src)
         req.pending -= 1
-        if not pe.alive or req.p_aborted or src.done_at >= 0:
+        if not pe.open or req.p_aborted or src.done_at >= 0:
             self._maybe_finished(req)
             return
         pe.engine.layer_done(src, layer)
@@ -386,8 +418,8 @@ class Simulation:
         self.sched.at(bound, self._check_released, src, pe.stall_total, bound)
 
     def _producer_abort(self, req: Request, src: Source) -> None:
-        pe = src.ep
-        if not pe.alive:
+        pe = self._producer_now(src)
+        if not pe.open:
             return
         if src.done_at < 0:
             # the engine stops prefilling; layers it already handed over (layer_done) are
@@ -402,7 +434,7 @@ class Simulation:
 
     def _check_released(self, src: Source, stall0: float, bound: float) -> None:
         pe = src.ep
-        if src.released or not pe.alive or pe.engine.sources.get(src.req.rid) is not src:
+        if src.released or pe.engine.dead or pe.engine.sources.get(src.req.rid) is not src:
             return
         ext = pe.stall_total - stall0 + max(0.0, pe.stalled_until - self.sched.now)
         if ext > 1e-9:
@@ -420,7 +452,7 @@ class Simulation:
     def _expect(self, req: Request, cname: str) -> None:
         req.pending -= 1
         ce = self.endpoints[cname]
-        use = ce.engine.allocate(req) if ce.alive else None
+        use = ce.engine.allocate(req) if ce.open else None
         if use is None:
             self.stats["skipped_uses"] += 1
             self._maybe_finished(req)
@@ -434,7 +466,7 @@ class Simulation:
         ce = self.endpoints[cname]
         if claim is not None and claim[0] is not ce:
             claim = None          # claimed by an incarnation that died since
-        use = ce.engine.allocate(req) if ce.alive else None
+        use = ce.engine.allocate(req) if ce.open else None
         if use is None:
             self.stats["skipped_uses"] += 1
             if claim is not None:   # the engine gives its claim up
@@ -449,7 +481,7 @@ class Simulation:
         """The engine cannot take the blocks yet: claim the source, pull (or give up)
         later -- possibly after the ticket's lease, which the claim extends."""
         ce = self.endpoints[cname]
-        if not ce.alive:
+        if not ce.open:
             req.pending -= 1
             self._maybe_finished(req)
             return
@@ -464,7 +496,7 @@ class Simulation:
 
     def _unclaim(self, req: Request, ce: Endpoint, xid: int) -> None:
         req.pending -= 1
-        if ce.alive:
+        if ce.open:
             self.checker.trace(f"{ce.name} engine abort_claim {req.rid} xid={xid:x}")
             ce.run(lambda: ce.core.abort_claim(self.sched.now, req.rid, xid, "gave up"))
         self._maybe_finished(req)
@@ -527,7 +559,7 @@ class Simulation:
 
     def _consumer_abort(self, req: Request, cname: str) -> None:
         ce = self.endpoints[cname]
-        if not ce.alive:
+        if not ce.open:
             return
         now = self.sched.now
         use = ce.engine.by_rid.get(req.rid)
@@ -542,7 +574,7 @@ class Simulation:
 
     def _check_result(self, use: Use, stall0: float, bound: float) -> None:
         ce = use.ep
-        if use.result is not None or not ce.alive or bound != use.deadline:
+        if use.result is not None or ce.engine.dead or bound != use.deadline:
             return
         ext = ce.stall_total - stall0 + max(0.0, ce.stalled_until - self.sched.now)
         if ext > 1e-9:
@@ -574,19 +606,22 @@ class Simulation:
         self._reusable.append(req.rid)
 
     # -- transfers ---------------------------------------------------------------------
-    def _consumer_of(self, xfer: Transfer) -> Endpoint | None:
-        ep = xfer.target if xfer.op == "WRITE" else xfer.poster
-        if not isinstance(ep, Endpoint) or ep.role != "consumer":
-            return None
-        return ep
+    def _decode_engine(self, xfer: Transfer) -> DecodeEngine | None:
+        """The decode engine whose KV cache ``xfer`` writes into (WRITE or READ)."""
+        eng = xfer.dst.owner
+        return eng if isinstance(eng, DecodeEngine) and not eng.dead else None
 
     def _use_of(self, xfer: Transfer) -> Use | None:
-        ce = self._consumer_of(xfer)
-        if ce is None:
+        eng = self._decode_engine(xfer)
+        if eng is None:
             return None
-        eng = ce.engine
         use: Use | None = eng.uses.get(xfer.xid) or eng.done.get(xfer.xid)
         return use
+
+    def posted_from(self, mem: FakeMemory) -> list[Transfer]:
+        """Transfers posted by any incarnation over ``mem`` whose end was not reported."""
+        return [x for x in self.nixl.active.values()
+                if x.src is mem and x.poster.memory is mem and not x.reported]
 
     def start_transfer(self, xfer: Transfer) -> None:
         f = self.faults
@@ -604,9 +639,9 @@ class Simulation:
         self.nixl.start(xfer, slow)
 
     def _on_piece(self, xfer: Transfer, lo: int, hi: int) -> None:
-        ce = self._consumer_of(xfer)
-        if ce is not None and ce.alive and xfer.dst is ce.memory:
-            ce.engine.on_landing(xfer, lo, hi)
+        eng = self._decode_engine(xfer)
+        if eng is not None:
+            eng.on_landing(xfer, lo, hi)
 
     def _poll_delay(self) -> float:
         return self.rng.uniform(5e-6, 3e-4)
@@ -654,7 +689,7 @@ class Simulation:
         if self._quiescing or self._done:
             return
         rng, t = self.rng, self.timings
-        kinds = sorted(self.faults.enabled & {"cut", "stall", "kill"})
+        kinds = sorted(self.faults.enabled & {"cut", "stall", "kill", "close"})
         kind = rng.choice(kinds)
         now = self.sched.now
         if kind == "cut":
@@ -669,6 +704,14 @@ class Simulation:
             if ep.alive:
                 ep.stall(now + dur)
             self.checker.trace(f"FAULT stall {name} for {dur:.3f}s")
+        elif kind == "close":
+            name = rng.choice(self.producer_names + self.consumer_names)
+            ep = self.endpoints[name]
+            if ep.open:
+                self.checker.trace(f"FAULT close {name}#{ep.inc} (reopened on its cache)")
+                delay = rng.uniform(0.0, 0.05)
+                ep.close(lambda: self.sched.after(delay, self._restart, name, ep.role,
+                                                  ep.inc + 1, ep))
         else:
             name = rng.choice(self.producer_names + self.consumer_names)
             ep = self.endpoints[name]
@@ -681,9 +724,9 @@ class Simulation:
         self._fault(kind)
         self.sched.after(rng.expovariate(self.faults.rate), self._process_fault)
 
-    def _restart(self, name: str, role: str, inc: int) -> None:
+    def _restart(self, name: str, role: str, inc: int, reopen: Endpoint | None = None) -> None:
         self.checker.trace(f"FAULT restart {name}#{inc}")
-        self._spawn(name, role, inc)
+        self._spawn(name, role, inc, reopen)
 
     # -- quiescence --------------------------------------------------------------------
     def _quiesce(self) -> None:
@@ -733,7 +776,7 @@ class Simulation:
             self._done = True
             return
         self.sched.after(0.0, self._arrive)
-        if self.faults.enabled & {"cut", "stall", "kill"} and self.faults.rate > 0:
+        if self.faults.enabled & {"cut", "stall", "kill", "close"} and self.faults.rate > 0:
             self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
 
 
