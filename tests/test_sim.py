@@ -168,6 +168,14 @@ def test_no_violations_under_every_fault_but_cuts(seed: int) -> None:
     assert sim.faults_injected > 100
 
 
+def _real_cores() -> bool:
+    try:
+        import kvpush.protocol.consumer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.mark.xfail(reason="found by the simulator (report F1): a WRITE abandoned at "
                           "transfer_timeout_s during a short link cut resumes after the "
                           "source was released and reused; its Landed overtakes the "
@@ -177,6 +185,39 @@ def test_regression_abandoned_write_landing_after_release() -> None:
     out = io.StringIO()
     sim = Simulation(0, requests=300, faults=Faults(enabled=frozenset({"cut"}), rate=3.0),
                      make_consumer=standin_consumer, out=out)
+    assert sim.run() == 0, out.getvalue()
+
+
+@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
+@pytest.mark.xfail(reason="report F1 with both real cores (seed 0: a 0.9 s cut, WRITE "
+                          "abandoned at 0.4 s, Landed at 1.844 before the Failed)", strict=False)
+def test_regression_abandoned_write_landing_after_release_real_cores() -> None:
+    out = io.StringIO()
+    sim = Simulation(0, requests=70, faults=Faults(enabled=frozenset({"cut"}), rate=3.0),
+                     out=out)
+    assert sim.run() == 0, out.getvalue()
+
+
+@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
+@pytest.mark.xfail(reason="found by the simulator (report F1b): Producer.close() releases the "
+                          "source of a WRITE in flight (CLOSED); the engine reuses the blocks, "
+                          "the WRITE copies the reuse and its Landed reaches the consumer "
+                          "before the Bye: READY with reused bytes", strict=False)
+def test_regression_close_releases_a_source_being_written() -> None:
+    out = io.StringIO()
+    sim = Simulation(26, requests=60, faults=Faults(enabled=frozenset({"close"}), rate=4.0),
+                     out=out)
+    assert sim.run() == 0, out.getvalue()
+
+
+@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
+@pytest.mark.xfail(reason="found by the simulator (report F2): Producer.close() releases a "
+                          "pulled source (CLOSED) right after its PullHeld, inside hold_s; the "
+                          "READ reads the reuse and the consumer reports READY", strict=False)
+def test_regression_close_breaks_the_pullheld_promise() -> None:
+    out = io.StringIO()
+    sim = Simulation(14, requests=400, faults=Faults(enabled=frozenset({"close"}), rate=4.0),
+                     out=out)
     assert sim.run() == 0, out.getvalue()
 
 
