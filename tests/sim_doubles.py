@@ -163,7 +163,8 @@ class StandinConsumerCore:
         self._arm(use, use.deadline)
         return xid
 
-    def claim(self, now: float, ticket: m.PullTicket, sharers: int, xid: int) -> int:
+    def claim(self, now: float, tickets: list[m.PullTicket], sharers: int, xid: int) -> int:
+        ticket = tickets[0]
         if ticket.producer in self._peers:
             self._out.append(Send(ticket.producer, m.Claim(ticket.request_id, xid, ticket.sid,
                                                            sharers)))

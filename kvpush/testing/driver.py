@@ -66,7 +66,13 @@ class Endpoint:
             self.engine = reopen.engine
             self.engine.ep = self
         else:
-            self.memory = FakeMemory(t.num_regions, t.num_blocks, t.block_bytes)
+            # producers are tensor-parallel ranks of tp each holding one head; consumers
+            # hold all tp heads
+            if role == "producer":
+                self.memory = FakeMemory(t.num_regions, t.num_blocks, 1, sim.rank_of(name),
+                                         t.tp)
+            else:
+                self.memory = FakeMemory(t.num_regions, t.num_blocks, t.tp, 0, t.tp)
             self.engine = PrefillEngine(sim, self) if role == "producer" \
                 else DecodeEngine(sim, self)
         self.layout: KVLayout = self.memory.layout
@@ -445,9 +451,17 @@ class Endpoint:
             sim.checker.fail("bad_effect", f"{self.name}: unknown op {eff.op!r}")
             return
         nb = src.num_blocks
+        src_off, dst_off, length = src.overlap(dst)
+        if length == 0:
+            sim.checker.fail("bad_effect", f"{self.name}: {eff.op} {eff.key} to {eff.peer}, "
+                             f"which holds none of the heads held here")
+            self.core.transfer_ended(now, eff.key, XferEnd.ERROR)
+            return
         xfer = Transfer(eff.key, eff.op, self, self.inc, target, target.inc, src, dst,
                         src_rows, dst_rows, notif, xid, consumer, now,
-                        src_blocks=frozenset((src_rows % nb).tolist()))
+                        src_blocks=frozenset((src_rows % nb).tolist()), src_off=src_off,
+                        dst_off=dst_off,
+                        length=-1 if length == src.block_bytes == dst.block_bytes else length)
         self.xfers[eff.key] = xfer
         sim.checker.trace(f"{self.name} post {eff.op} {eff.key} -> {eff.peer} xid={xid:x} "
                           f"rows={len(local)}")

@@ -14,7 +14,7 @@ blocks it lands in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,9 +42,12 @@ class Request:
     nblocks: int
     sharers: int = 1
     groups: int = 1               # push: 1, or one WRITE per layer (layer-wise)
-    source: Source | None = None
+    producers: list[str] = field(default_factory=list)   # its producer ranks (TP)
+    sources: list[Source] = field(default_factory=list)  # one per rank, in rank order
+    open_sources: int = 0
+    tickets: dict[str, Any] = field(default_factory=dict)  # pull: ranks' PullTickets so far
     uses: list[Use] = field(default_factory=list)
-    producer_done: bool = False   # released, aborted before prefill, or producer died
+    producer_done: bool = False   # every source released, given back, or died
     open_uses: int = 0
     pending: int = 0              # engine calls scheduled and not yet made
     consumers: list[str] = field(default_factory=list)   # pull: who gets the ticket
@@ -58,6 +61,8 @@ class Source:
     ep: Endpoint
     ids: np.ndarray
     idset: frozenset[int]
+    tag: int = 0                  # its bytes' pattern (unique per request use and rank)
+    ended: bool = False
     sid: int = 0
     snapshot: np.ndarray | None = None
     done_at: float = -1.0
@@ -103,7 +108,7 @@ class PrefillEngine:
         rng = self.sim.sched.rng
         ids = [self.free.pop(rng.randrange(len(self.free))) for _ in range(req.nblocks)]
         arr = np.array(ids, dtype=np.int64)
-        src = Source(req, self.ep, arr, frozenset(ids))
+        src = Source(req, self.ep, arr, frozenset(ids), tag=req.number * 64 + len(req.sources))
         self.sources[req.rid] = src
         for b in ids:
             self.owner[b] = src
@@ -129,7 +134,7 @@ class PrefillEngine:
 
     def layer_done(self, src: Source, layer: int) -> None:
         """Layer ``layer`` (one region per layer here) is final: the engine wrote it."""
-        self.ep.memory.fill(src.ids, src.req.number, region=layer)
+        self.ep.memory.fill(src.ids, src.tag, region=layer)
         src.layers_written.add(layer)
         src.handed = True
 
@@ -137,7 +142,7 @@ class PrefillEngine:
         mem = self.ep.memory
         for r in range(mem.num_regions):
             if r not in src.layers_written:
-                mem.fill(src.ids, src.req.number, region=r)
+                mem.fill(src.ids, src.tag, region=r)
         src.snapshot = mem.snapshot(src.ids)
         src.done_at = self.sim.sched.now
         src.handed = True
@@ -177,7 +182,7 @@ class PrefillEngine:
         if not src.engine_done:
             return   # layer-wise, before prefill_done: the engine frees them once it is done
         self._free(src)
-        self.sim.producer_ended(src.req)
+        self.sim.source_ended(src)
 
     def check_write(self, xfer: Transfer) -> None:
         """A WRITE may only read blocks of a source this engine has handed to kvpush and
@@ -204,7 +209,7 @@ class PrefillEngine:
     def died(self) -> None:
         self.dead = True
         for src in list(self.sources.values()):
-            self.sim.producer_ended(src.req)
+            self.sim.source_ended(src)
         self.sources.clear()
 
 
@@ -287,22 +292,29 @@ class DecodeEngine:
 
     def _check_ready(self, use: Use, res: TransferResult) -> None:
         chk = self.sim.checker
-        src = use.req.source
-        if src is None or src.snapshot is None:
-            chk.fail("ready_without_source",
-                     f"{self.ep.name}: {use.req.rid!r} READY but its prefill never finished")
-            return
-        got = self.ep.memory.snapshot(use.ids)
-        if not np.array_equal(got, src.snapshot):
-            rows = np.nonzero((got != src.snapshot).any(axis=1))[0]
+        mem = self.ep.memory
+        whole = mem.snapshot(use.ids)
+        for src in use.req.sources:       # each rank's heads, from its source
+            if src.snapshot is None:
+                chk.fail("ready_without_source",
+                         f"{self.ep.name}: {use.req.rid!r} READY but the prefill of "
+                         f"{src.ep.name} never finished")
+                return
+            off, src_off, n = mem.overlap(src.ep.memory)
+            got = whole[:, off // 8:(off + n) // 8]
+            want = src.snapshot[:, src_off // 8:(src_off + n) // 8]
+            if np.array_equal(got, want):
+                continue
+            rows = np.nonzero((got != want).any(axis=1))[0]
             bad = sorted({int(r) % len(use.ids) for r in rows})
             # which use's bytes sit in each wrong (region, block)
             found = ", ".join(sorted({_describe(int(w) >> 24) for w in got[rows, 0]}))
             chk.fail("ready_wrong_bytes",
                      f"{self.ep.name}: {use.req.rid!r} (xid {use.xid:x}, {use.req.mode.value}"
-                     f" from {use.req.producer}) READY with {len(bad)} of {len(use.ids)} "
+                     f" from {src.ep.name}) READY with {len(bad)} of {len(use.ids)} "
                      f"blocks not equal to the source at prefill_done (use "
-                     f"{use.req.number}); found: {found}")
+                     f"{src.tag}); found: {found}")
+            return
 
     def _free(self, use: Use) -> None:
         for b in use.ids.tolist():

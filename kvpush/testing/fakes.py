@@ -82,31 +82,44 @@ class Scheduler:
 
 class FakeMemory:
     """One endpoint's registered KV memory: ``num_regions`` regions of ``num_blocks``
-    blocks of ``block_bytes`` bytes, all in one numpy array of shape
-    ``(num_regions * num_blocks, block_bytes)`` (row ``r * num_blocks + b`` is block ``b``
-    of region ``r``: exactly NIXL descriptor ``r * num_blocks + b`` of the region-major
-    lists kvpush prepares). :attr:`layout` is a real :class:`~kvpush.layout.KVLayout` over
-    it (one packed K+V region per layer, uint8)."""
+    blocks, all in one numpy array of shape ``(num_regions * num_blocks, block_bytes)``
+    (row ``r * num_blocks + b`` is block ``b`` of region ``r``: exactly NIXL descriptor
+    ``r * num_blocks + b`` of the region-major lists kvpush prepares). A block holds
+    ``heads`` KV heads one after another (head-major, K and V packed, 16 bytes a head):
+    heads ``[head_start, head_start + heads)`` of ``total_heads`` (a tensor-parallel
+    shard). :attr:`layout` is a real :class:`~kvpush.layout.KVLayout` over it (one region
+    per layer, uint8)."""
 
-    __slots__ = ("block_bytes", "data", "layout", "num_blocks", "num_regions", "owner",
-                 "words")
+    HEAD_BYTES = 16
 
-    def __init__(self, num_regions: int = 2, num_blocks: int = 32, block_bytes: int = 16) -> None:
-        if block_bytes % 16:
-            # 2 (K and V) * head_size uint8 elements; words of 8 bytes for the patterns
-            raise ValueError("FakeMemory.block_bytes must be a multiple of 16")
+    __slots__ = ("block_bytes", "data", "head_start", "heads", "layout", "num_blocks",
+                 "num_regions", "owner", "words")
+
+    def __init__(self, num_regions: int = 2, num_blocks: int = 32, heads: int = 1,
+                 head_start: int = 0, total_heads: int = 0) -> None:
         self.num_regions = num_regions
         self.num_blocks = num_blocks
+        self.heads = heads
+        self.head_start = head_start
+        self.block_bytes = block_bytes = heads * self.HEAD_BYTES
         #: the engine model whose KV cache this is (the simulation sets it)
         self.owner: Any = None
-        self.block_bytes = block_bytes
         self.data = np.zeros((num_regions * num_blocks, block_bytes), dtype=np.uint8)
         #: The same bytes as uint64 words: patterns are written a word at a time.
         self.words = self.data.view(np.uint64)
         regions = [self.data[r * num_blocks:(r + 1) * num_blocks] for r in range(num_regions)]
         self.layout = KVLayout.from_buffers(
             regions, num_layers=num_regions, num_blocks=num_blocks, tokens_per_block=1,
-            num_kv_heads=1, head_size=block_bytes // 2, dtype="uint8", kv_packed=True)
+            num_kv_heads=heads, head_size=self.HEAD_BYTES // 2, dtype="uint8",
+            kv_packed=True, head_start=head_start, total_kv_heads=total_heads)
+
+    def overlap(self, other: FakeMemory) -> tuple[int, int, int]:
+        """The heads both hold, as (byte offset here, byte offset in ``other``, bytes)."""
+        lo = max(self.head_start, other.head_start)
+        hi = min(self.head_start + self.heads, other.head_start + other.heads)
+        n = max(hi - lo, 0)
+        return ((lo - self.head_start) * self.HEAD_BYTES,
+                (lo - other.head_start) * self.HEAD_BYTES, n * self.HEAD_BYTES)
 
     def rows(self, block_ids: np.ndarray) -> np.ndarray:
         """Rows (descriptor indices) of ``block_ids`` in every region, region-major."""
@@ -158,6 +171,9 @@ class Transfer:
     consumer: str            # the consumer's name (the WRITE's target or the READ's poster)
     posted_at: float
     src_blocks: frozenset[int] = frozenset()   # block ids it reads
+    src_off: int = 0         # the byte range of each block it moves (the heads both hold)
+    dst_off: int = 0
+    length: int = -1         # -1: whole blocks
     pieces: list[tuple[int, int]] = field(default_factory=list)  # row ranges still to move
     moved: int = 0           # rows moved so far
     state: str = "moving"    # moving | landed | error | dead
@@ -228,7 +244,12 @@ class FakeNixl:
         xfer.fail_at -= 1
         lo, hi = xfer.pieces.pop(0)
         # The bytes as the source holds them *now*.
-        xfer.dst.data[xfer.dst_rows[lo:hi]] = xfer.src.data[xfer.src_rows[lo:hi]]
+        if xfer.length < 0:
+            xfer.dst.data[xfer.dst_rows[lo:hi]] = xfer.src.data[xfer.src_rows[lo:hi]]
+        else:
+            so, do, n = xfer.src_off, xfer.dst_off, xfer.length
+            xfer.dst.data[xfer.dst_rows[lo:hi], do:do + n] = \
+                xfer.src.data[xfer.src_rows[lo:hi], so:so + n]
         xfer.moved += hi - lo
         self.on_piece(xfer, lo, hi)
         if xfer.pieces:
@@ -356,7 +377,8 @@ class SimLinks:
                                    self.local.num_regions, coalesce)
 
     def desc_bytes(self, peer: str) -> int:
-        return self.local.block_bytes
+        remote = self._peer_memory(peer)
+        return self.local.overlap(remote)[2] if remote is not None else self.local.block_bytes
 
     def checksums(self, ids: np.ndarray) -> bytes:
         from ..plan import block_checksums

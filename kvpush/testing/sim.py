@@ -58,7 +58,7 @@ class Timings:
 
     num_regions: int = 2
     num_blocks: int = 128
-    block_bytes: int = 16
+    tp: int = 1                   # producer ranks per request (each holds 1 of tp heads)
     # producer
     lease_s: float = 1.0
     max_wait_s: float = 2.0
@@ -186,6 +186,10 @@ class Simulation:
         self._wall0 = 0.0
 
     # -- setup -------------------------------------------------------------------------
+    def rank_of(self, producer: str) -> int:
+        """Producers form tensor-parallel groups of ``tp`` ranks: p0..p{tp-1}, ..."""
+        return self.producer_names.index(producer) % self.timings.tp
+
     def peer_memory(self, name: str) -> FakeMemory | None:
         ep = self.endpoints.get(name)
         return ep.memory if ep is not None else None
@@ -273,13 +277,15 @@ class Simulation:
     def _new_request(self) -> None:
         rng, f, t = self.rng, self.faults, self.timings
         # the router sends requests to instances that are up
-        live_p = [p for p in self.producer_names if self.endpoints[p].open]
+        k = t.tp
+        names = self.producer_names
+        groups = [names[i:i + k] for i in range(0, len(names) - k + 1, k)]
+        live_g = [g for g in groups if all(self.endpoints[p].open for p in g)]
         live_c = [c for c in self.consumer_names if self.endpoints[c].open]
-        if not live_p or not live_c:
+        if not live_g or not live_c:
             self.stats["skipped"] += 1
             return
-        pname = rng.choice(live_p)
-        pe = self.endpoints[pname]
+        group = rng.choice(live_g)
         mode = TransferMode.PUSH if rng.random() < 0.6 else TransferMode.PULL
         sharers = 1
         if f.on("sharers") and len(live_c) > 1 and rng.random() < f.sharers_p:
@@ -288,13 +294,17 @@ class Simulation:
         consumers = rng.sample(live_c, sharers)
         rid = self._pick_rid()
         self.reuse_tag += 1
-        req = Request(rid, self.reuse_tag, mode, pname, rng.randint(1, t.max_request_blocks),
-                      sharers)
-        src = pe.engine.allocate(req)
-        if src is None:
-            self.stats["skipped"] += 1
-            return
-        req.source = src
+        req = Request(rid, self.reuse_tag, mode, group[0], rng.randint(1, t.max_request_blocks),
+                      sharers, producers=list(group))
+        for p in group:
+            src = self.endpoints[p].engine.allocate(req)
+            if src is None:
+                for s in req.sources:
+                    s.ep.engine.give_back(s)
+                self.stats["skipped"] += 1
+                return
+            req.sources.append(src)
+        req.open_sources = len(req.sources)
         self._live_rids.add(rid)
         self._epoch.rids.add(rid)
         self._open.add(req)
@@ -303,13 +313,16 @@ class Simulation:
         if f.on("late") and rng.random() < f.late_p:
             prefill = rng.uniform(t.lease_s, t.request_timeout_s * 1.5)   # prefill very late
             self._fault("late")
-        req.pending = 1
-        self.sched.at(now + prefill, self._prefill_done, req, src)
-        if mode is TransferMode.PUSH and rng.random() < t.layerwise_p:
-            req.groups = src.ep.memory.num_regions     # one region per layer here
+        layerwise = mode is TransferMode.PUSH and rng.random() < t.layerwise_p
+        if layerwise:
+            req.groups = t.num_regions                 # one region per layer here
+        for src in req.sources:                        # the ranks end at about one time
+            done = prefill + rng.uniform(0, 2e-3) * (len(req.sources) > 1)
+            req.pending += 1
+            self.sched.at(now + done, self._prefill_done, req, src)
             for layer in range(req.groups - 1):        # the last is final at prefill_done
                 req.pending += 1
-                self.sched.at(now + prefill * rng.uniform(0.1, 0.9) ** (1 / (layer + 1)),
+                self.sched.at(now + done * rng.uniform(0.1, 0.9) ** (1 / (layer + 1)),
                               self._layer_done, req, src, layer)
         if mode is TransferMode.PUSH:
             for c in consumers:
@@ -323,13 +336,15 @@ class Simulation:
                           rng.choice(consumers))
         if f.on("pabort") and rng.random() < f.pabort_p:
             self._fault("pabort")
-            self.sched.at(now + rng.uniform(0, prefill + 0.05), self._producer_abort, req, src)
+            when = now + rng.uniform(0, prefill + 0.05)   # the engine aborts every rank
+            for src in req.sources:
+                self.sched.at(when, self._producer_abort, req, src)
 
     # -- producer engine calls ---------------------------------------------------------
     def _producer_now(self, src: Source) -> Endpoint:
         """The incarnation the engine talks to now: a reopened endpoint over the same
         cache takes over its sources; a killed one's sources died with it."""
-        cur = self.endpoints[src.req.producer]
+        cur = self.endpoints[src.ep.name]
         if cur.engine is src.ep.engine:
             src.ep = cur
         return src.ep
@@ -339,21 +354,21 @@ class Simulation:
         req.pending -= 1
         if not pe.open:
             if pe.engine.dead:
-                self.producer_ended(req)
+                self.source_ended(src)
             elif not src.handed:      # closed: the call raises ClosedError, the engine
                 pe.engine.give_back(src)  # keeps its blocks
-                self.producer_ended(req)
+                self.source_ended(src)
             else:                     # layers went to kvpush before the close: it
                 src.engine_done = True    # releases them (CLOSED); the engine then frees
                 if src.released:
                     pe.engine.give_back(src)
-                    self.producer_ended(req)
+                    self.source_ended(src)
             self._maybe_finished(req)
             return
         if req.p_aborted:
             if not src.handed:        # kvpush never had them: the engine frees them
                 pe.engine.give_back(src)
-                self.producer_ended(req)
+                self.source_ended(src)
             self._maybe_finished(req)  # else kvpush releases them (see _producer_abort)
             return
         early = src.released          # layer-wise: kvpush gave them back already
@@ -368,15 +383,17 @@ class Simulation:
             pe.run(self._call_prefill_done, pe, req, src)
         if early:                     # and the engine is done with them now
             pe.engine.give_back(src)
-            self.producer_ended(req)
+            self.source_ended(src)
             return
         if req.mode is TransferMode.PULL:
-            ticket = m.PullTicket(producer=pe.name, address=f"sim://{pe.name}",
-                                  request_id=req.rid, block_ids=m.encode_ids(src.ids),
-                                  lease_s=self.timings.lease_s,
-                                  issued_at=self.sched.now + pe.clock_skew,
-                                  sid=src.sid, checksums=pe.links.checksums(src.ids)
-                                  if self.timings.verify else b"")
+            req.tickets[pe.name] = m.PullTicket(
+                producer=pe.name, address=f"sim://{pe.name}", request_id=req.rid,
+                block_ids=m.encode_ids(src.ids), lease_s=self.timings.lease_s,
+                issued_at=self.sched.now + pe.clock_skew, sid=src.sid,
+                checksums=pe.links.checksums(src.ids) if self.timings.verify else b"")
+            if len(req.tickets) < len(req.producers):
+                return            # the router relays them once every rank's is there
+            ticket = [req.tickets[p] for p in req.producers]
             consumers = list(req.consumers)
             f, rng = self.faults, self.rng
             if f.on("double") and req.sharers == 1 and len(self.consumer_names) > 1 \
@@ -428,7 +445,7 @@ class Simulation:
             src.engine_done = True
             if src.released:
                 pe.engine.give_back(src)
-                self.producer_ended(req)
+                self.source_ended(src)
         self.checker.trace(f"{pe.name} engine abort {req.rid}")
         pe.run(lambda: pe.core.abort(self.sched.now, req.rid, "aborted by the sim's engine"))
 
@@ -446,7 +463,7 @@ class Simulation:
                           f"its bound t={bound:.6f}; core says {pe.core.status(src.req.rid)}")
         # Reported once; give the blocks back so the run goes on.
         pe.engine.give_back(src)
-        self.producer_ended(src.req)
+        self.source_ended(src)
 
     # -- consumer engine calls ---------------------------------------------------------
     def _expect(self, req: Request, cname: str) -> None:
@@ -460,7 +477,7 @@ class Simulation:
         self._begin_use(req, use)
         ce.run(self._call_expect, ce, use)
 
-    def _pull(self, req: Request, cname: str, ticket: m.PullTicket,
+    def _pull(self, req: Request, cname: str, ticket: list[m.PullTicket],
               claim: tuple[Endpoint, int] | None = None) -> None:
         req.pending -= 1
         ce = self.endpoints[cname]
@@ -477,7 +494,7 @@ class Simulation:
         self._begin_use(req, use)
         ce.run(self._call_pull, ce, use, ticket, claim[1] if claim else 0)
 
-    def _claim(self, req: Request, cname: str, ticket: m.PullTicket) -> None:
+    def _claim(self, req: Request, cname: str, ticket: list[m.PullTicket]) -> None:
         """The engine cannot take the blocks yet: claim the source, pull (or give up)
         later -- possibly after the ticket's lease, which the claim extends."""
         ce = self.endpoints[cname]
@@ -532,26 +549,27 @@ class Simulation:
     def _call_expect(self, ce: Endpoint, use: Use) -> None:
         xid = self.rng.getrandbits(63) | 1     # the facade draws it (new_xid)
         try:
-            xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, [use.req.producer],
+            xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, use.req.producers,
                                  self.timings.request_timeout_s, use.req.groups, False,
-                                 [use.req.sharers], xid)
+                                 [use.req.sharers] * len(use.req.producers), xid)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
         self._started(ce, use, xid)
 
-    def _call_pull(self, ce: Endpoint, use: Use, ticket: m.PullTicket, claimed: int) -> None:
-        src = m.decode_ids(ticket.block_ids)
+    def _call_pull(self, ce: Endpoint, use: Use, tickets: list[m.PullTicket],
+                   claimed: int) -> None:
+        srcs = [m.decode_ids(t.block_ids) for t in tickets]
         now = self.sched.now
         t = self.timings
-        # as the facade: the READ's budget is the timeout and what is left of the lease
+        # as the facade: the READ's budget is the timeout and what is left of the leases
         # (judged on this side's own wall clock), or the whole timeout when claimed
         budget = t.request_timeout_s if claimed else min(
-            t.request_timeout_s, ticket.issued_at + ticket.lease_s - t.lease_margin_s
-            - (now + ce.clock_skew))
+            t.request_timeout_s, *(k.issued_at + k.lease_s - t.lease_margin_s
+                                   - (now + ce.clock_skew) for k in tickets))
         xid = claimed or self.rng.getrandbits(63) | 1
         try:
-            xid = ce.core.pull(now, [ticket], [src], use.ids, budget, use.req.sharers, xid)
+            xid = ce.core.pull(now, tickets, srcs, use.ids, budget, use.req.sharers, xid)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
@@ -587,8 +605,15 @@ class Simulation:
                           f"(started {use.started:.6f})")
 
     # -- request bookkeeping -----------------------------------------------------------
-    def producer_ended(self, req: Request) -> None:
-        req.producer_done = True
+    def source_ended(self, src: Source) -> None:
+        """One rank's source is over (released, given back by the engine, or died)."""
+        if src.ended:
+            return
+        src.ended = True
+        req = src.req
+        req.open_sources -= 1
+        if req.open_sources <= 0:
+            req.producer_done = True
         self._maybe_finished(req)
 
     def consumer_ended(self, use: Use) -> None:
@@ -857,6 +882,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "name or a .py path); default: kvpush.protocol.producer")
     ap.add_argument("--consumer-core", default=None, metavar="MODULE:FUNC",
                     help="the same for consumer cores; default: kvpush.protocol.consumer")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="producer ranks per request (tensor parallel: each holds one of "
+                         "tp heads; consumers hold all)")
     ap.add_argument("--verify", action="store_true",
                     help="per-block checksums with the data (ConsumerConfig.verify)")
     ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
@@ -867,7 +895,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fault_rate is not None:
         faults = replace(faults, rate=args.fault_rate)
     progress = args.progress or (args.requests // 10 if args.requests >= 20_000 else 0)
-    timings = Timings(verify=args.verify)
+    if args.tp < 1 or args.producers % args.tp:
+        raise SystemExit("--producers must be a multiple of --tp")
+    timings = Timings(verify=args.verify, tp=args.tp)
     sim = Simulation(args.seed, producers=args.producers, consumers=args.consumers,
                      timings=timings,
                      requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
@@ -879,7 +909,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: python -m kvpush.testing.sim --requests {args.requests} "
               f"--seed {args.seed} --producers {args.producers} --consumers {args.consumers} "
               f"--faults {args.faults}" + (f" --rate {args.rate}" if args.rate else "")
-              + (" --verify" if args.verify else ""))
+              + (" --verify" if args.verify else "") + (f" --tp {args.tp}" if args.tp > 1
+                                                         else ""))
     print(sim.summary())
     return 1 if violations else 0
 
