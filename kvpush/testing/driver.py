@@ -66,13 +66,8 @@ class Endpoint:
             self.engine = reopen.engine
             self.engine.ep = self
         else:
-            # producers are tensor-parallel ranks of tp each holding one head; consumers
-            # hold all tp heads
-            if role == "producer":
-                self.memory = FakeMemory(t.num_regions, t.num_blocks, 1, sim.rank_of(name),
-                                         t.tp)
-            else:
-                self.memory = FakeMemory(t.num_regions, t.num_blocks, t.tp, 0, t.tp)
+            first, heads, total = sim.heads_of(name)   # its tensor-parallel shard
+            self.memory = FakeMemory(t.num_regions, t.num_blocks, heads, first, total)
             self.engine = PrefillEngine(sim, self) if role == "producer" \
                 else DecodeEngine(sim, self)
         self.layout: KVLayout = self.memory.layout

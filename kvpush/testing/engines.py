@@ -295,12 +295,14 @@ class DecodeEngine:
         mem = self.ep.memory
         whole = mem.snapshot(use.ids)
         for src in use.req.sources:       # each rank's heads, from its source
+            off, src_off, n = mem.overlap(src.ep.memory)
+            if n == 0:
+                continue                  # a rank holding none of this consumer's heads
             if src.snapshot is None:
                 chk.fail("ready_without_source",
                          f"{self.ep.name}: {use.req.rid!r} READY but the prefill of "
                          f"{src.ep.name} never finished")
                 return
-            off, src_off, n = mem.overlap(src.ep.memory)
             got = whole[:, off // 8:(off + n) // 8]
             want = src.snapshot[:, src_off // 8:(src_off + n) // 8]
             if np.array_equal(got, want):

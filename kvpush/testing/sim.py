@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from collections import Counter, deque
@@ -58,7 +59,8 @@ class Timings:
 
     num_regions: int = 2
     num_blocks: int = 128
-    tp: int = 1                   # producer ranks per request (each holds 1 of tp heads)
+    tp: int = 1                   # producer ranks per request (tensor parallel)
+    ctp: int = 1                  # consumer ranks per request, sharing each source
     # producer
     lease_s: float = 1.0
     max_wait_s: float = 2.0
@@ -186,9 +188,29 @@ class Simulation:
         self._wall0 = 0.0
 
     # -- setup -------------------------------------------------------------------------
-    def rank_of(self, producer: str) -> int:
-        """Producers form tensor-parallel groups of ``tp`` ranks: p0..p{tp-1}, ..."""
-        return self.producer_names.index(producer) % self.timings.tp
+    def heads_of(self, name: str) -> tuple[int, int, int]:
+        """(first head, heads, total heads) an endpoint holds. Producers form groups of
+        ``tp`` ranks (p0..p{tp-1}, ...), consumers groups of ``ctp`` ranks; a rank holds its
+        share of ``lcm(tp, ctp)`` heads."""
+        t = self.timings
+        total = t.tp * t.ctp // math.gcd(t.tp, t.ctp)
+        if name in self.producer_names:
+            k, rank = t.tp, self.producer_names.index(name) % t.tp
+        else:
+            k, rank = t.ctp, self.consumer_names.index(name) % t.ctp
+        return rank * (total // k), total // k, total
+
+    def _overlaps(self, producer: str, consumer: str) -> bool:
+        p0, pn, _ = self.heads_of(producer)
+        c0, cn, _ = self.heads_of(consumer)
+        return max(p0, c0) < min(p0 + pn, c0 + cn)
+
+    def _share(self, req: Request, consumer: str) -> tuple[list[str], list[int]]:
+        """The producer ranks ``consumer`` takes heads from, and each one's sharers (how
+        many of the request's consumer ranks take heads of it)."""
+        mine = [p for p in req.producers if self._overlaps(p, consumer)]
+        return mine, [sum(self._overlaps(p, c) for c in req.consumers) * req.sharers
+                      for p in mine]
 
     def peer_memory(self, name: str) -> FakeMemory | None:
         ep = self.endpoints.get(name)
@@ -277,25 +299,30 @@ class Simulation:
     def _new_request(self) -> None:
         rng, f, t = self.rng, self.faults, self.timings
         # the router sends requests to instances that are up
-        k = t.tp
-        names = self.producer_names
-        groups = [names[i:i + k] for i in range(0, len(names) - k + 1, k)]
-        live_g = [g for g in groups if all(self.endpoints[p].open for p in g)]
-        live_c = [c for c in self.consumer_names if self.endpoints[c].open]
-        if not live_g or not live_c:
+        def live_groups(names: list[str], k: int) -> list[list[str]]:
+            groups = [names[i:i + k] for i in range(0, len(names) - k + 1, k)]
+            return [g for g in groups if all(self.endpoints[n].open for n in g)]
+
+        live_g = live_groups(self.producer_names, t.tp)
+        live_cg = live_groups(self.consumer_names, t.ctp)
+        if not live_g or not live_cg:
             self.stats["skipped"] += 1
             return
         group = rng.choice(live_g)
         mode = TransferMode.PUSH if rng.random() < 0.6 else TransferMode.PULL
         sharers = 1
-        if f.on("sharers") and len(live_c) > 1 and rng.random() < f.sharers_p:
-            sharers = rng.randint(2, min(3, len(live_c)))
-            self._fault("sharers")
-        consumers = rng.sample(live_c, sharers)
+        if t.ctp > 1:        # decode ranks share the source, each its heads
+            consumers = rng.choice(live_cg)
+        else:
+            live_c = [g[0] for g in live_cg]
+            if f.on("sharers") and len(live_c) > 1 and rng.random() < f.sharers_p:
+                sharers = rng.randint(2, min(3, len(live_c)))   # whole copies, shared
+                self._fault("sharers")
+            consumers = rng.sample(live_c, sharers)
         rid = self._pick_rid()
         self.reuse_tag += 1
         req = Request(rid, self.reuse_tag, mode, group[0], rng.randint(1, t.max_request_blocks),
-                      sharers, producers=list(group))
+                      sharers, producers=list(group), consumers=list(consumers))
         for p in group:
             src = self.endpoints[p].engine.allocate(req)
             if src is None:
@@ -328,8 +355,6 @@ class Simulation:
             for c in consumers:
                 req.pending += 1
                 self.sched.at(now + rng.uniform(0, t.expect_max_s), self._expect, req, c)
-        else:
-            req.consumers = consumers
         if f.on("abort") and rng.random() < f.abort_p:
             self._fault("abort")
             self.sched.at(now + rng.uniform(0, prefill + 0.05), self._consumer_abort, req,
@@ -393,15 +418,15 @@ class Simulation:
                 checksums=pe.links.checksums(src.ids) if self.timings.verify else b"")
             if len(req.tickets) < len(req.producers):
                 return            # the router relays them once every rank's is there
-            ticket = [req.tickets[p] for p in req.producers]
             consumers = list(req.consumers)
             f, rng = self.faults, self.rng
-            if f.on("double") and req.sharers == 1 and len(self.consumer_names) > 1 \
-                    and rng.random() < f.double_p:
+            if f.on("double") and req.sharers == 1 and self.timings.ctp == 1 \
+                    and len(self.consumer_names) > 1 and rng.random() < f.double_p:
                 self._fault("double")
                 consumers.append(rng.choice([c for c in self.consumer_names
                                              if c not in consumers]))
             for c in consumers:
+                ticket = [req.tickets[p] for p in req.producers if self._overlaps(p, c)]
                 delay = rng.uniform(0, self.timings.relay_max_s)
                 if f.on("late") and rng.random() < f.late_p:
                     self._fault("late")
@@ -504,7 +529,8 @@ class Simulation:
             return
         xid = self.rng.getrandbits(63) | 1
         self.checker.trace(f"{ce.name} engine claim {req.rid} xid={xid:x}")
-        ce.run(lambda: ce.core.claim(self.sched.now, ticket, req.sharers, xid))
+        share = self._share(req, cname)[1][0]
+        ce.run(lambda: ce.core.claim(self.sched.now, ticket, share, xid))
         later = self.rng.uniform(0, self.timings.lease_s * 1.5)
         if self.rng.random() < 0.2:
             self.sched.after(later, self._unclaim, req, ce, xid)
@@ -548,10 +574,11 @@ class Simulation:
 
     def _call_expect(self, ce: Endpoint, use: Use) -> None:
         xid = self.rng.getrandbits(63) | 1     # the facade draws it (new_xid)
+        producers, shares = self._share(use.req, ce.name)
         try:
-            xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, use.req.producers,
+            xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, producers,
                                  self.timings.request_timeout_s, use.req.groups, False,
-                                 [use.req.sharers] * len(use.req.producers), xid)
+                                 shares, xid)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
@@ -569,7 +596,8 @@ class Simulation:
                                    - (now + ce.clock_skew) for k in tickets))
         xid = claimed or self.rng.getrandbits(63) | 1
         try:
-            xid = ce.core.pull(now, tickets, srcs, use.ids, budget, use.req.sharers, xid)
+            xid = ce.core.pull(now, tickets, srcs, use.ids, budget,
+                               self._share(use.req, ce.name)[1][0], xid)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
@@ -885,6 +913,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1,
                     help="producer ranks per request (tensor parallel: each holds one of "
                          "tp heads; consumers hold all)")
+    ap.add_argument("--ctp", type=int, default=1,
+                    help="consumer ranks per request, each taking its share of the heads "
+                         "(sharers)")
     ap.add_argument("--verify", action="store_true",
                     help="per-block checksums with the data (ConsumerConfig.verify)")
     ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
@@ -895,9 +926,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fault_rate is not None:
         faults = replace(faults, rate=args.fault_rate)
     progress = args.progress or (args.requests // 10 if args.requests >= 20_000 else 0)
-    if args.tp < 1 or args.producers % args.tp:
-        raise SystemExit("--producers must be a multiple of --tp")
-    timings = Timings(verify=args.verify, tp=args.tp)
+    if args.tp < 1 or args.producers % args.tp or args.ctp < 1 or args.consumers % args.ctp:
+        raise SystemExit("--producers must be a multiple of --tp, --consumers of --ctp")
+    timings = Timings(verify=args.verify, tp=args.tp, ctp=args.ctp)
     sim = Simulation(args.seed, producers=args.producers, consumers=args.consumers,
                      timings=timings,
                      requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
@@ -909,8 +940,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: python -m kvpush.testing.sim --requests {args.requests} "
               f"--seed {args.seed} --producers {args.producers} --consumers {args.consumers} "
               f"--faults {args.faults}" + (f" --rate {args.rate}" if args.rate else "")
-              + (" --verify" if args.verify else "") + (f" --tp {args.tp}" if args.tp > 1
-                                                         else ""))
+              + (" --verify" if args.verify else "")
+              + (f" --tp {args.tp}" if args.tp > 1 else "")
+              + (f" --ctp {args.ctp}" if args.ctp > 1 else ""))
     print(sim.summary())
     return 1 if violations else 0
 
