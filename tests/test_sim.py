@@ -221,7 +221,7 @@ def test_regression_close_releases_a_source_being_written() -> None:
                           "consumer may report READY before the Bye", strict=False)
 def test_regression_close_breaks_the_pullheld_promise() -> None:
     found = _first("release_while_held", "",
-                   Faults(enabled=frozenset({"close", "cut"}), rate=4.0), 600, 10)
+                   Faults(enabled=frozenset({"close", "slow"}), rate=4.0), 600, 10)
     assert not found, found
 
 
