@@ -149,6 +149,24 @@ def test_same_seed_replays_the_same_trace(make_consumer: object) -> None:
     assert run(21)[0] != run(22)[0]
 
 
+def test_a_seed_replays_in_another_process() -> None:
+    """Same seed, different PYTHONHASHSEED (set and dict order of str keys): same trace."""
+    import os
+    import subprocess
+
+    def trace(hashseed: str) -> str:
+        env = dict(os.environ, PYTHONHASHSEED=hashseed)
+        out = subprocess.run([sys.executable, "-m", "kvpush.testing.sim", "--requests", "400",
+                              "--seed", "9", "--producers", "4", "--consumers", "4", "--tp", "2"],
+                             capture_output=True, text=True, env=env, timeout=60,
+                             cwd=Path(__file__).parent.parent).stdout
+        found = re.search(r"trace=([0-9a-f]+)", out)
+        assert found, out[-2000:]
+        return found.group(1)
+
+    assert trace("1") == trace("2")
+
+
 def test_sixteen_by_sixteen_runs() -> None:
     out = io.StringIO()
     sim = Simulation(3, requests=800, producers=16, consumers=16,
@@ -223,6 +241,19 @@ def test_regression_close_breaks_the_pullheld_promise() -> None:
     found = _first("release_while_held", "",
                    Faults(enabled=frozenset({"close", "slow"}), rate=4.0), 600, 10)
     assert not found, found
+
+
+@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
+@pytest.mark.parametrize(("tp", "ctp"), [(2, 1), (2, 2), (1, 4), (4, 2)])
+def test_sixteen_by_sixteen_with_ranks_real_cores(tp: int, ctp: int) -> None:
+    from kvpush.testing import Timings
+
+    out = io.StringIO()
+    faults = Faults.parse("stall,kill,dup,xerr,slow,abort,pabort,reuse,late,skew,claim")
+    sim = Simulation(4, requests=800, producers=16, consumers=16, faults=faults, out=out,
+                     timings=Timings(tp=tp, ctp=ctp))
+    assert sim.run() == 0, out.getvalue()
+    assert sim.stats["results_ready"] > 400
 
 
 # -- the checker catches planted bugs ----------------------------------------------------
