@@ -159,7 +159,9 @@ class Agent:
                 local.tokens_per_block, remote.tokens_per_block)
             local_split = k if local.tokens_per_block > remote.tokens_per_block else 1
             remote_split = k if local_split == 1 else 1
-            heads = local.num_kv_heads
+            # Per block: the pieces whose outermost axis is tokens (a head, a head's K or V
+            # half, or the whole block): check_compatible refused layouts without them.
+            heads = local.token_units or 0
             local_table = local.split_table(local_split)
             remote_table = remote.split_table(remote_split)
             link = Link(remote.num_blocks, int(local_table[0, 1]), heads, local_split,

@@ -11,9 +11,20 @@ HMAC-SHA256 tag over (direction label, counter, body):
   connection cannot be replayed into another;
 * receivers accept each counter once (a sliding window, because NIXL notifications of
   different transfers may arrive out of order). Forged, tampered and replayed frames raise
-  :class:`~kvpush.errors.AuthenticationError` and are counted, never acted on.
+  :class:`~kvpush.errors.AuthenticationError` and are counted, never acted on. A consumer
+  opens notifications with ``accept_old``: one older than the window is not refused (a
+  large WRITE's can be overtaken by thousands of later ones), because a ``Landed`` counts
+  once per (transfer id, part) anyway.
 
-Keys are bytes of at least 16; give both sides the same key out of band.
+Confidentiality (AEAD, ChaCha20-Poly1305 from the ``cryptography`` package): what lets a
+peer touch this side's memory -- the NIXL agent metadata (worker address and the remote keys
+of the whole cache) in the Hello and HelloAck, and the block ids of a pull ticket -- travels
+encrypted and authenticated (:func:`encrypt` / :func:`decrypt`), so a router or an observer
+of the control plane can neither read nor alter it.
+
+Keys are bytes of at least 16; give both sides the same key out of band. What the key
+protects and what it cannot (one-sided RDMA inside the fabric): docs/RELIABILITY.md, "Threat
+model".
 """
 
 from __future__ import annotations
@@ -23,10 +34,12 @@ import hmac
 import os
 import struct
 import time
+from typing import Any
 
 from .errors import AuthenticationError
 
-__all__ = ["HelloGuard", "Opener", "Sealer", "check_key", "new_nonce", "session_key"]
+__all__ = ["HelloGuard", "Opener", "Sealer", "check_key", "decrypt", "encrypt", "new_nonce",
+           "session_key"]
 
 TAG_BYTES = 32
 COUNTER = struct.Struct(">Q")
@@ -38,7 +51,41 @@ def check_key(key: bytes | None, owner: str) -> bytes | None:
         return None
     if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
         raise ValueError(f"{owner}.auth_key must be bytes of length >= 16 (or None)")
+    _aead_class()  # a key needs the cipher: say so at configuration, not mid-handshake
     return bytes(key)
+
+
+def _aead_class() -> Any:
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("kvpush's auth_key needs the 'cryptography' package "
+                          "(pip install cryptography)") from exc
+    return ChaCha20Poly1305
+
+
+def _aead(key: bytes, label: bytes) -> Any:
+    return _aead_class()(hmac.new(key, b"kvpush aead\0" + label, hashlib.sha256).digest())
+
+
+def encrypt(key: bytes, label: bytes, aad: bytes, data: bytes) -> bytes:
+    """``nonce | ciphertext+tag`` of ``data`` under a key derived from ``key`` and
+    ``label``; ``aad`` is authenticated, not encrypted (what the blob is bound to)."""
+    nonce = os.urandom(12)
+    return nonce + bytes(_aead(key, label).encrypt(nonce, data, aad))
+
+
+def decrypt(key: bytes, label: bytes, aad: bytes, blob: bytes) -> bytes:
+    """Inverse of :func:`encrypt`; AuthenticationError if the blob was made with another
+    key, label or ``aad``, or altered."""
+    from cryptography.exceptions import InvalidTag
+    if len(blob) < 12 + 16:
+        raise AuthenticationError("encrypted field too short")
+    try:
+        return bytes(_aead(key, label).decrypt(blob[:12], blob[12:], aad))
+    except InvalidTag:
+        raise AuthenticationError("encrypted field does not open with this key "
+                                  "(forged, altered, or bound to something else)") from None
 
 
 def new_nonce() -> bytes:
@@ -72,19 +119,23 @@ class Opener:
     """Checks the frames one side receives in one direction.
 
     ``window`` counters behind the highest seen are still accepted once each; older ones
-    and repeats are replays.
+    and repeats are replays. With ``accept_old``, counters older than the window are
+    accepted (repeats inside it still are not): for frames whose own content makes a
+    second copy harmless, such as NIXL notifications, which the consumer counts once per
+    (transfer id, part) and which a large WRITE's may arrive after thousands of later ones.
     """
 
-    __slots__ = ("_highest", "_key", "_label", "_replay", "_seen", "_window")
+    __slots__ = ("_accept_old", "_highest", "_key", "_label", "_replay", "_seen", "_window")
 
     def __init__(self, key: bytes, label: bytes, window: int = 4096,
-                 replay: bool = True) -> None:
+                 replay: bool = True, accept_old: bool = False) -> None:
         self._key = key
         self._label = label
         self._highest = 0
         self._seen = 0  # bit i set: counter (highest - i) was seen
         self._window = window
         self._replay = replay  # False for handshakes, which HelloGuard / nonces protect
+        self._accept_old = accept_old
 
     def open(self, sealed: bytes | memoryview) -> bytes:
         """The body of a sealed frame; raises AuthenticationError if forged or replayed."""
@@ -107,7 +158,11 @@ class Opener:
             self._highest = counter
         else:
             back = self._highest - counter
-            if back >= self._window or (self._seen >> back) & 1:
+            if back >= self._window:
+                if self._accept_old:
+                    return body
+                raise AuthenticationError(f"replayed frame (counter {counter})")
+            if (self._seen >> back) & 1:
                 raise AuthenticationError(f"replayed frame (counter {counter})")
             self._seen |= 1 << back
         return body

@@ -9,17 +9,24 @@ producer's WRITEs ended -- its AbortAck/Failed, then the Landed notification of 
 had posted -- and this side's READs were polled to their end). Nothing is cancelled: NIXL's
 release of a transfer in progress does not stop its bytes. Where that end cannot be learnt
 (a producer lost, ``abort_grace_s`` passed) the result says ``blocks_safe=False``.
+
+This module is a facade and an I/O driver: the public methods validate on the engine's
+thread and hand the call to the loop thread, which owns the handshake (layouts,
+authentication, Hello retransmits), heartbeats, the ZeroMQ sockets and the NIXL agent.
+What happens to each request -- its states, which message may change it, when it ends and
+how -- is decided by :class:`kvpush.protocol.consumer.ConsumerCore`, which takes the
+loop's events and answers with effects (:mod:`kvpush.protocol.effects`) that
+:meth:`Consumer._apply` carries out.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,17 +34,25 @@ import msgspec
 import numpy as np
 import zmq
 
-from . import _core
 from . import messages as m
-from .agent import TransportConfig, XferState
-from .auth import HELLO_MAX_SKEW_S, Opener, Sealer, check_key, new_nonce, session_key
+from .agent import Agent, TransportConfig, XferState
+from .auth import (
+    HELLO_MAX_SKEW_S,
+    Opener,
+    Sealer,
+    check_key,
+    decrypt,
+    encrypt,
+    new_nonce,
+    session_key,
+)
 from .endpoint import (
     RESULT_QUEUE,
     Endpoint,
     Timer,
     check_durations,
     check_timeout,
-    close_dead_links,
+    control_socket,
     queue_result,
 )
 from .errors import (
@@ -49,23 +64,19 @@ from .errors import (
     PeerUnavailable,
     ProtocolError,
     RequestAborted,
-    TransferFailed,
     TransferTimeout,
 )
 from .layout import KVLayout, check_compatible
 from .metrics import LIVE
 from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
+from .protocol.consumer import ConsumerCore, CoreConfig, new_xid
+from .protocol.effects import Abandon, Emit, Post, Send, XferEnd
 from .request import RequestState, TransferHandle, TransferMode, TransferResult
 
 __all__ = ["Consumer", "ConsumerConfig", "new_xid"]
 
 log = logging.getLogger("kvpush.consumer")
-
-
-def new_xid() -> int:
-    """A fresh transfer id (see :mod:`kvpush.messages`): random, 63 bits, never 0."""
-    return int.from_bytes(os.urandom(8), "big") >> 1 | 1
 
 
 def check_sharers(value: Any, what: str = "sharers") -> int:
@@ -152,65 +163,32 @@ class _Producer:
 
 
 @dataclass
-class _Request:
-    handle: TransferHandle
-    ids: np.ndarray
-    producers: list[str]          # agent names, index = part
-    started: float
-    deadline: Timer
-    landed: set[int] = field(default_factory=set)    # parts whose data landed
-    settled: set[int] = field(default_factory=set)   # parts that will write nothing more
-    # parts announced in flight (Posted) and not landed -> when their hint arrived
-    posted: dict[int, float] = field(default_factory=dict)
-    reads: dict[str, Any] = field(default_factory=dict)  # pull: READs in flight, by producer
-    read_bytes: int = 0          # bytes moved into the destination so far
-    closing: RequestState | None = None   # set once an abort/timeout/failure began
-    error: KvpushError | None = None
-    waiting_acks: set[str] = field(default_factory=set)
-    grace: Timer | None = None
-    checksums: bytes | None = None   # pull with verify: the ticket's source checksums
-    groups: int = 1                  # parts per producer (1, or one per layer)
-    asked: bool = False              # Abort sent to the producers
-    fence: set[int] = field(default_factory=set)   # posted parts whose Landed must come
-    unheld: set[str] = field(default_factory=set)  # pull: producers yet to answer PullHeld
-    unsafe: bool = False             # a transfer may still land: blocks_safe=False
-    # pull: per producer, the source use read, when this side sent its PullBegin, the
-    # latest end the producer's PullHeld guarantees (sent + hold_s), when the READ ended
-    sids: dict[str, int] = field(default_factory=dict)
-    began: dict[str, float] = field(default_factory=dict)
-    held_until: dict[str, float] = field(default_factory=dict)
-    read_end: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def xid(self) -> int:
-        return self.handle.xid
-
-    def producer_of(self, part: int) -> str:
-        return self.producers[part // self.groups]
-
-    def parts_of(self, name: str) -> range:
-        p = self.producers.index(name)
-        return range(p * self.groups, (p + 1) * self.groups)
-
-    def settled_producer(self, name: str) -> bool:
-        return all(part in self.settled for part in self.parts_of(name))
-
-
-@dataclass
 class _Claim:
-    """A pull promised (``Consumer.claim``) but not begun: its transfer id, and the
-    source use claimed from each producer."""
+    """A pull promised (``Consumer.claim``) and not begun, as the engine's threads see it:
+    the transfer id a pull of the same tickets continues."""
 
     xid: int
     sids: dict[str, int]   # producer name -> sid
     sharers: int
 
 
-_FAILED_CODES = {
-    "aborted": (RequestState.ABORTED, RequestAborted),
-    "timeout": (RequestState.TIMED_OUT, TransferTimeout),
-    "lease_expired": (RequestState.TIMED_OUT, TransferTimeout),
-}
+class _AgentLinks:
+    """:class:`kvpush.protocol.consumer.Links` over this side's NIXL agent."""
+
+    def __init__(self, agent: Agent, layout: KVLayout) -> None:
+        self._agent = agent
+        self._layout = layout
+
+    def plan(self, peer: str, local_ids: np.ndarray, remote_ids: np.ndarray,
+             coalesce: bool) -> Any:
+        return self._agent.link(peer).plan(local_ids, remote_ids, self._layout.num_blocks,
+                                           self._layout.num_regions, coalesce)
+
+    def desc_bytes(self, peer: str) -> int:
+        return self._agent.link(peer).desc_bytes
+
+    def checksums(self, ids: np.ndarray) -> np.ndarray:
+        return block_checksums(self._layout, ids)
 
 
 class Consumer(Endpoint):
@@ -239,14 +217,13 @@ class Consumer(Endpoint):
         self._finished: deque[TransferResult] = deque(maxlen=RESULT_QUEUE)
         self._producers: dict[str, _Producer] = {}     # by address
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
-        self._requests: dict[str, _Request] = {}
-        self._completions = _core.CompletionTable()
-        # Seconds from a push part's Posted hint to its landing, smoothed, by size class
-        # (bit length of its bytes): when to poll for the next landing (see _predicted).
-        self._landing_s: dict[int, float] = {}
-        # requests with push parts announced in flight (Posted) and not landed yet
-        self._posting: dict[str, _Request] = {}
-        self._reads: set[str] = set()
+        # Every request's state lives in the core; this facade keeps only the handles the
+        # engine waits on (by xid) and the NIXL transfers the core asked for (by key).
+        self._core = ConsumerCore(layout, CoreConfig(config.abort_grace_s, config.verify,
+                                                     config.coalesce),
+                                  _AgentLinks(self._agent, layout), self._stats)
+        self._handles: dict[int, TransferHandle] = {}
+        self._xfers: dict[int, Any] = {}
         # pulls claimed and not begun, by request id: written by the engine's threads
         # (claim, pull, abort) and by the loop (a producer lost), hence the lock
         self._claims: dict[str, _Claim] = {}
@@ -400,7 +377,7 @@ class Consumer(Endpoint):
             if rid in self._claims:
                 raise InvalidBlockIds(f"request {rid!r} is already claimed")
             self._claims[rid] = claim
-        self._call_soon(lambda: self._send_claim(rid, claim))
+        self._call_soon(lambda: self._claim(parsed, claim))
         return claim.xid
 
     def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
@@ -422,6 +399,11 @@ class Consumer(Endpoint):
                   else t for t in batch]
         if not parsed:
             raise ValueError(f"{what} needs at least one ticket")
+        if self._key is not None:  # a router can neither read nor alter a sealed ticket
+            parsed = [t.open(self._key) for t in parsed]
+        elif any(t.sealed for t in parsed):
+            raise AuthenticationError("the pull ticket is sealed, but this consumer has no "
+                                      "auth_key to open it")
         rid = self._check_request_id(parsed[0].request_id)
         if any(t.request_id != rid for t in parsed):
             raise InvalidBlockIds(f"all tickets of one {what} must be for the same request")
@@ -459,7 +441,7 @@ class Consumer(Endpoint):
 
     @property
     def pending(self) -> int:
-        return len(self._requests)
+        return self._core.pending
 
     def producers(self) -> list[str]:
         """Names of producers connected now."""
@@ -477,6 +459,7 @@ class Consumer(Endpoint):
     def _check_request_id(request_id: Any) -> str:
         return check_request_id(request_id)
 
+
     # -- loop: connections -----------------------------------------------------------------
     def _connect(self, address: str, timeout: float,
                  on_result: Callable[[str | None, KvpushError | None], None]) -> None:
@@ -486,9 +469,11 @@ class Consumer(Endpoint):
             return
         if peer is None:
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self.name.encode())
-            close_dead_links(sock, self.config.peer_timeout_s)
+            control_socket(sock, self.config.peer_timeout_s)
+            # A random routing identity per connection: no other peer can take this
+            # connection over by connecting under the same identity (the producer knows a
+            # restarted consumer by the name in its Hello).
+            sock.setsockopt(zmq.IDENTITY, b"k" + os.urandom(15))
             sock.connect(address)
             peer = _Producer(address, sock)
             self._producers[address] = peer
@@ -510,10 +495,15 @@ class Consumer(Endpoint):
         # producer would find it stale (an attempt longer than HELLO_MAX_SKEW_S / 2).
         if peer.hello is None or now - peer.hello_made > HELLO_MAX_SKEW_S / 2:
             peer.hello_made = now
-            peer.hello = m.Hello(self.name, self._agent.metadata(), self.layout.to_wire()) \
-                if self._key is None else \
-                m.Hello(self.name, self._agent.metadata(), self.layout.to_wire(),
-                        new_nonce(), time.time())
+            if self._key is None:
+                peer.hello = m.Hello(self.name, self._agent.metadata(), self.layout.to_wire(),
+                                     to=peer.address)
+            else:  # the NIXL metadata (this side's memory keys) travels encrypted
+                nonce = new_nonce()
+                peer.hello = m.Hello(self.name, encrypt(self._key, b"hello-metadata",
+                                                        nonce + self.name.encode(),
+                                                        self._agent.metadata()),
+                                     self.layout.to_wire(), nonce, time.time(), peer.address)
         # A fresh Sealer each time: counter 1 again, so a retransmit is the same frame.
         self._send(peer.socket, peer.hello,
                    sealer=None if self._key is None else Sealer(self._key, b"hello"))
@@ -565,23 +555,11 @@ class Consumer(Endpoint):
                 return
             elif not peer.agent_name:
                 self._stats.messages_rejected += 1
-            elif isinstance(msg, m.Posted):
-                req = self._live(msg.request_id, msg.xid)
-                if msg.empty and req is not None:
-                    self._on_landed(peer.agent_name, m.Landed(msg.request_id, msg.xid,
-                                                              msg.part))
-                elif (req is not None and 0 <= msg.part < len(req.producers) * req.groups
-                        and msg.part not in req.settled and msg.part not in req.posted):
-                    req.posted[msg.part] = time.monotonic()
-                    self._posting[msg.request_id] = req
-            elif isinstance(msg, m.Failed):
-                self._on_failed(peer, msg)
-            elif isinstance(msg, m.AbortAck):
-                self._on_ack(peer, msg.request_id, msg.xid, msg.errored, msg.unfenced)
-            elif isinstance(msg, m.PullHeld):
-                self._on_held(peer, msg)
-            elif isinstance(msg, m.Abort):
-                self._on_producer_abort(peer, msg)
+            elif isinstance(msg, (m.Posted, m.Failed, m.AbortAck, m.PullHeld, m.Abort)):
+                if isinstance(msg, (m.Failed, m.Abort)):
+                    self._claim_refused(peer.agent_name, msg.request_id, msg.xid)
+                self._core.on_message(time.monotonic(), peer.agent_name, msg)
+                self._apply()
             elif isinstance(msg, m.HeartbeatAck):
                 pass
             elif isinstance(msg, m.Bye):
@@ -591,8 +569,21 @@ class Consumer(Endpoint):
                 self._stats.messages_rejected += 1
 
     def _decode(self, peer: _Producer, frame: bytes) -> m.Message:
-        if peer.agent_name or self._key is None:
-            return m.decode(frame, peer.opener)
+        if self._key is None:
+            return m.decode(frame)
+        if peer.agent_name:
+            try:
+                return m.decode(frame, peer.opener)
+            except AuthenticationError:
+                if not m.is_sealed(frame):
+                    raise
+                # The producer's answer to a re-sent Hello, the same as the first (sealed
+                # with the key, not the session's): ignored, and not an attack.
+                try:
+                    return self._hello_answer(peer, frame)
+                except AuthenticationError:
+                    pass
+                raise
         # Handshake with a key: a sealed HelloAck echoing one of our nonces, or a plain
         # HelloReject (a producer without our key can only say no).
         if not m.is_sealed(frame):
@@ -600,20 +591,23 @@ class Consumer(Endpoint):
             if not isinstance(msg, m.HelloReject):
                 raise AuthenticationError(f"unauthenticated {type(msg).__name__}")
             return msg
+        return self._hello_answer(peer, frame)
+
+    def _hello_answer(self, peer: _Producer, frame: bytes) -> m.HelloAck:
+        assert self._key is not None
         msg = m.decode(frame, Opener(self._key, b"hello-ack", replay=False))
         if not isinstance(msg, m.HelloAck) or peer.hello is None \
                 or msg.echo != peer.hello.nonce:
             raise AuthenticationError("handshake answer does not match our Hello")
         return msg
 
-    def _live(self, rid: str, xid: int) -> _Request | None:
-        """The live request that a message about use ``(rid, xid)`` is for; None (and the
-        message counted stale: it changes nothing) when that use is not live here."""
-        req = self._requests.get(rid)
-        if req is None or req.xid != xid:
-            self._stats.stale_messages += 1
-            return None
-        return req
+    def _claim_refused(self, name: str, rid: str, xid: int) -> None:
+        """A producer's Failed or Abort of a claim's xid: a later pull starts anew (the
+        core drops its own record of the claim)."""
+        with self._claims_lock:
+            claim = self._claims.get(rid)
+            if claim is not None and claim.xid == xid and name in claim.sids:
+                del self._claims[rid]
 
     def _tell(self, peer: _Producer, msg: m.Message) -> None:
         self._send(peer.socket, msg, sealer=peer.sealer)
@@ -629,7 +623,11 @@ class Consumer(Endpoint):
         try:
             remote = KVLayout.from_wire(msg.layout)
             check_compatible(self.layout, remote)
-            name = self._agent.add_peer(msg.agent_metadata, remote)
+            metadata = msg.agent_metadata
+            if self._key is not None:
+                metadata = decrypt(session_key(self._key, msg.echo, msg.nonce),
+                                   b"ack-metadata", msg.nonce + msg.echo, metadata)
+            name = self._agent.add_peer(metadata, remote)
         except KvpushError as exc:
             self._connect_failed(peer, exc)
             return
@@ -644,10 +642,15 @@ class Consumer(Endpoint):
             session = session_key(self._key, msg.echo, msg.nonce)
             peer.sealer, peer.opener = Sealer(session, b"c2p"), Opener(session, b"p2c")
             peer.notif_sealer = Sealer(session, b"c2p-notif")
-            peer.notif_opener = Opener(session, b"p2c-notif")
+            # A Landed counts once per (xid, part) while its request lives (the core's
+            # completion table), so notifications need no replay window, and one would
+            # refuse a big WRITE's Landed overtaken by 4096 later ones (issue 13, bug 7):
+            # old counters are accepted, forgeries and repeats inside the window are not.
+            peer.notif_opener = Opener(session, b"p2c-notif", accept_old=True)
         peer.agent_name = name
         peer.layout = remote
         self._by_name[name] = peer
+        self._core.peer_up(time.monotonic(), name)
         for waiter in peer.waiters:
             waiter(name, None)
         peer.waiters.clear()
@@ -674,483 +677,113 @@ class Consumer(Endpoint):
         with self._claims_lock:  # its claims cannot be held any more; a pull starts anew
             for rid in [r for r, c in self._claims.items() if name in c.sids]:
                 del self._claims[rid]
-        for rid, req in list(self._requests.items()):
-            if name not in req.producers:
-                continue
-            # What it may still have in flight cannot be waited for any more: a READ is
-            # abandoned, and a push part that has not landed may land later: its WRITE may
-            # have been posted even if its Posted hint was lost with the link (over TCP a
-            # cut link keeps UCX's connection; see blocks_safe).
-            if name in req.reads:
-                self._abandon_read(rid, req, name)
-            for part in req.parts_of(name):
-                if req.handle.mode is TransferMode.PUSH and part not in req.settled:
-                    req.unsafe = True
-                req.fence.discard(part)
-                self._settle(req, part)
-            req.unheld.discard(name)
-            req.waiting_acks.discard(name)
-            if req.closing is None:
-                self._close_request(rid, RequestState.FAILED,
-                                    PeerUnavailable(f"producer {name} lost: {why}"), ask=True)
-            else:
-                self._try_finish(rid)
-        self._agent.remove_peer(name)
+        if name:
+            self._core.peer_lost(time.monotonic(), name, why)
+            self._apply()
+            self._agent.remove_peer(name)
 
-    # -- loop: push ------------------------------------------------------------------------
+    # -- loop: engine calls ----------------------------------------------------------------
     def _register(self, handle: TransferHandle, ids: np.ndarray, names: list[str],
                   timeout: float, groups: int, tail: bool, sharers: list[int]) -> None:
-        rid = handle.request_id
-        now = time.monotonic()
-        if rid in self._requests:
-            # Its own result (its own xid and blocks): never taken for the live request's.
-            self._report(handle, RequestState.FAILED,
-                         InvalidBlockIds(f"request {rid!r} is already pending"), now, 0,
-                         ids=ids)
-            return
-        missing = [n for n in names if n not in self._by_name]
-        if missing:
-            self._report(handle, RequestState.FAILED,
-                         PeerUnavailable(f"not connected to {missing}"), now, 0, ids=ids)
-            return
-        deadline = self._after(timeout, lambda: self._expire(rid))
-        self._requests[rid] = _Request(handle, ids, names, now, deadline, groups=groups)
-        LIVE.add("requests_pending", 1)
-        self._completions.expect(rid, len(names) * groups)
-        payload = m.encode_ids(ids)
-        verify = self.config.verify and len(names) * groups == 1
-        for index, (name, share) in enumerate(zip(names, sharers, strict=True)):
-            self._tell(self._by_name[name],
-                       m.Register(rid, handle.xid, payload, index, timeout, verify, groups,
-                                  tail, share))
+        self._handles[handle.xid] = handle
+        self._core.expect(time.monotonic(), handle.request_id, ids, names, timeout, groups,
+                          tail, sharers, handle.xid)
+        self._apply()
 
-    def _on_failed(self, peer: _Producer, msg: m.Failed) -> None:
-        if self._drop_claim(peer, msg.request_id, msg.xid, f"{msg.code}: {msg.reason}"):
-            return
-        req = self._live(msg.request_id, msg.xid)
-        if req is None or peer.agent_name not in req.producers:
-            return
-        if req.closing is not None:
-            self._on_ack(peer, msg.request_id, msg.xid, msg.errored, msg.unfenced)
-            return
-        state, cls = _FAILED_CODES.get(msg.code, (RequestState.FAILED, TransferFailed))
-        error = cls(f"producer {peer.agent_name}: {msg.code}: {msg.reason}")
-        # This producer's WRITEs have all ended: it will write nothing more.
-        req.unsafe |= msg.unfenced
-        self._settle_producer(req, peer.agent_name, msg.errored)
-        req.unheld.discard(peer.agent_name)
-        self._close_request(msg.request_id, state, error, ask=True)
-
-    def _on_producer_abort(self, peer: _Producer, msg: m.Abort) -> None:
-        """The producer gave the request up while its WRITE was in flight: the request ends
-        ABORTED once that WRITE has (its Failed follows, then the Landed of what was
-        posted)."""
-        if self._drop_claim(peer, msg.request_id, msg.xid, msg.reason):
-            return
-        req = self._live(msg.request_id, msg.xid)
-        if req is None or req.closing is not None or peer.agent_name not in req.producers:
-            return
-        self._close_request(msg.request_id, RequestState.ABORTED,
-                            RequestAborted(f"producer {peer.agent_name}: {msg.reason}"),
-                            ask=True)
-
-    def _on_ack(self, peer: _Producer, rid: str, xid: int, errored: list[int],
-                unfenced: bool) -> None:
-        """The producer's WRITEs of ``rid`` have all ended (``AbortAck``, or ``Failed`` for a
-        request that was closing already)."""
-        req = self._live(rid, xid)
-        if req is None or req.closing is None or peer.agent_name not in req.producers:
-            return
-        req.unsafe |= unfenced
-        self._settle_producer(req, peer.agent_name, errored)
-        req.waiting_acks.discard(peer.agent_name)
-        self._try_finish(rid)
-
-    def _settle_producer(self, req: _Request, name: str, errored: Iterable[int]) -> None:
-        """Producer ``name`` writes nothing more for ``req``. A part it announced (Posted)
-        and whose WRITE did not end in error may still have bytes on the way, ahead of its
-        Landed notification: the request waits for that notification (its fence)."""
-        errored = set(errored)
-        for part in req.parts_of(name):
-            if part in req.posted and part not in errored:
-                req.fence.add(part)
-            else:
-                self._settle(req, part)
-
-    def _on_held(self, peer: _Producer, msg: m.PullHeld) -> None:
-        rid = msg.request_id
-        req = self._live(rid, msg.xid)
-        if req is None or peer.agent_name not in req.unheld:
-            return
-        req.unheld.discard(peer.agent_name)
-        # The producer holds the blocks hold_s from its receipt of our PullBegin, which is
-        # after we sent it: counted from our send, the guarantee is never overstated. (A
-        # NaN or negative hold guarantees nothing.)
-        hold = msg.hold_s if msg.hold_s >= 0 else -math.inf
-        req.held_until[peer.agent_name] = req.began.get(peer.agent_name, -math.inf) + hold
-        if not req.unheld and not req.reads and req.closing is None:
-            self._pull_done(rid, req)
-
-    # -- loop: claims ----------------------------------------------------------------------
-    def _send_claim(self, rid: str, claim: _Claim) -> None:
-        for name, sid in claim.sids.items():
-            peer = self._by_name.get(name)
-            if peer is None:  # lost meanwhile (its claims went with it)
-                continue
-            self._tell(peer, m.Claim(rid, claim.xid, sid, claim.sharers))
-
-    def _abort_claim(self, rid: str, claim: _Claim, reason: str) -> None:
-        for name in claim.sids:
-            peer = self._by_name.get(name)
-            if peer is not None:
-                self._tell(peer, m.Abort(rid, claim.xid, reason))
-
-    def _drop_claim(self, peer: _Producer, rid: str, xid: int, why: str) -> bool:
-        """A producer refused or gave up a claim (``Failed`` / ``Abort`` with its xid): drop
-        it, so a later pull starts afresh (and learns the source's fate itself)."""
-        with self._claims_lock:
-            claim = self._claims.get(rid)
-            if claim is None or claim.xid != xid or peer.agent_name not in claim.sids:
-                return False
-            del self._claims[rid]
-        log.info("%s: claim of %r dropped by %s: %s", self.name, rid, peer.agent_name, why)
-        return True
-
-    # -- loop: pull ------------------------------------------------------------------------
     def _read(self, handle: TransferHandle, tickets: list[m.PullTicket],
               sources: list[np.ndarray], dst: np.ndarray, budget: float,
               sharers: int) -> None:
-        rid = handle.request_id
-        now = time.monotonic()
-        error: KvpushError | None = None
-        state = RequestState.FAILED
-        peers = [self._by_name.get(t.producer) for t in tickets]
-        plans = []
-        if rid in self._requests:
-            error = InvalidBlockIds(f"request {rid!r} is already pending")
-        elif budget <= 0:
-            state, error = RequestState.TIMED_OUT, TransferTimeout(
-                f"the pull ticket's lease for {rid!r} has run out")
-        elif any(p is None or p.layout is None for p in peers):
-            error = PeerUnavailable(f"not connected to all of {[t.producer for t in tickets]}")
-        elif self.config.verify and len(tickets) == 1 and \
-                len(tickets[0].checksums) != 8 * len(dst):
-            error = TransferFailed(f"verify is on but the ticket for {rid!r} carries no "
-                                   "per-block checksums (set ProducerConfig.verify)")
-        else:
-            try:
-                for peer, src in zip(peers, sources, strict=True):
-                    assert peer is not None
-                    plans.append(self._agent.link(peer.agent_name).plan(
-                        dst, src, self.layout.num_blocks, self.layout.num_regions,
-                        self.config.coalesce))
-            except KvpushError as exc:
-                error = exc
-        if error is not None:
-            self._report(handle, state, error, now, 0, ids=dst)
-            return
-        deadline = self._after(budget, lambda: self._expire(rid))
-        names = [t.producer for t in tickets]
-        req = _Request(handle, dst, names, now, deadline)
-        req.sids = {t.producer: t.sid for t in tickets}
-        xid = handle.xid
-        if self.config.verify and len(tickets) == 1:
-            req.checksums = tickets[0].checksums
-        self._requests[rid] = req
-        LIVE.add("requests_pending", 1)
-        for peer, plan in zip(peers, plans, strict=True):
-            assert peer is not None
-            sid = req.sids[peer.agent_name]
-            nbytes = len(plan.local_indices) * self._agent.link(peer.agent_name).desc_bytes
-            notif = m.encode(m.PullDone(rid, xid, sid, nbytes, sharers), peer.notif_sealer)
-            try:
-                if plan.num_blocks == 0:  # see Posted.empty: no NIXL traffic for nothing
-                    self._tell(peer, m.PullDone(rid, xid, sid, 0, sharers))
-                    continue
-                # The producer's PullHeld answer gates READY: ask before the READ so the
-                # round trip overlaps it (on a host the READ often ends inside the post).
-                # Its hold_s counts from this moment (see _on_held).
-                req.began[peer.agent_name] = time.monotonic()
-                self._tell(peer, m.PullBegin(rid, xid, sid, sharers))
-                xfer = self._agent.post("READ", peer.agent_name, plan.local_indices,
-                                        plan.remote_indices, notif)
-            except KvpushError as exc:
-                self._close_request(rid, RequestState.FAILED, exc, ask=True)
-                # no READ: the source need not wait
-                self._tell(peer, m.PullDone(rid, xid, sid, 0, sharers))
-                return
-            req.reads[peer.agent_name] = xfer
-            req.unheld.add(peer.agent_name)
-            req.read_bytes += nbytes
-            LIVE.add("transfers_in_flight", 1)
-            self._stats.transfers_posted += 1
-            self._stats.descriptors_posted += plan.num_descriptors
-        if req.reads:
-            self._reads.add(rid)
-            self._check_reads(rid)  # on a host UCX often finishes inside the post
-        else:
-            self._finish(rid, RequestState.READY, None)
+        self._handles[handle.xid] = handle
+        self._core.pull(time.monotonic(), tickets, sources, dst, budget, sharers, handle.xid)
+        self._apply()
 
-    def _end_read(self, rid: str, req: _Request, name: str) -> None:
-        del req.reads[name]
-        if not req.reads:
-            self._reads.discard(rid)
-        LIVE.add("transfers_in_flight", -1)
+    def _claim(self, tickets: list[m.PullTicket], claim: _Claim) -> None:
+        self._core.claim(time.monotonic(), tickets, claim.sharers, claim.xid)
+        self._apply()
 
-    def _abandon_read(self, rid: str, req: _Request, name: str) -> None:
-        """Give up a READ without its end: NIXL's release does not stop a READ in progress,
-        whose data may land later, so the request's blocks are not safe."""
-        xfer = req.reads[name]
-        if self._agent.state(xfer) is XferState.IN_PROGRESS:
-            req.unsafe = True
-            self._stats.transfers_abandoned += 1
-        if not self._agent.release(xfer):
-            log.warning("%s: NIXL refused to release the READ of %r", self.name, rid)
-        self._end_read(rid, req, name)
-
-    # -- loop: progress --------------------------------------------------------------------
-    def _busy(self) -> bool:
-        return bool(self._posting) or bool(self._reads)
-
-    def _check_reads(self, rid: str) -> bool:
-        """Poll a pull's READs; end the request once none is in flight. True if any ended."""
-        req = self._requests[rid]
-        moved = False
-        for name, xfer in list(req.reads.items()):
-            state = self._agent.state(xfer)
-            if state is XferState.IN_PROGRESS:
-                continue
-            moved = True
-            req.read_end[name] = time.monotonic()
-            self._agent.release(xfer)
-            self._end_read(rid, req, name)
-            if state is not XferState.DONE and req.closing is None:
-                self._close_request(rid, RequestState.FAILED,
-                                    TransferFailed(f"READ of {rid!r} from {name} failed"),
-                                    ask=True)
-        if req.reads or rid not in self._requests:
-            return moved
-        if req.closing is not None:  # aborted or failed while reading: it has ended now
-            self._try_finish(rid)
-        elif not req.unheld:  # else READY waits for the producers' PullHeld
-            self._pull_done(rid, req)
-        return moved
-
-    def _pull_done(self, rid: str, req: _Request) -> None:
-        """Every READ is done and every producer confirmed it held the blocks."""
-        for name, ended in req.read_end.items():
-            late = ended - req.held_until.get(name, -math.inf)
-            if late > 0:
-                # The producer may have released the blocks before our READ ended: what it
-                # read is not trusted. The READ has ended, so the blocks are safe.
-                self._close_request(rid, RequestState.FAILED, TransferFailed(
-                    f"READ of {rid!r} from {name} ended {late:.3f} s past the hold the "
-                    "producer guaranteed (PullHeld.hold_s): its data is not trusted"),
-                    ask=False)
-                return
-        self._stats.bytes_moved += req.read_bytes
-        self._stats.blocks_moved += len(req.ids)
-        mismatch = self._verify(req, req.checksums)
-        if mismatch is None:
-            self._finish(rid, RequestState.READY, None)
-        else:
-            self._close_request(rid, RequestState.FAILED, mismatch, ask=False)
-
-    def _poll_transfers(self) -> bool:
-        moved = False
-        for rid in list(self._reads):
-            moved |= self._check_reads(rid)
-        if self._posting:
-            for sender, msg in self._notifications():
-                moved = True
-                if isinstance(msg, m.Landed):
-                    self._on_landed(sender, msg)
-                else:
-                    self._stats.messages_rejected += 1
-        return moved
-
-    def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
-        peer = self._by_name.get(sender)
-        return peer is not None, peer.notif_opener if peer is not None else None
-
-    def _on_landed(self, sender: str, msg: m.Landed) -> None:
-        """Part ``msg.part`` of a push has landed (NIXL notification after its WRITE, or an
-        empty part announced over the control socket)."""
-        req = self._live(msg.request_id, msg.xid)
-        if req is None or not 0 <= msg.part < len(req.producers) * req.groups \
-                or req.producer_of(msg.part) != sender:
-            return
-        arrival = self._completions.arrive(msg.request_id, msg.part)
-        if arrival not in (_core.Arrival.PENDING, _core.Arrival.COMPLETE):
-            return
-        hinted = req.posted.get(msg.part)
-        if hinted is not None:
-            size = self._size_class(req)
-            took = time.monotonic() - hinted
-            last = self._landing_s.get(size)
-            self._landing_s[size] = took if last is None else 0.75 * last + 0.25 * took
-        req.landed.add(msg.part)
-        self._settle(req, msg.part)
-        if msg.part % req.groups == 0:
-            self._stats.blocks_moved += len(req.ids)
-        req.read_bytes += msg.nbytes  # push: bytes landed so far
-        self._stats.bytes_moved += msg.nbytes
-        if req.closing is None and len(req.producers) * req.groups == 1 and self.config.verify:
-            mismatch = self._verify(req, msg.checksums)
-            if mismatch is not None:
-                self._close_request(msg.request_id, RequestState.FAILED, mismatch, ask=False)
-                return
-        if req.closing is not None:
-            req.fence.discard(msg.part)
-            name = req.producer_of(msg.part)
-            if req.settled_producer(name):
-                req.waiting_acks.discard(name)
-            self._try_finish(msg.request_id)
-        elif arrival == _core.Arrival.COMPLETE:
-            self._finish(msg.request_id, RequestState.READY, None)
-
-    def _verify(self, req: _Request, checksums: bytes | None) -> KvpushError | None:
-        """None when the landed blocks match the producer's checksums (or verify is off)."""
-        if checksums is None:
-            return None
-        if len(checksums) != 8 * len(req.ids):
-            return TransferFailed(f"{req.handle.request_id!r}: the producer sent "
-                                  f"{len(checksums) // 8} checksums for {len(req.ids)} blocks")
-        want = np.frombuffer(checksums, dtype="<u8")
-        got = block_checksums(self.layout, req.ids)
-        bad = np.nonzero(got != want)[0]
-        if len(bad) == 0:
-            return None
-        self._stats.checksum_mismatches += len(bad)
-        return TransferFailed(f"{req.handle.request_id!r}: {len(bad)} block(s) differ from the "
-                              f"source after transfer, e.g. block {int(req.ids[bad[0]])}")
-
-    def _size_class(self, req: _Request) -> int:
-        """Bit length of the bytes one part of ``req`` moves (all regions, whole blocks)."""
-        return (len(req.ids) * self.layout.block_bytes * self.layout.num_regions
-                // req.groups).bit_length()
-
-    def _predicted(self) -> tuple[float, float] | None:
-        """The earliest predicted landing of a posted push part still to come: from the
-        smoothed hint-to-landing time of its size class, polled closely for a quarter of
-        that time (at least the policy's spin)."""
-        if not self._posting:
-            return None
-        now = time.monotonic()
-        best: tuple[float, float] | None = None
-        spin = self._progress_policy.spin_s
-        for req in self._posting.values():
-            took = self._landing_s.get(self._size_class(req))
-            if took is None:
-                continue
-            for hinted in req.posted.values():
-                start = hinted + took
-                end = start + max(0.25 * took, spin)
-                if end > now and (best is None or start < best[0]):
-                    best = (start, end)
-        return best
-
-    def _settle(self, req: _Request, part: int) -> None:
-        """Part ``part`` of ``req`` will write nothing more."""
-        req.settled.add(part)
-        if req.posted.pop(part, None) is not None and not req.posted:
-            self._posting.pop(req.handle.request_id, None)
-
-    # -- loop: endings ---------------------------------------------------------------------
-    def _expire(self, rid: str) -> None:
-        req = self._requests.get(rid)
-        if req is not None and req.closing is None:
-            what = "READ" if req.handle.mode is TransferMode.PULL else "data"
-            self._abort(rid, RequestState.TIMED_OUT,
-                        TransferTimeout(f"{what} for {rid!r} did not land in time"))
+    def _abort_claim(self, rid: str, claim: _Claim, reason: str) -> None:
+        self._core.abort_claim(time.monotonic(), rid, claim.xid, reason)
+        self._apply()
 
     def _abort(self, rid: str, state: RequestState, error: KvpushError) -> None:
-        req = self._requests.get(rid)
-        if req is None or req.closing is not None:
+        self._core.abort(time.monotonic(), rid, state, error)
+        self._apply()
+
+    # -- loop: the core's effects ----------------------------------------------------------
+    def _apply(self) -> None:
+        """Carry out what the core asked, in order, until it asks nothing more (carrying
+        one out may feed an event back: a post NIXL refuses at once)."""
+        while True:
+            effects = self._core.drain()
+            if not effects:
+                return
+            for effect in effects:
+                if isinstance(effect, Send):
+                    peer = self._by_name.get(effect.peer)
+                    if peer is not None:
+                        self._tell(peer, effect.msg)
+                elif isinstance(effect, Post):
+                    self._post(effect)
+                elif isinstance(effect, Abandon):
+                    self._abandon(effect.key)
+                elif isinstance(effect, Emit):
+                    assert isinstance(effect.item, TransferResult)
+                    self._deliver(effect.item)
+                # DropPeer: the consumer's core never asks it (peers are lost here first)
+
+    def _post(self, effect: Post) -> None:
+        peer = self._by_name.get(effect.peer)
+        now = time.monotonic()
+        if peer is None:
+            self._core.transfer_ended(now, effect.key, XferEnd.LOST)
             return
-        self._close_request(rid, state, error, ask=True)
-
-    def _close_request(self, rid: str, state: RequestState, error: KvpushError | None,
-                       ask: bool) -> None:
-        """Begin ending a request that did not succeed: ask the producers to abort, and
-        report once nothing can land any more: READs polled to their end, and for push each
-        producer's confirmation that its WRITEs ended, then the Landed notification of each
-        part it had posted (the notification travels behind the bytes). Nothing is
-        cancelled: NIXL's release of a transfer in progress does not stop its bytes."""
-        req = self._requests[rid]
-        req.closing, req.error = state, error
-        req.deadline.cancel()
-        if ask:
-            self._ask_abort(rid, req)
-        if not self._try_finish(rid) and req.grace is None:
-            req.grace = self._after(self.config.abort_grace_s, lambda: self._grace_over(rid))
-
-    def _ask_abort(self, rid: str, req: _Request) -> None:
-        """Send Abort to the request's producers (once); push: wait for the AbortAck of
-        each that may still be writing."""
-        if req.asked:
+        try:
+            xfer = self._agent.post(effect.op, effect.peer, effect.local, effect.remote,
+                                    m.encode(effect.notif, peer.notif_sealer))
+        except KvpushError as exc:
+            log.warning("%s: %s", self.name, exc)
+            self._core.transfer_ended(now, effect.key, XferEnd.LOST
+                                      if isinstance(exc, PeerUnavailable) else XferEnd.ERROR)
             return
-        req.asked = True
-        reason = str(req.error) if req.error else "aborted"
-        for name in req.producers:
-            peer = self._by_name.get(name)
-            if peer is None:
-                continue
-            self._tell(peer, m.Abort(rid, req.xid, reason))
-            if req.handle.mode is TransferMode.PUSH and any(
-                    p not in req.settled and p not in req.fence for p in req.parts_of(name)):
-                req.waiting_acks.add(name)
+        self._xfers[effect.key] = xfer
+        LIVE.add("transfers_in_flight", 1)
+        self._stats.transfers_posted += 1
+        self._stats.descriptors_posted += effect.descriptors
+        self._check_xfer(effect.key, xfer)  # on a host UCX often finishes inside the post
 
-    def _try_finish(self, rid: str) -> bool:
-        """Report a closing request once nothing of it is in flight; True if reported."""
-        req = self._requests.get(rid)
-        if req is None or req.closing is None or req.reads or req.waiting_acks or req.fence:
+    def _check_xfer(self, key: int, xfer: Any) -> bool:
+        """Report a transfer that ended; True if it had."""
+        state = self._agent.state(xfer)
+        if state is XferState.IN_PROGRESS:
             return False
-        self._finish(rid, req.closing, req.error)
+        self._agent.release(xfer)
+        self._end_xfer(key)
+        self._core.transfer_ended(time.monotonic(), key, XferEnd.DONE
+                                  if state is XferState.DONE else XferEnd.ERROR)
         return True
 
-    def _grace_over(self, rid: str) -> None:
-        """``abort_grace_s`` after the close began, something may still land: report the
-        request with ``blocks_safe=False``."""
-        req = self._requests.get(rid)
-        if req is None or req.closing is None:
+    def _abandon(self, key: int) -> None:
+        """Give up a transfer without its end: NIXL's release does not stop a READ in
+        progress, whose data may land later (the core reports the blocks unsafe)."""
+        xfer = self._xfers.get(key)
+        if xfer is None:
             return
-        log.warning("%s: %r not fenced after %s s (READs %s, no confirmation from %s, "
-                    "Landed awaited for parts %s): its blocks are reported unsafe", self.name,
-                    rid, self.config.abort_grace_s, sorted(req.reads), sorted(req.waiting_acks),
-                    sorted(req.fence))
-        for name in list(req.reads):
-            self._abandon_read(rid, req, name)
-        self._ask_abort(rid, req)  # a pull's producer may release its blocks now
-        req.unsafe = True
-        self._finish(rid, req.closing, req.error)
+        state = self._agent.state(xfer)
+        if not self._agent.release(xfer):
+            log.warning("%s: NIXL refused to release transfer %d", self.name, key)
+        self._end_xfer(key)
+        end = {XferState.IN_PROGRESS: XferEnd.ABANDONED,
+               XferState.DONE: XferEnd.DONE}.get(state, XferEnd.ERROR)
+        self._core.transfer_ended(time.monotonic(), key, end)
 
-    def _finish(self, rid: str, state: RequestState, error: KvpushError | None) -> None:
-        req = self._requests.pop(rid)
-        self._posting.pop(rid, None)
-        req.deadline.cancel()
-        if req.grace is not None:
-            req.grace.cancel()
-        if req.handle.mode is TransferMode.PUSH:
-            self._completions.remove(rid)
-        LIVE.add("requests_pending", -1)
-        self._report(req.handle, state, error, req.started, req.read_bytes, not req.unsafe,
-                     ids=req.ids)
+    def _end_xfer(self, key: int) -> None:
+        del self._xfers[key]
+        LIVE.add("transfers_in_flight", -1)
 
-    def _report(self, handle: TransferHandle, state: RequestState, error: KvpushError | None,
-                started: float, nbytes: int, safe: bool = True, *,
-                ids: np.ndarray) -> None:
-        counter = {
-            RequestState.READY: "requests_completed",
-            RequestState.FAILED: "requests_failed",
-            RequestState.TIMED_OUT: "requests_timed_out",
-            RequestState.ABORTED: "requests_aborted",
-        }[state]
-        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
-        self._stats.results_unsafe += not safe
-        result = TransferResult(handle.request_id, state, handle.mode, error,
-                                time.monotonic() - started, nbytes, safe, ids, handle.xid)
-        handle._set(result)
+    def _deliver(self, result: TransferResult) -> None:
+        handle = self._handles.pop(result.xid, None)
+        if handle is not None:
+            handle._set(result)
         if self._on_finished is None:
             queue_result(self._finished, result, self.name, "get_finished")
             return
@@ -1158,6 +791,44 @@ class Consumer(Endpoint):
             self._on_finished(result)
         except Exception:
             log.exception("%s: on_finished callback raised", self.name)
+
+    # -- loop: progress and time -----------------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self._xfers) or self._core.polling()
+
+    def _poll_transfers(self) -> bool:
+        moved = False
+        for key, xfer in list(self._xfers.items()):
+            moved |= self._check_xfer(key, xfer)
+        if self._core.polling():
+            for sender, msg in self._notifications():
+                moved = True
+                self._core.on_notification(time.monotonic(), sender, msg)
+        self._apply()
+        return moved
+
+    def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
+        peer = self._by_name.get(sender)
+        return peer is not None, peer.notif_opener if peer is not None else None
+
+    def _predicted(self) -> tuple[float, float] | None:
+        return self._core.predicted(time.monotonic(), self._progress_policy.spin_s)
+
+    def _next_timeout(self) -> float | None:
+        timeout = super()._next_timeout()
+        due = self._core.next_deadline()
+        if due is not None:
+            until = max(0.0, due - time.monotonic())
+            timeout = until if timeout is None else min(timeout, until)
+        return timeout
+
+    def _run_timers(self) -> None:
+        super()._run_timers()
+        now = time.monotonic()
+        due = self._core.next_deadline()
+        if due is not None and due <= now:
+            self._core.tick(now)
+            self._apply()
 
     # -- teardown --------------------------------------------------------------------------
     def _on_close(self) -> None:
@@ -1167,15 +838,7 @@ class Consumer(Endpoint):
             for waiter in peer.waiters:
                 waiter(None, ClosedError("consumer closed"))
             peer.waiters.clear()
-        for rid, req in list(self._requests.items()):
-            for name in list(req.reads):
-                self._abandon_read(rid, req, name)
-            # A push part that has not landed may still be written: its WRITE may be posted
-            # though its Posted hint has not come (or never will: Bye ends nothing in
-            # flight), so every such part, not only announced ones, leaves blocks unsafe.
-            if req.handle.mode is TransferMode.PUSH:
-                req.unsafe |= any(p not in req.settled
-                                  for p in range(len(req.producers) * req.groups))
-            self._finish(rid, RequestState.ABORTED, ClosedError("consumer closed"))
+        self._core.close(time.monotonic())
+        self._apply()
         self._by_name.clear()
         self._producers.clear()

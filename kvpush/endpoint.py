@@ -88,6 +88,7 @@ def control_socket(sock: zmq.Socket[Any], peer_timeout_s: float) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
     sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)  # refused before allocation
     close_dead_links(sock, peer_timeout_s)
 
 

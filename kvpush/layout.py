@@ -11,8 +11,17 @@ covers the common engines:
 * a single region for a whole cache whose blocks are outermost, ``num_layers`` layers packed
   inside each block (``kv_packed=True``, one region, ``layers_per_region=num_layers``).
 
+How the bytes *inside* a block are ordered is part of the layout, never guessed from
+sizes: ``block_order`` names the axes of one block from outermost to innermost (``H`` KV
+heads, ``N`` tokens, ``D`` elements of a head, ``K`` the K/V pair when they share a region,
+``C`` a per-token content whose K/V arrangement is not known), ``kernel_tokens`` says when
+several kernel blocks are folded into one block, and ``identity`` carries what the engine
+says about itself (model, cache dtype, attention backend, versions) so that two engines that
+would read each other's bytes differently refuse at handshake.
+
 The two sides may hold different numbers of blocks; everything that decides how bytes are
-interpreted must match, and :func:`check_compatible` names the first field that does not.
+interpreted must match or be convertible, and :func:`check_compatible` names the first field
+that is neither.
 """
 
 from __future__ import annotations
@@ -27,8 +36,8 @@ import numpy as np
 
 from .errors import LayoutMismatch
 
-__all__ = ["DTYPE_SIZES", "KVLayout", "MemoryKind", "Region", "check_compatible",
-           "covering_producers", "head_overlap"]
+__all__ = ["BLOCK_ORDERS", "DTYPE_SIZES", "KVLayout", "MemoryKind", "Region",
+           "check_compatible", "covering_producers", "head_overlap"]
 
 #: Element sizes of the dtypes a layout may name (KV caches in use today).
 DTYPE_SIZES = {
@@ -37,8 +46,26 @@ DTYPE_SIZES = {
     "bfloat16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
     "int8": 1,
     "uint8": 1,
+}
+
+
+def _orders(axes: str) -> frozenset[str]:
+    from itertools import permutations
+
+    return frozenset("".join(p) for p in permutations(axes))
+
+
+#: Valid ``block_order`` values: K and V in separate regions (``HND``, ``NHD``, ...), K and
+#: V sharing a region with the K/V axis placed (``HKND``: per head all of K then all of V,
+#: vLLM's CPU cache; ``HNKD``: per token K then V), or with an opaque per-token content
+#: (``HNC``, ``NHC``: equal layouts exchange blocks, nothing is converted).
+BLOCK_ORDERS = {
+    False: _orders("HND"),
+    True: _orders("HNKD") | _orders("HNC"),
 }
 
 
@@ -119,7 +146,9 @@ class LayoutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layers_per_region: int
     head_start: int = 0
     total_kv_heads: int = 0
-    head_major: bool = True
+    block_order: str = ""
+    kernel_tokens: int = 0
+    identity: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,10 +185,17 @@ class KVLayout:
         Tensor parallelism: this side holds KV heads ``[head_start, head_start +
         num_kv_heads)`` of ``total_kv_heads`` (default: all of them). Sides with different
         shards exchange the heads they have in common (heterogeneous TP).
-    head_major
-        True when a block stores its heads one after another (``[heads, tokens, ...]``, as
-        vLLM's CPU cache does), so a range of heads is one contiguous byte range; needed for
-        heterogeneous TP.
+    block_order
+        The axes of one block (of one layer, of one kernel block) from outermost to
+        innermost: ``H`` heads, ``N`` tokens, ``D`` head elements, and when ``kv_packed``
+        either ``K`` (the K/V pair) or ``C`` (per-token content of unknown K/V arrangement).
+        One of :data:`BLOCK_ORDERS`; default ``HNKD`` (packed) or ``HND`` (separate).
+    kernel_tokens
+        Tokens of one kernel block when ``tokens_per_block // kernel_tokens`` kernel blocks
+        are folded, outermost, into each block (default ``tokens_per_block``: no folding).
+    identity
+        ``(key, value)`` pairs naming the engine (model, cache dtype, attention backend,
+        versions, ...); two sides' identities must be equal (see :func:`check_compatible`).
     """
 
     regions: tuple[Region, ...]
@@ -175,10 +211,30 @@ class KVLayout:
     block_stride: int = 0
     head_start: int = 0
     total_kv_heads: int = 0
-    head_major: bool = True
+    block_order: str = ""
+    kernel_tokens: int = 0
+    identity: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", tuple(self.regions))
+        if not self.block_order:
+            object.__setattr__(self, "block_order", "HNKD" if self.kv_packed else "HND")
+        if self.block_order not in BLOCK_ORDERS[bool(self.kv_packed)]:
+            kv = "K+V packed" if self.kv_packed else "K and V separate"
+            raise ValueError(
+                f"KVLayout.block_order {self.block_order!r} is not an order of a {kv} block "
+                f"(e.g. {'HKND, HNKD, NHKD, HNC' if self.kv_packed else 'HND, NHD'})")
+        if self.kernel_tokens == 0:
+            object.__setattr__(self, "kernel_tokens", self.tokens_per_block)
+        if (not isinstance(self.kernel_tokens, int) or self.kernel_tokens < 1
+                or self.tokens_per_block % self.kernel_tokens):
+            raise ValueError(f"KVLayout.kernel_tokens ({self.kernel_tokens!r}) must divide "
+                             f"tokens_per_block ({self.tokens_per_block})")
+        identity = tuple(sorted((str(k), str(v)) for k, v in self.identity))
+        keys = [k for k, _ in identity]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"KVLayout.identity names a key twice: {keys}")
+        object.__setattr__(self, "identity", identity)
         for name in ("num_layers", "num_blocks", "tokens_per_block", "num_kv_heads",
                      "head_size", "layers_per_region"):
             value = getattr(self, name)
@@ -257,24 +313,55 @@ class KVLayout:
         """Bytes of one KV head in one block of one region."""
         return self.block_bytes // self.num_kv_heads
 
+    @property
+    def folded(self) -> bool:
+        """True when each block is several kernel blocks (``kernel_tokens``) side by side."""
+        return self.kernel_tokens != self.tokens_per_block
+
+    @property
+    def head_major(self) -> bool:
+        """True when a range of KV heads is one contiguous byte range of every block (heads
+        outermost, one layer per region, no folded kernel blocks): what exchanging head
+        shards (heterogeneous TP) needs."""
+        return (self.block_order[0] == "H" and not self.folded
+                and self.layers_per_region == 1)
+
+    @property
+    def token_units(self) -> int | None:
+        """How many contiguous pieces of a block have tokens as their outermost axis (the
+        heads and K/V halves before ``N`` in ``block_order``): a block of ``k`` times the
+        tokens is then cut into ``k`` token slots per piece. None when tokens cannot be cut
+        out of a block this way (opaque content ``C``, folded kernel blocks, several layers
+        per region)."""
+        if "C" in self.block_order or self.folded or self.layers_per_region != 1:
+            return None
+        units = 1
+        for axis in self.block_order[:self.block_order.index("N")]:
+            units *= self.num_kv_heads if axis == "H" else 2
+        return units
+
     def split_table(self, split: int) -> np.ndarray:
-        """Descriptors of every (region, block, slot, head) when each block is cut into
-        ``split`` token slots per head: index ``((r * num_blocks + b) * split + s) * heads
-        + h``, each ``head_bytes // split`` long (head-major blocks only)."""
-        if not self.head_major or self.head_bytes % split:
-            raise ValueError(f"cannot cut {self.head_bytes}-byte heads into {split} slots")
-        piece = self.head_bytes // split
+        """Descriptors of every (region, block, slot, unit) when each block is cut into
+        ``split`` token slots per unit (see :attr:`token_units`: a head, or a head's K or V
+        half, or the whole block when tokens are outermost): index ``((r * num_blocks + b)
+        * split + s) * units + u``, each ``block_bytes // units // split`` long."""
+        units = self.token_units
+        if units is None or self.block_bytes % (units * split):
+            raise ValueError(f"cannot cut {self.block_order} blocks of {self.block_bytes} "
+                             f"bytes into {split} token slots")
+        unit_bytes = self.block_bytes // units
+        piece = unit_bytes // split
         base = np.array([r.addr for r in self.regions], dtype=np.uint64)
         blocks = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.block_stride)
         slots = np.arange(split, dtype=np.uint64) * np.uint64(piece)
-        heads = np.arange(self.num_kv_heads, dtype=np.uint64) * np.uint64(self.head_bytes)
+        unit = np.arange(units, dtype=np.uint64) * np.uint64(unit_bytes)
         addr = (base[:, None, None, None] + blocks[None, :, None, None]
-                + slots[None, None, :, None] + heads[None, None, None, :]).ravel()
+                + slots[None, None, :, None] + unit[None, None, None, :]).ravel()
         table = np.empty((addr.size, 3), dtype=np.uint64)
         table[:, 0] = addr
         table[:, 1] = piece
         table[:, 2] = np.repeat(np.array([r.device_id for r in self.regions], dtype=np.uint64),
-                                self.num_blocks * split * self.num_kv_heads)
+                                self.num_blocks * split * units)
         return table
 
     def descriptor_table(self, offset: int = 0, length: int | None = None) -> np.ndarray:
@@ -311,7 +398,9 @@ class KVLayout:
             layers_per_region=self.layers_per_region,
             head_start=self.head_start,
             total_kv_heads=self.total_kv_heads,
-            head_major=self.head_major,
+            block_order=self.block_order,
+            kernel_tokens=self.kernel_tokens,
+            identity=self.identity,
         )
 
     @classmethod
@@ -332,7 +421,9 @@ class KVLayout:
                 block_stride=wire.block_stride,
                 head_start=wire.head_start,
                 total_kv_heads=wire.total_kv_heads,
-                head_major=wire.head_major,
+                block_order=wire.block_order,
+                kernel_tokens=wire.kernel_tokens,
+                identity=wire.identity,
             )
         except (ValueError, TypeError) as exc:
             from .errors import ProtocolError
@@ -354,7 +445,9 @@ class KVLayout:
         layers_per_region: int = 1,
         head_start: int = 0,
         total_kv_heads: int = 0,
-        head_major: bool = True,
+        block_order: str = "",
+        kernel_tokens: int = 0,
+        identity: Sequence[tuple[str, str]] = (),
     ) -> KVLayout:
         """A layout over numpy arrays or torch tensors (one per region), each holding
         ``num_blocks`` contiguous blocks."""
@@ -370,7 +463,9 @@ class KVLayout:
             layers_per_region=layers_per_region,
             head_start=head_start,
             total_kv_heads=total_kv_heads,
-            head_major=head_major,
+            block_order=block_order,
+            kernel_tokens=kernel_tokens,
+            identity=tuple(identity),
         )
 
 
@@ -384,24 +479,44 @@ _MATCHING_FIELDS = (
     "head_size",
     "num_regions",
     "kind",
+    "block_order",
 )
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Raise :class:`~kvpush.errors.LayoutMismatch` naming the first field on which the two
-    layouts cannot exchange blocks. Block counts, addresses and (for head-major layouts)
-    head shards may differ."""
+    layouts cannot exchange blocks.
+
+    The engines' identities come first (``identity.<key>``: a different model, cache dtype,
+    attention backend or version is refused before any shape is compared), then every
+    field that decides how a block's bytes are read (including ``block_order``: an NHD and
+    an HND cache are never paired). Block counts and addresses may differ; so may tokens per
+    block (one a multiple of the other, both sides cut into token slots: see
+    :attr:`KVLayout.token_units`) and, for head-major layouts, head shards.
+    """
+    ours, theirs = dict(local.identity), dict(remote.identity)
+    for key in sorted(ours.keys() | theirs.keys()):
+        if ours.get(key) != theirs.get(key):
+            raise LayoutMismatch(f"identity.{key}", ours.get(key), theirs.get(key))
     for name in _MATCHING_FIELDS:
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             raise LayoutMismatch(name, a, b)
     same_shard = (local.head_start, local.num_kv_heads) == (remote.head_start,
                                                            remote.num_kv_heads)
+    if local.folded or remote.folded:
+        # Folded kernel blocks interleave tokens with heads: only an identical block reads
+        # the same.
+        for name in ("tokens_per_block", "kernel_tokens"):
+            if getattr(local, name) != getattr(remote, name):
+                raise LayoutMismatch(name, getattr(local, name), getattr(remote, name))
+        if not same_shard:
+            raise LayoutMismatch("kernel_tokens", local.kernel_tokens, remote.kernel_tokens)
     if local.tokens_per_block != remote.tokens_per_block:
-        # Blocks of k times the tokens: exchanged head by head, token slot by token slot.
+        # Blocks of k times the tokens: exchanged token slot by token slot of each unit.
         small, big = sorted((local.tokens_per_block, remote.tokens_per_block))
-        if big % small or not (local.head_major and remote.head_major) or not same_shard \
-                or local.layers_per_region != 1:
+        if (big % small or not same_shard or local.token_units is None
+                or remote.token_units is None):
             raise LayoutMismatch("tokens_per_block", local.tokens_per_block,
                                  remote.tokens_per_block)
         return

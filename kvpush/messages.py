@@ -19,7 +19,8 @@ share); the producer holds the source until that many owners have finished or gi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+import os
+from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
 import numpy as np
@@ -28,6 +29,7 @@ from .errors import AuthenticationError, ProtocolError
 from .layout import LayoutWire
 
 __all__ = [
+    "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "Abort",
     "AbortAck",
@@ -52,6 +54,7 @@ __all__ = [
     "encode",
     "encode_ids",
     "is_sealed",
+    "new_id",
 ]
 
 PROTOCOL_VERSION = 2
@@ -60,9 +63,22 @@ _SEALED = bytes([PROTOCOL_VERSION, 1])
 
 if TYPE_CHECKING:
     from .auth import Opener, Sealer
-_MAX_ID_COUNT = 1 << 24
+#: Largest control frame either side accepts (ZeroMQ's ``MAXMSGSIZE``: a larger frame is
+#: refused by libzmq before it is allocated, and the connection that sent it dropped).
+MAX_FRAME_BYTES = 64 << 20
+#: Most block ids one message may carry (they travel as 8 bytes each).
+_MAX_ID_COUNT = MAX_FRAME_BYTES // 8 - 4096
 #: Upper bound of ``sharers`` (consumer endpoints sharing one producer's source).
 MAX_SHARERS = 1024
+
+
+#: Field types with limits checked while decoding: a hostile frame cannot smuggle an
+#: oversized id or text into the protocol logic.
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Id = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Sharers = Annotated[int, msgspec.Meta(ge=1, le=MAX_SHARERS)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Parts = Annotated[list[int], msgspec.Meta(max_length=1 << 16)]
 
 
 class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=True):
@@ -72,11 +88,12 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=Tru
 class Hello(_Msg, tag="hello", frozen=True):
     """Consumer -> producer: open a connection."""
 
-    name: str
-    agent_metadata: bytes
+    name: str                 # the sender's NIXL agent name (checked against its metadata)
+    agent_metadata: bytes     # with authentication: encrypted (auth.encrypt), bound to nonce
     layout: LayoutWire
     nonce: bytes = b""        # with authentication: fresh per connection attempt
     sent_at: float = 0.0      # wall clock, with authentication
+    to: str = ""              # the address the consumer dialed (the producer checks it)
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):
@@ -93,7 +110,7 @@ class HelloReject(_Msg, tag="hello_reject", frozen=True):
     """Producer -> consumer: the connection is refused (``field`` names a layout field, or
     is empty for other reasons)."""
 
-    reason: str
+    reason: Text
     field: str = ""
     local: str = ""
     remote: str = ""
@@ -102,7 +119,7 @@ class HelloReject(_Msg, tag="hello_reject", frozen=True):
 class Register(_Msg, tag="register", frozen=True):
     """Consumer -> producer (push): destination blocks for a request are allocated."""
 
-    request_id: str
+    request_id: RequestId
     xid: int                  # the consumer's transfer id of this use
     block_ids: bytes
     part: int
@@ -110,7 +127,7 @@ class Register(_Msg, tag="register", frozen=True):
     verify: bool = False      # ask for per-block checksums with the completion
     groups: int = 1           # WRITEs (and Landed parts) per producer: 1, or one per layer
     tail: bool = False        # the consumer wants only the last len(block_ids) source blocks
-    sharers: int = 1          # consumer endpoints that take a share of this source
+    sharers: Sharers = 1          # consumer endpoints that take a share of this source
 
 
 class Posted(_Msg, tag="posted", frozen=True):
@@ -118,8 +135,8 @@ class Posted(_Msg, tag="posted", frozen=True):
     its landing). Sent just before the post, so its trip overlaps the bytes'; if NIXL then
     refuses the post, the ``Failed`` that follows names the part in ``errored``."""
 
-    request_id: str
-    xid: int
+    request_id: RequestId
+    xid: Id
     part: int
     # Nothing to write for this part (e.g. a full prefix hit): it counts as landed now.
     # Sent over the control socket because a NIXL notification alone would need the
@@ -139,20 +156,20 @@ class Failed(_Msg, tag="failed", frozen=True):
     from them is wrong.
     """
 
-    request_id: str
-    xid: int
+    request_id: RequestId
+    xid: Id
     code: str
-    reason: str
-    errored: list[int] = []
+    reason: Text
+    errored: Parts = []
     unfenced: bool = False
 
 
 class Abort(_Msg, tag="abort", frozen=True):
     """Either direction: give up a request (the use named by ``xid``)."""
 
-    request_id: str
-    xid: int
-    reason: str
+    request_id: RequestId
+    xid: Id
+    reason: Text
 
 
 class AbortAck(_Msg, tag="abort_ack", frozen=True):
@@ -160,9 +177,9 @@ class AbortAck(_Msg, tag="abort_ack", frozen=True):
     merely cancelled: NIXL's release of a WRITE in progress does not stop its bytes).
     ``errored`` and ``unfenced`` as in :class:`Failed`."""
 
-    request_id: str
-    xid: int
-    errored: list[int] = []
+    request_id: RequestId
+    xid: Id
+    errored: Parts = []
     unfenced: bool = False
 
 
@@ -175,18 +192,18 @@ class PullHeld(_Msg, tag="pull_held", frozen=True):
     ``PullBegin``, whatever happens to the connection; a READ that ends later than
     ``hold_s`` after the consumer sent its ``PullBegin`` is not trusted."""
 
-    request_id: str
-    xid: int
+    request_id: RequestId
+    xid: Id
     hold_s: float
 
 
 class PullBegin(_Msg, tag="pull_begin", frozen=True):
     """Consumer -> producer (pull): a READ of the source use ``sid`` is in flight."""
 
-    request_id: str
-    xid: int
-    sid: int
-    sharers: int = 1
+    request_id: RequestId
+    xid: Id
+    sid: Id
+    sharers: Sharers = 1
 
 
 class Claim(_Msg, tag="claim", frozen=True):
@@ -194,10 +211,10 @@ class Claim(_Msg, tag="claim", frozen=True):
     yet (e.g. its engine has no free blocks): hold the blocks past the ticket's lease while
     this consumer is alive and renews it (heartbeats), or until it pulls or gives up."""
 
-    request_id: str
-    xid: int
-    sid: int
-    sharers: int = 1
+    request_id: RequestId
+    xid: Id
+    sid: Id
+    sharers: Sharers = 1
 
 
 class Heartbeat(_Msg, tag="hb", frozen=True):
@@ -220,8 +237,8 @@ class Landed(_Msg, tag="landed", frozen=True):
     ``checksums``: per-block 64-bit checksums of the source blocks (little-endian uint64, in
     registration order) when the consumer asked to verify."""
 
-    request_id: str
-    xid: int
+    request_id: RequestId
+    xid: Id
     part: int
     checksums: bytes = b""
     nbytes: int = 0           # bytes this part moved
@@ -232,11 +249,21 @@ class PullDone(_Msg, tag="pull_done", frozen=True):
     (source use ``sid``; also sent over the control socket for an empty pull, and after a
     READ that could not be posted)."""
 
-    request_id: str
-    xid: int
-    sid: int
+    request_id: RequestId
+    xid: Id
+    sid: Id
     nbytes: int = 0           # bytes the READ moved
-    sharers: int = 1          # as in the PullBegin (a PullDone can overtake it)
+    sharers: Sharers = 1          # as in the PullBegin (a PullDone can overtake it)
+
+
+class _Sealed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The part of a pull ticket that a router must neither read nor alter."""
+
+    block_ids: bytes
+    lease_s: float
+    issued_at: float
+    sid: int
+    checksums: bytes
 
 
 class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -244,20 +271,53 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ``lease_s`` is how long the producer holds the blocks from ``issued_at`` (its wall
     clock); the consumer refuses to start a READ it could not finish inside that lease.
+
+    With an ``auth_key`` the ticket is *sealed* (:meth:`seal`): block ids, lease, sid and
+    checksums travel only inside ``sealed`` (AEAD, bound to producer, address and request
+    id), so a router can route it but not read or alter it; the consumer opens it
+    (:meth:`open`) and refuses an unsealed or altered ticket.
     """
 
     producer: str
     address: str
-    request_id: str
+    request_id: RequestId
     block_ids: bytes
     lease_s: float
     issued_at: float
     sid: int = 0              # the producer's source use these blocks belong to
     checksums: bytes = b""    # per-block source checksums (ProducerConfig.verify)
     version: int = PROTOCOL_VERSION
+    sealed: bytes = b""       # with auth_key: the fields above, encrypted (see seal)
 
     def to_bytes(self) -> bytes:
         return msgspec.msgpack.encode(self)
+
+    def _aad(self) -> bytes:
+        return msgspec.msgpack.encode((self.producer, self.address, self.request_id,
+                                       self.version))
+
+    def seal(self, key: bytes) -> PullTicket:
+        """This ticket with its block ids, lease, sid and checksums encrypted under
+        ``key`` (the plain copies emptied)."""
+        from .auth import encrypt
+        inner = _Sealed(self.block_ids, self.lease_s, self.issued_at, self.sid, self.checksums)
+        return msgspec.structs.replace(
+            self, block_ids=b"", lease_s=0.0, issued_at=0.0, sid=0, checksums=b"",
+            sealed=encrypt(key, b"pull-ticket", self._aad(), msgspec.msgpack.encode(inner)))
+
+    def open(self, key: bytes) -> PullTicket:
+        """The sealed ticket's fields back (AuthenticationError for a ticket that is not
+        sealed, or was sealed with another key, or altered)."""
+        from .auth import decrypt
+        if not self.sealed:
+            raise AuthenticationError("pull ticket is not sealed, but this side has an "
+                                      "auth_key (a ticket from a producer without the key, "
+                                      "or forged)")
+        inner = msgspec.msgpack.decode(decrypt(key, b"pull-ticket", self._aad(), self.sealed),
+                                       type=_Sealed)
+        return msgspec.structs.replace(self, block_ids=inner.block_ids, lease_s=inner.lease_s,
+                                       issued_at=inner.issued_at, sid=inner.sid,
+                                       checksums=inner.checksums, sealed=b"")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PullTicket:
@@ -322,6 +382,11 @@ def decode(frame: bytes, opener: Opener | None = None) -> Message:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed control message: {exc}") from exc
+
+
+def new_id() -> int:
+    """A fresh random id for ``xid`` or ``sid``: 63 bits, never 0."""
+    return int.from_bytes(os.urandom(8), "little") >> 1 | 1
 
 
 def encode_ids(ids: np.ndarray) -> bytes:

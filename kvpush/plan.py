@@ -51,14 +51,21 @@ def as_block_ids(ids: Any, name: str) -> np.ndarray:
     raise InvalidBlockIds(f"{name} must be a numpy int32/int64 array, got {type(ids).__name__}")
 
 
+#: Longest request id (UTF-8 bytes) accepted at the API and on the wire.
+MAX_REQUEST_ID_BYTES = 1024
+
+
 def check_request_id(request_id: Any) -> str:
-    """A request id is a non-empty str that UTF-8 can encode (it travels on the wire)."""
+    """A request id is a non-empty str that UTF-8 can encode (it travels on the wire), of
+    at most :data:`MAX_REQUEST_ID_BYTES` bytes."""
     if not isinstance(request_id, str) or not request_id:
         raise InvalidBlockIds("request_id must be a non-empty str")
     try:
-        request_id.encode("utf-8")
+        size = len(request_id.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise InvalidBlockIds(f"request_id must be valid UTF-8: {exc}") from None
+    if size > MAX_REQUEST_ID_BYTES:
+        raise InvalidBlockIds(f"request_id is {size} bytes; at most {MAX_REQUEST_ID_BYTES}")
     return request_id
 
 

@@ -18,8 +18,8 @@ for a registration.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,7 +31,16 @@ import zmq
 
 from . import messages as m
 from .agent import TransportConfig, XferState
-from .auth import HelloGuard, Opener, Sealer, check_key, new_nonce, session_key
+from .auth import (
+    HelloGuard,
+    Opener,
+    Sealer,
+    check_key,
+    decrypt,
+    encrypt,
+    new_nonce,
+    session_key,
+)
 from .endpoint import (
     RESULT_QUEUE,
     Endpoint,
@@ -48,6 +57,7 @@ from .errors import (
     ProtocolError,
 )
 from .layout import KVLayout, check_compatible
+from .messages import new_id
 from .metrics import LIVE
 from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
@@ -68,6 +78,9 @@ class ProducerConfig:
     ----------
     host, port
         Where the control socket listens (port 0: any free port; see ``Producer.address``).
+    advertise
+        The host consumers dial, when it is not ``host`` (a wildcard bind such as
+        ``0.0.0.0``, or NAT): ``Producer.address`` and pull tickets name it.
     lease_s
         How long finished source blocks wait for a registration (push) or for the consumer's
         READ (pull) before they are released with ``LEASE_EXPIRED``.
@@ -95,6 +108,7 @@ class ProducerConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
+    advertise: str | None = None
     name: str | None = None
     lease_s: float = 60.0
     max_wait_s: float = 600.0
@@ -150,11 +164,6 @@ class _Links:
         return bytes(block_checksums(self._p.layout, ids).astype("<u8").tobytes())
 
 
-def new_id() -> int:
-    """A fresh random 63-bit non-zero id (a source use, a transfer)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1 | 1
-
-
 class Producer(Endpoint):
     """The prefill side of kvpush.
 
@@ -200,7 +209,9 @@ class Producer(Endpoint):
                 self._router.bind(f"tcp://{config.host}:{config.port}")
             else:
                 self._router.bind(f"tcp://{config.host}:*")
-            self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.bound: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.address: str = self.bound if config.advertise is None else \
+                f"tcp://{config.advertise}:{self.bound.rsplit(':', 1)[1]}"
         except zmq.ZMQError as exc:
             self._finalized = False
             self.close()
@@ -213,27 +224,38 @@ class Producer(Endpoint):
 
     # -- engine API (any thread) -----------------------------------------------------------
     def prefill_done(self, request_id: str, block_ids: Any,
-                     mode: TransferMode = TransferMode.PUSH) -> m.PullTicket | None:
+                     mode: TransferMode = TransferMode.PUSH, *,
+                     sid: int | None = None) -> m.PullTicket | None:
         """Prefill for ``request_id`` is done; its KV is in ``block_ids`` (int32/int64 array).
 
         PUSH: the WRITE starts as soon as the consumer's registration is here (at once if it
         already is). PULL: returns the :class:`~kvpush.messages.PullTicket` the router relays
         to the consumer(s). Either way the blocks are held until released, exactly once
         (see :meth:`get_released`). Never blocks on transfer setup.
+
+        ``sid`` names this use of the request id (it travels in pull tickets; a READ of
+        another use's ticket is refused). Leave it None for a fresh random one; an engine
+        that writes its tickets elsewhere (vLLM's scheduler process) passes the one it put
+        there (:func:`new_id`).
         """
         called = time.monotonic()
         check_request_id(request_id)
         mode = TransferMode(mode)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        sid = new_id()
+        if sid is None:
+            sid = new_id()
+        elif isinstance(sid, bool) or not isinstance(sid, int) or not 0 < sid < 1 << 63:
+            raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
         self._call_soon(lambda: self._event(lambda now: self._core.prefill_done(
             now, request_id, ids, mode, sid, called)))
         if mode is TransferMode.PULL:
             sums = block_checksums(self.layout, ids).astype("<u8").tobytes() \
                 if self.config.verify else b""
-            return m.PullTicket(producer=self.name, address=self.address, request_id=request_id,
-                                block_ids=m.encode_ids(ids), lease_s=self.config.lease_s,
-                                issued_at=time.time(), sid=sid, checksums=sums)
+            ticket = m.PullTicket(producer=self.name, address=self.address,
+                                  request_id=request_id, block_ids=m.encode_ids(ids),
+                                  lease_s=self.config.lease_s, issued_at=time.time(), sid=sid,
+                                  checksums=sums)
+            return ticket if self._key is None else ticket.seal(self._key)
         return None
 
     def layer_done(self, request_id: str, block_ids: Any, layer: int) -> None:
@@ -445,6 +467,21 @@ class Producer(Endpoint):
             self._hello_guard.check(msg.nonce, msg.sent_at)
         return msg
 
+    def _addressed_here(self, to: str) -> bool:
+        """Whether a Hello dialed this producer: its address, the bound one, or -- bound
+        to a wildcard host, or dialed by a host name -- its port."""
+        if to in (self.address, self.bound):
+            return True
+        host, _, port = to.removeprefix("tcp://").rpartition(":")
+        bound_host = self.bound.removeprefix("tcp://").rpartition(":")[0]
+        if port != self.bound.rpartition(":")[2]:
+            return False
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            return True   # a host name: not resolved on the loop thread
+        return bound_host in ("0.0.0.0", "*", "[::]")
+
     def _on_hello(self, identity: bytes, msg: m.Hello) -> None:
         old = self._consumers.get(identity)
         if old is not None and old.ack_frame and (
@@ -454,6 +491,19 @@ class Producer(Endpoint):
             # until it hears back, and a slow answer crosses them): the same answer again,
             # so both sides keep one session.
             self._send_frame(self._router, old.ack_frame, identity)
+            return
+        metadata = msg.agent_metadata
+        try:
+            if self._key is not None:
+                if not self._addressed_here(msg.to):
+                    raise AuthenticationError(f"Hello meant for {msg.to!r}, not this producer "
+                                              f"({self.address})")
+                metadata = decrypt(self._key, b"hello-metadata",
+                                   msg.nonce + msg.name.encode(), msg.agent_metadata)
+        except AuthenticationError as exc:
+            self._stats.auth_rejected += 1
+            self._send(self._router, m.HelloReject(str(exc), "auth_key"), identity,
+                       best_effort=True)
             return
         try:
             remote = KVLayout.from_wire(msg.layout)
@@ -466,12 +516,21 @@ class Producer(Endpoint):
         except ProtocolError as exc:
             self._send(self._router, m.HelloReject(str(exc)), identity, best_effort=True)
             return
-        if old is not None:  # a restarted peer under the same name: forget the old one first
-            self._drop_consumer(old, "consumer reconnected", abandon=True)
+        # A restarted consumer (its new connection, or the same one) replaces the old
+        # incarnation: that one's transfers are given up before NIXL takes the new metadata.
+        for stale in {old, self._by_agent.get(msg.name)}:
+            if stale is not None and stale.identity in self._consumers:
+                self._drop_consumer(stale, "consumer reconnected", abandon=True)
         try:
-            agent_name = self._agent.add_peer(msg.agent_metadata, remote)
+            agent_name = self._agent.add_peer(metadata, remote)
         except PeerUnavailable as exc:
             self._send(self._router, m.HelloReject(str(exc)), identity, best_effort=True)
+            return
+        if agent_name != msg.name:  # the Hello is bound to the sender's NIXL agent
+            self._agent.remove_peer(agent_name)
+            self._send(self._router, m.HelloReject(
+                f"Hello from {msg.name!r} carries the NIXL metadata of {agent_name!r}"),
+                identity, best_effort=True)
             return
         peer = _Consumer(identity, agent_name, remote, time.monotonic())
         ack = m.HelloAck(self.name, self._agent.metadata(), self.layout.to_wire())
@@ -481,9 +540,12 @@ class Producer(Endpoint):
             session = session_key(self._key, msg.nonce, nonce)
             peer.sealer, peer.opener = Sealer(session, b"p2c"), Opener(session, b"c2p")
             peer.notif_sealer = Sealer(session, b"p2c-notif")
-            peer.notif_opener = Opener(session, b"c2p-notif")
-            ack = m.HelloAck(self.name, self._agent.metadata(), self.layout.to_wire(),
-                             nonce=nonce, echo=msg.nonce)
+            # A PullDone counts once per owner (xid) while its source lives, so old
+            # notification counters are accepted (see the consumer's Landed, bug 7).
+            peer.notif_opener = Opener(session, b"c2p-notif", accept_old=True)
+            ack = m.HelloAck(self.name, encrypt(session, b"ack-metadata", nonce + msg.nonce,
+                                                self._agent.metadata()),
+                             self.layout.to_wire(), nonce=nonce, echo=msg.nonce)
             ack_sealer = Sealer(self._key, b"hello-ack")
         peer.hello_nonce, peer.hello_metadata = msg.nonce, msg.agent_metadata
         peer.ack_frame = m.encode(ack, ack_sealer)

@@ -64,6 +64,12 @@ class Release:
     ``sid`` names the use of ``request_id`` these blocks belong to (the source id of its
     ``prefill_done``, also in its pull ticket), so an engine that reuses request ids can tell
     which use's blocks came back.
+
+    ``blocks_safe`` False: a transfer may still *read* these blocks (the Producer closed
+    with a WRITE in flight or a READ inside the hold it promised, or a WRITE was abandoned
+    and its consumer could not be told). Keep their contents unchanged for at least
+    ``ProducerConfig.transfer_timeout_s`` before reusing them (quarantine), or the consumer
+    may receive the reuse's bytes.
     """
 
     request_id: str
@@ -72,6 +78,7 @@ class Release:
     detail: str = ""
     timings: Mapping[str, float] = field(default_factory=dict)
     sid: int = 0
+    blocks_safe: bool = True
 
 
 @dataclass(frozen=True)

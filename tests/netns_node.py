@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -70,6 +71,8 @@ class NodeState:
         # bytes found in blocks of a blocks_safe=False result when their quarantine ends
         # (they landed during it, as that result warned they might)
         self.quarantine_bytes = 0
+        # producer: released blocks a transfer may still read, reused once the time comes
+        self.reuse_later: list[tuple[float, Any]] = []
         # blocks back from a quarantine, and bytes found in them when handed out again
         self.was_quarantined: set[int] = set()
         self.late_bytes_after_quarantine = 0
@@ -220,11 +223,18 @@ class NodeState:
 
     def released(self) -> list[list[Any]]:
         out = self.endpoint.get_released()
-        if self.scrub_on_release:
+        if self.scrub_on_release:  # the engine reuses the blocks it got back
             assert self.cache is not None
-            for r in out:
+            now = time.monotonic()
+            hold = self.endpoint.config.transfer_timeout_s
+            # blocks_safe=False: a transfer may still read them; reused only after a while
+            self.reuse_later += [(now + hold, r.block_ids) for r in out if not r.blocks_safe]
+            due = [r.block_ids for r in out if r.blocks_safe] + [
+                ids for t, ids in self.reuse_later if t <= now]
+            self.reuse_later = [(t, ids) for t, ids in self.reuse_later if t > now]
+            for ids in due:
                 for buf in self.cache.buffers:
-                    buf[r.block_ids] = SCRIBBLE
+                    buf[ids] = SCRIBBLE
         return [[r.request_id, r.reason.value, len(r.block_ids), r.detail] for r in out]
 
     def state(self, rid: str) -> str:

@@ -23,7 +23,7 @@ from harness import check_blocks, fill, make_cache
 import kvpush
 from kvpush import messages as m
 from kvpush.agent import Agent
-from kvpush.auth import Opener, Sealer, new_nonce, session_key
+from kvpush.auth import Opener, Sealer, decrypt, encrypt, new_nonce, session_key
 from kvpush.errors import AuthenticationError, InvalidBlockIds
 
 KEY = b"k" * 32
@@ -49,6 +49,7 @@ class ScriptedProducer:
         self.sealer: Sealer | None = None
         self.opener: Opener | None = None
         self.consumer_agent = ""
+        self.session = b""
         # NIXL progress on this side (a READ from it may need it), and its notifications
         self.notes: list[bytes] = []
         self._lock = threading.Lock()
@@ -85,8 +86,8 @@ class ScriptedProducer:
     def send(self, msg: m.Message) -> None:
         self.sock.send_multipart([self.identity, m.encode(msg, self.sealer)])
 
-    def accept(self, frame: bytes | None = None) -> m.Hello:
-        """Answer the consumer's (next) Hello with a HelloAck."""
+    def accept(self, frame: bytes | None = None) -> bytes:
+        """Answer the consumer's (next) Hello with a HelloAck; returns the answer's frame."""
         if frame is None:
             self.identity, frame = self.recv_frame()
         if self.key is None:
@@ -95,25 +96,30 @@ class ScriptedProducer:
             hello = m.decode(frame, Opener(self.key, b"hello", replay=False))
         assert isinstance(hello, m.Hello)
         layout = kvpush.KVLayout.from_wire(hello.layout)
+        metadata = hello.agent_metadata if self.key is None else decrypt(
+            self.key, b"hello-metadata", hello.nonce + hello.name.encode(), hello.agent_metadata)
         with self._lock:
-            self.consumer_agent = self.agent.add_peer(hello.agent_metadata, layout)
+            self.consumer_agent = self.agent.add_peer(metadata, layout)
         if self.key is None:
             ack = m.HelloAck(self.name, self.agent.metadata(), self.cache.layout.to_wire())
-            self.sock.send_multipart([self.identity, m.encode(ack)])
+            answer = m.encode(ack)
         else:
             nonce = new_nonce()
             session = session_key(self.key, hello.nonce, nonce)
+            self.session = session
             self.sealer, self.opener = Sealer(session, b"p2c"), Opener(session, b"c2p")
-            ack = m.HelloAck(self.name, self.agent.metadata(), self.cache.layout.to_wire(),
-                             nonce=nonce, echo=hello.nonce)
-            self.sock.send_multipart([self.identity,
-                                      m.encode(ack, Sealer(self.key, b"hello-ack"))])
-        return hello
+            ack = m.HelloAck(self.name, encrypt(session, b"ack-metadata", nonce + hello.nonce,
+                                                self.agent.metadata()),
+                             self.cache.layout.to_wire(), nonce=nonce, echo=hello.nonce)
+            answer = m.encode(ack, Sealer(self.key, b"hello-ack"))
+        self.sock.send_multipart([self.identity, answer])
+        return answer
 
     def ticket(self, rid: str, ids: list[int], sid: int = 77, lease_s: float = 30.0) -> Any:
-        return m.PullTicket(producer=self.name, address=self.address, request_id=rid,
-                            block_ids=m.encode_ids(np.array(ids)), lease_s=lease_s,
-                            issued_at=time.time(), sid=sid)
+        ticket = m.PullTicket(producer=self.name, address=self.address, request_id=rid,
+                              block_ids=m.encode_ids(np.array(ids)), lease_s=lease_s,
+                              issued_at=time.time(), sid=sid)
+        return ticket if self.key is None else ticket.seal(self.key)
 
     def close(self) -> None:
         self._stop = True
@@ -316,14 +322,53 @@ def test_hello_retransmits_are_identical_and_a_slow_answer_still_authenticates()
         frames = [frame for _, frame in got]
         assert len(set(frames)) == 1, "Hello retransmits differ"
         prod.identity = got[0][0]
-        prod.accept(frames[-1])
+        ack = prod.accept(frames[-1])
         t.join(10)
         assert box == [prod.name]
+        for _ in range(3):  # the same answer to each duplicate: ignored, not an attack
+            prod.sock.send_multipart([prod.identity, ack])
         h = consumer.expect("a", np.array([1]), prod.name, timeout=10)
         reg = prod.recv()  # authenticated with the session key
         assert isinstance(reg, m.Register) and reg.xid == h.xid
         prod.send(m.Failed("a", reg.xid, "aborted", "test"))
         assert h.wait(5).state is kvpush.RequestState.ABORTED
+        assert consumer.stats()["auth_rejected"] == 0
+    finally:
+        consumer.close()
+        prod.close()
+
+
+def test_a_landed_overtaken_by_thousands_of_notifications_still_counts() -> None:
+    """Issue 13, bug 7: the notification of a large WRITE, overtaken by more than the
+    4096-counter replay window of later notifications, was refused as a replay and the
+    request timed out. A Landed counts once per (xid, part) instead."""
+    prod = ScriptedProducer(auth_key=KEY)
+    dst = make_cache(**CACHE)
+    consumer = kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(auth_key=KEY))
+    try:
+        box: list[str] = []
+        t = threading.Thread(target=lambda: box.append(consumer.connect(prod.address, 10)))
+        t.start()
+        prod.identity, frame = prod.recv_frame()
+        prod.accept(frame)
+        t.join(10)
+        assert box == [prod.name]
+        h = consumer.expect("big", np.array([1]), prod.name, timeout=20)
+        reg = prod.recv()
+        assert isinstance(reg, m.Register)
+        assert prod.sealer is not None and prod.opener is not None
+        notif = Sealer(prod.session, b"p2c-notif")
+        late = m.encode(m.Landed("big", reg.xid, 0), notif)
+        overtaking = [m.encode(m.Landed(f"other{i}", 1, 0), notif) for i in range(4200)]
+        prod.send(m.Posted("big", reg.xid, 0))  # the consumer polls notifications now
+        time.sleep(0.1)
+        with prod._lock:
+            for note in overtaking:
+                prod.agent.send_notification(prod.consumer_agent, note)
+        _wait_stat(consumer, "stale_messages", 4200)
+        with prod._lock:
+            prod.agent.send_notification(prod.consumer_agent, late)
+        assert h.wait(10).state is kvpush.RequestState.READY
         assert consumer.stats()["auth_rejected"] == 0
     finally:
         consumer.close()

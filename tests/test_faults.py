@@ -45,6 +45,11 @@ CONSUMER = dict(heartbeat_s=0.15, peer_timeout_s=PEER_TIMEOUT, abort_grace_s=2.0
 DETECT = PEER_TIMEOUT + 2.5
 #: a pull source whose READ began waits this long at most (lease + transfer timeout)
 PULL_HOLD = PRODUCER["lease_s"] + PRODUCER["transfer_timeout_s"]
+#: a WRITE to a silent consumer is left to end (bytes still in flight must not read reused
+#: source blocks), at most until its deadline; a READ's blocks stay held for its PullHeld
+#: hold_s (the transfer timeout) after its PullBegin, whatever happened to the puller
+WRITE_HOLD = PRODUCER["transfer_timeout_s"] + 1.5
+READ_HOLD = PRODUCER["transfer_timeout_s"] + 1.5
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float, every: float = 0.02) -> Any:
@@ -389,20 +394,22 @@ def test_consumer_killed_mid_transfer(fx: Pair, mode: str) -> None:
     if mode == "push":  # the WRITE fails (or is cancelled when the peer is declared lost)
         assert fx.release(rid, DETECT) == "failed"
         assert time.monotonic() - t0 < DETECT
-    else:  # the puller is declared lost: its READ died with it
-        assert fx.release(rid, DETECT) == "failed"
+    else:  # the puller is declared lost; its blocks stay held until its READ's hold ends
+        assert fx.release(rid, READ_HOLD) == "failed"
     dead_gone_from_producer(fx, name, lost)
 
 
-def test_pull_source_released_when_puller_is_lost(fx: Pair) -> None:
+def test_pull_source_held_until_a_lost_pullers_hold_ends(fx: Pair) -> None:
+    """A silent puller may only be stalled (issue 13, bug 5: released at once, a consumer
+    that resumed finished its READ over reused blocks and reported READY): its blocks stay
+    held until the hold its PullHeld promised is over, then are released once."""
     rid = fx.big("pull", "ckill-prompt")
     t0 = time.monotonic()
     fx.c.kill()
-    try:
-        reason = fx.release(rid, DETECT)
-    finally:  # leave the pair settled either way
-        fx.release(rid, PULL_HOLD + 1.5)
-    assert reason == "failed" and time.monotonic() - t0 < DETECT
+    wait_for("puller counted lost", lambda: fx.stats(fx.p)["peers_lost"] > 0, DETECT)
+    assert fx.no_release(rid), "released while its READ could still run"
+    assert fx.release(rid, READ_HOLD) == "failed"
+    assert time.monotonic() - t0 > PRODUCER["transfer_timeout_s"] - 2.0
 
 
 def test_read_error_does_not_kill_the_consumer(fx: Pair) -> None:
@@ -607,10 +614,10 @@ def test_link_cut_mid_transfer(fx: Pair, mode: str) -> None:
     res = fx.result(rid, DETECT)
     assert res["state"] == "failed" and res["error"] in LOST_ERRORS, res
     dead_gone_from_consumer(fx, producer_name)
-    if mode == "push":
-        assert fx.release(rid, DETECT) == "failed"
+    if mode == "push":  # the WRITE over the cut link is left to its deadline
+        assert fx.release(rid, WRITE_HOLD) == "failed"
     dead_gone_from_producer(fx, consumer_name, lost)
-    assert time.monotonic() - t0 < 2 * DETECT
+    assert time.monotonic() - t0 < WRITE_HOLD + DETECT
     fx.restore_link()
     fx.link.unshape()
     fx.shaped = False
@@ -770,10 +777,10 @@ def test_consumer_stalled_past_peer_timeout(fx: Pair, mode: str) -> None:
     rid = fx.big(mode, "freeze")
     t0 = time.monotonic()
     fx.c.stop()
-    if mode == "push":
-        assert fx.release(rid, DETECT) == "failed"
+    if mode == "push":  # the WRITE to the frozen consumer is left to its deadline
+        assert fx.release(rid, WRITE_HOLD) == "failed"
     dead_gone_from_producer(fx, name, lost)
-    assert time.monotonic() - t0 < DETECT + 0.5
+    assert time.monotonic() - t0 < WRITE_HOLD + 0.5
     fx.c.cont()
     res = fx.result(rid, 3.0)  # on waking, the consumer finds its producer silent too
     assert res["state"] in ("failed", "timed_out"), res

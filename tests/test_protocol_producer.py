@@ -244,8 +244,7 @@ def test_a_lost_consumer_write_ends_before_the_source_goes() -> None:
     assert any(isinstance(e, DropPeer) for e in h.effects)
 
 
-def test_a_write_past_its_deadline_is_abandoned_and_the_consumer_told() -> None:
-    h = Harness(transfer_timeout_s=2.0)
+def abandon_write(h: Harness) -> None:
     h.register("A", "r", 1, [2])
     h.prefill("r", [1])
     out = h.advance(2.5)
@@ -254,7 +253,44 @@ def test_a_write_past_its_deadline_is_abandoned_and_the_consumer_told() -> None:
     h.run()
     (failed,) = h.sent(m.Failed)
     assert failed.code == "timeout" and failed.unfenced
-    assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED]
+
+
+def test_an_abandoned_write_holds_its_source_until_the_consumer_acknowledges() -> None:
+    """Simulator finding F1: the source of an abandoned WRITE was released at once; when a
+    cut healed, the WRITE resumed, copied the engine's reuse of the blocks, and its Landed
+    reached the consumer before the Failed: READY with wrong bytes. Now the blocks stay
+    until the consumer's Abort says it will not trust that WRITE."""
+    h = Harness(transfer_timeout_s=2.0)
+    abandon_write(h)
+    assert h.releases() == []
+    h.core.on_message(h.now, "A", m.Abort("r", 1, "unfenced write acknowledged"))
+    h.run()
+    assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(ReleaseReason.FAILED, True)]
+
+
+def test_an_abandoned_write_never_acknowledged_is_released_unsafe() -> None:
+    h = Harness(transfer_timeout_s=2.0)
+    abandon_write(h)
+    h.core.peer_lost(h.now, "A", "silent")
+    h.run()
+    assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(ReleaseReason.FAILED, False)]
+
+
+@pytest.mark.parametrize("what", ["write", "pull"])
+def test_close_with_a_transfer_that_may_still_read_releases_unsafe(what: str) -> None:
+    """Simulator findings F1b/F2: close() released a source a WRITE was still reading, or a
+    pulled one inside the hold its PullHeld promised; the consumer got the reuse's bytes."""
+    h = Harness()
+    if what == "write":
+        h.register("A", "r", 1, [2])
+        h.prefill("r", [1])
+    else:
+        h.prefill("r", [1], TransferMode.PULL, sid=3)
+        h.core.on_message(h.now, "A", m.PullBegin("r", 1, 3))
+    h.prefill("quiet", [5])
+    h.core.close(h.now)
+    h.run()
+    assert {r.request_id: r.blocks_safe for r in h.releases()} == {"r": False, "quiet": True}
 
 
 def test_bug8_a_second_prefill_done_releases_nothing_still_held() -> None:

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import launch
@@ -127,6 +128,51 @@ def test_decode_request_abandoned_while_waiting(pair: Pair, reference: dict[str,
         time.sleep(0.2)
     status, out = pair.complete(PROMPTS["len40"], mode="push")
     assert status == 200 and tokens_of(out) == reference["len40"]
+
+
+@pytest.mark.parametrize("how", ["pull", "push"])
+def test_vllm_toy_proxy_schema_gets_exact_tokens(pair: Pair, reference: dict[str, list[int]],
+                                                 how: str) -> None:
+    """A client that speaks only vLLM's NIXL kv_transfer_params (vLLM's toy proxy: pull
+    by the prefill's answer; push by one X-Request-Id sent to both at once)."""
+    from toy_proxy import ToyProxy
+
+    host, port = pair.producer_address.removeprefix("tcp://").rsplit(":", 1)
+    proxy = ToyProxy(pair.prefill.url, pair.decode.url, prefill_kv_host=host,
+                     prefill_kv_port=int(port))
+    for name in ("len200", "len650"):
+        body = {"model": "tiny", "prompt": PROMPTS[name], "max_tokens": len(reference[name]),
+                "temperature": 0, "return_token_ids": True}
+        status, out = getattr(proxy, how)(body)
+        assert status == 200, out
+        assert tokens_of(out) == reference[name], f"{how}, {name}"
+
+
+def test_decode_of_another_model_is_refused_at_handshake(pair: Pair, model_dir: Path,
+                                                          workdir: Path) -> None:
+    """A decode server whose compatibility identity differs (here its ``model_id``) is
+    refused by the prefill's kvpush endpoint: the request fails under the default
+    ``kv_load_failure_policy`` ("fail") and the log names the field, instead of decoding
+    another model's KV."""
+    from toy_proxy import ToyProxy
+
+    fleet = launch.Fleet()
+    try:
+        other = fleet.add(launch.start_vllm(
+            model_dir, launch.free_port(), name="decode-other-model", cores="1",
+            log_dir=workdir / "logs", extra_args=["-O0", "--max-num-seqs", "4"],
+            kv_transfer_config=launch.kvpush_config("kv_consumer", model_id="another/model",
+                                                    connect_timeout_s=5.0)))
+        launch.wait_healthy([other], timeout_s=300)
+        host, port = pair.producer_address.removeprefix("tcp://").rsplit(":", 1)
+        proxy = ToyProxy(pair.prefill.url, other.url, prefill_kv_host=host,
+                         prefill_kv_port=int(port))
+        status, out = proxy.push({"model": "tiny", "prompt": PROMPTS["len200"],
+                                  "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert status != 200, out
+        assert "identity.model" in other.log.read_text(errors="replace")
+    finally:
+        fleet.stop()
 
 
 def test_prefill_killed_mid_request(pair: Pair, reference: dict[str, list[int]]) -> None:

@@ -22,9 +22,10 @@ installed, where vLLM's types are ``Any``; the ``unused-ignore`` codes keep it c
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -35,8 +36,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .vllm_common import STAT_KEYS, AdapterConfig, StepPlan, TransferStats
+from ..messages import PROTOCOL_VERSION
+from .vllm_common import (
+    STAT_KEYS,
+    AdapterConfig,
+    EngineFacts,
+    RankCoords,
+    StepPlan,
+    TransferStats,
+    check_vllm_version,
+    engine_identity,
+)
 from .vllm_scheduler import KVPushScheduler, RankInfo
 from .vllm_worker import KVPushWorker
 
@@ -74,11 +86,17 @@ class KVPushConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc, unused
 
 @dataclass
 class KVPushHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[misc, unused-ignore]
-    """Worker -> scheduler at start-up: where this rank's kvpush endpoint listens."""
+    """Worker -> scheduler at start-up: where this rank's kvpush endpoint listens (its
+    advertised host and port: ranks may sit on different hosts) and which rank it is."""
 
     role: str
     name: str
     address: str
+    host: str = ""
+    port: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
 
 
 @dataclass
@@ -159,10 +177,17 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """vLLM v1 KV connector over kvpush: push (producer WRITE) or pull (consumer READ) per
     request. See the module docstring."""
 
+    # vLLM's prefix-cache metrics count loaded tokens by source: ours come from a peer.
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        # The connector interface changes between vLLM minor releases: refuse the ones this
+        # adapter was not written against, before anything starts.
+        self._vllm_version = check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         config = AdapterConfig.from_extra_config(ktc.kv_connector_extra_config)
+        self._config = config
         self._scheduler: KVPushScheduler | None = None
         self._worker: KVPushWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -185,6 +210,13 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return "LBHNC"
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33 asks before enabling sleep mode. kvpush's endpoints hold NIXL
+        # registrations of the KV memory and peers hold descriptors of it; sleep remaps that
+        # memory and unregister_kv_caches / restore_kv_caches are not implemented: say no.
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPushStats:
         return KVPushStats(data=data) if data is not None else KVPushStats()
 
@@ -202,9 +234,11 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        self._w().register_kv_caches(kv_caches, tp_rank=get_tp_group().rank_in_group)
+        self._w().register_kv_caches(kv_caches, coords=_rank_coords(self._vllm_config),
+                                     facts=_engine_facts(self._vllm_config,
+                                                         self._kv_cache_config, self._config,
+                                                         self._vllm_version),
+                                     host_ip=_host_ip())
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -229,6 +263,19 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return self._w().get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # vLLM 0.32/0.33 call this (not get_finished) from the model runner: failed loads
+        # are named in failed_recving as well as ended in finished_recving, and their
+        # blocks still go to get_block_ids_with_load_errors (as vLLM's NIXL connector does).
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        sending, recving = self._w().get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving,
+            failed_recving=self._w().take_failed_recving(recving))
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().take_load_errors()
 
@@ -240,7 +287,7 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def get_handshake_metadata(self) -> KVPushHandshakeMetadata | None:
         info = self._w().handshake()
-        return None if info is None else KVPushHandshakeMetadata(*info)
+        return None if info is None else KVPushHandshakeMetadata(**info)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -257,7 +304,7 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self._s().bind_kv_cache_manager(kv_cache_manager)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        self._s().set_handshake({rank: RankInfo(m.role, m.name, m.address)
+        self._s().set_handshake({rank: RankInfo(**asdict(m))
                                  for rank, m in metadata.items()
                                  if isinstance(m, KVPushHandshakeMetadata)})
 
@@ -284,3 +331,48 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
+
+
+# -- what vLLM knows that the tensors do not -----------------------------------------------
+def _rank_coords(vllm_config: Any) -> RankCoords:
+    """This worker's (DP rank, PP stage, TP rank) and sizes, from vLLM's process groups."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    return RankCoords(tp_rank=tp.rank_in_group, tp_size=tp.world_size,
+                      pp_rank=pp.rank_in_group, pp_size=pp.world_size, dp_rank=dp_rank)
+
+
+def _host_ip() -> str | None:
+    """This machine's address as vLLM finds it (``VLLM_HOST_IP`` first)."""
+    try:
+        from vllm.utils.network_utils import get_ip
+    except ImportError:  # pragma: no cover - moved in another release
+        return None
+    try:
+        return str(get_ip())
+    except Exception:  # no route: the configured host must do
+        return None
+
+
+def _engine_facts(vllm_config: Any, kv_cache_config: Any, config: AdapterConfig,
+                  vllm_version: tuple[int, int]) -> EngineFacts:
+    """The attention backend, resolved KV cache layout and cache dtype of this worker, and
+    the compatibility identity both instances must share."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    backends = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    backend = ",".join(backends)
+    cache = vllm_config.cache_config
+    layout = getattr(cache, "kv_cache_layout", None) or getattr(kv_cache_config,
+                                                                "kv_cache_layout", None)
+    model = vllm_config.model_config
+    identity = engine_identity(
+        model=config.model_id or str(model.model), revision=model.revision,
+        dtype=str(model.dtype), num_layers=model.get_total_num_hidden_layers(),
+        num_kv_heads=model.get_total_num_kv_heads(), head_size=model.get_head_size(),
+        cache_dtype=str(cache.cache_dtype), attn_backend=backend, protocol=PROTOCOL_VERSION,
+        vllm_version=vllm_version)
+    return EngineFacts(attn_backend=backend, kv_cache_layout=layout,
+                       cache_dtype=str(cache.cache_dtype), identity=identity)

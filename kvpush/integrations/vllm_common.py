@@ -15,6 +15,26 @@ side hands the worker side, and transfer statistics.
 ``ID`` is the router's name for the request, shared by both instances (vLLM's own request
 ids differ between the two servers). ``do_remote_decode`` / ``do_remote_prefill`` are vLLM's
 own keys, so vLLM's serving layer treats kvpush requests as it treats its own connectors'.
+
+vLLM's own NIXL schema works too (the ``kvpush_*`` keys are an extension), so proxies written
+for ``NixlConnector`` / ``NixlPushConnector`` drive kvpush unchanged::
+
+    router -> prefill   {"do_remote_decode": true, ...}            (no kvpush_id)
+    prefill -> router   {"do_remote_prefill": true, "remote_engine_id", "remote_host",
+                         "remote_port", "remote_block_ids", "remote_request_id", "tp_size",
+                         "remote_num_tokens", ... plus the kvpush keys above}
+    router -> decode    pull: the prefill's response, as it came
+                        push: {"do_remote_prefill": true, "remote_engine_id": ...,
+                               "remote_host": H, "remote_port": P, "tp_size": T}
+                              (sent with the prefill, both under one X-Request-Id)
+
+Without ``kvpush_id`` the transfer is named by the request id vLLM assigned, less the random
+``-xxxxxxxx`` suffix vLLM appends to the ``X-Request-Id`` it was given: the same on both
+instances when the router gives both the same ``X-Request-Id`` (as vLLM's push proxy does).
+``remote_host`` / ``remote_port`` name the prefill instance's kvpush endpoint (its
+``host`` / ``port``; rank ``r`` of ``tp_size`` listens at ``remote_port + r``). The mode is
+``kvpush_mode``, else ``transfer_mode`` ("push"/"pull", vLLM's name), else the instance's
+configured ``mode``.
 """
 
 from __future__ import annotations
@@ -22,6 +42,7 @@ from __future__ import annotations
 import base64
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -37,14 +58,22 @@ __all__ = [
     "PARAM_NUM_TOKENS",
     "PARAM_PRODUCERS",
     "PARAM_TICKETS",
+    "SUPPORTED_VLLM",
     "AdapterConfig",
+    "EngineFacts",
+    "RankCoords",
     "RecvPlan",
     "RemotePrefill",
     "SendPlan",
     "StepPlan",
     "TransferStats",
+    "base_request_id",
+    "check_vllm_version",
     "decode_params",
+    "engine_identity",
+    "kv_dtype",
     "prefill_params",
+    "transfer_id_of",
 ]
 
 PARAM_ID = "kvpush_id"
@@ -83,6 +112,13 @@ class AdapterConfig:
     auth_key_env
         Name of an environment variable holding the shared authentication key (hex); both
         instances must have the same key. Unset: no authentication.
+    advertise_host
+        The host name or address peers reach this instance's ranks at (default: ``host``,
+        or this machine's address as vLLM finds it when ``host`` binds every interface).
+    model_id
+        The model's name in the compatibility identity (default: vLLM's ``--model``, as
+        vLLM's NIXL connector does); set it when the two instances load one checkpoint from
+        different paths.
     """
 
     host: str = "127.0.0.1"
@@ -97,6 +133,8 @@ class AdapterConfig:
     producers: tuple[str, ...] = ()
     ucx_error_mode: str = "none"
     auth_key_env: str | None = None
+    advertise_host: str | None = None
+    model_id: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))
@@ -134,11 +172,36 @@ class AdapterConfig:
                              "which is not set")
         return bytes.fromhex(value)
 
-    def producer_config(self, tp_rank: int, name: str | None,
+    def rank_port(self, coords: RankCoords) -> int:
+        """The control port of one rank: ``port`` + its index over (DP rank, PP stage, TP
+        rank), so no two ranks of a deployment on one host collide; 0 stays 0 (any)."""
+        if not self.port:
+            return 0
+        port = self.port + coords.index
+        if port > 65535:
+            raise ValueError(f"kvpush: rank {coords} needs port {self.port} + {coords.index} "
+                             f"= {port} > 65535; lower kv_connector_extra_config's port")
+        return port
+
+    def advertised_host(self, fallback: str | None = None) -> str:
+        """Where peers reach this instance: ``advertise_host``, else ``host`` unless it binds
+        every interface, else ``fallback`` (this machine's address)."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host not in _WILDCARD_HOSTS:
+            return self.host
+        if not fallback:
+            raise ValueError(f"kvpush: host {self.host!r} binds every interface; set "
+                             "advertise_host to the address peers reach this instance at")
+        return fallback
+
+    def producer_config(self, coords: RankCoords | int, name: str | None,
                         auth_key: bytes | None = None) -> ProducerConfig:
+        if isinstance(coords, int):
+            coords = RankCoords(tp_rank=coords, tp_size=coords + 1)
         return ProducerConfig(
             host=self.host,
-            port=self.port + tp_rank if self.port else 0,
+            port=self.rank_port(coords),
             name=name,
             lease_s=self.lease_s,
             transfer_timeout_s=self.transfer_timeout_s,
@@ -159,7 +222,179 @@ class AdapterConfig:
         )
 
 
+_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one worker sits in its deployment: data-parallel rank, pipeline stage and
+    tensor-parallel rank, with the sizes that make them one index."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name, size in (("tp", self.tp_size), ("pp", self.pp_size)):
+            rank = getattr(self, f"{name}_rank")
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"kvpush: {name}_rank {rank} is not in [0, {name}_size "
+                                 f"{size})")
+        if self.dp_rank < 0:
+            raise ValueError(f"kvpush: dp_rank must be >= 0, got {self.dp_rank}")
+
+    @property
+    def index(self) -> int:
+        """This rank's number among every rank of every DP replica: DP-major, then PP stage,
+        then TP rank (the order of vLLM's global ranks)."""
+        return (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
+
+
+# -- what vLLM says about its cache -----------------------------------------------------------
+#: vLLM releases this adapter implements the connector interface of (major, minor).
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+
+def check_vllm_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a supported vLLM version string; RuntimeError naming the supported
+    ones otherwise (the connector interface changes between minor releases)."""
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    found = (int(match.group(1)), int(match.group(2))) if match else None
+    if found not in SUPPORTED_VLLM:
+        names = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM)
+        raise RuntimeError(f"kvpush's vLLM connector supports vLLM {names}; this is vLLM "
+                           f"{version!r}. Install a supported vLLM or a kvpush that supports "
+                           "this one.")
+    return found
+
+
+#: vLLM ``--kv-cache-dtype`` -> the element type kvpush names in the layout. vLLM stores
+#: fp8 caches as uint8 tensors, so the variant comes from here, never from the tensor.
+_CACHE_DTYPES = {
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+def kv_dtype(cache_dtype: str, tensor_dtype: str) -> str:
+    """The layout's dtype for vLLM's ``cache_dtype`` over tensors of ``tensor_dtype``
+    (``auto``: the tensors' own). NotImplementedError for cache dtypes kvpush does not know
+    the bytes of (quantised formats with scales inside blocks, MLA-specific ones)."""
+    if cache_dtype in ("auto", None, ""):
+        return tensor_dtype
+    name = _CACHE_DTYPES.get(cache_dtype)
+    if name is None:
+        raise NotImplementedError(f"kvpush: --kv-cache-dtype {cache_dtype} is not supported "
+                                  f"(supported: auto, {', '.join(sorted(_CACHE_DTYPES))})")
+    if tensor_dtype not in (name, "uint8", "int8"):
+        raise NotImplementedError(f"kvpush: --kv-cache-dtype {cache_dtype} over {tensor_dtype} "
+                                  "tensors is not a layout kvpush knows")
+    return name
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What vLLM's configuration says about a worker's KV cache, beyond the tensors.
+
+    Parameters
+    ----------
+    attn_backend
+        The attention backend's name (``CPU_ATTN``, ``FLASH_ATTN``, ...): it decides how a
+        block's content holds K and V.
+    kv_cache_layout
+        vLLM's resolved physical layout (``LBHNC``, ``LBNHC``, ... or the legacy ``HND`` /
+        ``NHD``), or None when vLLM did not say.
+    cache_dtype
+        vLLM's ``--kv-cache-dtype`` (``auto``, ``fp8_e4m3``, ...).
+    identity
+        The compatibility identity (see :func:`engine_identity`).
+    """
+
+    attn_backend: str = ""
+    kv_cache_layout: str | None = None
+    cache_dtype: str = "auto"
+    identity: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def heads_before_tokens(self) -> bool | None:
+        """True for head-major layouts (H before N), False for token-major, None unknown."""
+        name = (self.kv_cache_layout or "").upper()
+        if name in ("HND", "NHD"):
+            return name == "HND"
+        if len(name) == 5 and "H" in name and "N" in name:
+            return name.index("H") < name.index("N")
+        return None
+
+
+#: Backends whose packed per-token content is known: vLLM's CPU attention reads a head's
+#: ``[block_size, 2 * head_size]`` as ``[2 * block_size, head_size]``: all of K, then all of
+#: V (``cpu_attn.py``). Others keep it opaque (``C``): equal layouts only.
+_PACKED_ORDERS = {"CPU_ATTN": "KND"}
+
+
+def packed_order(attn_backend: str, heads_first: bool) -> str:
+    """``block_order`` of a packed ``[heads, tokens, 2 * head_size]`` block interior."""
+    inner = _PACKED_ORDERS.get(attn_backend)
+    if inner is None:
+        return "HNC" if heads_first else "NHC"
+    if not heads_first:
+        raise NotImplementedError(f"kvpush: attention backend {attn_backend} with a "
+                                  "token-major KV cache layout is not a layout kvpush knows")
+    return "H" + inner
+
+
+def engine_identity(*, model: str, revision: str | None, dtype: str, num_layers: int,
+                    num_kv_heads: int, head_size: int, cache_dtype: str, attn_backend: str,
+                    protocol: int, vllm_version: tuple[int, int]) -> tuple[tuple[str, str], ...]:
+    """The compatibility identity two instances must share to exchange KV: the model
+    (name or path, revision, dtype, layers, KV heads, head size), the cache dtype, the
+    attention backend, kvpush's protocol version and vLLM's (major, minor) version."""
+    return tuple(sorted({
+        "model": model,
+        "revision": revision or "",
+        "model_dtype": dtype.removeprefix("torch."),
+        "num_layers": str(num_layers),
+        "num_kv_heads": str(num_kv_heads),
+        "head_size": str(head_size),
+        "cache_dtype": cache_dtype,
+        "attn_backend": attn_backend,
+        "kvpush_protocol": str(protocol),
+        "vllm": f"{vllm_version[0]}.{vllm_version[1]}",
+    }.items()))
+
+
 # -- kv_transfer_params ----------------------------------------------------------------------
+#: vLLM appends ``-<8 hex>`` to the request id a client gives (``X-Request-Id``).
+_VLLM_SUFFIX = re.compile(r"-[0-9a-fA-F]{8}$")
+
+
+def base_request_id(request_id: str) -> str:
+    """vLLM's request id without the random suffix vLLM appended: the same on both
+    instances for one ``X-Request-Id``."""
+    return _VLLM_SUFFIX.sub("", request_id)
+
+
+def transfer_id_of(request_id: str, params: Mapping[str, Any]) -> str:
+    """The transfer's name: kvpush's ``kvpush_id`` if the router gave one, else vLLM's
+    request id less its random suffix (vLLM's own schema, paired by ``X-Request-Id``)."""
+    transfer_id = params.get(PARAM_ID)
+    if transfer_id is None:
+        return base_request_id(request_id)
+    if not isinstance(transfer_id, str) or not transfer_id:
+        raise ValueError(f"kv_transfer_params {PARAM_ID!r} must be a non-empty string")
+    return transfer_id
+
+
+def mode_of(params: Mapping[str, Any], default: TransferMode) -> TransferMode:
+    """``kvpush_mode``, else vLLM's ``transfer_mode``, else ``default``."""
+    value = params.get(PARAM_MODE) or params.get("transfer_mode") or default.value
+    return TransferMode(value)
 def _encode_ticket(ticket: bytes) -> str:
     return base64.b64encode(ticket).decode("ascii")
 
@@ -182,15 +417,39 @@ def decode_params(transfer_id: str, producers: Sequence[str]) -> dict[str, Any]:
 
 
 def response_params(transfer_id: str, mode: TransferMode, producers: Sequence[str],
-                    num_tokens: int, tickets: Sequence[bytes] = ()) -> dict[str, Any]:
+                    num_tokens: int, tickets: Sequence[bytes] = (), *,
+                    request_id: str = "", engine_id: str = "", block_ids: Sequence[int] = (),
+                    ) -> dict[str, Any]:
     """What the prefill instance returns (vLLM puts it in the response's
-    ``kv_transfer_params``)."""
+    ``kv_transfer_params``): kvpush's keys, and vLLM's NIXL keys naming the same things
+    (rank 0's host and port, the block ids, the TP size) for routers that read those."""
     out: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False,
                            PARAM_ID: transfer_id, PARAM_MODE: mode.value,
-                           PARAM_PRODUCERS: list(producers), PARAM_NUM_TOKENS: num_tokens}
+                           PARAM_PRODUCERS: list(producers), PARAM_NUM_TOKENS: num_tokens,
+                           "transfer_mode": mode.value, "remote_engine_id": engine_id,
+                           "remote_request_id": request_id or transfer_id,
+                           "remote_block_ids": [list(block_ids)],
+                           "remote_num_tokens": num_tokens, "tp_size": len(producers)}
+    if producers:
+        host, port = split_address(producers[0])
+        out["remote_host"], out["remote_port"] = host, port
     if tickets:
         out[PARAM_TICKETS] = [_encode_ticket(t) for t in tickets]
     return out
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port); ValueError otherwise."""
+    match = re.match(r"^tcp://(\[[^\]]+\]|[^:/]+):(\d+)$", address)
+    if match is None:
+        raise ValueError(f"not a kvpush address (tcp://host:port): {address!r}")
+    return match.group(1), int(match.group(2))
+
+
+def join_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -203,26 +462,33 @@ class RemotePrefill:
     tickets: tuple[bytes, ...] = ()
 
     @classmethod
-    def parse(cls, params: Mapping[str, Any], default_mode: TransferMode) -> RemotePrefill:
-        """Raise ``ValueError`` naming what is missing or malformed."""
-        transfer_id = params.get(PARAM_ID)
-        if not isinstance(transfer_id, str) or not transfer_id:
+    def parse(cls, params: Mapping[str, Any], default_mode: TransferMode,
+              request_id: str = "") -> RemotePrefill:
+        """Raise ``ValueError`` naming what is missing or malformed. ``request_id`` (this
+        instance's vLLM request id) names the transfer when ``kvpush_id`` is absent
+        (vLLM's own schema)."""
+        if PARAM_ID not in params and not request_id:
             raise ValueError(f"kv_transfer_params needs a non-empty string {PARAM_ID!r}")
-        mode = TransferMode(params.get(PARAM_MODE, default_mode.value))
+        transfer_id = transfer_id_of(request_id, params)
+        mode = mode_of(params, default_mode)
         producers = params.get(PARAM_PRODUCERS) or []
         if isinstance(producers, str):
             producers = [producers]
         if not all(isinstance(p, str) and "://" in p for p in producers):
             raise ValueError(f"{PARAM_PRODUCERS!r} must list addresses like tcp://host:port")
+        if not producers and params.get("remote_host") and params.get("remote_port"):
+            producers = _vllm_producers(params)
         raw = params.get(PARAM_TICKETS) or []
         try:
             tickets = tuple(_decode_ticket(t) for t in raw)
         except (ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"{PARAM_TICKETS!r} must be base64 strings: {exc}") from exc
         if mode is TransferMode.PUSH and not producers:
-            raise ValueError(f"push needs {PARAM_PRODUCERS!r} (the prefill's kvpush address)")
+            raise ValueError(f"push needs {PARAM_PRODUCERS!r} or remote_host/remote_port "
+                             "(the prefill's kvpush address)")
         if mode is TransferMode.PULL and not tickets:
-            raise ValueError(f"pull needs {PARAM_TICKETS!r} (from the prefill's response)")
+            raise ValueError(f"pull needs {PARAM_TICKETS!r} (the prefill's response, as it "
+                             "came)")
         return cls(transfer_id, mode, tuple(producers), tickets)
 
     def for_rank(self, tp_rank: int) -> RemotePrefill:
@@ -235,6 +501,20 @@ class RemotePrefill:
         if self.mode is TransferMode.PULL:
             return RemotePrefill(self.transfer_id, self.mode, (), (self.tickets[tp_rank],))
         return RemotePrefill(self.transfer_id, self.mode, (self.producers[tp_rank],), ())
+
+
+def _vllm_producers(params: Mapping[str, Any]) -> list[str]:
+    """Producer addresses from vLLM's keys: rank ``r`` of ``tp_size`` at ``remote_port +
+    r`` on ``remote_host`` (vLLM's schema names one host per instance)."""
+    host, port, size = params["remote_host"], params["remote_port"], params.get("tp_size", 1)
+    try:
+        port, size = int(port), int(size or 1)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"remote_port and tp_size must be integers: {exc}") from exc
+    if not isinstance(host, str) or not 0 < port <= 65535 or size < 1:
+        raise ValueError(f"remote_host/remote_port/tp_size {host!r}/{port}/{size} do not "
+                         "name a kvpush endpoint")
+    return [join_address(host, port + r) for r in range(size)]
 
 
 def prompt_blocks(num_tokens: int, block_size: int) -> int:
@@ -262,6 +542,7 @@ class SendPlan:
     transfer_id: str
     mode: TransferMode
     src: list[int]
+    sid: int = 0              # the source use id the scheduler put in the pull tickets
 
 
 @dataclass

@@ -29,10 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ..messages import PullTicket, encode_ids
+from ..messages import PullTicket, encode_ids, new_id
 from ..request import TransferMode
 from .vllm_common import (
-    PARAM_ID,
     PARAM_MODE,
     PARAM_NUM_TOKENS,
     AdapterConfig,
@@ -40,8 +39,10 @@ from .vllm_common import (
     RemotePrefill,
     SendPlan,
     StepPlan,
+    mode_of,
     prompt_blocks,
     response_params,
+    transfer_id_of,
 )
 
 __all__ = ["KVPushScheduler", "RankInfo"]
@@ -59,15 +60,22 @@ class RankInfo:
     role: str
     name: str
     address: str
+    host: str = ""
+    port: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
 
 
 @dataclass
 class _Send:
+    req_id: str
     transfer_id: str
     mode: TransferMode
     src: list[int]
     num_tokens: int
     issued_at: float          # wall clock, before prefill_done (a conservative lease start)
+    sid: int                  # the source use id, chosen here: the tickets carry it
 
 
 class KVPushScheduler:
@@ -163,8 +171,11 @@ class KVPushScheduler:
         send = self._sends.get(req_id)
         normal = getattr(request.status, "name", str(request.status)) in _NORMAL_FINISH
         if send is None:
-            transfer_id = params.get(PARAM_ID) if params.get("do_remote_decode") else None
-            if self.is_producer and isinstance(transfer_id, str) and transfer_id:
+            if self.is_producer and params.get("do_remote_decode"):
+                try:
+                    transfer_id = transfer_id_of(req_id, params)
+                except ValueError:
+                    return False, None
                 # Its prefill never finished: a waiting registration should fail now.
                 self._send_aborts.append(transfer_id)
             return False, None
@@ -182,11 +193,15 @@ class KVPushScheduler:
                 log.error("kvpush: no producer endpoint known (handshake metadata missing); "
                           "the decode instance cannot pull %r", send.transfer_id)
             ids = encode_ids(_as_ids(send.src))
-            tickets = [PullTicket(producer=r.name, address=r.address,
-                                  request_id=send.transfer_id, block_ids=ids,
-                                  lease_s=self.config.lease_s, issued_at=send.issued_at
-                                  ).to_bytes() for r in ranks]
-        return response_params(send.transfer_id, send.mode, producers, send.num_tokens, tickets)
+            key = self.config.auth_key()  # with a key, the router cannot read or alter them
+            plain = [PullTicket(producer=r.name, address=r.address,
+                                request_id=send.transfer_id, block_ids=ids,
+                                lease_s=self.config.lease_s, issued_at=send.issued_at,
+                                sid=send.sid) for r in ranks]
+            tickets = [(t if key is None else t.seal(key)).to_bytes() for t in plain]
+        return response_params(send.transfer_id, send.mode, producers, send.num_tokens, tickets,
+                               request_id=send.req_id, engine_id=self.engine_id,
+                               block_ids=send.src)
 
     # -- per step --------------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
@@ -216,25 +231,27 @@ class KVPushScheduler:
             return None  # more prefill chunks to come
         del self._candidates[req_id]
         params = request.kv_transfer_params
-        transfer_id = params.get(PARAM_ID)
-        if not isinstance(transfer_id, str) or not transfer_id:
-            log.warning("kvpush: request %s asks for remote decode without %r; its KV stays "
-                        "here", req_id, PARAM_ID)
+        try:
+            transfer_id = transfer_id_of(req_id, params)
+        except ValueError as exc:
+            log.warning("kvpush: request %s: %s; its KV stays here", req_id, exc)
             return None
         if any(s.transfer_id == transfer_id for s in self._sends.values()):
             log.error("kvpush: transfer id %r is already in use here; request %s is not "
                       "exported", transfer_id, req_id)
             return None
         try:
-            mode = TransferMode(params.get(PARAM_MODE, self.config.mode))
+            mode = mode_of(params, self.config.default_mode)
         except ValueError:
             log.warning("kvpush: request %s names an unknown mode %r; using %s", req_id,
-                        params.get(PARAM_MODE), self.config.mode)
+                        params.get(PARAM_MODE) or params.get("transfer_mode"),
+                        self.config.mode)
             mode = self.config.default_mode
         (block_ids,) = self._kv_manager.get_block_ids(req_id)
         src = [int(b) for b in block_ids[:prompt_blocks(num_prompt, self.block_size)]]
-        self._sends[req_id] = _Send(transfer_id, mode, src, num_prompt, time.time())
-        return SendPlan(req_id, transfer_id, mode, src)
+        sid = new_id()
+        self._sends[req_id] = _Send(req_id, transfer_id, mode, src, num_prompt, time.time(), sid)
+        return SendPlan(req_id, transfer_id, mode, src, sid)
 
     def update_connector_output(self, output: Any) -> None:
         for req_id in getattr(output, "finished_sending", None) or ():
@@ -252,7 +269,8 @@ class KVPushScheduler:
         if not self.is_consumer or not params or not params.get("do_remote_prefill"):
             return None
         try:
-            remote = RemotePrefill.parse(params, self.config.default_mode)
+            remote = RemotePrefill.parse(params, self.config.default_mode,
+                                         request.request_id)
         except ValueError as exc:
             log.warning("kvpush: request %s: %s; computing its prompt here", request.request_id,
                         exc)
@@ -262,7 +280,8 @@ class KVPushScheduler:
     @staticmethod
     def _usable(request: Any) -> bool:
         """False when the prefill instance saw a different prompt (its KV is no use here)."""
-        num_tokens = request.kv_transfer_params.get(PARAM_NUM_TOKENS)
+        params = request.kv_transfer_params
+        num_tokens = params.get(PARAM_NUM_TOKENS, params.get("remote_num_tokens"))
         if isinstance(num_tokens, int) and num_tokens != int(request.num_prompt_tokens):
             log.warning("kvpush: request %s has %d prompt tokens here but %d on the prefill "
                         "instance (different tokenization?); computing its prompt here",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +30,18 @@ from ..layout import DTYPE_SIZES, KVLayout, MemoryKind, Region
 from ..messages import PullTicket
 from ..producer import Producer
 from ..request import Release, ReleaseReason, TransferMode, TransferResult
-from .vllm_common import AdapterConfig, RecvPlan, StepPlan, TransferStats
+from .vllm_common import (
+    AdapterConfig,
+    EngineFacts,
+    RankCoords,
+    RecvPlan,
+    StepPlan,
+    TransferStats,
+    join_address,
+    kv_dtype,
+    packed_order,
+    split_address,
+)
 
 __all__ = ["KVPushWorker", "layout_from_kv_caches"]
 
@@ -82,8 +94,16 @@ def _block_view(t: Any, what: str) -> _View:
                  device_id, kind)
 
 
+def _axis_order(t: Any, axes: str) -> str:
+    """The physical order (outer to inner) of ``t``'s dims 1.. named by ``axes``. A dim of
+    size 1 goes first: its place changes no byte (one KV head is HND and NHD at once)."""
+    dims = zip(t.shape[1:], t.stride()[1:], axes, strict=True)
+    return "".join(a for _, _, a in sorted(dims, key=lambda d: (d[0] != 1, -d[1])))
+
+
 def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
-                          num_blocks: int | None = None) -> KVLayout:
+                          num_blocks: int | None = None,
+                          facts: EngineFacts | None = None) -> KVLayout:
     """A :class:`~kvpush.KVLayout` over vLLM's per-layer KV cache tensors.
 
     Handled shapes (per layer; any stride order whose block interior is dense):
@@ -97,15 +117,27 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
     When every layer is a view into one block-major allocation (layers inside each block),
     the cache is one region holding all layers (``layers_per_region=num_layers``).
     ``num_blocks`` (vLLM's logical count) folds kernel blocks smaller than ``block_size``
-    into one logical block.
+    into one logical block (``kernel_tokens``).
+
+    ``facts`` (what vLLM's attention backend and cache config say) decide what the shapes
+    cannot: the cache dtype (which fp8), how a packed block holds K and V (``CPU_ATTN``:
+    per head all of K, then all of V; other backends: opaque, equal layouts only), and which
+    of two 5-D axes is tokens (vLLM's layout name). Without them the block order is read
+    from the strides and packed content stays opaque.
     """
+    facts = facts or EngineFacts()
     if not kv_caches:
         raise ValueError("kvpush: no KV cache tensors to register")
     names = sorted(kv_caches, key=_natural_key)
     first = kv_caches[names[0]]
-    dtype = str(first.dtype).removeprefix("torch.")
+    dtype = kv_dtype(facts.cache_dtype, str(first.dtype).removeprefix("torch."))
     if dtype not in DTYPE_SIZES:
         raise NotImplementedError(f"kvpush: KV cache dtype {dtype} is not supported")
+    if DTYPE_SIZES[dtype] != first.element_size():
+        raise NotImplementedError(f"kvpush: KV cache dtype {dtype} over tensors of "
+                                  f"{first.element_size()}-byte elements")
+    heads_first = facts.heads_before_tokens
+    order = ""
     views: list[_View] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
     kv_packed = True
@@ -123,12 +155,32 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
             _, heads, tokens, content = (int(x) for x in t.shape)
             head_size = content // 2
             views.append(_block_view(t, name))
+            inner = _axis_order(t, "HNC")
+            if heads > 1 and heads_first is not None and heads_first != (
+                    inner.index("H") < inner.index("N")):
+                raise NotImplementedError(
+                    f"kvpush: layer {name}: vLLM says its KV cache layout is "
+                    f"{facts.kv_cache_layout}, but the tensor's strides {tuple(t.stride())} "
+                    "say otherwise; not guessing")
+            if inner[-1] != "C":
+                raise NotImplementedError(f"kvpush: layer {name}: a block's content is not "
+                                          f"innermost (strides {tuple(t.stride())})")
+            order = packed_order(facts.attn_backend, inner[0] == "H")
         elif t.dim() == 5 and t.shape[0] == 2:
             kv_packed = False
             a, b, head_size = int(t.shape[2]), int(t.shape[3]), int(t.shape[4])
-            # [2, B, N, H, D] (FlashAttention's order) unless only H fits the block size
-            tokens, heads = (b, a) if block_size % a and not block_size % b else (a, b)
+            # vLLM's 5-D backends are logically [2, B, N, H, D] (their physical order is a
+            # stride permutation), unless only the second axis can be a kernel block.
+            axes = "HND" if block_size % a and not block_size % b else "NHD"
+            tokens, heads = (a, b) if axes == "NHD" else (b, a)
             views += [_block_view(t[0], f"{name} (K)"), _block_view(t[1], f"{name} (V)")]
+            order = _axis_order(t[0], axes)
+            if heads > 1 and heads_first is not None and heads_first != (
+                    order.index("H") < order.index("N")):
+                raise NotImplementedError(
+                    f"kvpush: layer {name}: vLLM says its KV cache layout is "
+                    f"{facts.kv_cache_layout}, but the tensor's strides {tuple(t.stride())} "
+                    "say otherwise; not guessing")
         else:
             raise NotImplementedError(
                 f"kvpush: layer {name}: KV cache of shape {tuple(t.shape)} is not supported "
@@ -163,7 +215,8 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
     return KVLayout(regions=regions, num_layers=num_layers, num_blocks=logical,
                     tokens_per_block=block_size, num_kv_heads=heads, head_size=head_size,
                     dtype=dtype, kv_packed=kv_packed, layers_per_region=layers_per_region,
-                    block_bytes=block_bytes, block_stride=stride)
+                    block_bytes=block_bytes, block_stride=stride, block_order=order,
+                    kernel_tokens=tokens, identity=facts.identity)
 
 
 def _allow_amx() -> None:
@@ -224,6 +277,8 @@ class KVPushWorker:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.tp_rank = 0
+        self.coords = RankCoords()
+        self.address = ""                                       # advertised, producer side
         self.layout: KVLayout | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
@@ -236,11 +291,15 @@ class KVPushWorker:
         self._inflight: dict[str, _Recv] = {}                  # transfer id -> request
         self._by_req: dict[str, str] = {}                      # req id -> transfer id
         self._recv_done: set[str] = set()                      # req ids to report
+        self._recv_failed: set[str] = set()                    # ... of which failed
         self._load_errors: set[int] = set()
         # prefill side
         self._to_send: list[Any] = []                          # SendPlans of this step
         self._sending: dict[str, str] = {}                     # transfer id -> req id
         self._released: set[str] = set()                       # req ids released
+        # req id -> when its blocks may be freed: a transfer may still read them
+        # (Release.blocks_safe False), so vLLM must not reuse them before then
+        self._quarantined: dict[str, float] = {}
         self._finished: set[str] = set()                       # req ids finished in vLLM
         self._issued: set[str] = set()                         # req ids not yet reported
 
@@ -253,21 +312,34 @@ class KVPushWorker:
     def is_consumer(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
 
-    def register_kv_caches(self, kv_caches: Mapping[str, Any], tp_rank: int = 0) -> None:
-        self.tp_rank = tp_rank
-        self.layout = layout_from_kv_caches(kv_caches, self.block_size, self.num_blocks)
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], tp_rank: int = 0, *,
+                           coords: RankCoords | None = None, facts: EngineFacts | None = None,
+                           host_ip: str | None = None) -> None:
+        """Build the layout (from the tensors and ``facts``) and start this rank's
+        endpoints. ``coords`` place the rank (its control port); ``host_ip`` is this
+        machine's address, advertised when the configured host binds every interface."""
+        self.coords = coords or RankCoords(tp_rank=tp_rank, tp_size=tp_rank + 1)
+        self.tp_rank = self.coords.tp_rank
+        tp_rank = self.tp_rank
+        self.layout = layout_from_kv_caches(kv_caches, self.block_size, self.num_blocks, facts)
         if self.layout.kind is MemoryKind.DRAM:
             _allow_amx()
         key = self.config.auth_key()
         tag = f"{self.engine_id[:12]}-r{tp_rank}-{uuid.uuid4().hex[:6]}"
-        log.info("kvpush: %s over %d region(s), %d blocks of %d B, %s", self.role,
-                 self.layout.num_regions, self.layout.num_blocks, self.layout.block_bytes,
-                 self.layout.kind.value)
+        log.info("kvpush: %s over %d region(s), %d blocks of %d B, %s, block order %s%s",
+                 self.role, self.layout.num_regions, self.layout.num_blocks,
+                 self.layout.block_bytes, self.layout.kind.value, self.layout.block_order,
+                 f" (kernel blocks of {self.layout.kernel_tokens} tokens)"
+                 if self.layout.folded else "")
+        log.info("kvpush: compatibility identity %s", dict(self.layout.identity))
         if self.is_producer:
             self.producer = Producer(
-                self.layout, self.config.producer_config(tp_rank, f"kvpush-p-{tag}", key))
-            log.info("kvpush: producer %s listening at %s", self.producer.name,
-                     self.producer.address)
+                self.layout, self.config.producer_config(self.coords, f"kvpush-p-{tag}", key))
+            # Peers on other hosts need this rank's real address, not the bind address.
+            _, port = split_address(self.producer.address)
+            self.address = join_address(self.config.advertised_host(host_ip), port)
+            log.info("kvpush: producer %s (rank %s) listening at %s, advertised as %s",
+                     self.producer.name, self.coords, self.producer.address, self.address)
         if self.is_consumer:
             self.consumer = Consumer(self.layout,
                                      self.config.consumer_config(f"kvpush-c-{tag}", key))
@@ -275,14 +347,20 @@ class KVPushWorker:
             for address in self.config.producers:
                 self._connect(address)
 
-    def handshake(self) -> tuple[str, str, str] | None:
-        """(role, endpoint name, address) for the scheduler side; None before registration."""
+    def handshake(self) -> dict[str, Any] | None:
+        """This rank's endpoint for the scheduler side (role, name, advertised address, host,
+        port and rank coordinates); None before registration."""
         if self.producer is not None:
-            return ("both" if self.consumer else "producer", self.producer.name,
-                    self.producer.address)
-        if self.consumer is not None:
-            return ("consumer", self.consumer.name, "")
-        return None
+            host, port = split_address(self.address)
+            role = "both" if self.consumer else "producer"
+            name = self.producer.name
+        elif self.consumer is not None:
+            role, name, host, port = "consumer", self.consumer.name, "", 0
+        else:
+            return None
+        c = self.coords
+        return {"role": role, "name": name, "address": self.address, "host": host,
+                "port": port, "tp_rank": c.tp_rank, "pp_rank": c.pp_rank, "dp_rank": c.dp_rank}
 
     # -- per step --------------------------------------------------------------------------
     def bind(self, plan: StepPlan) -> None:
@@ -310,7 +388,7 @@ class KVPushWorker:
             self._issued.add(send.req_id)
             try:
                 self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
-                                           send.mode)
+                                           send.mode, sid=send.sid or None)
             except (KvpushError, ValueError) as exc:
                 log.error("kvpush: prefill_done(%r) failed: %s; its blocks are released",
                           send.transfer_id, exc)
@@ -327,6 +405,11 @@ class KVPushWorker:
             self._finished |= finished_req_ids & self._issued
             for release in self.producer.get_released():
                 self._on_release(release)
+            now = time.monotonic()
+            for req_id, until in list(self._quarantined.items()):
+                if until <= now:
+                    del self._quarantined[req_id]
+                    self._released.add(req_id)
             sending = self._released & self._finished
             self._released -= sending
             self._finished -= sending
@@ -336,6 +419,13 @@ class KVPushWorker:
                 self._on_result(result)
         recving, self._recv_done = self._recv_done, set()
         return sending, recving
+
+    def take_failed_recving(self, recving: set[str]) -> set[str]:
+        """Of the loads reported ended (``recving``), those whose KV did not arrive (vLLM's
+        ``failed_recving``; their blocks also go to :meth:`take_load_errors`)."""
+        failed = self._recv_failed & recving
+        self._recv_failed -= failed
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -359,7 +449,13 @@ class KVPushWorker:
         req_id = self._sending.pop(release.request_id, None)
         if req_id is None:
             return
-        self._released.add(req_id)
+        if release.blocks_safe:
+            self._released.add(req_id)
+        else:  # a transfer may still read these blocks: vLLM frees them only later
+            log.warning("kvpush: %r released while a transfer may still read its blocks; "
+                        "they are kept %s s before vLLM may reuse them", release.request_id,
+                        self.config.transfer_timeout_s)
+            self._quarantined[req_id] = time.monotonic() + self.config.transfer_timeout_s
         if release.reason is ReleaseReason.TRANSFERRED:
             self._stats.data["num_released"].append(1)
         elif release.reason is ReleaseReason.LEASE_EXPIRED:
@@ -457,6 +553,8 @@ class KVPushWorker:
                 log.warning("kvpush: KV of %s (%r) did not arrive: %s: %s", recv.req_id,
                             result.request_id, result.state.value, result.error)
                 self._load_errors.update(recv.dst)
+                if recv.report:
+                    self._recv_failed.add(recv.req_id)
         if not result.blocks_safe:
             # vLLM's block pool has no quarantine: these blocks go back to it, and bytes of
             # the unfenced transfer may still land in them (docs/VLLM.md, "Limits").
@@ -472,3 +570,4 @@ class KVPushWorker:
         if recv.report:
             self._load_errors.update(recv.dst)
             self._recv_done.add(recv.req_id)
+            self._recv_failed.add(recv.req_id)

@@ -217,6 +217,7 @@ class _Request:
     checksums: bytes | None = None        # pull with verify: the ticket's source checksums
     # pull
     sids: dict[str, int] = field(default_factory=dict)      # producer -> source use
+    sharers: int = 1                                        # pull: as in its PullBegin
     reads: dict[int, _Read] = field(default_factory=dict)   # transfer key -> READ
     unheld: set[str] = field(default_factory=set)           # producers yet to send PullHeld
     began: dict[str, float] = field(default_factory=dict)   # PullBegin sent at
@@ -391,6 +392,8 @@ class ConsumerCore:
         claim = self._claims.get(rid)
         if claim is not None and claim.xid == xid:
             del self._claims[rid]  # the pull continues the claim
+        else:
+            claim = None
         error: KvpushError | None = None
         state = RequestState.FAILED
         plans: list[Any] = []
@@ -412,18 +415,23 @@ class ConsumerCore:
             except KvpushError as exc:
                 error = exc
         if error is not None:
+            if claim is not None:  # a claimed source is held for us: give it up
+                for name in claim.sids:
+                    if name in self._peers:
+                        self._out.append(Send(name, m.Abort(rid, xid, str(error))))
             self._emit(now, rid, xid, TransferMode.PULL, dst, state, error, now)
             return xid
         req = _Request(rid, xid, TransferMode.PULL, Phase.PULLING, dst, names, now,
                        now + budget)
         req.sids = {t.producer: t.sid for t in tickets}
+        req.sharers = sharers
         if self.config.verify and len(tickets) == 1:
             req.checksums = tickets[0].checksums
         self._add(req)
         for name, plan in zip(names, plans, strict=True):
             sid = req.sids[name]
             if plan.num_blocks == 0:  # see Posted.empty: no NIXL traffic for nothing
-                self._out.append(Send(name, m.PullDone(rid, xid, sid, 0)))
+                self._out.append(Send(name, m.PullDone(rid, xid, sid, 0, sharers)))
                 continue
             nbytes = len(plan.local_indices) * self.links.desc_bytes(name)
             req.moved += nbytes
@@ -436,7 +444,7 @@ class ConsumerCore:
             req.began[name] = now
             self._out.append(Send(name, m.PullBegin(rid, xid, sid, sharers)))
             self._out.append(Post(key, "READ", name, plan.local_indices, plan.remote_indices,
-                                  m.PullDone(rid, xid, sid, nbytes), nbytes,
+                                  m.PullDone(rid, xid, sid, nbytes, sharers), nbytes,
                                   plan.num_descriptors))
         if not req.reads:
             self._pull_done(now, req)
@@ -539,6 +547,11 @@ class ConsumerCore:
             # Another use of the id (earlier, or another consumer's), or none: it changes
             # nothing here.
             self.stats.stale_messages += 1
+            msg = args.get("msg")
+            if isinstance(msg, m.Failed) and msg.unfenced:
+                # The producer holds the source until we acknowledge that its abandoned
+                # WRITE is not trusted here (this use has ended: nothing of it will be).
+                self._out.append(Send(peer, m.Abort(rid, xid, "unfenced write acknowledged")))
             return
         self._event(now, req, event, peer=peer, **args)
 
@@ -630,14 +643,15 @@ class ConsumerCore:
         if req.phase is Phase.PULL_CLOSING:
             self._try_finish(now, req)
         elif end is not XferEnd.DONE:
-            if end is not XferEnd.ABANDONED:
-                # Nothing more reads the source: the producer need not wait for us.
-                self._out.append(Send(read.peer, m.PullDone(req.rid, req.xid,
-                                                            req.sids[read.peer], 0)))
+            done = m.PullDone(req.rid, req.xid, req.sids[read.peer], 0, req.sharers)
             self._begin_close(now, req, RequestState.FAILED, PeerUnavailable(
                 f"producer {read.peer} unreachable for the READ of {req.rid!r}")
                 if end is XferEnd.LOST else
                 TransferFailed(f"READ of {req.rid!r} from {read.peer} {end.value}"), ask=True)
+            if end is not XferEnd.ABANDONED:
+                # Nothing more reads the source: the producer need not wait for us. After
+                # the Abort, so the producer counts this owner as given up, not done.
+                self._out.append(Send(read.peer, done))
         elif not req.reads and not req.unheld:
             self._pull_done(now, req)
 

@@ -105,12 +105,17 @@ class ShareState(enum.Enum):
     WRITING = "writing"        # push: WRITEs posted, more groups may follow
     CLAIMED = "claimed"        # pull: announced, READ not begun
     PULLING = "pulling"        # pull: a READ may be in flight (until PullDone or hold)
+    FENCING = "fencing"        # push: a WRITE was abandoned; the consumer was told it is
+                               # unfenced, and the blocks stay until it acknowledges (its
+                               # Abort) or is lost: the WRITE may resume and read them
     DONE = "done"              # finished: its data was delivered
     GONE = "gone"              # gave up, failed, expired or lost: it takes nothing more
 
 
 _LIVE = frozenset({ShareState.REGISTERED, ShareState.WRITING, ShareState.CLAIMED,
-                   ShareState.PULLING})
+                   ShareState.PULLING, ShareState.FENCING})
+#: Owners whose transfer may still read the source: it is not released while one exists.
+_READING = frozenset({ShareState.WRITING, ShareState.PULLING, ShareState.FENCING})
 
 
 class Links(Protocol):
@@ -194,6 +199,7 @@ class _Request:
     why: str = ""
     done_owners: set[tuple[str, int]] = field(default_factory=set)
     tomb: _Timer | None = None
+    unsafe: bool = False    # a transfer may still read the source when it is released
 
     def live(self) -> list[_Share]:
         return [s for s in self.shares.values() if s.state in _LIVE]
@@ -330,6 +336,10 @@ class ProducerCore:
         self._now = now
         for req in list(self._requests.values()):
             for share in req.shares.values():
+                # A WRITE in flight (its handle is released, not stopped), a READ inside
+                # the hold its PullHeld promised, an abandoned WRITE not acknowledged: the
+                # engine must keep the blocks unchanged a while (Release.blocks_safe).
+                req.unsafe |= share.state in _READING
                 _cancel(share.wait)
                 _cancel(share.hold)
                 for w in share.writes.values():
@@ -351,9 +361,10 @@ class ProducerCore:
 
     def peer_lost(self, now: float, peer: str, why: str, *, abandon: bool = False) -> None:
         """``peer`` is gone (silent, said Bye, or NIXL says it is disconnected). Its waiting
-        registrations and claims end; its WRITEs are left to end (``abandon``: given up at
-        once, e.g. the peer restarted and must be re-added); its READs keep the blocks held
-        until their hold deadline, since a READ is one-sided and may still run."""
+        registrations and claims end; its WRITEs are left to end and its READs keep the
+        blocks held until their hold deadline: a silent peer may only be stalled, and a READ
+        is one-sided. ``abandon``: the peer is known dead (NIXL says so, or a new
+        incarnation replaced it): its WRITEs are given up and its READs end at once."""
         self._now = now
         self._peers.pop(peer, None)
         for req in list(self._requests.values()):
@@ -369,7 +380,14 @@ class ProducerCore:
                         for write in list(share.writes.values()):
                             self._out.append(Abandon(write.key))
                     self._conclude(req, share)
-                # PULLING: its hold timer ends it
+                elif share.state is ShareState.FENCING:
+                    # Never acknowledged the unfenced Failed: if it was only cut off, its
+                    # late WRITE may still read the blocks.
+                    req.unsafe = not abandon
+                    self._share_gone(req, share, share.reason, share.detail)
+                elif abandon:  # a new incarnation replaced it: its READs died with it
+                    self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
+                # else PULLING: a silent peer may only be stalled; its hold timer ends it
             self._settle(req)
         if any(owner[0] == peer for _, owner in self._writes.values()):
             self._lost[peer] = why       # DropPeer once its WRITEs have ended
@@ -760,6 +778,12 @@ class ProducerCore:
         owner = (peer, msg.xid)
         share = req.shares.get(owner)
         why = f"consumer: {msg.reason}"
+        if share is not None and share.state is ShareState.FENCING:
+            # The acknowledgement: the consumer knows the WRITE is unfenced and will not
+            # trust what it delivers; the blocks may go.
+            self._share_gone(req, share, share.reason, share.detail)
+            self._send(peer, m.AbortAck(req.rid, msg.xid, share.errored, True))
+            return
         if share is None or share.state not in _LIVE:
             self._send(peer, m.AbortAck(req.rid, msg.xid))  # nothing of it is in flight
             self.stats["stale_messages"] += share is None
@@ -807,6 +831,15 @@ class ProducerCore:
             self._fail(share.peer, rid, share.xid, "timeout", "prefill did not finish in time"
                        if share.mode is TransferMode.PUSH else "the claim was not pulled")
             self._share_gone(req, share, ReleaseReason.FAILED, "registration expired")
+        self._settle(req)
+
+    def _fence_expired(self, rid: str, owner: tuple[str, int]) -> None:
+        req = self._requests.get(rid)
+        share = req.shares.get(owner) if req is not None else None
+        if req is None or share is None or share.state is not ShareState.FENCING:
+            return
+        req.unsafe = True
+        self._share_gone(req, share, share.reason, share.detail)
         self._settle(req)
 
     def _hold_over(self, rid: str, owner: tuple[str, int]) -> None:
@@ -938,6 +971,16 @@ class ProducerCore:
         elif message:
             self._send(share.peer, m.Failed(req.rid, share.xid, message, detail,
                                             share.errored, share.unfenced))
+            if share.unfenced:
+                # The consumer has not given this use up: until it has read this Failed
+                # (its Abort says so), a Landed of the abandoned WRITE could reach it first
+                # and be trusted, so the WRITE must not read reused blocks.
+                self._to(share, ShareState.FENCING)
+                share.reason, share.detail = reason, detail
+                owner = (share.peer, share.xid)
+                share.wait = self._after(self.config.max_wait_s,
+                                         lambda now: self._fence_expired(req.rid, owner))
+                return
         self._share_gone(req, share, reason, detail)
 
     def _share_gone(self, req: _Request, share: _Share, reason: ReleaseReason,
@@ -984,7 +1027,7 @@ class ProducerCore:
         if req.state not in (State.PARTIAL, State.HELD, State.ENDING) or source is None:
             return
         live = req.live()
-        if any(s.state in (ShareState.WRITING, ShareState.PULLING) for s in live):
+        if any(s.state in _READING for s in live):
             return  # a transfer may still read the blocks
         ended = [s for s in req.shares.values() if s.state not in _LIVE]
         all_came = req.sharers is not None and len(ended) >= req.sharers
@@ -1027,7 +1070,9 @@ class ProducerCore:
         self.stats["blocks_released"] += len(source.ids)
         self.gauges["sources_held"] -= 1
         self._out.append(Emit(Release(req.rid, reason, source.ids, detail,
-                                      {**source.stamps, "released": self._now}, source.sid)))
+                                      {**source.stamps, "released": self._now}, source.sid,
+                                      blocks_safe=not req.unsafe)))
+        req.unsafe = False
         early = req.state is State.PARTIAL
         if not code and reason is not ReleaseReason.TRANSFERRED:
             code = "aborted" if reason is ReleaseReason.ABORTED else "failed"

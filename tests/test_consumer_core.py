@@ -1,0 +1,407 @@
+"""The consumer's protocol core without any I/O: events in, effects out, time passed in.
+
+Each test drives :class:`kvpush.protocol.consumer.ConsumerCore` by hand, the way the
+simulator and the Consumer facade do, and checks the effects and results it asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from harness import make_cache
+
+from kvpush import messages as m
+from kvpush.auth import Opener, Sealer
+from kvpush.errors import AuthenticationError, RequestAborted
+from kvpush.protocol.consumer import TRANSITIONS, ConsumerCore, CoreConfig, Event, Phase
+from kvpush.protocol.effects import Abandon, Emit, Post, Send, XferEnd
+from kvpush.request import RequestState, TransferResult
+
+P, Q = "prod-a", "prod-b"
+LAYOUT = make_cache(num_blocks=16).layout
+
+
+class _Plan:
+    def __init__(self, local: np.ndarray, remote: np.ndarray) -> None:
+        self.local_indices = local.astype(np.int32)
+        self.remote_indices = remote.astype(np.int32)
+        self.num_blocks = len(local)
+        self.num_descriptors = len(local)
+
+
+class FakeLinks:
+    def plan(self, peer: str, local_ids: np.ndarray, remote_ids: np.ndarray,
+             coalesce: bool) -> Any:
+        return _Plan(local_ids, remote_ids)
+
+    def desc_bytes(self, peer: str) -> int:
+        return 100
+
+    def checksums(self, ids: np.ndarray) -> np.ndarray:
+        return np.arange(len(ids), dtype=np.uint64)
+
+
+_CORES: list[ConsumerCore] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_cores() -> Iterator[None]:
+    """Close what a test left open (every use ends: LIVE counts return to zero)."""
+    yield
+    while _CORES:
+        c = _CORES.pop()
+        c.close(1e9)
+        for effect in c.drain():
+            if isinstance(effect, Abandon):
+                c.transfer_ended(1e9, effect.key, XferEnd.ABANDONED)
+        assert c.pending == 0
+
+
+def core(grace: float = 1.0, verify: bool = False) -> ConsumerCore:
+    c = ConsumerCore(LAYOUT, CoreConfig(abort_grace_s=grace, verify=verify), FakeLinks())
+    c.peer_up(0.0, P)
+    c.peer_up(0.0, Q)
+    _CORES.append(c)
+    return c
+
+
+def sends(effects: list[Any]) -> list[m.Message]:
+    return [e.msg for e in effects if isinstance(e, Send)]
+
+
+def results(effects: list[Any]) -> list[TransferResult]:
+    return [e.item for e in effects if isinstance(e, Emit)]
+
+
+def expect(c: ConsumerCore, rid: str = "r", xid: int = 11, producers: tuple[str, ...] = (P,),
+           timeout: float = 10.0, groups: int = 1) -> m.Register:
+    c.expect(0.0, rid, np.array([1, 2]), list(producers), timeout, groups, False,
+             [1] * len(producers), xid)
+    regs = sends(c.drain())
+    assert all(isinstance(r, m.Register) and r.xid == xid for r in regs)
+    reg = regs[0]
+    assert isinstance(reg, m.Register)
+    return reg
+
+
+def test_the_table_names_a_handler_for_every_allowed_event() -> None:
+    assert set(TRANSITIONS) == set(Phase)
+    for phase, events in TRANSITIONS.items():
+        for event, handler in events.items():
+            assert handler == "_ignore" or callable(getattr(ConsumerCore, handler)), \
+                (phase, event)
+        assert Event.CLOSE in events and Event.PEER_LOST in events
+
+
+def test_push_ready_once_every_part_landed() -> None:
+    c = core()
+    expect(c, producers=(P, Q))
+    assert c.status("r") == "pushing"
+    c.on_message(0.1, P, m.Posted("r", 11, 0))
+    assert c.polling() and c.drain() == []
+    c.on_notification(0.2, P, m.Landed("r", 11, 0, nbytes=300))
+    assert c.drain() == []
+    c.on_message(0.3, Q, m.Posted("r", 11, 1, empty=True))
+    (res,) = results(c.drain())
+    assert res.state is RequestState.READY and res.xid == 11 and res.bytes_moved == 300
+    assert res.block_ids.tolist() == [1, 2] and res.blocks_safe
+    assert c.status("r") == "none" and not c.polling() and c.pending == 0
+    assert c.next_deadline() is None
+
+
+def test_messages_of_another_use_are_stale_and_change_nothing() -> None:
+    c = core()
+    expect(c)
+    for peer, msg in [(P, m.Landed("r", 12, 0)), (Q, m.Landed("r", 11, 0)),  # not its part
+                      (P, m.Failed("r", 10, "aborted", "old")), (P, m.Posted("x", 11, 0))]:
+        if isinstance(msg, m.Landed):
+            c.on_notification(0.1, peer, msg)
+        else:
+            c.on_message(0.1, peer, msg)
+    assert c.drain() == [] and c.stats.stale_messages == 4 and c.status("r") == "pushing"
+
+
+def test_events_a_phase_does_not_allow_are_refused_and_counted() -> None:
+    c = core()
+    expect(c)
+    c.on_message(0.1, P, m.AbortAck("r", 11))       # nothing was asked
+    c.on_message(0.1, P, m.PullHeld("r", 11, 5.0))  # a push is not held
+    c.on_notification(0.2, P, m.Landed("r", 11, 5))  # no such part
+    assert c.drain() == [] and c.stats.events_refused == 3
+    c.on_notification(0.2, P, m.Landed("r", 11, 0))
+    assert results(c.drain())[0].state is RequestState.READY
+
+
+def test_xids_come_from_the_given_source_when_a_call_brings_none() -> None:
+    ids = iter([101, 102])
+    c = ConsumerCore(LAYOUT, CoreConfig(), FakeLinks(), xids=lambda: next(ids))
+    c.peer_up(0.0, P)
+    _CORES.append(c)
+    assert c.expect(0.0, "a", np.array([1]), [P], 5.0) == 101
+    assert c.claim(0.0, ticket("b")) == 102
+
+
+def test_a_duplicate_expect_fails_on_its_own() -> None:
+    c = core()
+    expect(c)
+    c.expect(0.1, "r", np.array([7]), [P], 10.0, 1, False, [1], 99)
+    (dup,) = results(c.drain())
+    assert (dup.state, dup.xid, dup.block_ids.tolist()) == (RequestState.FAILED, 99, [7])
+    assert c.status("r") == "pushing" and c.xid_of("r") == 11
+
+
+def test_deadline_aborts_and_the_result_waits_for_the_producers_word() -> None:
+    c = core(grace=2.0)
+    expect(c, timeout=5.0)
+    assert c.next_deadline() == 5.0
+    c.tick(4.9)
+    assert c.drain() == []
+    c.tick(5.0)
+    (abort,) = sends(c.drain())
+    assert isinstance(abort, m.Abort) and abort.xid == 11
+    assert c.status("r") == "push_closing" and c.next_deadline() == 7.0
+    c.on_message(5.5, P, m.AbortAck("r", 11))
+    (res,) = results(c.drain())
+    assert res.state is RequestState.TIMED_OUT and res.blocks_safe
+
+
+def test_an_announced_write_is_fenced_by_its_landed() -> None:
+    c = core()
+    expect(c)
+    c.on_message(0.1, P, m.Posted("r", 11, 0))
+    c.abort(0.2, "r", RequestState.ABORTED, RequestAborted("engine"))
+    assert isinstance(sends(c.drain())[0], m.Abort)
+    c.on_message(0.3, P, m.AbortAck("r", 11))  # the WRITE ended; its bytes are on the way
+    assert c.drain() == []
+    c.on_notification(0.4, P, m.Landed("r", 11, 0))
+    (res,) = results(c.drain())
+    assert res.state is RequestState.ABORTED and res.blocks_safe
+
+
+def test_grace_over_reports_unsafe() -> None:
+    c = core(grace=1.0)
+    expect(c)
+    c.abort(0.0, "r", RequestState.ABORTED, RequestAborted("engine"))
+    c.drain()
+    c.tick(1.0)
+    (res,) = results(c.drain())
+    assert res.state is RequestState.ABORTED and not res.blocks_safe
+    assert c.stats.results_unsafe == 1
+
+
+def ticket(rid: str, sid: int = 5) -> m.PullTicket:
+    return m.PullTicket(P, "tcp://x:1", rid, m.encode_ids(np.array([3, 4])), 30.0, 0.0,
+                        sid=sid)
+
+
+def _pull(c: ConsumerCore, rid: str = "p", xid: int = 21) -> int:
+    c.pull(1.0, [ticket(rid)], [np.array([3, 4])], np.array([8, 9]), 10.0, 2, xid)
+    effects = c.drain()
+    begin, post = effects
+    assert isinstance(begin, Send) and isinstance(begin.msg, m.PullBegin)
+    assert (begin.msg.xid, begin.msg.sid, begin.msg.sharers) == (xid, 5, 2)
+    assert isinstance(post, Post) and post.op == "READ" and post.nbytes == 200
+    assert post.notif == m.PullDone(rid, xid, 5, 200, sharers=2)
+    return post.key
+
+
+@pytest.mark.parametrize("hold_s, ready", [(0.5, True), (0.05, False), (float("nan"), False)])
+def test_pull_ready_only_if_the_read_ended_inside_the_hold(hold_s: float, ready: bool) -> None:
+    c = core()
+    key = _pull(c)
+    assert c.in_flight() == 1
+    c.transfer_ended(1.1, key, XferEnd.DONE)
+    assert c.drain() == [] and c.status("p") == "pulling"
+    c.on_message(1.2, P, m.PullHeld("p", 21, hold_s))
+    (res,) = results(c.drain())
+    assert res.ok is ready and res.blocks_safe and res.xid == 21
+    assert c.in_flight() == 0
+
+
+def test_pull_read_error_tells_the_producer_and_fails() -> None:
+    c = core()
+    key = _pull(c)
+    c.transfer_ended(1.1, key, XferEnd.ERROR)
+    effects = c.drain()
+    abort, done = sends(effects)  # the Abort first: the producer counts a give-up, not done
+    assert done == m.PullDone("p", 21, 5, 0, sharers=2) and isinstance(abort, m.Abort)
+    (res,) = results(effects)
+    assert res.state is RequestState.FAILED and res.blocks_safe
+
+
+def test_pull_whose_producer_is_lost_abandons_the_read() -> None:
+    c = core()
+    key = _pull(c)
+    c.peer_lost(1.1, P, "silent")
+    assert c.drain() == [Abandon(key)]
+    c.transfer_ended(1.1, key, XferEnd.ABANDONED)
+    (res,) = results(c.drain())
+    assert res.state is RequestState.FAILED and not res.blocks_safe
+
+
+def test_close_ends_everything_and_unannounced_push_parts_are_unsafe() -> None:
+    c = core()
+    expect(c, rid="push")          # nothing announced yet: its WRITE may still come
+    key = _pull(c, rid="pull")
+    c.close(2.0)
+    effects = c.drain()
+    assert Abandon(key) in effects
+    c.transfer_ended(2.0, key, XferEnd.DONE)  # it had ended: nothing more lands
+    got = {r.request_id: r for r in results(effects + c.drain())}
+    assert got["push"].state is RequestState.ABORTED and not got["push"].blocks_safe
+    assert got["pull"].state is RequestState.ABORTED and got["pull"].blocks_safe
+    assert c.pending == 0
+
+
+def test_a_claim_becomes_the_pull_or_is_dropped_when_refused() -> None:
+    c = core()
+    c.claim(0.0, ticket("p", 5), 2, 21)
+    (claim,) = sends(c.drain())
+    assert claim == m.Claim("p", 21, 5, 2) and c.status("p") == "claimed"
+    _pull(c, xid=21)
+    assert c.status("p") == "pulling"
+    assert c.claim(0.0, [ticket("q", 6)], xid=31) == 31
+    c.drain()
+    c.on_message(0.1, P, m.Failed("q", 31, "not_owner", "taken"))
+    assert c.status("q") == "none" and c.drain() == [] and c.stats.stale_messages == 0
+    c.claim(0.0, ticket("s", 7), xid=41)
+    c.drain()
+    c.abort_claim(0.2, "s", 41, "engine")
+    assert sends(c.drain()) == [m.Abort("s", 41, "engine")]
+    # A claimed pull that cannot start gives the claim up at the producer.
+    c.claim(0.0, ticket("t", 8), xid=51)
+    c.drain()
+    c.pull(0.3, [ticket("t", 8)], [np.array([3, 4])], np.array([8, 9]), 0.0, 1, 51)
+    effects = c.drain()
+    assert sends(effects) == [m.Abort("t", 51, "the pull ticket's lease for 't' has run out")]
+    assert results(effects)[0].state is RequestState.TIMED_OUT and c.status("t") == "none"
+
+
+def test_notification_opener_accepts_old_counters_but_not_repeats_or_forgeries() -> None:
+    """Issue 13, bug 7: a big WRITE's Landed overtaken by 4096 later notifications."""
+    key = b"s" * 32
+    sealer = Sealer(key, b"p2c-notif")
+    first = sealer.seal(b"late landed")
+    later = [sealer.seal(b"x") for _ in range(5000)]
+    for strict, opener in ((True, Opener(key, b"p2c-notif")),
+                           (False, Opener(key, b"p2c-notif", accept_old=True))):
+        for frame in later:
+            opener.open(frame)
+        if strict:
+            with pytest.raises(AuthenticationError, match="replayed"):
+                opener.open(first)
+        else:
+            assert opener.open(first) == b"late landed"
+        with pytest.raises(AuthenticationError, match="replayed"):
+            opener.open(later[-1])  # a repeat inside the window
+        with pytest.raises(AuthenticationError, match="tag"):
+            opener.open(first[:-1] + b"X")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_events_never_break_the_promises(seed: int) -> None:
+    """Seeded random events, stale and duplicated ones among them, at random times: every
+    use gets exactly one result; a READY push had every part landed, a READY pull its READ
+    done inside the producer's hold; nothing raises; close ends everything."""
+    import random
+    rng = random.Random(seed)
+    c = core(grace=0.5)
+    now = 0.0
+    uses: dict[int, dict[str, Any]] = {}     # xid -> what the test knows of that use
+    got: dict[int, TransferResult] = {}
+    reads: dict[int, int] = {}                # transfer key -> xid (posted, not ended)
+    next_xid = iter(range(1000, 10**6))
+
+    def collect() -> None:
+        while effects := c.drain():
+            collect_some(effects)
+
+    def collect_some(effects: list[Any]) -> None:
+        for effect in effects:
+            if isinstance(effect, Emit):
+                res = effect.item
+                assert isinstance(res, TransferResult)
+                assert res.xid not in got, "two results for one use"
+                got[res.xid] = res
+            elif isinstance(effect, Post):
+                reads[effect.key] = effect.notif.xid  # type: ignore[union-attr]
+            elif isinstance(effect, Abandon) and effect.key in reads:
+                xid = reads.pop(effect.key)
+                end = rng.choice([XferEnd.ABANDONED, XferEnd.DONE])
+                uses[xid]["read_end"] = now if end is XferEnd.DONE else None
+                c.transfer_ended(now, effect.key, end)
+
+    for _ in range(400):
+        now += rng.choice([0.0, 0.01, 0.1, 0.4])
+        live = [x for x in uses if x not in got]
+        xid = rng.choice(live) if live and rng.random() < 0.8 else rng.randrange(1, 50)
+        use = uses.get(xid, {"rid": "r0", "parts": 1, "mode": "push"})
+        rid = use["rid"]
+        action = rng.randrange(12)
+        if action == 0:
+            x = next(next_xid)
+            parts = rng.choice([1, 2])
+            rid = f"r{rng.randrange(3)}"
+            uses[x] = {"rid": rid, "parts": parts, "mode": "push", "landed": set()}
+            c.expect(now, rid, np.array([1, 2]), [P, Q][:parts], rng.choice([0.3, 5.0]),
+                     1, False, 1, x)
+        elif action == 1:
+            x = next(next_xid)
+            rid = f"r{rng.randrange(3)}"
+            uses[x] = {"rid": rid, "parts": 1, "mode": "pull", "began": now}
+            c.pull(now, [ticket(rid)], [np.array([3, 4])], np.array([8, 9]),
+                   rng.choice([0.3, 5.0]), 1, x)
+        elif action == 2:
+            c.on_message(now, P, m.Posted(rid, xid, rng.randrange(2)))
+        elif action == 3:
+            part = rng.randrange(2)
+            c.on_notification(now, [P, Q][part], m.Landed(rid, xid, part))
+            if xid in uses and uses[xid]["mode"] == "push" and xid not in got:
+                uses[xid]["landed"].add(part)
+        elif action == 4:
+            c.on_message(now, rng.choice([P, Q]), m.Failed(rid, xid, rng.choice(
+                ["aborted", "timeout", "boom"]), "x", unfenced=rng.random() < 0.3))
+        elif action == 5:
+            c.on_message(now, rng.choice([P, Q]), m.AbortAck(rid, xid))
+        elif action == 6:
+            hold = rng.choice([0.05, 10.0])
+            c.on_message(now, P, m.PullHeld(rid, xid, hold))
+            if xid in uses and uses[xid]["mode"] == "pull" and "hold" not in uses[xid]:
+                uses[xid]["hold"] = hold
+        elif action == 7 and reads:
+            key = rng.choice(sorted(reads))
+            x = reads.pop(key)
+            end = rng.choice([XferEnd.DONE, XferEnd.DONE, XferEnd.ERROR])
+            uses[x]["read_end"] = now if end is XferEnd.DONE else None
+            c.transfer_ended(now, key, end)
+        elif action == 8:
+            c.abort(now, rid, RequestState.ABORTED, RequestAborted("engine"))
+        elif action == 9:
+            c.on_message(now, rng.choice([P, Q]), m.Abort(rid, xid, "producer"))
+        elif action == 10 and rng.random() < 0.1:
+            peer = rng.choice([P, Q])
+            c.peer_lost(now, peer, "test")
+            c.peer_up(now, peer)
+        else:
+            c.tick(now)
+        collect()
+        for x, res in got.items():
+            if res.ok:
+                use = uses[x]
+                if use["mode"] == "push":
+                    assert use["landed"] >= set(range(use["parts"])), (seed, x)
+                else:
+                    assert use.get("read_end") is not None, (seed, x)
+                    assert use["read_end"] <= use["began"] + use["hold"], (seed, x)
+                assert res.blocks_safe
+    c.close(now)
+    collect()
+    while reads:
+        key, x = reads.popitem()
+        c.transfer_ended(now, key, XferEnd.DONE)
+        collect()
+    assert c.pending == 0 and c.next_deadline() is None
+    assert set(got) == set(uses), "a use without a result"
