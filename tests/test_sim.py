@@ -209,38 +209,34 @@ def _first(kind: str, mode: str, faults: Faults, requests: int, seeds: int,
     return ""
 
 
-@pytest.mark.xfail(reason="found by the simulator (report F1): a WRITE abandoned at "
-                          "transfer_timeout_s during a short link cut resumes after the "
-                          "source was released and reused; its Landed overtakes the "
-                          "Failed(unfenced) and the consumer reports READY with reused bytes",
-                   strict=False)
 @pytest.mark.parametrize("make_consumer", _consumers())
 def test_regression_abandoned_write_landing_after_release(make_consumer: object) -> None:
+    """F1 (fixed on main, 77f8d90): a WRITE abandoned at transfer_timeout_s during a short
+    link cut resumed after its source was released and reused; its Landed overtook the
+    Failed(unfenced) and the consumer reported READY with the reuse's bytes."""
     found = _first("ready_wrong_bytes", "push", Faults(enabled=frozenset({"cut"}), rate=3.0),
                    300, 10, make_consumer=make_consumer)
     assert not found, found
 
 
 @pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
-@pytest.mark.xfail(reason="found by the simulator (report F1b): Producer.close() releases the "
-                          "source of a WRITE in flight (CLOSED); the engine reuses the blocks, "
-                          "the WRITE copies the reuse and its Landed reaches the consumer "
-                          "before the Bye: READY with reused bytes", strict=False)
 def test_regression_close_releases_a_source_being_written() -> None:
+    """F1b (fixed: the Release says blocks_safe=False, the engine keeps the blocks):
+    Producer.close() released the source of a WRITE in flight; the engine reused the
+    blocks, the WRITE copied the reuse and its Landed beat the Bye: READY, wrong bytes."""
     found = _first("ready_wrong_bytes", "push",
                    Faults(enabled=frozenset({"close"}), rate=4.0), 400, 30)
     assert not found, found
 
 
 @pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
-@pytest.mark.xfail(reason="found by the simulator (report F2): Producer.close() releases a "
-                          "pulled source (CLOSED) inside the hold_s its PullHeld promised, "
-                          "while the READ is in flight; the READ reads the reuse, and the "
-                          "consumer may report READY before the Bye", strict=False)
 def test_regression_close_breaks_the_pullheld_promise() -> None:
-    found = _first("release_while_held", "",
-                   Faults(enabled=frozenset({"close", "slow"}), rate=4.0), 600, 10)
-    assert not found, found
+    """F2 (fixed as F1b): Producer.close() released a pulled source inside the hold_s its
+    PullHeld promised, with the READ in flight; the READ read the reuse."""
+    faults = Faults(enabled=frozenset({"close", "slow"}), rate=4.0)
+    for kind in ("release_while_held", "ready_wrong_bytes"):
+        found = _first(kind, "", faults, 600, 10)
+        assert not found, found
 
 
 @pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")

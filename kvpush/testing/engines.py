@@ -73,6 +73,7 @@ class Source:
     handed: bool = False          # given to kvpush (layer_done or prefill_done)
     engine_done: bool = False     # the engine writes no more into them (done or aborted)
     released_by: Endpoint | None = None
+    quarantine_until: float = 0.0   # Release.blocks_safe False: unchanged until then
 
 
 @dataclass(eq=False)
@@ -119,6 +120,12 @@ class PrefillEngine:
         self._free(src)
 
     def _free(self, src: Source) -> None:
+        wait = src.quarantine_until - self.sim.sched.now
+        if wait > 0:      # kept unchanged until then (a transfer may still read them)
+            self.sim.sched.after(wait, self._free, src)
+            return
+        if self.dead:
+            return
         if self.sources.get(src.req.rid) is src:
             del self.sources[src.req.rid]
         for b in src.ids.tolist():
@@ -161,14 +168,15 @@ class PrefillEngine:
                      f"{self.ep.name} released {rel.request_id!r} naming blocks "
                      f"{np.asarray(rel.block_ids).tolist()}, held {src.ids.tolist()}")
         now = self.sim.sched.now
-        for xfer in self.sim.posted_from(self.ep.memory):
+        safe = getattr(rel, "blocks_safe", True)
+        for xfer in self.sim.posted_from(self.ep.memory) if safe else ():
             if xfer.op == "WRITE" \
                     and not src.idset.isdisjoint(xfer.src_blocks):
                 chk.fail("release_while_writing",
                          f"{self.ep.name} released {rel.request_id!r} ({rel.reason.value}) "
                          f"while its WRITE {xfer.key} to {xfer.consumer} "
                          f"(xid {xfer.xid:x}) had not ended")
-        for xfer in self.sim.nixl.reading(self.ep.memory):
+        for xfer in self.sim.nixl.reading(self.ep.memory) if safe else ():
             until = src.held_until.get(xfer.xid)
             if xfer.op == "READ" and until is not None and now < until \
                     and not src.idset.isdisjoint(xfer.src_blocks):
@@ -179,6 +187,11 @@ class PrefillEngine:
         src.released = True
         src.released_by = self.ep
         self.sim.checker.trace(f"{self.ep.name} release {rel.request_id} {rel.reason.value}")
+        if not safe:
+            # "a transfer may still read these blocks": they stay unchanged for
+            # transfer_timeout_s (Release.blocks_safe), then go back to the pool
+            self.sim.stats["releases_unsafe"] += 1
+            src.quarantine_until = now + self.sim.timings.transfer_timeout_s
         if not src.engine_done:
             return   # layer-wise, before prefill_done: the engine frees them once it is done
         self._free(src)

@@ -174,6 +174,7 @@ class Simulation:
         # ~concurrency of a few requests per producer at a time
         self.rate = rate if rate is not None else 40.0 * producers
         self.endpoints: dict[str, Endpoint] = {}
+        self._heads: dict[str, tuple[int, int, int]] = {}
         self.reuse_tag = 0
         self.faults_injected = 0
         self.issued = 0
@@ -192,13 +193,17 @@ class Simulation:
         """(first head, heads, total heads) an endpoint holds. Producers form groups of
         ``tp`` ranks (p0..p{tp-1}, ...), consumers groups of ``ctp`` ranks; a rank holds its
         share of ``lcm(tp, ctp)`` heads."""
+        known = self._heads.get(name)
+        if known is not None:
+            return known
         t = self.timings
         total = t.tp * t.ctp // math.gcd(t.tp, t.ctp)
         if name in self.producer_names:
             k, rank = t.tp, self.producer_names.index(name) % t.tp
         else:
             k, rank = t.ctp, self.consumer_names.index(name) % t.ctp
-        return rank * (total // k), total // k, total
+        known = self._heads[name] = (rank * (total // k), total // k, total)
+        return known
 
     def _overlaps(self, producer: str, consumer: str) -> bool:
         p0, pn, _ = self.heads_of(producer)
