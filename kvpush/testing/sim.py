@@ -89,7 +89,7 @@ class Timings:
 
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
-          "double", "late", "sharers", "skew", "claim", "close")
+          "double", "late", "sharers", "skew", "claim", "close", "slownotif")
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,7 @@ class Faults:
     sharers_p: float = 0.05
     skew_s: float = 0.02         # wall clocks differ by up to this (pull tickets' leases)
     claim_p: float = 0.1         # a pull is claimed first (the engine has no blocks yet)
+    slownotif_p: float = 0.02    # a NIXL notification is read late (the target polls late)
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -708,7 +709,12 @@ class Simulation:
         poster = xfer.poster
         self.sched.after(self._poll_delay(), poster.run, poster.transfer_finished, xfer,
                          XferEnd.DONE)
-        self._notify(xfer, self.rng.uniform(10e-6, 1e-3))
+        delay = self.rng.uniform(10e-6, 1e-3)
+        f = self.faults
+        if f.on("slownotif") and self.rng.random() < f.slownotif_p:
+            self._fault("slownotif")
+            delay += self.rng.uniform(0, 2 * self.timings.abort_grace_s)
+        self._notify(xfer, delay)
 
     def _notify(self, xfer: Transfer, delay: float) -> None:
         self.sched.after(delay, self._deliver_notif, xfer)
