@@ -42,6 +42,7 @@ class Request:
     nblocks: int
     sharers: int = 1
     groups: int = 1               # push: 1, or one WRITE per layer (layer-wise)
+    tail: int = 0                 # leading source blocks the consumers hold already
     producers: list[str] = field(default_factory=list)   # its producer ranks (TP)
     sources: list[Source] = field(default_factory=list)  # one per rank, in rank order
     open_sources: int = 0
@@ -244,10 +245,11 @@ class DecodeEngine:
         self.calling: set[Use] = set()          # engine calls queued to a (stalled) loop
 
     def allocate(self, req: Request) -> Use | None:
-        if len(self.free) < req.nblocks or req.rid in self.by_rid:
+        n = req.nblocks - req.tail        # a prefix hit holds the first req.tail already
+        if len(self.free) < n or req.rid in self.by_rid:
             return None
         rng = self.sim.sched.rng
-        ids = [self.free.pop(rng.randrange(len(self.free))) for _ in range(req.nblocks)]
+        ids = [self.free.pop(rng.randrange(len(self.free))) for _ in range(n)]
         arr = np.array(ids, dtype=np.int64)
         self.sim.reuse_tag += 1
         self.ep.memory.fill(arr, _DECODE_TAG | self.sim.reuse_tag)
@@ -292,6 +294,10 @@ class DecodeEngine:
                      f"{np.asarray(ids).tolist()}, the use has {use.ids.tolist()}")
         if res.state is RequestState.READY:
             self._check_ready(use, res)
+            if use.req.tail:
+                self.sim.stats["ready_prefix_hits"] += 1
+            if use.req.groups > 1:
+                self.sim.stats["ready_layerwise"] += 1
         self.sim.stats["results_" + res.state.value] += 1
         if res.blocks_safe:
             self._free(use)
@@ -317,7 +323,12 @@ class DecodeEngine:
                          f"{src.ep.name} never finished")
                 return
             got = whole[:, off // 8:(off + n) // 8]
-            want = src.snapshot[:, src_off // 8:(src_off + n) // 8]
+            snap = src.snapshot
+            if use.req.tail:                  # the source's last len(use.ids) blocks
+                regions = mem.num_regions
+                snap = snap.reshape(regions, -1, snap.shape[1])[:, use.req.tail:, :] \
+                    .reshape(-1, snap.shape[1])
+            want = snap[:, src_off // 8:(src_off + n) // 8]
             if np.array_equal(got, want):
                 continue
             rows = np.nonzero((got != want).any(axis=1))[0]

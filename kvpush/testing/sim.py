@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+import msgspec
+
 from .. import messages as m
 from ..errors import KvpushError, RequestAborted
 from ..metrics import LIVE
@@ -83,6 +85,7 @@ class Timings:
     relay_max_s: float = 0.01
     max_request_blocks: int = 4
     layerwise_p: float = 0.2      # share of pushes written layer by layer
+    tail_p: float = 0.15          # share of requests whose consumers hold a prefix already
     # checks: slack on deadlines (timers fire at their time; messages take a little)
     slack_s: float = 0.05
 
@@ -338,6 +341,8 @@ class Simulation:
                 return
             req.sources.append(src)
         req.open_sources = len(req.sources)
+        if req.nblocks > 1 and rng.random() < t.tail_p:
+            req.tail = rng.randint(1, req.nblocks - 1)      # source_tail: a prefix hit
         self._live_rids.add(rid)
         self._epoch.rids.add(rid)
         self._open.add(req)
@@ -583,8 +588,8 @@ class Simulation:
         producers, shares = self._share(use.req, ce.name)
         try:
             xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, producers,
-                                 self.timings.request_timeout_s, use.req.groups, False,
-                                 shares, xid)
+                                 self.timings.request_timeout_s, use.req.groups,
+                                 use.req.tail > 0, shares, xid)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
@@ -592,7 +597,11 @@ class Simulation:
 
     def _call_pull(self, ce: Endpoint, use: Use, tickets: list[m.PullTicket],
                    claimed: int) -> None:
-        srcs = [m.decode_ids(t.block_ids) for t in tickets]
+        k = use.req.tail                      # source_tail: as the facade slices them
+        srcs = [m.decode_ids(t.block_ids)[k:] for t in tickets]
+        if k and self.timings.verify:
+            tickets = [msgspec.structs.replace(t, checksums=t.checksums[8 * k:])
+                       for t in tickets]
         now = self.sched.now
         t = self.timings
         # as the facade: the READ's budget is the timeout and what is left of the leases
