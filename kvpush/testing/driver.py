@@ -115,6 +115,11 @@ class Endpoint:
         self.flush()
         if not self.alive:
             return
+        n = self.core.in_flight()
+        if n != len(self.xfers):   # the core lost (or invented) a transfer it must end
+            self.sim.checker.fail("inflight_mismatch",
+                                  f"{self.name}: core.in_flight()={n}, transfers posted and "
+                                  f"not reported ended: {sorted(self.xfers)}")
         deadline = self.core.next_deadline()
         if deadline is not None and deadline < self._armed:
             self._armed = deadline
