@@ -222,6 +222,27 @@ class FakeNixl:
         self.active[id(xfer)] = xfer
         self._schedule_next(xfer, slow)
 
+    def finish_now(self, xfer: Transfer) -> None:
+        """Move every byte at once (on a host UCX often finishes a transfer inside the
+        post call)."""
+        while xfer.state == "moving" and xfer.pieces:
+            lo, hi = xfer.pieces.pop(0)
+            self._copy(xfer, lo, hi)
+        if xfer.state == "moving":
+            self._stop(xfer, "landed")
+            self.on_landed(xfer)
+
+    def _copy(self, xfer: Transfer, lo: int, hi: int) -> None:
+        # The bytes as the source holds them *now*.
+        if xfer.length < 0:
+            xfer.dst.data[xfer.dst_rows[lo:hi]] = xfer.src.data[xfer.src_rows[lo:hi]]
+        else:
+            so, do, n = xfer.src_off, xfer.dst_off, xfer.length
+            xfer.dst.data[xfer.dst_rows[lo:hi], do:do + n] = \
+                xfer.src.data[xfer.src_rows[lo:hi], so:so + n]
+        xfer.moved += hi - lo
+        self.on_piece(xfer, lo, hi)
+
     def _schedule_next(self, xfer: Transfer, slow: float) -> None:
         lo, hi = self.piece_delay
         delay = self.sched.rng.uniform(lo, hi)
@@ -243,15 +264,7 @@ class FakeNixl:
             return
         xfer.fail_at -= 1
         lo, hi = xfer.pieces.pop(0)
-        # The bytes as the source holds them *now*.
-        if xfer.length < 0:
-            xfer.dst.data[xfer.dst_rows[lo:hi]] = xfer.src.data[xfer.src_rows[lo:hi]]
-        else:
-            so, do, n = xfer.src_off, xfer.dst_off, xfer.length
-            xfer.dst.data[xfer.dst_rows[lo:hi], do:do + n] = \
-                xfer.src.data[xfer.src_rows[lo:hi], so:so + n]
-        xfer.moved += hi - lo
-        self.on_piece(xfer, lo, hi)
+        self._copy(xfer, lo, hi)
         if xfer.pieces:
             self._schedule_next(xfer, slow)
         else:

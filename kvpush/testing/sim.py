@@ -86,6 +86,7 @@ class Timings:
     max_request_blocks: int = 4
     layerwise_p: float = 0.2      # share of pushes written layer by layer
     tail_p: float = 0.15          # share of requests whose consumers hold a prefix already
+    inline_p: float = 0.2         # share of transfers done inside the post call
     # checks: slack on deadlines (timers fire at their time; messages take a little)
     slack_s: float = 0.05
 
@@ -705,6 +706,9 @@ class Simulation:
             use.moving += 1
             xfer.use = use
         self.nixl.start(xfer, slow)
+        if not slow and xfer.fail_at < 0 and self.rng.random() < self.timings.inline_p \
+                and not self.net.cut_until(xfer.poster.name, xfer.target.name):
+            self.nixl.finish_now(xfer)   # the driver sees DONE inside its post call
 
     def _on_piece(self, xfer: Transfer, lo: int, hi: int) -> None:
         eng = self._decode_engine(xfer)
