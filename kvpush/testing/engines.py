@@ -179,7 +179,10 @@ class PrefillEngine:
                          f"(xid {xfer.xid:x}) had not ended")
         for xfer in self.sim.nixl.reading(self.ep.memory) if safe else ():
             until = src.held_until.get(xfer.xid)
-            if xfer.op == "READ" and until is not None and now < until \
+            use = xfer.use
+            # (a READ whose use already ended, or whose consumer died, is trusted by no one)
+            trusted = use is not None and use.result is None and not use.ep.engine.dead
+            if xfer.op == "READ" and until is not None and now < until and trusted \
                     and not src.idset.isdisjoint(xfer.src_blocks):
                 chk.fail("release_while_held",
                          f"{self.ep.name} released {rel.request_id!r} ({rel.reason.value}) "
