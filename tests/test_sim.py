@@ -265,6 +265,27 @@ def test_regression_released_early_then_aborted() -> None:
         assert not found, found
 
 
+@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
+@pytest.mark.xfail(reason="found by the simulator (report F4): a Release with "
+                          "blocks_safe=False asks the engine to keep the blocks for "
+                          "transfer_timeout_s, but a link cut shorter than peer_timeout_s holds "
+                          "the WRITE (and the Bye) longer; the WRITE then copies the reuse and "
+                          "its Landed beats the Bye", strict=False)
+def test_regression_close_quarantine_shorter_than_a_cut() -> None:
+    from kvpush.testing import Timings
+
+    out = io.StringIO()
+    sim = Simulation(1, requests=400, producers=1, consumers=1, faults=Faults.parse("none"),
+                     out=out, timings=Timings(prefill_max_s=0.2))
+    s = sim.sched
+    # A cut of 0.8 s (< peer_timeout_s: neither side declares the other lost) with WRITEs
+    # posted into it, and Producer.close() 0.1 s in.
+    s.at(1.0, lambda: sim.net.cut("p0", "c0", 1.8))
+    s.at(1.1, lambda: sim.endpoints["p0"].close(
+        lambda: s.after(0.01, sim._restart, "p0", "producer", 1, sim.endpoints["p0"])))
+    assert sim.run() == 0, out.getvalue()
+
+
 # -- the checker catches planted bugs ----------------------------------------------------
 class _Wrap:
     def __init__(self, inner: object) -> None:

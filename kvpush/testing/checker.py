@@ -11,7 +11,7 @@ import sys
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = ["Checker", "Violation"]
 
@@ -44,13 +44,21 @@ class Checker:
         self.violations: list[Violation] = []
         self.lines: deque[str] = deque(maxlen=tail)
         self.trace_hash = 0
-        self.step = 0
-        self.now = 0.0
+        #: where ``now`` and ``step`` come from (the simulation's scheduler, once set)
+        self.clock: Any = None
         self.out = out if out is not None else sys.stdout
         self.print_limit = print_limit
         self.quiet = False
         #: every trace line goes here too, when set (``--trace FILE``)
         self.keep = keep
+
+    @property
+    def now(self) -> float:
+        return float(self.clock.now) if self.clock is not None else 0.0
+
+    @property
+    def step(self) -> int:
+        return int(self.clock.steps) if self.clock is not None else 0
 
     def trace(self, line: str) -> None:
         text = f"{self.now:.6f} {line}"

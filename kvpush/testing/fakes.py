@@ -69,7 +69,7 @@ class Scheduler:
             return False
         when, _, fn, args = heapq.heappop(self._heap)
         self.now = when
-        self.steps += 1
+        self.steps += 1      # (the trace reads both while fn runs)
         fn(*args)
         return True
 

@@ -158,6 +158,7 @@ class Simulation:
         self.sched = Scheduler(seed)
         self.rng = self.sched.rng
         self.checker = Checker(seed, out=out)
+        self.checker.clock = self.sched
         self.out = out if out is not None else sys.stdout
         self.net = Network(self.sched)
         self.net.dup_p = self.faults.dup_p if self.faults.on("dup") else 0.0
@@ -258,8 +259,7 @@ class Simulation:
             live_before = dict(LIVE._counts)
         try:
             while not self._done and sched.step():
-                chk.step = sched.steps
-                chk.now = sched.now
+                pass
         finally:
             with LIVE._lock:
                 LIVE._counts.clear()
