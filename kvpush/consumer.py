@@ -47,7 +47,6 @@ from .auth import (
     session_key,
 )
 from .endpoint import (
-    RESULT_QUEUE,
     Endpoint,
     Timer,
     check_durations,
@@ -214,7 +213,7 @@ class Consumer(Endpoint):
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_finished = on_finished
-        self._finished: deque[TransferResult] = deque(maxlen=RESULT_QUEUE)
+        self._finished: deque[TransferResult] = deque()
         self._producers: dict[str, _Producer] = {}     # by address
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
         # Every request's state lives in the core; this facade keeps only the handles the
@@ -237,7 +236,9 @@ class Consumer(Endpoint):
         """Handshake with the producer at ``address`` (e.g. ``Producer.address``); returns
         its name. Idempotent. Raises :class:`~kvpush.errors.LayoutMismatch` when the layouts
         cannot exchange blocks and :class:`~kvpush.errors.PeerUnavailable` when the producer
-        does not answer within ``timeout``."""
+        does not answer within ``timeout``. It blocks: calling it from a kvpush callback
+        (on the loop thread that would answer it) raises RuntimeError."""
+        self._no_blocking_on_loop("Consumer.connect()")
         if not isinstance(address, str) or "://" not in address:
             raise ValueError(f"address must be a ZeroMQ endpoint like tcp://host:port, "
                              f"got {address!r}")

@@ -39,8 +39,9 @@ __all__ = ["OUTBOX_BYTES", "RESULT_QUEUE", "SEND_HWM", "Endpoint", "Timer", "che
 
 log = logging.getLogger("kvpush")
 
-#: Results kept for ``get_finished`` / ``get_released`` when no callback takes them; an
-#: engine that uses neither (handles only) must not grow memory without bound.
+#: Results and releases waiting in ``get_finished`` / ``get_released`` past which (and at
+#: every doubling) a warning says the engine does not drain them. None is ever dropped: a
+#: lost Release would leak the engine's blocks.
 RESULT_QUEUE = 1 << 16
 #: Control frames ZeroMQ queues per peer before a send would block (its high-water mark);
 #: past it, frames wait in the endpoint's own outbox (:meth:`Endpoint._send`).
@@ -93,10 +94,10 @@ def control_socket(sock: zmq.Socket[Any], peer_timeout_s: float) -> None:
 
 
 def queue_result(queue: deque[Any], item: Any, owner: str, drain: str) -> None:
-    if len(queue) == queue.maxlen:
-        log.warning("%s: %s() not drained: dropping the oldest of %d results", owner, drain,
-                    queue.maxlen)
     queue.append(item)
+    n = len(queue)
+    if n >= RESULT_QUEUE and n & (n - 1) == 0:
+        log.warning("%s: %s() not drained: %d waiting (none is dropped)", owner, drain, n)
 
 
 class Timer:
@@ -131,6 +132,13 @@ class Endpoint:
         self._backoff = Backoff(progress)
         self._closed = False
         self._close_lock = threading.Lock()
+        # Held while a command is queued and while close() marks the endpoint closed, so no
+        # command is queued after the final drain (it would never run).
+        self._submit_lock = threading.Lock()
+        # Who releases NIXL and the sockets when close() cannot wait for the loop thread
+        self._exit_lock = threading.Lock()
+        self._loop_exited = False
+        self._teardown_on_exit = False
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._timers: list[tuple[float, int, Timer]] = []
         self._timer_seq = itertools.count()
@@ -157,13 +165,26 @@ class Endpoint:
     # -- loop plumbing ---------------------------------------------------------------------
     def _call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread."""
-        if self._closed:
-            raise ClosedError(f"{self._role} {self.name} is closed")
-        self._commands.put(fn)
-        os.eventfd_write(self._wake_fd, 1)
+        with self._submit_lock:
+            if self._closed:
+                raise ClosedError(f"{self._role} {self.name} is closed")
+            self._commands.put(fn)
+            os.eventfd_write(self._wake_fd, 1)
+
+    def _on_loop(self) -> bool:
+        """True on this endpoint's loop thread (inside a callback)."""
+        return threading.current_thread() is self._thread
+
+    def _no_blocking_on_loop(self, what: str) -> None:
+        """A blocking call made from a callback would wait for the loop that runs it."""
+        if self._on_loop():
+            raise RuntimeError(f"{what} blocks, and was called on {self.name}'s loop thread "
+                               f"(from a kvpush callback): call it from another thread")
 
     def _call_and_wait(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run ``fn`` on the loop thread and return its result (or raise its exception)."""
+        if self._on_loop():
+            return fn()
         done = threading.Event()
         box: list[Any] = []
 
@@ -285,12 +306,18 @@ class Endpoint:
             log.exception("%s loop crashed", self.name)
             self._loop_error = exc
         finally:
-            self._closed = True
+            with self._submit_lock:
+                self._closed = True
             try:
                 self._drain_commands()
                 self._on_close()
             except Exception:
                 log.exception("%s: error while closing", self.name)
+            with self._exit_lock:
+                self._loop_exited = True
+                late = self._teardown_on_exit
+            if late:  # close() could not wait for this thread
+                self._teardown()
 
     def _drain_commands(self) -> None:
         # Called on every receive and poll (see _recv_all): an empty queue costs one
@@ -335,17 +362,39 @@ class Endpoint:
             if getattr(self, "_finalized", False):
                 return
             self._finalized = True
+        with self._submit_lock:  # from here on a call raises ClosedError, never queues
+            self._closed = True
+        if self._on_loop():
+            # From a callback: the loop ends after it and tears down on its way out.
+            with self._exit_lock:
+                self._teardown_on_exit = True
+            self._stop = True
+            return
         if self._thread.is_alive():
             self._stop = True
             os.eventfd_write(self._wake_fd, 1)
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.error("%s: loop thread did not stop within %s s", self.name, timeout)
-        self._closed = True
-        if not self._thread.is_alive():
-            # Commands that raced with the stop, or a loop that never started: end them here.
-            self._drain_commands()
-            self._on_close()
+                # Never touch NIXL or the sockets beside a live loop: it tears down itself
+                # once it stops.
+                log.error("%s: loop thread did not stop within %s s; it will release "
+                          "everything when it does", self.name, timeout)
+                with self._exit_lock:
+                    exited = self._loop_exited
+                    self._teardown_on_exit = not exited
+                if exited:  # it ended meanwhile
+                    self._teardown()
+                return
+        # Commands queued before the close, or a loop that never started: end them here.
+        self._drain_commands()
+        self._on_close()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        with self._close_lock:
+            if getattr(self, "_torn_down", False):
+                return
+            self._torn_down = True
         for sock in list(self._sockets):
             self._remove_socket(sock)
         self._agent.close()

@@ -42,7 +42,6 @@ from .auth import (
     session_key,
 )
 from .endpoint import (
-    RESULT_QUEUE,
     Endpoint,
     Timer,
     check_durations,
@@ -187,7 +186,7 @@ class Producer(Endpoint):
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_release = on_release
-        self._released: deque[Release] = deque(maxlen=RESULT_QUEUE)
+        self._released: deque[Release] = deque()
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
         self._hello_guard = HelloGuard()
@@ -518,9 +517,16 @@ class Producer(Endpoint):
             return
         # A restarted consumer (its new connection, or the same one) replaces the old
         # incarnation: that one's transfers are given up before NIXL takes the new metadata.
-        for stale in {old, self._by_agent.get(msg.name)}:
-            if stale is not None and stale.identity in self._consumers:
+        for stale in (old, self._by_agent.get(msg.name)):
+            if stale is not None and self._consumers.get(stale.identity) is stale:
                 self._drop_consumer(stale, "consumer reconnected", abandon=True)
+        if msg.name in self._by_agent:
+            # Dropped already (silent), its WRITEs left to end: NIXL cannot take the new
+            # metadata while it holds the old, so they are given up now (what they may
+            # still write lands in blocks that consumer reported unsafe).
+            self._core.peer_lost(time.monotonic(), msg.name, "consumer reconnected",
+                                 abandon=True)
+            self._apply()
         try:
             agent_name = self._agent.add_peer(metadata, remote)
         except PeerUnavailable as exc:

@@ -322,3 +322,47 @@ def test_pull_begin_overtaking_its_prefill_done(pair: tuple,
     assert result.ok, result
     check_blocks(dst, np.array([8, 9]), np.array([6, 7]), 3)
     assert [r.reason for r in drain_released(p, 1)] == [kvpush.ReleaseReason.TRANSFERRED]
+
+
+def test_callbacks_may_not_block_but_may_close_and_nothing_is_dropped() -> None:
+    """Issue 13, bug 8: a blocking call (connect) from inside a callback stalled the loop
+    that had to answer it; close() from a callback joined its own thread; undrained results
+    were dropped past 65,536. Now the blocking call raises at once, close() from a callback
+    ends the loop after it, and nothing is dropped."""
+    from collections import deque
+
+    from kvpush import endpoint
+
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
+    errors: list[BaseException] = []
+    closed = threading.Event()
+    producer = kvpush.Producer(src.layout)
+    consumer: kvpush.Consumer
+
+    def on_finished(result: kvpush.TransferResult) -> None:
+        try:
+            consumer.connect(producer.address, timeout=1.0)
+        except RuntimeError as exc:
+            errors.append(exc)
+        consumer.close()  # from the loop thread: returns, the loop ends after this
+        closed.set()
+
+    consumer = kvpush.Consumer(dst.layout, on_finished=on_finished)
+    try:
+        name = consumer.connect(producer.address)
+        h = consumer.expect("cb", np.array([1]), name, timeout=10)
+        producer.prefill_done("cb", np.array([2]))
+        assert h.wait(10).state is RequestState.READY
+        assert closed.wait(10) and len(errors) == 1 and "callback" in str(errors[0])
+        deadline = time.monotonic() + 10
+        while consumer._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not consumer._thread.is_alive() and consumer.closed
+    finally:
+        consumer.close()
+        producer.close()
+    queue: deque[int] = deque()
+    for i in range(endpoint.RESULT_QUEUE + 10):
+        endpoint.queue_result(queue, i, "x", "get_finished")
+    assert len(queue) == endpoint.RESULT_QUEUE + 10 and queue[0] == 0
+    assert producer._released.maxlen is None and consumer._finished.maxlen is None
