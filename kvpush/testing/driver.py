@@ -73,6 +73,7 @@ class Endpoint:
         self.layout: KVLayout = self.memory.layout
         self.links = SimLinks(self.memory, sim.peer_memory)
         self.peers: dict[str, Peer] = {}
+        self.lingering: set[str] = set()   # producer: peers lost, their DropPeer to come
         self.xfers: dict[int, Transfer] = {}      # posted here, end not yet reported
         self.closing = False
         self.clock_skew = 0.0        # this process's wall clock minus simulated time
@@ -272,6 +273,11 @@ class Endpoint:
                 self._peer_lost(sender, "consumer reconnected", abandon=True)
                 self.flush()
                 peer = None
+            if sender in self.lingering:
+                # dropped already (silent), its WRITEs left to end: given up now, before
+                # NIXL takes the new metadata (as the facade does)
+                self._peer_lost(sender, "consumer reconnected", abandon=True)
+                self.flush()
             if peer is None or not peer.up:
                 peer = self.peers[sender] = Peer(sender, up=True, inc=inc, last_seen=now)
                 self.core.peer_up(now, sender, KVLayout.from_wire(msg.layout))
@@ -383,6 +389,8 @@ class Endpoint:
 
     def _peer_lost(self, name: str, why: str, abandon: bool = False) -> None:
         now = self.sim.sched.now
+        if self.role == "producer":
+            self.lingering.add(name)     # until the core's DropPeer
         if abandon:
             self.core.peer_lost(now, name, why, abandon=True)
         else:
@@ -405,6 +413,7 @@ class Endpoint:
                 self.sim.checker.fail("bad_effect", f"{self.name}: {eff!r}")
         elif isinstance(eff, DropPeer):
             peer = self.peers.get(eff.peer)
+            self.lingering.discard(eff.peer)
             self.sim.checker.trace(f"{self.name} drop {eff.peer}: {eff.why}")
             if peer is not None:
                 if self.role == "producer":
