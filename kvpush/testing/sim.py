@@ -12,17 +12,16 @@ delays, faults, block ids, transfer ids), and time is simulated, so a seed repla
 The last line reads ``requests=N faults=F violations=V``; the exit code is 1 when V > 0.
 Each violation prints its seed, step and the trace's tail.
 
-Workload: requests arrive at random; each picks a producer and one consumer (or, with
-``sharers``, several that share the source), push or pull, 1-4 blocks. The prefill engine
-finishes early or late relative to the consumer's registration; aborts come from either
-side at random moments; request ids are reused once their previous use ended; a pull ticket
-is sometimes handed to a second consumer; tickets are sometimes relayed after their lease.
-Faults: link cuts (both directions lose frames, transfers stop; both sides declare the peer
-lost after ``peer_timeout_s``), loop stalls, kills and restarts (a new incarnation under
-the same name), duplicated idempotent frames, transfers in error, slow transfers (past
-``transfer_timeout_s``). Every ``epoch`` requests the run quiesces: no new requests until
-every open one has ended, then ``tombstone_s`` more, and every core must hold no record of
-any request id and no transfer in flight.
+Workload: requests arrive at random; each goes to a producer (or a group of ``--tp``
+producer ranks) and a consumer (several sharing the source, or a group of ``--ctp`` decode
+ranks), push or pull, 1-4 blocks, some layer-wise, some prefix hits. Engines call in at any
+moment: prefill early or late, aborts from either side, request ids reused, a pull ticket
+handed to two consumers or relayed after its lease, claims. Faults (``--faults``): link cuts
+(frames held; a cut past ``peer_timeout_s`` breaks the connection), loop stalls, kills and
+restarts, close and reopen over the same cache, duplicated idempotent frames, transfers in
+error, slow or finishing inside the post, late notifications, clock skew. Every ``epoch``
+requests the run quiesces: every open request must end, and ``tombstone_s`` later no core
+may hold a record or a transfer. See docs/SIMULATION.md.
 """
 
 from __future__ import annotations
