@@ -1,0 +1,974 @@
+"""Deterministic simulation of producers and consumers (``python -m kvpush.testing.sim``).
+
+The protocol cores (:mod:`kvpush.protocol`) run unchanged against the fakes of
+:mod:`kvpush.testing.fakes`, driven by :mod:`kvpush.testing.driver`, with engine models
+(:mod:`kvpush.testing.engines`) that write real bytes and check every invariant of
+docs/PROTOCOL.md as it happens. One ``random.Random(seed)`` draws everything (arrivals,
+delays, faults, block ids, transfer ids), and time is simulated, so a seed replays exactly::
+
+    python -m kvpush.testing.sim --requests 20000 --seed 7
+    python -m kvpush.testing.sim --requests 2000 --seed 7 --producers 16 --consumers 16
+
+The last line reads ``requests=N faults=F violations=V``; the exit code is 1 when V > 0.
+Each violation prints its seed, step and the trace's tail.
+
+Workload: requests arrive at random; each goes to a producer (or a group of ``--tp``
+producer ranks) and a consumer (several sharing the source, or a group of ``--ctp`` decode
+ranks), push or pull, 1-4 blocks, some layer-wise, some prefix hits. Engines call in at any
+moment: prefill early or late, aborts from either side, request ids reused, a pull ticket
+handed to two consumers or relayed after its lease, claims. Faults (``--faults``): link cuts
+(frames held; a cut past ``peer_timeout_s`` breaks the connection), loop stalls, kills and
+restarts, close and reopen over the same cache, duplicated idempotent frames, transfers in
+error, slow or finishing inside the post, late notifications, clock skew. Every ``epoch``
+requests the run quiesces: every open request must end, and ``tombstone_s`` later no core
+may hold a record or a transfer. See docs/SIMULATION.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
+
+import msgspec
+
+from .. import messages as m
+from ..errors import KvpushError, RequestAborted
+from ..metrics import LIVE
+from ..protocol.effects import XferEnd
+from ..request import RequestState, TransferMode
+from .checker import Checker
+from .driver import Endpoint
+from .engines import DecodeEngine, Request, Source, Use
+from .fakes import FakeMemory, FakeNixl, Network, Scheduler, Transfer
+
+__all__ = ["FAULTS", "CoreFactory", "Faults", "Simulation", "Timings", "main"]
+
+CoreFactory = Callable[[Endpoint], Any]
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Durations (simulated seconds) and sizes of a simulation. Short on purpose: faults
+    outlast timeouts often, so every timeout path runs."""
+
+    num_regions: int = 2
+    num_blocks: int = 128
+    tp: int = 1                   # producer ranks per request (tensor parallel)
+    ctp: int = 1                  # consumer ranks per request, sharing each source
+    # producer
+    lease_s: float = 1.0
+    max_wait_s: float = 2.0
+    transfer_timeout_s: float = 0.4
+    tombstone_s: float = 2.0
+    # consumer
+    request_timeout_s: float = 1.5
+    abort_grace_s: float = 0.3
+    lease_margin_s: float = 0.05
+    # both
+    heartbeat_s: float = 0.25
+    peer_timeout_s: float = 1.0
+    hello_retry_s: float = 0.05
+    heartbeats_to_core: bool = False
+    verify: bool = False          # per-block checksums travel with the data (both sides)
+    # engines
+    quarantine_s: float = 5.0
+    prefill_max_s: float = 0.03
+    expect_max_s: float = 0.01
+    relay_max_s: float = 0.01
+    max_request_blocks: int = 4
+    layerwise_p: float = 0.2      # share of pushes written layer by layer
+    tail_p: float = 0.15          # share of requests whose consumers hold a prefix already
+    inline_p: float = 0.2         # share of transfers done inside the post call
+    # checks: slack on deadlines (timers fire at their time; messages take a little)
+    slack_s: float = 0.05
+
+
+#: Fault names for ``--faults`` (comma separated; "all", "none").
+FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
+          "double", "late", "sharers", "skew", "claim", "close", "slownotif")
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What goes wrong, and how often. Per-request chances are per request; process faults
+    (cut, stall, kill) come at ``rate`` per simulated second, spread over their kinds."""
+
+    enabled: frozenset[str] = frozenset(FAULTS)
+    rate: float = 1.5            # process faults per simulated second
+    dup_p: float = 0.05
+    xerr_p: float = 0.02
+    slow_p: float = 0.02
+    abort_p: float = 0.04
+    pabort_p: float = 0.02
+    reuse_p: float = 0.05
+    double_p: float = 0.03
+    late_p: float = 0.02
+    sharers_p: float = 0.05
+    skew_s: float = 0.02         # wall clocks differ by up to this (pull tickets' leases)
+    claim_p: float = 0.1         # a pull is claimed first (the engine has no blocks yet)
+    slownotif_p: float = 0.02    # a NIXL notification is read late (the target polls late)
+
+    def on(self, name: str) -> bool:
+        return name in self.enabled
+
+    @classmethod
+    def parse(cls, spec: str) -> Faults:
+        if spec in ("", "all"):
+            return cls()
+        if spec == "none":
+            return cls(enabled=frozenset())
+        names = frozenset(s.strip() for s in spec.split(",") if s.strip())
+        unknown = names - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        return cls(enabled=names)
+
+
+@dataclass
+class _Epoch:
+    rids: set[str] = field(default_factory=set)
+    issued: int = 0
+
+
+class Simulation:
+    """A cluster of ``producers`` x ``consumers`` endpoints under one seed.
+
+    ``make_producer`` / ``make_consumer`` build a protocol core for an endpoint (defaults:
+    the real :class:`~kvpush.protocol.producer.ProducerCore` and
+    :class:`~kvpush.protocol.consumer.ConsumerCore`); tests wrap them to plant bugs.
+    """
+
+    def __init__(self, seed: int, *, producers: int = 2, consumers: int = 2,
+                 requests: int = 1000, rate: float | None = None,
+                 timings: Timings | None = None, faults: Faults | None = None,
+                 epoch: int = 2000, make_producer: CoreFactory | None = None,
+                 make_consumer: CoreFactory | None = None, out: Any = None,
+                 progress_every: int = 0) -> None:
+        self.seed = seed
+        self.timings = timings or Timings()
+        self.faults = faults or Faults()
+        self.sched = Scheduler(seed)
+        self.rng = self.sched.rng
+        self.checker = Checker(seed, out=out)
+        self.checker.clock = self.sched
+        self.out = out if out is not None else sys.stdout
+        self.net = Network(self.sched)
+        self.net.dup_p = self.faults.dup_p if self.faults.on("dup") else 0.0
+        self.net.reset_s = self.timings.peer_timeout_s
+        self.nixl = FakeNixl(self.sched)
+        self.nixl.on_piece = self._on_piece
+        self.nixl.on_landed = self._on_landed
+        self.nixl.on_error = self._on_error
+        self.nixl.on_stopped = self._on_stopped
+        self.nixl.link_cut_until = lambda a, b: self.net.cut_until(a.name, b.name)
+        self.stats: Counter[str] = Counter()
+        self.make_producer = make_producer or default_producer
+        self.make_consumer = make_consumer or default_consumer
+        self.requests = requests
+        self.epoch_size = max(1, epoch)
+        self.progress_every = progress_every
+        self.producer_names = [f"p{i}" for i in range(producers)]
+        self.consumer_names = [f"c{i}" for i in range(consumers)]
+        # ~concurrency of a few requests per producer at a time
+        self.rate = rate if rate is not None else 40.0 * producers
+        self.endpoints: dict[str, Endpoint] = {}
+        self._heads: dict[str, tuple[int, int, int]] = {}
+        self.reuse_tag = 0
+        self.faults_injected = 0
+        self.issued = 0
+        self.finished = 0
+        self._number = 0
+        self._epoch = _Epoch()
+        self._live_rids: set[str] = set()
+        self._reusable: deque[str] = deque(maxlen=256)
+        self._open: set[Request] = set()
+        self._quiescing = False
+        self._done = False
+        self._wall0 = 0.0
+
+    # -- setup -------------------------------------------------------------------------
+    def heads_of(self, name: str) -> tuple[int, int, int]:
+        """(first head, heads, total heads) an endpoint holds. Producers form groups of
+        ``tp`` ranks (p0..p{tp-1}, ...), consumers groups of ``ctp`` ranks; a rank holds its
+        share of ``lcm(tp, ctp)`` heads."""
+        known = self._heads.get(name)
+        if known is not None:
+            return known
+        t = self.timings
+        total = t.tp * t.ctp // math.gcd(t.tp, t.ctp)
+        if name in self.producer_names:
+            k, rank = t.tp, self.producer_names.index(name) % t.tp
+        else:
+            k, rank = t.ctp, self.consumer_names.index(name) % t.ctp
+        known = self._heads[name] = (rank * (total // k), total // k, total)
+        return known
+
+    def _overlaps(self, producer: str, consumer: str) -> bool:
+        p0, pn, _ = self.heads_of(producer)
+        c0, cn, _ = self.heads_of(consumer)
+        return max(p0, c0) < min(p0 + pn, c0 + cn)
+
+    def _share(self, req: Request, consumer: str) -> tuple[list[str], list[int]]:
+        """The producer ranks ``consumer`` takes heads from, and each one's sharers (how
+        many of the request's consumer ranks take heads of it)."""
+        mine = [p for p in req.producers if self._overlaps(p, consumer)]
+        return mine, [sum(self._overlaps(p, c) for c in req.consumers) * req.sharers
+                      for p in mine]
+
+    def peer_memory(self, name: str) -> FakeMemory | None:
+        ep = self.endpoints.get(name)
+        return ep.memory if ep is not None else None
+
+    def _spawn(self, name: str, role: str, inc: int,
+               reopen: Endpoint | None = None) -> Endpoint:
+        factory = self.make_producer if role == "producer" else self.make_consumer
+        ep = Endpoint(self, name, role, inc, factory, reopen)
+        if self.faults.on("skew"):
+            ep.clock_skew = self.rng.uniform(-self.faults.skew_s, self.faults.skew_s)
+        self.endpoints[name] = ep
+        ep.start_liveness()
+        if role == "consumer":
+            for p in self.producer_names:
+                ep.connect(p)
+        return ep
+
+    # -- the run -----------------------------------------------------------------------
+    def run(self) -> int:
+        """Run to the end; return the number of violations."""
+        self._wall0 = time.perf_counter()
+        for p in self.producer_names:
+            self._spawn(p, "producer", 0)
+        for c in self.consumer_names:
+            self._spawn(c, "consumer", 0)
+        self.sched.after(0.2, self._arrive)          # handshakes first
+        if self.faults.enabled & {"cut", "stall", "kill", "close"} and self.faults.rate > 0:
+            self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
+        chk = self.checker
+        sched = self.sched
+        # The cores count live resources in the process-wide kvpush.metrics.LIVE; simulated
+        # ones are not the process's, so the counts go back to what they were.
+        with LIVE._lock:
+            live_before = dict(LIVE._counts)
+        try:
+            while not self._done and sched.step():
+                pass
+        finally:
+            with LIVE._lock:
+                LIVE._counts.clear()
+                LIVE._counts.update(live_before)
+        return len(chk.violations)
+
+    def summary(self) -> str:
+        return (f"requests={self.issued} faults={self.faults_injected} "
+                f"violations={len(self.checker.violations)}")
+
+    def details(self) -> str:
+        wall = time.perf_counter() - self._wall0
+        s = self.stats
+        results = " ".join(f"{k[8:]}={v}" for k, v in sorted(s.items())
+                           if k.startswith("results_"))
+        return (f"seed={self.seed} steps={self.sched.steps} sim_time={self.sched.now:.1f}s "
+                f"wall={wall:.1f}s ({self.issued / max(wall, 1e-9):.0f} requests/s) "
+                f"trace={self.checker.trace_hash:08x} skipped={s['skipped']} {results}")
+
+    # -- arrivals ----------------------------------------------------------------------
+    def _arrive(self) -> None:
+        if self.issued >= self.requests:
+            self._quiesce()
+            return
+        if self._epoch.issued >= self.epoch_size:
+            self._quiesce()
+            return
+        self.issued += 1
+        self._epoch.issued += 1
+        if self.progress_every and self.issued % self.progress_every == 0:
+            wall = time.perf_counter() - self._wall0
+            print(f"progress: requests={self.issued} faults={self.faults_injected} "
+                  f"violations={len(self.checker.violations)} sim_time={self.sched.now:.1f}s "
+                  f"wall={wall:.1f}s", file=self.out, flush=True)
+        self.sched.after(self.rng.expovariate(self.rate), self._arrive)
+        self._new_request()
+
+    def _pick_rid(self) -> str:
+        if self.faults.on("reuse") and self._reusable and self.rng.random() < self.faults.reuse_p:
+            rid = self._reusable.popleft()
+            if rid not in self._live_rids:
+                self._fault("reuse")
+                return rid
+        self._number += 1
+        return f"r{self._number}"
+
+    def _new_request(self) -> None:
+        rng, f, t = self.rng, self.faults, self.timings
+        # the router sends requests to instances that are up
+        def live_groups(names: list[str], k: int) -> list[list[str]]:
+            groups = [names[i:i + k] for i in range(0, len(names) - k + 1, k)]
+            return [g for g in groups if all(self.endpoints[n].open for n in g)]
+
+        live_g = live_groups(self.producer_names, t.tp)
+        live_cg = live_groups(self.consumer_names, t.ctp)
+        if not live_g or not live_cg:
+            self.stats["skipped"] += 1
+            return
+        group = rng.choice(live_g)
+        mode = TransferMode.PUSH if rng.random() < 0.6 else TransferMode.PULL
+        sharers = 1
+        if t.ctp > 1:        # decode ranks share the source, each its heads
+            consumers = rng.choice(live_cg)
+        else:
+            live_c = [g[0] for g in live_cg]
+            if f.on("sharers") and len(live_c) > 1 and rng.random() < f.sharers_p:
+                sharers = rng.randint(2, min(3, len(live_c)))   # whole copies, shared
+                self._fault("sharers")
+            consumers = rng.sample(live_c, sharers)
+        rid = self._pick_rid()
+        self.reuse_tag += 1
+        req = Request(rid, self.reuse_tag, mode, group[0], rng.randint(1, t.max_request_blocks),
+                      sharers, producers=list(group), consumers=list(consumers))
+        for p in group:
+            src = self.endpoints[p].engine.allocate(req)
+            if src is None:
+                for s in req.sources:
+                    s.ep.engine.give_back(s)
+                self.stats["skipped"] += 1
+                return
+            req.sources.append(src)
+        req.open_sources = len(req.sources)
+        if req.nblocks > 1 and rng.random() < t.tail_p:
+            req.tail = rng.randint(1, req.nblocks - 1)      # source_tail: a prefix hit
+        self._live_rids.add(rid)
+        self._epoch.rids.add(rid)
+        self._open.add(req)
+        now = self.sched.now
+        prefill = rng.uniform(0, t.prefill_max_s)
+        if f.on("late") and rng.random() < f.late_p:
+            prefill = rng.uniform(t.lease_s, t.request_timeout_s * 1.5)   # prefill very late
+            self._fault("late")
+        layerwise = mode is TransferMode.PUSH and rng.random() < t.layerwise_p
+        if layerwise:
+            req.groups = t.num_regions                 # one region per layer here
+        for src in req.sources:                        # the ranks end at about one time
+            done = prefill + rng.uniform(0, 2e-3) * (len(req.sources) > 1)
+            req.pending += 1
+            self.sched.at(now + done, self._prefill_done, req, src)
+            for layer in range(req.groups - 1):        # the last is final at prefill_done
+                req.pending += 1
+                self.sched.at(now + done * rng.uniform(0.1, 0.9) ** (1 / (layer + 1)),
+                              self._layer_done, req, src, layer)
+        if mode is TransferMode.PUSH:
+            for c in consumers:
+                req.pending += 1
+                self.sched.at(now + rng.uniform(0, t.expect_max_s), self._expect, req, c)
+        if f.on("abort") and rng.random() < f.abort_p:
+            self._fault("abort")
+            self.sched.at(now + rng.uniform(0, prefill + 0.05), self._consumer_abort, req,
+                          rng.choice(consumers))
+        if f.on("pabort") and rng.random() < f.pabort_p:
+            self._fault("pabort")
+            when = now + rng.uniform(0, prefill + 0.05)   # the engine aborts every rank
+            for src in req.sources:
+                self.sched.at(when, self._producer_abort, req, src)
+
+    # -- producer engine calls ---------------------------------------------------------
+    def _producer_now(self, src: Source) -> Endpoint:
+        """The incarnation the engine talks to now: a reopened endpoint over the same
+        cache takes over its sources; a killed one's sources died with it."""
+        cur = self.endpoints[src.ep.name]
+        if cur.engine is src.ep.engine:
+            src.ep = cur
+        return src.ep
+
+    def _prefill_done(self, req: Request, src: Source) -> None:
+        pe = self._producer_now(src)
+        req.pending -= 1
+        if not pe.open:
+            if pe.engine.dead:
+                self.source_ended(src)
+            elif not src.handed:      # closed: the call raises ClosedError, the engine
+                pe.engine.give_back(src)  # keeps its blocks
+                self.source_ended(src)
+            else:                     # layers went to kvpush before the close: it
+                src.engine_done = True    # releases them (CLOSED); the engine then frees
+                if src.released:
+                    pe.engine.give_back(src)
+                    self.source_ended(src)
+            self._maybe_finished(req)
+            return
+        if req.p_aborted:
+            if not src.handed:        # kvpush never had them: the engine frees them
+                pe.engine.give_back(src)
+                self.source_ended(src)
+            self._maybe_finished(req)  # else kvpush releases them (see _producer_abort)
+            return
+        early = src.released          # layer-wise: kvpush gave them back already
+        pe.engine.prefill_done(src)   # the engine wrote the KV: these are the bytes
+        if not src.sid:
+            src.sid = self.rng.getrandbits(63) | 1
+        self.checker.trace(f"{pe.name} engine prefill_done {req.rid} "
+                           f"{req.mode.value} sid={src.sid:x} ids={src.ids.tolist()}")
+        if not early or src.released_by is pe:
+            # (the endpoint that released them early swallows this call; a new one, after
+            # a close, would take it as a new use: the engine does not make it)
+            pe.run(self._call_prefill_done, pe, req, src)
+        if early:                     # and the engine is done with them now
+            pe.engine.give_back(src)
+            self.source_ended(src)
+            return
+        if req.mode is TransferMode.PULL:
+            req.tickets[pe.name] = m.PullTicket(
+                producer=pe.name, address=f"sim://{pe.name}", request_id=req.rid,
+                block_ids=m.encode_ids(src.ids), lease_s=self.timings.lease_s,
+                issued_at=self.sched.now + pe.clock_skew, sid=src.sid,
+                checksums=pe.links.checksums(src.ids) if self.timings.verify else b"")
+            if len(req.tickets) < len(req.producers):
+                return            # the router relays them once every rank's is there
+            consumers = list(req.consumers)
+            f, rng = self.faults, self.rng
+            if f.on("double") and req.sharers == 1 and self.timings.ctp == 1 \
+                    and len(self.consumer_names) > 1 and rng.random() < f.double_p:
+                self._fault("double")
+                consumers.append(rng.choice([c for c in self.consumer_names
+                                             if c not in consumers]))
+            for c in consumers:
+                ticket = [req.tickets[p] for p in req.producers if self._overlaps(p, c)]
+                delay = rng.uniform(0, self.timings.relay_max_s)
+                if f.on("late") and rng.random() < f.late_p:
+                    self._fault("late")
+                    delay = rng.uniform(self.timings.lease_s * 0.8, self.timings.lease_s * 1.5)
+                req.pending += 1
+                if f.on("claim") and rng.random() < f.claim_p:
+                    self._fault("claim")
+                    self.sched.after(delay, self._claim, req, c, ticket)
+                else:
+                    self.sched.after(delay, self._pull, req, c, ticket)
+
+    def _layer_done(self, req: Request, src: Source, layer: int) -> None:
+        pe = self._producer_now(src)
+        req.pending -= 1
+        if not pe.open or req.p_aborted or src.done_at >= 0:
+            self._maybe_finished(req)
+            return
+        pe.engine.layer_done(src, layer)
+        if not src.sid:
+            src.sid = self.rng.getrandbits(63) | 1
+        self.checker.trace(f"{pe.name} engine layer_done {req.rid} layer={layer}")
+        pe.run(lambda: pe.core.layer_done(self.sched.now, req.rid, src.ids, layer, src.sid))
+
+    def _call_prefill_done(self, pe: Endpoint, req: Request, src: Source) -> None:
+        now = self.sched.now
+        pe.core.prefill_done(now, req.rid, src.ids, req.mode, src.sid)
+        # Its release must come within the producer's documented bounds.
+        t = self.timings
+        bound = now + max(t.lease_s, t.max_wait_s) + t.transfer_timeout_s \
+            + t.peer_timeout_s + t.slack_s
+        self.sched.at(bound, self._check_released, src, pe.stall_total, bound)
+
+    def _producer_abort(self, req: Request, src: Source) -> None:
+        pe = self._producer_now(src)
+        if not pe.open:
+            return
+        if src.done_at < 0:
+            # the engine stops prefilling; layers it already handed over (layer_done) are
+            # kvpush's to release, and the engine frees them once released
+            req.p_aborted = True
+            src.engine_done = True
+            if src.released:
+                pe.engine.give_back(src)
+                self.source_ended(src)
+        self.checker.trace(f"{pe.name} engine abort {req.rid}")
+        pe.run(lambda: pe.core.abort(self.sched.now, req.rid, "aborted by the sim's engine"))
+
+    def _check_released(self, src: Source, stall0: float, bound: float) -> None:
+        pe = src.ep
+        if src.released or pe.engine.dead or pe.engine.sources.get(src.req.rid) is not src:
+            return
+        ext = pe.stall_total - stall0 + max(0.0, pe.stalled_until - self.sched.now)
+        if ext > 1e-9:
+            self.sched.after(ext, self._check_released, src, pe.stall_total, bound + ext)
+            return
+        self.checker.fail("never_released",
+                          f"{pe.name} still holds {src.req.rid!r} (sid {src.sid:x}, "
+                          f"{src.req.mode.value}, prefill_done at {src.done_at:.6f}) past "
+                          f"its bound t={bound:.6f}; core says {pe.core.status(src.req.rid)}")
+        # Reported once; give the blocks back so the run goes on.
+        pe.engine.give_back(src)
+        self.source_ended(src)
+
+    # -- consumer engine calls ---------------------------------------------------------
+    def _expect(self, req: Request, cname: str) -> None:
+        req.pending -= 1
+        ce = self.endpoints[cname]
+        use = ce.engine.allocate(req) if ce.open else None
+        if use is None:
+            self.stats["skipped_uses"] += 1
+            self._maybe_finished(req)
+            return
+        self._begin_use(req, use)
+        ce.run(self._call_expect, ce, use)
+
+    def _pull(self, req: Request, cname: str, ticket: list[m.PullTicket],
+              claim: tuple[Endpoint, int] | None = None) -> None:
+        req.pending -= 1
+        ce = self.endpoints[cname]
+        if claim is not None and claim[0] is not ce:
+            claim = None          # claimed by an incarnation that died since
+        use = ce.engine.allocate(req) if ce.open else None
+        if use is None:
+            self.stats["skipped_uses"] += 1
+            if claim is not None:   # the engine gives its claim up
+                ce.run(lambda: ce.core.abort_claim(self.sched.now, req.rid, claim[1],
+                                                   "no blocks"))
+            self._maybe_finished(req)
+            return
+        self._begin_use(req, use)
+        ce.run(self._call_pull, ce, use, ticket, claim[1] if claim else 0)
+
+    def _claim(self, req: Request, cname: str, ticket: list[m.PullTicket]) -> None:
+        """The engine cannot take the blocks yet: claim the source, pull (or give up)
+        later -- possibly after the ticket's lease, which the claim extends."""
+        ce = self.endpoints[cname]
+        if not ce.open:
+            req.pending -= 1
+            self._maybe_finished(req)
+            return
+        xid = self.rng.getrandbits(63) | 1
+        self.checker.trace(f"{ce.name} engine claim {req.rid} xid={xid:x}")
+        share = self._share(req, cname)[1][0]
+        ce.run(lambda: ce.core.claim(self.sched.now, ticket, share, xid))
+        later = self.rng.uniform(0, self.timings.lease_s * 1.5)
+        if self.rng.random() < 0.2:
+            self.sched.after(later, self._unclaim, req, ce, xid)
+        else:
+            self.sched.after(later, self._pull, req, cname, ticket, (ce, xid))
+
+    def _unclaim(self, req: Request, ce: Endpoint, xid: int) -> None:
+        req.pending -= 1
+        if ce.open:
+            self.checker.trace(f"{ce.name} engine abort_claim {req.rid} xid={xid:x}")
+            ce.run(lambda: ce.core.abort_claim(self.sched.now, req.rid, xid, "gave up"))
+        self._maybe_finished(req)
+
+    def _begin_use(self, req: Request, use: Use) -> None:
+        req.uses.append(use)
+        req.open_uses += 1
+        use.started = -1.0
+        use.ep.engine.calling.add(use)
+
+    def _started(self, ce: Endpoint, use: Use, xid: Any) -> None:
+        now = self.sched.now
+        if not isinstance(xid, int) or xid == 0:
+            self.checker.fail("bad_xid", f"{ce.name}: the core returned xid {xid!r}")
+            xid = self.rng.getrandbits(63) | 1
+        ce.engine.calling.discard(use)
+        ce.engine.started(use, xid)
+        use.started = now
+        t = self.timings
+        use.deadline = now + t.request_timeout_s + t.abort_grace_s + t.slack_s
+        use.stall0 = ce.stall_total
+        self.sched.at(use.deadline, self._check_result, use, use.stall0, use.deadline)
+        self.checker.trace(f"{ce.name} engine {use.req.mode.value} {use.req.rid} "
+                           f"xid={xid:x} ids={use.ids.tolist()} sharers={use.req.sharers}")
+
+    def _refused(self, ce: Endpoint, use: Use, exc: Exception) -> None:
+        self.stats["refused_calls"] += 1
+        self.checker.trace(f"{ce.name} engine call refused: {exc!r}")
+        ce.engine.calling.discard(use)
+        ce.engine.cancel(use)
+        self.consumer_ended(use)
+
+    def _call_expect(self, ce: Endpoint, use: Use) -> None:
+        xid = self.rng.getrandbits(63) | 1     # the facade draws it (new_xid)
+        producers, shares = self._share(use.req, ce.name)
+        try:
+            xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, producers,
+                                 self.timings.request_timeout_s, use.req.groups,
+                                 use.req.tail > 0, shares, xid)
+        except KvpushError as exc:
+            self._refused(ce, use, exc)
+            return
+        self._started(ce, use, xid)
+
+    def _call_pull(self, ce: Endpoint, use: Use, tickets: list[m.PullTicket],
+                   claimed: int) -> None:
+        k = use.req.tail                      # source_tail: as the facade slices them
+        srcs = [m.decode_ids(t.block_ids)[k:] for t in tickets]
+        if k and self.timings.verify:
+            tickets = [msgspec.structs.replace(t, checksums=t.checksums[8 * k:])
+                       for t in tickets]
+        now = self.sched.now
+        t = self.timings
+        # as the facade: the READ's budget is the timeout and what is left of the leases
+        # (judged on this side's own wall clock), or the whole timeout when claimed
+        budget = t.request_timeout_s if claimed else min(
+            t.request_timeout_s, *(k.issued_at + k.lease_s - t.lease_margin_s
+                                   - (now + ce.clock_skew) for k in tickets))
+        xid = claimed or self.rng.getrandbits(63) | 1
+        try:
+            xid = ce.core.pull(now, tickets, srcs, use.ids, budget,
+                               self._share(use.req, ce.name)[1][0], xid)
+        except KvpushError as exc:
+            self._refused(ce, use, exc)
+            return
+        self._started(ce, use, xid)
+
+    def _consumer_abort(self, req: Request, cname: str) -> None:
+        ce = self.endpoints[cname]
+        if not ce.open:
+            return
+        now = self.sched.now
+        use = ce.engine.by_rid.get(req.rid)
+        if use is not None and use.req is req and use.started >= 0:
+            # the result must come within abort_grace_s (documented), or its deadline
+            use.deadline = min(use.deadline, now + self.timings.abort_grace_s
+                               + self.timings.slack_s)
+            self.sched.at(use.deadline, self._check_result, use, ce.stall_total, use.deadline)
+        self.checker.trace(f"{ce.name} engine abort {req.rid}")
+        ce.run(lambda: ce.core.abort(self.sched.now, req.rid, RequestState.ABORTED,
+                                     RequestAborted("aborted by the sim's engine")))
+
+    def _check_result(self, use: Use, stall0: float, bound: float) -> None:
+        ce = use.ep
+        if use.result is not None or ce.engine.dead or bound != use.deadline:
+            return
+        ext = ce.stall_total - stall0 + max(0.0, ce.stalled_until - self.sched.now)
+        if ext > 1e-9:
+            use.deadline = bound + ext
+            self.sched.after(ext, self._check_result, use, ce.stall_total, use.deadline)
+            return
+        self.checker.fail("no_result_in_time",
+                          f"{ce.name}: {use.req.rid!r} (xid {use.xid:x}, {use.req.mode.value} "
+                          f"from {use.req.producer}) has no result by t={bound:.6f} "
+                          f"(started {use.started:.6f})")
+
+    # -- request bookkeeping -----------------------------------------------------------
+    def source_ended(self, src: Source) -> None:
+        """One rank's source is over (released, given back by the engine, or died)."""
+        if src.ended:
+            return
+        src.ended = True
+        req = src.req
+        req.open_sources -= 1
+        if req.open_sources <= 0:
+            req.producer_done = True
+        self._maybe_finished(req)
+
+    def consumer_ended(self, use: Use) -> None:
+        use.req.open_uses -= 1
+        self._maybe_finished(use.req)
+
+    def _maybe_finished(self, req: Request) -> None:
+        if req.finished or not req.producer_done or req.open_uses > 0 \
+                or req.pending > 0:
+            return
+        req.finished = True
+        self.finished += 1
+        self._open.discard(req)
+        self._live_rids.discard(req.rid)
+        self._reusable.append(req.rid)
+
+    # -- transfers ---------------------------------------------------------------------
+    def _decode_engine(self, xfer: Transfer) -> DecodeEngine | None:
+        """The decode engine whose KV cache ``xfer`` writes into (WRITE or READ)."""
+        eng = xfer.dst.owner
+        return eng if isinstance(eng, DecodeEngine) and not eng.dead else None
+
+    def _use_of(self, xfer: Transfer) -> Use | None:
+        eng = self._decode_engine(xfer)
+        if eng is None:
+            return None
+        use: Use | None = eng.uses.get(xfer.xid) or eng.done.get(xfer.xid)
+        return use
+
+    def posted_from(self, mem: FakeMemory) -> list[Transfer]:
+        """Transfers posted by any incarnation over ``mem`` whose end was not reported."""
+        return [x for x in self.nixl.active.values()
+                if x.src is mem and x.poster.memory is mem and not x.reported]
+
+    def start_transfer(self, xfer: Transfer) -> None:
+        f = self.faults
+        if f.on("xerr") and self.rng.random() < f.xerr_p:
+            self._fault("xerr")
+            xfer.fail_at = self.rng.randint(0, 2)
+        slow = 0.0
+        if f.on("slow") and self.rng.random() < f.slow_p:
+            self._fault("slow")
+            slow = self.timings.transfer_timeout_s * 2.5
+        use = self._use_of(xfer)
+        if use is not None:
+            use.moving += 1
+            xfer.use = use
+        self.nixl.start(xfer, slow)
+        if not slow and xfer.fail_at < 0 and self.rng.random() < self.timings.inline_p \
+                and not self.net.cut_until(xfer.poster.name, xfer.target.name):
+            self.nixl.finish_now(xfer)   # the driver sees DONE inside its post call
+
+    def _on_piece(self, xfer: Transfer, lo: int, hi: int) -> None:
+        eng = self._decode_engine(xfer)
+        if eng is not None:
+            eng.on_landing(xfer, lo, hi)
+
+    def _poll_delay(self) -> float:
+        return self.rng.uniform(5e-6, 3e-4)
+
+    def _on_landed(self, xfer: Transfer) -> None:
+        poster = xfer.poster
+        self.sched.after(self._poll_delay(), poster.run, poster.transfer_finished, xfer,
+                         XferEnd.DONE)
+        delay = self.rng.uniform(10e-6, 1e-3)
+        f = self.faults
+        if f.on("slownotif") and self.rng.random() < f.slownotif_p:
+            self._fault("slownotif")
+            delay += self.rng.uniform(0, 2 * self.timings.abort_grace_s)
+        self._notify(xfer, delay)
+
+    def _notify(self, xfer: Transfer, delay: float) -> None:
+        self.sched.after(delay, self._deliver_notif, xfer)
+
+    def _deliver_notif(self, xfer: Transfer) -> None:
+        target = xfer.target
+        if not target.alive:
+            return
+        until = self.net.cut_until(xfer.poster.name, target.name)
+        if until:
+            self.sched.at(until + self.rng.uniform(10e-6, 1e-3), self._deliver_notif, xfer)
+            return
+        target.run(target.notification, xfer.poster.name, xfer.notif)
+
+    def _on_error(self, xfer: Transfer) -> None:
+        poster = xfer.poster
+        self.sched.after(self._poll_delay(), poster.run, poster.transfer_finished, xfer,
+                         XferEnd.ERROR)
+
+    def _on_stopped(self, xfer: Transfer) -> None:
+        use: Use | None = getattr(xfer, "use", None)
+        if use is not None:
+            use.moving -= 1
+            use.ep.engine.transfer_stopped(use)
+        if xfer.state == "dead" and xfer.poster.alive and not xfer.reported:
+            poster = xfer.poster
+            self.sched.after(self._poll_delay() + 1e-3, poster.run, poster.transfer_finished,
+                             xfer, XferEnd.ERROR)
+
+    # -- faults ------------------------------------------------------------------------
+    def _fault(self, name: str) -> None:
+        self.faults_injected += 1
+        self.stats["fault_" + name] += 1
+
+    def _process_fault(self) -> None:
+        if self._quiescing or self._done:
+            return
+        rng, t = self.rng, self.timings
+        kinds = sorted(self.faults.enabled & {"cut", "stall", "kill", "close"})
+        kind = rng.choice(kinds)
+        now = self.sched.now
+        if kind == "cut":
+            p, c = rng.choice(self.producer_names), rng.choice(self.consumer_names)
+            dur = rng.uniform(0.01, 2.5 * t.peer_timeout_s)
+            self.net.cut(p, c, now + dur)
+            self.checker.trace(f"FAULT cut {p}-{c} for {dur:.3f}s")
+        elif kind == "stall":
+            name = rng.choice(self.producer_names + self.consumer_names)
+            dur = rng.uniform(0.005, 2.0 * t.peer_timeout_s)
+            ep = self.endpoints[name]
+            if ep.alive:
+                ep.stall(now + dur)
+            self.checker.trace(f"FAULT stall {name} for {dur:.3f}s")
+        elif kind == "close":
+            name = rng.choice(self.producer_names + self.consumer_names)
+            ep = self.endpoints[name]
+            if ep.open:
+                self.checker.trace(f"FAULT close {name}#{ep.inc} (reopened on its cache)")
+                delay = rng.uniform(0.0, 0.05)
+                ep.close(lambda: self.sched.after(delay, self._restart, name, ep.role,
+                                                  ep.inc + 1, ep))
+        else:
+            name = rng.choice(self.producer_names + self.consumer_names)
+            ep = self.endpoints[name]
+            if not ep.alive:
+                self.sched.after(rng.expovariate(self.faults.rate), self._process_fault)
+                return
+            self.checker.trace(f"FAULT kill {name}#{ep.inc}")
+            ep.kill()
+            self.sched.after(rng.uniform(0.1, 1.5), self._restart, name, ep.role, ep.inc + 1)
+        self._fault(kind)
+        self.sched.after(rng.expovariate(self.faults.rate), self._process_fault)
+
+    def _restart(self, name: str, role: str, inc: int, reopen: Endpoint | None = None) -> None:
+        self.checker.trace(f"FAULT restart {name}#{inc}")
+        self._spawn(name, role, inc, reopen)
+
+    # -- quiescence --------------------------------------------------------------------
+    def _quiesce(self) -> None:
+        """No new requests until every open one has ended; then, after ``tombstone_s``,
+        no core may hold any record of this epoch's request ids."""
+        self._quiescing = True
+        self.sched.after(0.05, self._quiesce_wait, self.sched.now)
+
+    def _quiesce_wait(self, since: float) -> None:
+        t = self.timings
+        limit = since + max(t.lease_s, t.max_wait_s) + t.request_timeout_s + 3 * t.peer_timeout_s \
+            + t.transfer_timeout_s + 10.0
+        if self._open and self.sched.now < limit:
+            self.sched.after(0.05, self._quiesce_wait, since)
+            return
+        for req in list(self._open):
+            self.checker.fail("request_never_ended",
+                              f"{req.rid!r} ({req.mode.value} from {req.producer}) has not "
+                              f"ended: producer_done={req.producer_done} "
+                              f"open_uses={req.open_uses}")
+            self._open.discard(req)
+            self._live_rids.discard(req.rid)
+        self.sched.after(t.tombstone_s + t.slack_s + 0.1, self._quiesce_check)
+
+    def _quiesce_check(self) -> None:
+        chk = self.checker
+        for ep in self.endpoints.values():
+            if not ep.alive:
+                continue
+            if ep.role == "consumer":
+                ep.engine.release_quarantine()
+            n = ep.core.in_flight()
+            if n:
+                chk.fail("state_unbounded", f"{ep.name}: in_flight()={n} once quiet")
+            left = [(rid, st) for rid in sorted(self._epoch.rids)
+                    if (st := ep.core.status(rid)) != "none"]
+            if left:
+                chk.fail("state_unbounded",
+                         f"{ep.name}: {len(left)} request record(s) left once quiet and "
+                         f"past tombstone_s: {left[:5]}")
+            records = getattr(ep.core, "records", None)
+            if callable(records) and records() > 0:
+                chk.fail("state_unbounded", f"{ep.name}: records()={records()} once quiet")
+        self._epoch = _Epoch()
+        self._quiescing = False
+        if self.issued >= self.requests:
+            self._done = True
+            return
+        self.sched.after(0.0, self._arrive)
+        if self.faults.enabled & {"cut", "stall", "kill", "close"} and self.faults.rate > 0:
+            self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
+
+
+# -- the real cores ------------------------------------------------------------------------
+def default_producer(ep: Endpoint) -> Any:
+    """The real :class:`~kvpush.protocol.producer.ProducerCore` with the run's timings."""
+    from ..protocol.producer import CoreConfig, ProducerCore
+    t = ep.sim.timings
+    return ProducerCore(ep.layout, CoreConfig(lease_s=t.lease_s, max_wait_s=t.max_wait_s,
+                                              transfer_timeout_s=t.transfer_timeout_s,
+                                              tombstone_s=t.tombstone_s), ep.links)
+
+
+def default_consumer(ep: Endpoint) -> Any:
+    """The real :class:`~kvpush.protocol.consumer.ConsumerCore` with the run's timings (its
+    own xids, if it draws any, come from the run's seed)."""
+    from ..protocol.consumer import ConsumerCore, CoreConfig
+    rng = ep.sim.rng
+    t = ep.sim.timings
+    return ConsumerCore(ep.layout, CoreConfig(abort_grace_s=t.abort_grace_s, verify=t.verify),
+                        ep.links, stats=cast(Any, _CoreStats()),
+                        xids=lambda: rng.getrandbits(63) | 1)
+
+
+class _CoreStats:
+    """Counters a core bumps (``stats.name += 1``): any name, starting at 0."""
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def _load(spec: str | None) -> CoreFactory | None:
+    """``module:func`` or ``path/to/file.py:func`` -> the function (None: the default)."""
+    if spec is None:
+        return None
+    import importlib
+    import importlib.util
+    where, _, func = spec.rpartition(":")
+    if not where or not func:
+        raise SystemExit(f"--*-core takes MODULE:FUNC, got {spec!r}")
+    if where.endswith(".py"):
+        mspec = importlib.util.spec_from_file_location("_sim_cores", where)
+        if mspec is None or mspec.loader is None:
+            raise SystemExit(f"cannot load {where}")
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules["_sim_cores"] = module
+        mspec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    factory: CoreFactory = getattr(module, func)
+    return factory
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvpush.testing.sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--consumers", type=int, default=2)
+    ap.add_argument("--faults", default="all",
+                    help=f"comma-separated subset of {','.join(FAULTS)}, or all / none")
+    ap.add_argument("--fault-rate", type=float, default=None,
+                    help="process faults (cut/stall/kill) per simulated second")
+    ap.add_argument("--rate", type=float, default=None, help="requests per simulated second")
+    ap.add_argument("--epoch", type=int, default=2000,
+                    help="requests between quiescence checks")
+    ap.add_argument("--progress", type=int, default=0,
+                    help="a progress line every N requests (default: N/10 for big runs)")
+    ap.add_argument("--producer-core", default=None, metavar="MODULE:FUNC",
+                    help="build producer cores with FUNC(endpoint) from MODULE (a dotted "
+                         "name or a .py path); default: kvpush.protocol.producer")
+    ap.add_argument("--consumer-core", default=None, metavar="MODULE:FUNC",
+                    help="the same for consumer cores; default: kvpush.protocol.consumer")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="producer ranks per request (tensor parallel: each holds one of "
+                         "tp heads; consumers hold all)")
+    ap.add_argument("--ctp", type=int, default=1,
+                    help="consumer ranks per request, each taking its share of the heads "
+                         "(sharers)")
+    ap.add_argument("--verify", action="store_true",
+                    help="per-block checksums with the data (ConsumerConfig.verify)")
+    ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
+    args = ap.parse_args(argv)
+    if not args.verbose:   # the cores log every refused event; the checks say what matters
+        logging.getLogger("kvpush").setLevel(logging.ERROR)
+    faults = Faults.parse(args.faults)
+    if args.fault_rate is not None:
+        faults = replace(faults, rate=args.fault_rate)
+    progress = args.progress or (args.requests // 10 if args.requests >= 20_000 else 0)
+    if args.tp < 1 or args.producers % args.tp or args.ctp < 1 or args.consumers % args.ctp:
+        raise SystemExit("--producers must be a multiple of --tp, --consumers of --ctp")
+    timings = Timings(verify=args.verify, tp=args.tp, ctp=args.ctp)
+    sim = Simulation(args.seed, producers=args.producers, consumers=args.consumers,
+                     timings=timings,
+                     requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
+                     progress_every=progress, make_producer=_load(args.producer_core),
+                     make_consumer=_load(args.consumer_core))
+    violations = sim.run()
+    print(sim.details())
+    if violations:
+        print(f"replay: python -m kvpush.testing.sim --requests {args.requests} "
+              f"--seed {args.seed} --producers {args.producers} --consumers {args.consumers} "
+              f"--faults {args.faults}" + (f" --rate {args.rate}" if args.rate else "")
+              + (" --verify" if args.verify else "")
+              + (f" --tp {args.tp}" if args.tp > 1 else "")
+              + (f" --ctp {args.ctp}" if args.ctp > 1 else ""))
+    print(sim.summary())
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
