@@ -192,7 +192,7 @@ class Producer(Endpoint):
         self._core: ProducerCore = ProducerCore(layout, CoreConfig(
             lease_s=config.lease_s, max_wait_s=config.max_wait_s,
             transfer_timeout_s=config.transfer_timeout_s, tombstone_s=config.tombstone_s,
-            coalesce=config.coalesce), _Links(self))
+            coalesce=config.coalesce, peer_timeout_s=config.peer_timeout_s), _Links(self))
         self._gauges = dict.fromkeys(self._core.gauges, 0)
         try:
             self._router = self._ctx.socket(zmq.ROUTER)

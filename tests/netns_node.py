@@ -226,9 +226,9 @@ class NodeState:
         if self.scrub_on_release:  # the engine reuses the blocks it got back
             assert self.cache is not None
             now = time.monotonic()
-            hold = self.endpoint.config.transfer_timeout_s
             # blocks_safe=False: a transfer may still read them; reused only after a while
-            self.reuse_later += [(now + hold, r.block_ids) for r in out if not r.blocks_safe]
+            self.reuse_later += [(now + r.quarantine_s, r.block_ids) for r in out
+                                 if not r.blocks_safe]
             due = [r.block_ids for r in out if r.blocks_safe] + [
                 ids for t, ids in self.reuse_later if t <= now]
             self.reuse_later = [(t, ids) for t, ids in self.reuse_later if t > now]

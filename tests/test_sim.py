@@ -252,12 +252,10 @@ def test_sixteen_by_sixteen_with_ranks_real_cores(tp: int, ctp: int) -> None:
     assert sim.stats["results_ready"] > 400
 
 
-@pytest.mark.xfail(reason="found by the simulator (report F3): after a layer-wise source is "
-                          "released early (its registration's wait ran out), an engine abort "
-                          "is refused in RELEASED_EARLY and the record never expires; a later "
-                          "use of the id then has its prefill_done swallowed (never released)",
-                   strict=False)
 def test_regression_released_early_then_aborted() -> None:
+    """Simulator finding F3: after a layer-wise source was released early, an engine abort
+    was refused in RELEASED_EARLY and the record never expired; a later use of the id had
+    its prefill_done swallowed (never released)."""
     faults = Faults(enabled=frozenset({"late", "pabort", "reuse"}), late_p=0.3, pabort_p=0.3,
                     reuse_p=0.5)
     for kind in ("state_unbounded", "never_released"):
@@ -266,12 +264,11 @@ def test_regression_released_early_then_aborted() -> None:
 
 
 @pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
-@pytest.mark.xfail(reason="found by the simulator (report F4): a Release with "
-                          "blocks_safe=False asks the engine to keep the blocks for "
-                          "transfer_timeout_s, but a link cut shorter than peer_timeout_s holds "
-                          "the WRITE (and the Bye) longer; the WRITE then copies the reuse and "
-                          "its Landed beats the Bye", strict=False)
 def test_regression_close_quarantine_shorter_than_a_cut() -> None:
+    """Simulator finding F4: a Release with blocks_safe=False kept the blocks for
+    transfer_timeout_s only, but a cut shorter than peer_timeout_s held the WRITE and the
+    Bye longer; the WRITE copied the reuse and its Landed beat the Bye. The quarantine now
+    lasts until the consumer would give the producer up (Release.quarantine_s)."""
     from kvpush.testing import Timings
 
     out = io.StringIO()

@@ -454,8 +454,8 @@ class KVPushWorker:
         else:  # a transfer may still read these blocks: vLLM frees them only later
             log.warning("kvpush: %r released while a transfer may still read its blocks; "
                         "they are kept %s s before vLLM may reuse them", release.request_id,
-                        self.config.transfer_timeout_s)
-            self._quarantined[req_id] = time.monotonic() + self.config.transfer_timeout_s
+                        release.quarantine_s)
+            self._quarantined[req_id] = time.monotonic() + release.quarantine_s
         if release.reason is ReleaseReason.TRANSFERRED:
             self._stats.data["num_released"].append(1)
         elif release.reason is ReleaseReason.LEASE_EXPIRED:

@@ -92,7 +92,8 @@ TRANSITIONS: dict[State, frozenset[Event]] = {
     S.HELD: frozenset({E.ENGINE_ABORT, E.REGISTER, E.CLAIM, E.PULL_BEGIN, E.PULL_DONE,
                        E.CONSUMER_ABORT, E.PREFILL_DONE}),
     S.ENDING: frozenset({E.PULL_DONE, E.CONSUMER_ABORT, E.PREFILL_DONE}),
-    S.RELEASED_EARLY: frozenset({E.LAYER_DONE, E.PREFILL_DONE, E.CONSUMER_ABORT}),
+    S.RELEASED_EARLY: frozenset({E.LAYER_DONE, E.PREFILL_DONE, E.CONSUMER_ABORT,
+                                 E.ENGINE_ABORT}),
     # ENDED: a register is a new use unless the tombstone says late ones must fail fast
     S.ENDED: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.REGISTER, E.CONSUMER_ABORT}),
     S.ABORTED_EARLY: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.CONSUMER_ABORT}),
@@ -135,6 +136,7 @@ class CoreConfig:
     transfer_timeout_s: float = 30.0
     tombstone_s: float = 120.0
     coalesce: bool = True
+    peer_timeout_s: float = 20.0
 
 
 @dataclass
@@ -613,6 +615,11 @@ class ProducerCore:
         self._advance(req)
 
     def _on_engine_abort(self, req: _Request, reason: str) -> None:
+        if req.state is State.RELEASED_EARLY:
+            # The engine ends this use instead of calling prefill_done (simulator finding
+            # F3: refused here, the record stayed and swallowed a later use's prefill_done).
+            self._tomb(req, req.code, req.why)
+            return
         if req.state is State.WAITING:
             for share in req.live():
                 self._fail(share.peer, req.rid, share.xid, "aborted", reason)
@@ -1067,9 +1074,14 @@ class ProducerCore:
             self._to(share, ShareState.GONE)
         self.stats["blocks_released"] += len(source.ids)
         self.gauges["sources_held"] -= 1
+        # Blocks a transfer may still read stay unchanged until it cannot any more: its
+        # deadline, or -- a cut the consumer has not noticed yet holding a WRITE and the
+        # Bye behind it (simulator finding F4) -- until the consumer gives this side up.
+        hold = max(self.config.transfer_timeout_s, self.config.peer_timeout_s) \
+            if req.unsafe else 0.0
         self._out.append(Emit(Release(req.rid, reason, source.ids, detail,
                                       {**source.stamps, "released": self._now}, source.sid,
-                                      blocks_safe=not req.unsafe)))
+                                      blocks_safe=not req.unsafe, quarantine_s=hold)))
         req.unsafe = False
         early = req.state is State.PARTIAL
         if not code and reason is not ReleaseReason.TRANSFERRED:
@@ -1088,7 +1100,9 @@ class ProducerCore:
         def expire(now: float) -> None:
             if self._requests.get(rid) is not req:
                 return
-            if req.state in (State.ENDED, State.ABORTED_EARLY) or (
+            # RELEASED_EARLY too: a prefill_done more than tombstone_s after its use's early
+            # release is taken as a new use (the record must not outlive its deadline).
+            if req.state in (State.ENDED, State.ABORTED_EARLY, State.RELEASED_EARLY) or (
                     req.state is State.WAITING and not req.live()):
                 del self._requests[rid]
         req.tomb = self._after(self.config.tombstone_s, expire)

@@ -192,10 +192,10 @@ class PrefillEngine:
         src.released_by = self.ep
         self.sim.checker.trace(f"{self.ep.name} release {rel.request_id} {rel.reason.value}")
         if not safe:
-            # "a transfer may still read these blocks": they stay unchanged for
-            # transfer_timeout_s (Release.blocks_safe), then go back to the pool
+            # "a transfer may still read these blocks": they stay unchanged for the
+            # Release's quarantine_s, then go back to the pool
             self.sim.stats["releases_unsafe"] += 1
-            src.quarantine_until = now + self.sim.timings.transfer_timeout_s
+            src.quarantine_until = now + rel.quarantine_s
         if not src.engine_done:
             return   # layer-wise, before prefill_done: the engine frees them once it is done
         self._free(src)

@@ -863,7 +863,8 @@ def default_producer(ep: Endpoint) -> Any:
     t = ep.sim.timings
     return ProducerCore(ep.layout, CoreConfig(lease_s=t.lease_s, max_wait_s=t.max_wait_s,
                                               transfer_timeout_s=t.transfer_timeout_s,
-                                              tombstone_s=t.tombstone_s), ep.links)
+                                              tombstone_s=t.tombstone_s,
+                                              peer_timeout_s=t.peer_timeout_s), ep.links)
 
 
 def default_consumer(ep: Endpoint) -> Any:
