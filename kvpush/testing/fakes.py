@@ -194,8 +194,10 @@ class FakeNixl:
     Hooks (set by the simulation): ``on_piece(transfer, lo, hi)`` after a piece's bytes
     moved, ``on_landed(transfer)`` when the last piece moved, ``on_error(transfer)`` when
     it failed, ``on_stopped(transfer)`` whenever it stops moving for any reason (landed,
-    error, dead), and ``link_cut_until(a, b) -> float`` for the link between two
-    endpoints (0 when whole).
+    error, dead), ``link_cut_until(a, b) -> float`` for the link between two endpoints (0
+    when whole), and ``stalled_until(endpoint) -> float``: a transfer moves only while its
+    poster progresses it (UCX over TCP, what these hosts use: a frozen initiator's READ or
+    WRITE waits for it).
     """
 
     def __init__(self, sched: Scheduler) -> None:
@@ -206,6 +208,7 @@ class FakeNixl:
         self.on_error: Callable[[Transfer], None] = lambda t: None
         self.on_stopped: Callable[[Transfer], None] = lambda t: None
         self.link_cut_until: Callable[[Any, Any], float] = lambda a, b: 0.0
+        self.stalled_until: Callable[[Any], float] = lambda a: 0.0
         # delay of one piece: (min, max) seconds; pieces per transfer at most
         self.piece_delay = (20e-6, 1e-3)
         self.max_pieces = 3
@@ -253,8 +256,9 @@ class FakeNixl:
     def _piece(self, xfer: Transfer, slow: float) -> None:
         if xfer.state != "moving":
             return
-        until = self.link_cut_until(xfer.poster, xfer.target)
-        if until > self.sched.now:   # no progress while the link is cut
+        until = max(self.link_cut_until(xfer.poster, xfer.target),
+                    self.stalled_until(xfer.poster))
+        if until > self.sched.now:   # no progress while the link is cut or the poster frozen
             self.sched.at(until + self.sched.rng.uniform(*self.piece_delay),
                           self._piece, xfer, slow)
             return

@@ -58,7 +58,7 @@ class Timings:
     """Durations (simulated seconds) and sizes of a simulation. Short on purpose: faults
     outlast timeouts often, so every timeout path runs."""
 
-    num_regions: int = 2
+    num_regions: int = 3
     num_blocks: int = 128
     tp: int = 1                   # producer ranks per request (tensor parallel)
     ctp: int = 1                  # consumer ranks per request, sharing each source
@@ -92,7 +92,7 @@ class Timings:
 
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
-          "double", "late", "sharers", "skew", "claim", "close", "slownotif")
+          "double", "late", "sharers", "skew", "claim", "close", "slownotif", "twice")
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ class Faults:
     skew_s: float = 0.02         # wall clocks differ by up to this (pull tickets' leases)
     claim_p: float = 0.1         # a pull is claimed first (the engine has no blocks yet)
     slownotif_p: float = 0.02    # a NIXL notification is read late (the target polls late)
+    twice_p: float = 0.02        # the engine calls prefill_done twice for one use
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -168,6 +169,7 @@ class Simulation:
         self.nixl.on_error = self._on_error
         self.nixl.on_stopped = self._on_stopped
         self.nixl.link_cut_until = lambda a, b: self.net.cut_until(a.name, b.name)
+        self.nixl.stalled_until = lambda a: a.stalled_until
         self.stats: Counter[str] = Counter()
         self.make_producer = make_producer or default_producer
         self.make_consumer = make_consumer or default_consumer
@@ -459,11 +461,22 @@ class Simulation:
         if not src.sid:
             src.sid = self.rng.getrandbits(63) | 1
         self.checker.trace(f"{pe.name} engine layer_done {req.rid} layer={layer}")
+        if src.released and src.released_by is not pe:
+            # Released (CLOSED) by an endpoint since closed: the engine has its blocks back
+            # and does not hand them to the new one (as for prefill_done above).
+            return
         pe.run(lambda: pe.core.layer_done(self.sched.now, req.rid, src.ids, layer, src.sid))
 
     def _call_prefill_done(self, pe: Endpoint, req: Request, src: Source) -> None:
         now = self.sched.now
         pe.core.prefill_done(now, req.rid, src.ids, req.mode, src.sid)
+        if self.faults.on("twice") and self.rng.random() < self.faults.twice_p \
+                and pe.core.status(req.rid) in ("held", "partial", "ending"):
+            # An engine bug: the same blocks handed over twice while kvpush holds them
+            # (once released, a second call is a new use of the id, which is legal). They
+            # must still be released exactly once.
+            self._fault("twice")
+            pe.core.prefill_done(now, req.rid, src.ids, req.mode, self.rng.getrandbits(63) | 1)
         # Its release must come within the producer's documented bounds.
         t = self.timings
         bound = now + max(t.lease_s, t.max_wait_s) + t.transfer_timeout_s \

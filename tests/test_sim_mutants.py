@@ -1,0 +1,105 @@
+"""The simulator finds the bugs that the protocol core fixed (issue 13): each fix is
+reverted here by patching the real ProducerCore, and the CI-sized run of `.ci/run-sim`
+(20,000 requests, seed 1, every fault) must report a violation. A mutant the simulator did
+not catch would mean its faults or invariants miss that class of bug."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpush.protocol import producer as core
+from kvpush.protocol.effects import Emit, XferEnd
+from kvpush.request import Release, ReleaseReason
+from kvpush.testing import Faults, Simulation, Timings
+
+P = core.ProducerCore
+
+
+def tombstones_forever(mp: pytest.MonkeyPatch) -> None:
+    """Bug 1: tombstones are honoured forever (their expiry never removes them)."""
+    orig = P._tomb
+
+    def tomb(self: Any, req: Any, code: str, why: str, state: Any = core.State.ENDED) -> None:
+        orig(self, req, code, why, state)
+        core._cancel(req.tomb)
+    mp.setattr(P, "_tomb", tomb)
+
+
+def nobody_owns(mp: pytest.MonkeyPatch) -> None:
+    """Bug 3: a PullDone from any consumer ends the source, whoever else still reads it."""
+    orig = P._on_pull_done
+
+    def pull_done(self: Any, req: Any, peer: str, msg: Any) -> None:
+        orig(self, req, peer, msg)
+        if req.source is not None and (peer, msg.xid) not in req.done_owners:
+            self._release(req, ReleaseReason.TRANSFERRED)
+    mp.setattr(P, "_on_pull_done", pull_done)
+
+
+def layerwise_held_again(mp: pytest.MonkeyPatch) -> None:
+    """Bug 4: a layer_done after a layer-wise push ended holds the blocks again."""
+    orig = P._on_layer_done
+
+    def layer_done(self: Any, req: Any, ids: np.ndarray, layer: int, sid: int) -> None:
+        if req.state is core.State.RELEASED_EARLY:
+            req.state = core.State.ENDED
+        orig(self, req, ids, layer, sid)
+    mp.setattr(P, "_on_layer_done", layer_done)
+
+
+def freed_while_read(mp: pytest.MonkeyPatch) -> None:
+    """Bug 5: a silent consumer's READs are given up at once (its blocks freed), and no
+    hold is promised (the consumer trusts a READ however late it ends)."""
+    orig = P.peer_lost
+    mp.setattr(P, "peer_lost", lambda self, now, peer, why, abandon=False:
+               orig(self, now, peer, why, abandon=True))
+    mp.setattr(P, "_hold_s", lambda self: 1e9)
+
+
+def second_prefill_releases(mp: pytest.MonkeyPatch) -> None:
+    """Bug 8: a second prefill_done releases the blocks it names, held or not."""
+    orig = P._on_prefill_done
+
+    def prefill_done(self: Any, req: Any, ids: np.ndarray, *args: Any) -> None:
+        if req.state in (core.State.HELD, core.State.ENDING):
+            self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED, ids, "duplicate")))
+            return
+        orig(self, req, ids, *args)
+    mp.setattr(P, "_on_prefill_done", prefill_done)
+
+
+def abandoned_write_released(mp: pytest.MonkeyPatch) -> None:
+    """Simulator finding F1: an abandoned WRITE's source goes back at once (no fence)."""
+    orig = P.transfer_ended
+
+    def transfer_ended(self: Any, now: float, key: int, end: XferEnd) -> None:
+        orig(self, now, key, XferEnd.ERROR if end is XferEnd.ABANDONED else end)
+    mp.setattr(P, "transfer_ended", transfer_ended)
+
+
+#: .ci/run-sim's two runs (keep in step with it)
+CI_RUNS: list[dict[str, Any]] = [
+    {"seed": 1, "requests": 20000},
+    {"seed": 2, "requests": 3000, "producers": 16, "consumers": 16,
+     "timings": Timings(tp=2, ctp=2)},
+]
+
+MUTANTS: list[Callable[[pytest.MonkeyPatch], None]] = [
+    tombstones_forever, nobody_owns, layerwise_held_again, freed_while_read,
+    second_prefill_releases, abandoned_write_released]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda f: f.__name__)
+def test_the_ci_sized_simulation_catches_the_reverted_fix(
+        mutant: Callable[[pytest.MonkeyPatch], None], monkeypatch: pytest.MonkeyPatch) -> None:
+    mutant(monkeypatch)
+    for run in CI_RUNS:  # the two runs of .ci/run-sim, in order, until one finds it
+        out = io.StringIO()
+        if Simulation(out=out, faults=Faults.parse("all"), **run).run() > 0:  # type: ignore[arg-type]
+            return
+    raise AssertionError(f"{mutant.__name__}: no violation in the CI-sized runs")
