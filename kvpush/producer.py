@@ -213,19 +213,28 @@ class Producer(Endpoint):
 
     # -- engine API (any thread) -----------------------------------------------------------
     def prefill_done(self, request_id: str, block_ids: Any,
-                     mode: TransferMode = TransferMode.PUSH) -> m.PullTicket | None:
+                     mode: TransferMode = TransferMode.PUSH, *,
+                     sid: int | None = None) -> m.PullTicket | None:
         """Prefill for ``request_id`` is done; its KV is in ``block_ids`` (int32/int64 array).
 
         PUSH: the WRITE starts as soon as the consumer's registration is here (at once if it
         already is). PULL: returns the :class:`~kvpush.messages.PullTicket` the router relays
         to the consumer(s). Either way the blocks are held until released, exactly once
         (see :meth:`get_released`). Never blocks on transfer setup.
+
+        ``sid`` names this source use (default: a fresh random one). An engine whose tickets
+        are written by another process than the one that calls this (vLLM: the scheduler
+        answers the router, the worker holds the Producer) picks it there, fresh for every
+        prefill, so both name the same use.
         """
         called = time.monotonic()
         check_request_id(request_id)
         mode = TransferMode(mode)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        sid = new_id()
+        if sid is None:
+            sid = new_id()
+        elif isinstance(sid, bool) or not isinstance(sid, int) or not 0 < sid < 1 << 63:
+            raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
         self._call_soon(lambda: self._event(lambda now: self._core.prefill_done(
             now, request_id, ids, mode, sid, called)))
         if mode is TransferMode.PULL:
