@@ -363,8 +363,22 @@ class KVPushWorker:
             self.consumer = Consumer(self.layout,
                                      self.config.consumer_config(f"kvpush-c-{tag}", key))
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-vllm-conn")
-            for address in self.config.producers:
+            for address in self._startup_producers():
                 self._connect(address)
+
+    def _startup_producers(self) -> list[str]:
+        """The configured ``producers`` (one per prefill rank, in rank order) this rank
+        takes KV heads from: connected at start-up, while the engine is idle, instead of
+        on the first request."""
+        addresses = list(self.config.producers)
+        if not addresses or self.layout is None:
+            return addresses
+        try:
+            ranks = tp_routes(len(addresses), self.coords.tp_size,
+                              self.layout.total_kv_heads).producers[self.coords.tp_rank]
+        except ValueError:
+            return addresses
+        return [addresses[r] for r in ranks]
 
     def handshake(self) -> dict[str, Any] | None:
         """This rank's endpoint for the scheduler side (role, name, advertised address, host,
@@ -435,8 +449,11 @@ class KVPushWorker:
         layout = self.layout
         if layout is None:
             return True
-        routes = tp_routes(num_prefill_ranks or self.coords.tp_size, 1,
-                           layout.total_kv_heads)
+        try:
+            routes = tp_routes(num_prefill_ranks or self.coords.tp_size, 1,
+                               layout.total_kv_heads)
+        except ValueError:  # heads not known (no model config): every rank sends
+            return True
         return routes.sends(self.coords.tp_rank)
 
     def after_forward(self) -> None:
