@@ -36,8 +36,8 @@ import numpy as np
 
 from .errors import LayoutMismatch
 
-__all__ = ["BLOCK_ORDERS", "DTYPE_SIZES", "KVLayout", "MemoryKind", "Region",
-           "check_compatible", "covering_producers", "head_overlap"]
+__all__ = ["BLOCK_ORDERS", "DTYPE_SIZES", "KVLayout", "MemoryKind", "Region", "TPRoutes",
+           "check_compatible", "covering_producers", "head_overlap", "tp_routes", "tp_shard"]
 
 #: Element sizes of the dtypes a layout may name (KV caches in use today).
 DTYPE_SIZES = {
@@ -563,3 +563,75 @@ def head_overlap(local: KVLayout, remote: KVLayout) -> tuple[int, int, int] | No
         return None
     size = local.head_bytes
     return ((lo - local.head_start) * size, (lo - remote.head_start) * size, (hi - lo) * size)
+
+
+# -- tensor parallelism: who sends which heads to whom -------------------------------------
+def tp_shard(tp_size: int, tp_rank: int, total_kv_heads: int) -> tuple[int, int]:
+    """``(head_start, num_heads)`` of tensor-parallel rank ``tp_rank`` of ``tp_size``, as
+    vLLM (and Megatron-style sharding in general) splits ``total_kv_heads`` KV heads: each
+    rank holds ``total // tp`` consecutive heads, or, with more ranks than heads (GQA/MQA),
+    one head replicated on ``tp // total`` consecutive ranks. One of the two sizes must
+    divide the other (vLLM refuses any other pair)."""
+    for name, value in (("tp_size", tp_size), ("total_kv_heads", total_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
+    if total_kv_heads % tp_size and tp_size % total_kv_heads:
+        raise ValueError(f"{total_kv_heads} KV heads cannot be split over {tp_size} ranks "
+                         "(one must divide the other)")
+    return tp_rank * total_kv_heads // tp_size, max(1, total_kv_heads // tp_size)
+
+
+@dataclass(frozen=True)
+class TPRoutes:
+    """Which producer (prefill) ranks each consumer (decode) rank takes its KV heads from,
+    and how many consumer ranks take a share of each producer rank's source
+    (see :func:`tp_routes`)."""
+
+    producer_tp: int
+    consumer_tp: int
+    total_kv_heads: int
+    #: per consumer rank: the producer ranks it takes from, in rank order
+    producers: tuple[tuple[int, ...], ...]
+    #: per producer rank: how many consumer ranks take a share (0: it sends nothing)
+    sharers: tuple[int, ...]
+
+    def sends(self, producer_rank: int) -> bool:
+        """Whether a producer rank's source is taken at all (a replica of heads another
+        rank sends is not: it releases its blocks at once)."""
+        return self.sharers[producer_rank] > 0
+
+    def of_consumer(self, consumer_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(producer ranks, their sharer counts) of one consumer rank."""
+        ranks = self.producers[consumer_rank]
+        return ranks, tuple(self.sharers[p] for p in ranks)
+
+
+def tp_routes(producer_tp: int, consumer_tp: int, total_kv_heads: int) -> TPRoutes:
+    """The routes of heterogeneous (or equal) tensor parallelism, a pure function of the
+    two TP sizes and the model's KV head count, so every rank of both sides computes the
+    same answer without talking.
+
+    Every head is sent once to each consumer rank that holds it: where producer ranks
+    replicate a head (``producer_tp > total_kv_heads``), only the first rank of each
+    replica group sends it -- always that one, whatever the consumer side's size, so a
+    producer rank knows from its own side's shape alone whether anyone will come for its
+    blocks (:meth:`TPRoutes.sends`). A consumer rank takes each of its heads from the
+    sending producer rank that holds it; consumer ranks that replicate a head each take
+    it (each needs it in its own memory).
+    """
+    rep = max(1, producer_tp // total_kv_heads)     # producer ranks per replicated head
+    shards = [tp_shard(producer_tp, p, total_kv_heads) for p in range(producer_tp)]
+    senders = [p for p in range(producer_tp) if p % rep == 0]
+    producers: list[tuple[int, ...]] = []
+    sharers = [0] * producer_tp
+    for c in range(consumer_tp):
+        start, n = tp_shard(consumer_tp, c, total_kv_heads)
+        mine = tuple(p for p in senders
+                     if shards[p][0] < start + n and start < shards[p][0] + shards[p][1])
+        for p in mine:
+            sharers[p] += 1
+        producers.append(mine)
+    return TPRoutes(producer_tp, consumer_tp, total_kv_heads, tuple(producers),
+                    tuple(sharers))

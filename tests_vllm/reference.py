@@ -1,7 +1,7 @@
 """Colocated reference: one vLLM engine (no connector) generates greedily for each prompt,
 one prompt at a time, with the servers' settings. Run as a script:
 
-    python tests_vllm/reference.py MODEL_DIR IN.json OUT.json
+    python tests_vllm/reference.py MODEL_DIR IN.json OUT.json [DTYPE]
 
 IN.json: {"prompts": [[token ids], ...], "max_tokens": N}; OUT.json: [[token ids], ...].
 """
@@ -21,8 +21,9 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     job = json.loads(Path(src).read_text())
+    extra = {"dtype": sys.argv[4]} if len(sys.argv) > 4 else {}
     llm = LLM(model=model, block_size=32, max_model_len=4096, optimization_level=0,
-              seed=0, enable_prefix_caching=True)
+              seed=0, enable_prefix_caching=True, **extra)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     out = []
     for ids in job["prompts"]:

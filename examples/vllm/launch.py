@@ -139,8 +139,11 @@ class Process:
 def start_vllm(model: str | Path, port: int, *, name: str, cores: str, log_dir: Path,
                kv_transfer_config: Mapping[str, Any] | None = None,
                extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-               python: str | None = None, max_model_len: int = 4096) -> Process:
-    """Start ``vllm.entrypoints.openai.api_server`` on ``port``, pinned to ``cores``."""
+               python: str | None = None, max_model_len: int = 4096,
+               omp_bind: str | None = None) -> Process:
+    """Start ``vllm.entrypoints.openai.api_server`` on ``port``, pinned to ``cores``
+    (``omp_bind``: vLLM's model-thread binding when it is not ``cores``, e.g. ``0|1`` for
+    two tensor-parallel ranks on cores 0 and 1)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     cmd = ["taskset", "-c", cores, python or sys.executable, "-m",
@@ -152,7 +155,7 @@ def start_vllm(model: str | Path, port: int, *, name: str, cores: str, log_dir: 
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     # kvpush comes from the venv (``.ci/bootstrap-vllm`` puts it there); the log folder as
     # working directory keeps a checkout's in-place kvpush/ off ``python -m``'s path.
-    full_env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cores}
+    full_env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": omp_bind or cores}
     full_env.update(env or {})
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,

@@ -60,7 +60,8 @@ def make_tokenizer(out: Path, seed: int, vocab_size: int) -> None:
     fast.save_pretrained(out)
 
 
-def make_model(out: Path, seed: int, layers: int, vocab_size: int, lm_head_scale: float) -> None:
+def make_model(out: Path, seed: int, layers: int, vocab_size: int, lm_head_scale: float,
+               kv_heads: int = 2) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,7 +72,7 @@ def make_model(out: Path, seed: int, layers: int, vocab_size: int, lm_head_scale
         intermediate_size=512,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
@@ -97,16 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--lm-head-scale", type=float, default=24.0)
+    parser.add_argument("--kv-heads", type=int, default=2, choices=[1, 2, 4],
+                        help="KV heads (1: MQA, whose head every TP rank replicates)")
     args = parser.parse_args(argv)
     settings = {"layers": args.layers, "seed": args.seed, "vocab_size": args.vocab_size,
                 "lm_head_scale": args.lm_head_scale, "format": 1}
+    if args.kv_heads != 2:
+        settings["kv_heads"] = args.kv_heads
     stamp = args.out / "kvpush-tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == settings:
         print(f"{args.out}: up to date", file=sys.stderr)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     make_tokenizer(args.out, args.seed, args.vocab_size)
-    make_model(args.out, args.seed, args.layers, args.vocab_size, args.lm_head_scale)
+    make_model(args.out, args.seed, args.layers, args.vocab_size, args.lm_head_scale,
+               args.kv_heads)
     stamp.write_text(json.dumps(settings))
     print(f"{args.out}: tiny Llama ({args.layers} layers) written", file=sys.stderr)
     return 0

@@ -247,6 +247,12 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         if isinstance(connector_metadata, KVPushConnectorMetadata):
             self._w().bind(connector_metadata.plan)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # Called before the forward pass that may overwrite the blocks of requests vLLM
+        # preempted: a transfer still reading them is ended first (issue 14, item 7).
+        if isinstance(kv_connector_metadata, KVPushConnectorMetadata):
+            self._w().handle_preemptions(kv_connector_metadata.plan)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass  # loads are asynchronous and started in bind_connector_metadata
 
@@ -332,6 +338,11 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
+    def has_pending_block_frees(self) -> bool:
+        # True while a request whose KV kvpush may be reading still runs: vLLM then waits
+        # for blocks instead of preempting it (and freeing blocks a WRITE reads).
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
 
 # -- what vLLM knows that the tensors do not -----------------------------------------------
 def _rank_coords(vllm_config: Any) -> RankCoords:
@@ -375,4 +386,5 @@ def _engine_facts(vllm_config: Any, kv_cache_config: Any, config: AdapterConfig,
         cache_dtype=str(cache.cache_dtype), attn_backend=backend, protocol=PROTOCOL_VERSION,
         vllm_version=vllm_version)
     return EngineFacts(attn_backend=backend, kv_cache_layout=layout,
-                       cache_dtype=str(cache.cache_dtype), identity=identity)
+                       cache_dtype=str(cache.cache_dtype), identity=identity,
+                       total_kv_heads=int(model.get_total_num_kv_heads()))

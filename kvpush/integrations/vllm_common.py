@@ -49,6 +49,7 @@ from typing import Any
 
 from ..agent import TransportConfig
 from ..consumer import ConsumerConfig
+from ..layout import tp_routes
 from ..producer import ProducerConfig
 from ..request import TransferMode
 
@@ -99,6 +100,10 @@ class AdapterConfig:
     lease_s
         How long finished prefill blocks wait for their decode instance (registration in
         push, READ in pull) before they are released.
+    max_wait_s
+        Prefill side: the longest a decode instance's claim (pull: it knows of the request
+        but has no free blocks yet) or registration keeps the blocks held past ``lease_s``
+        while the decode instance stays alive.
     request_timeout_s
         Decode side: deadline from registration (push) or READ (pull) to all KV landed.
     connect_timeout_s, heartbeat_s, peer_timeout_s, transfer_timeout_s
@@ -125,6 +130,7 @@ class AdapterConfig:
     port: int = 0
     mode: str = "push"
     lease_s: float = 60.0
+    max_wait_s: float = 600.0
     request_timeout_s: float = 120.0
     connect_timeout_s: float = 10.0
     heartbeat_s: float = 1.0
@@ -204,6 +210,7 @@ class AdapterConfig:
             port=self.rank_port(coords),
             name=name,
             lease_s=self.lease_s,
+            max_wait_s=self.max_wait_s,
             transfer_timeout_s=self.transfer_timeout_s,
             peer_timeout_s=self.peer_timeout_s,
             auth_key=auth_key,
@@ -314,12 +321,16 @@ class EngineFacts:
         vLLM's ``--kv-cache-dtype`` (``auto``, ``fp8_e4m3``, ...).
     identity
         The compatibility identity (see :func:`engine_identity`).
+    total_kv_heads
+        The model's KV heads over all tensor-parallel ranks (0: unknown, the tensors hold
+        them all).
     """
 
     attn_backend: str = ""
     kv_cache_layout: str | None = None
     cache_dtype: str = "auto"
     identity: tuple[tuple[str, str], ...] = ()
+    total_kv_heads: int = 0
 
     @property
     def heads_before_tokens(self) -> bool | None:
@@ -491,6 +502,21 @@ class RemotePrefill:
                              "came)")
         return cls(transfer_id, mode, tuple(producers), tickets)
 
+    @property
+    def num_ranks(self) -> int:
+        """The prefill instance's TP size: one producer address (push) or ticket (pull)
+        per rank."""
+        return len(self.tickets if self.mode is TransferMode.PULL else self.producers)
+
+    def route(self, tp_size: int, tp_rank: int, total_kv_heads: int
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(prefill ranks, their sharer counts) that decode rank ``tp_rank`` of ``tp_size``
+        takes its KV heads from (:func:`kvpush.layout.tp_routes`; ValueError if the two
+        TP sizes cannot share ``total_kv_heads`` heads)."""
+        if not self.num_ranks:
+            raise ValueError("the request names no prefill rank")
+        return tp_routes(self.num_ranks, tp_size, total_kv_heads).of_consumer(tp_rank)
+
     def for_rank(self, tp_rank: int) -> RemotePrefill:
         """The part a decode worker of rank ``tp_rank`` deals with (homogeneous TP: the
         producer of the same rank)."""
@@ -536,7 +562,9 @@ class RecvPlan:
 
 @dataclass
 class SendPlan:
-    """Prefill side: ``src`` holds the request's KV once this step's forward is done."""
+    """Prefill side: ``src`` holds the request's KV once this step's forward is done.
+    ``sid`` names the source use (the scheduler writes it into the pull tickets; every rank
+    passes it to ``Producer.prefill_done``)."""
 
     req_id: str
     transfer_id: str
@@ -552,10 +580,16 @@ class StepPlan:
     recv: list[RecvPlan] = field(default_factory=list)
     recv_aborts: list[str] = field(default_factory=list)      # vLLM request ids
     send: list[SendPlan] = field(default_factory=list)
-    send_aborts: list[str] = field(default_factory=list)      # vLLM request ids
+    send_aborts: list[str] = field(default_factory=list)      # transfer ids
+    #: decode side: pulls to claim now (the request waits for blocks; dst is empty)
+    claims: list[RecvPlan] = field(default_factory=list)
+    #: prefill side: (vLLM request id, transfer id) of sends whose request vLLM preempted
+    #: (its blocks are freed): the worker ends them before this step's forward
+    send_preempted: list[tuple[str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.recv or self.recv_aborts or self.send or self.send_aborts)
+        return bool(self.recv or self.recv_aborts or self.send or self.send_aborts
+                    or self.claims or self.send_preempted)
 
 
 # -- statistics ------------------------------------------------------------------------------

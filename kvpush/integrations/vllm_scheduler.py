@@ -75,7 +75,7 @@ class _Send:
     src: list[int]
     num_tokens: int
     issued_at: float          # wall clock, before prefill_done (a conservative lease start)
-    sid: int                  # the source use id, chosen here: the tickets carry it
+    sid: int                  # the source use, in the tickets and in every rank's prefill_done
 
 
 class KVPushScheduler:
@@ -99,7 +99,12 @@ class KVPushScheduler:
         self._candidates: dict[str, Any] = {}    # req id -> Request, until its prefill is done
         self._sends: dict[str, _Send] = {}       # issued, not yet reported finished_sending
         self._send_aborts: list[str] = []        # transfer ids
+        # requests whose send is planned and that vLLM still runs: a WRITE may read their
+        # blocks, which a preemption would free (see has_pending_block_frees)
+        self._send_running: set[str] = set()
+        self._sent_requests: dict[str, Any] = {}   # ... their vLLM Request objects
         # decode side
+        self._claims_new: list[RecvPlan] = []    # pulls to claim (the request waits)
         self._recv_new: list[RecvPlan] = []
         self._recv_aborts: list[str] = []        # vLLM request ids
         self._recving: dict[str, str] = {}       # req id -> transfer id, reported loads
@@ -123,6 +128,12 @@ class KVPushScheduler:
         params = request.kv_transfer_params
         if self.is_producer and params and params.get("do_remote_decode"):
             self._candidates[request.request_id] = request
+        # Decode side, pull: claim the prefill's blocks now. The request may wait for free
+        # blocks here longer than the prefill's lease; a claim keeps the source held while
+        # this instance is alive (bounded by the prefill's max_wait_s) until the READ.
+        remote = self._remote_prefill(request)
+        if remote is not None and remote.mode is TransferMode.PULL and self._usable(request):
+            self._claims_new.append(RecvPlan(request.request_id, remote, [], report=False))
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -168,6 +179,8 @@ class KVPushScheduler:
                 self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
             return False, None
         # Prefill side.
+        self._send_running.discard(req_id)
+        self._sent_requests.pop(req_id, None)
         send = self._sends.get(req_id)
         normal = getattr(request.status, "name", str(request.status)) in _NORMAL_FINISH
         if send is None:
@@ -193,7 +206,10 @@ class KVPushScheduler:
                 log.error("kvpush: no producer endpoint known (handshake metadata missing); "
                           "the decode instance cannot pull %r", send.transfer_id)
             ids = encode_ids(_as_ids(send.src))
-            key = self.config.auth_key()  # with a key, the router cannot read or alter them
+            # One per rank, in rank order (a rank that replicates heads another rank sends
+            # gets one too, unused: see kvpush.layout.tp_routes). With a key, the router
+            # can neither read nor alter them.
+            key = self.config.auth_key()
             plain = [PullTicket(producer=r.name, address=r.address,
                                 request_id=send.transfer_id, block_ids=ids,
                                 lease_s=self.config.lease_s, issued_at=send.issued_at,
@@ -205,16 +221,29 @@ class KVPushScheduler:
 
     # -- per step --------------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
+        # A claim is only worth its message when the READ does not start in this step.
+        starting = {r.req_id for r in self._recv_new}
+        claims = [c for c in self._claims_new if c.req_id not in starting]
         plan = StepPlan(recv=self._recv_new, recv_aborts=self._recv_aborts,
-                        send_aborts=self._send_aborts)
+                        send_aborts=self._send_aborts, claims=claims)
         self._recv_new, self._recv_aborts, self._send_aborts = [], [], []
+        self._claims_new = []
         if self.is_producer:
             for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-                send = self._sends.get(req_id)
-                if send is not None:  # its blocks were freed: the transfer must not go on
-                    log.warning("kvpush: %s preempted after its prefill; aborting transfer %r",
-                                req_id, send.transfer_id)
-                    plan.send_aborts.append(send.transfer_id)
+                send = self._sends.pop(req_id, None)
+                if send is None:
+                    continue
+                # vLLM freed its blocks already (has_pending_block_frees kept the allocation
+                # path from doing so; a prefix-cache reset still does). The worker ends the
+                # transfer before this step's forward can overwrite them; the request is
+                # recomputed and may send again.
+                log.warning("kvpush: %s preempted after its prefill; ending transfer %r before "
+                            "its blocks are reused", req_id, send.transfer_id)
+                self._send_running.discard(req_id)
+                plan.send_preempted.append((req_id, send.transfer_id))
+                request = self._sent_requests.pop(req_id, None)
+                if request is not None:
+                    self._candidates[req_id] = request
             if self._candidates:
                 for req_id, count in scheduler_output.num_scheduled_tokens.items():
                     send_plan = self._maybe_send(req_id, count)
@@ -250,7 +279,10 @@ class KVPushScheduler:
         (block_ids,) = self._kv_manager.get_block_ids(req_id)
         src = [int(b) for b in block_ids[:prompt_blocks(num_prompt, self.block_size)]]
         sid = new_id()
-        self._sends[req_id] = _Send(req_id, transfer_id, mode, src, num_prompt, time.time(), sid)
+        self._sends[req_id] = _Send(req_id, transfer_id, mode, src, num_prompt, time.time(),
+                                    sid)
+        self._send_running.add(req_id)
+        self._sent_requests[req_id] = request
         return SendPlan(req_id, transfer_id, mode, src, sid)
 
     def update_connector_output(self, output: Any) -> None:
@@ -261,7 +293,17 @@ class KVPushScheduler:
 
     def has_pending_work(self) -> bool:
         """Plans not yet handed to the worker: the engine must step once more."""
-        return bool(self._recv_new or self._recv_aborts or self._send_aborts)
+        return bool(self._recv_new or self._recv_aborts or self._send_aborts
+                    or self._claims_new)
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM's scheduler asks this before it preempts a running request for blocks: True
+        makes it wait instead. While a request whose KV kvpush may be reading (its send is
+        planned: the WRITE/READ can start right after that step's forward) is still running
+        in vLLM, a preemption would free blocks a transfer reads, so none is made; once the
+        request finishes (one token, normally) its blocks are vLLM's delayed frees, which a
+        preemption never touches."""
+        return bool(self._send_running)
 
     # -- helpers ---------------------------------------------------------------------------
     def _remote_prefill(self, request: Any) -> RemotePrefill | None:

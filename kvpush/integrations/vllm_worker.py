@@ -26,7 +26,7 @@ import numpy as np
 
 from ..consumer import Consumer
 from ..errors import KvpushError, PeerUnavailable
-from ..layout import DTYPE_SIZES, KVLayout, MemoryKind, Region
+from ..layout import DTYPE_SIZES, KVLayout, MemoryKind, Region, tp_routes, tp_shard
 from ..messages import PullTicket
 from ..producer import Producer
 from ..request import Release, ReleaseReason, TransferMode, TransferResult
@@ -103,7 +103,8 @@ def _axis_order(t: Any, axes: str) -> str:
 
 def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                           num_blocks: int | None = None,
-                          facts: EngineFacts | None = None) -> KVLayout:
+                          facts: EngineFacts | None = None,
+                          coords: RankCoords | None = None) -> KVLayout:
     """A :class:`~kvpush.KVLayout` over vLLM's per-layer KV cache tensors.
 
     Handled shapes (per layer; any stride order whose block interior is dense):
@@ -124,6 +125,10 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
     per head all of K, then all of V; other backends: opaque, equal layouts only), and which
     of two 5-D axes is tokens (vLLM's layout name). Without them the block order is read
     from the strides and packed content stays opaque.
+
+    ``coords`` (the rank's place under tensor parallelism) with ``facts.total_kv_heads``
+    give the rank's head shard (``head_start``, ``total_kv_heads``), as vLLM splits them
+    (:func:`kvpush.layout.tp_shard`).
     """
     facts = facts or EngineFacts()
     if not kv_caches:
@@ -212,11 +217,21 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
         block_bytes = stride
     regions = tuple(Region(v.addr, (logical - 1) * stride + block_bytes, v.device_id, v.kind)
                     for v in views)
+    head_start, total = 0, heads
+    if facts.total_kv_heads:
+        coords = coords or RankCoords()
+        head_start, count = tp_shard(coords.tp_size, coords.tp_rank, facts.total_kv_heads)
+        if count != heads:
+            raise NotImplementedError(
+                f"kvpush: TP rank {coords.tp_rank} of {coords.tp_size} should hold {count} of "
+                f"the model's {facts.total_kv_heads} KV heads, its cache holds {heads}")
+        total = facts.total_kv_heads
     return KVLayout(regions=regions, num_layers=num_layers, num_blocks=logical,
                     tokens_per_block=block_size, num_kv_heads=heads, head_size=head_size,
                     dtype=dtype, kv_packed=kv_packed, layers_per_region=layers_per_region,
                     block_bytes=block_bytes, block_stride=stride, block_order=order,
-                    kernel_tokens=tokens, identity=facts.identity)
+                    kernel_tokens=tokens, identity=facts.identity, head_start=head_start,
+                    total_kv_heads=total)
 
 
 def _allow_amx() -> None:
@@ -287,7 +302,8 @@ class KVPushWorker:
         self._pool: ThreadPoolExecutor | None = None
         self._names: dict[str, str] = {}                       # address -> producer name
         self._connecting: dict[str, Future[str]] = {}
-        self._queued: dict[str, list[RecvPlan]] = {}           # waiting for a connection
+        # waiting for a connection: (plan, claim only)
+        self._queued: dict[str, list[tuple[RecvPlan, bool]]] = {}
         self._inflight: dict[str, _Recv] = {}                  # transfer id -> request
         self._by_req: dict[str, str] = {}                      # req id -> transfer id
         self._recv_done: set[str] = set()                      # req ids to report
@@ -321,7 +337,8 @@ class KVPushWorker:
         self.coords = coords or RankCoords(tp_rank=tp_rank, tp_size=tp_rank + 1)
         self.tp_rank = self.coords.tp_rank
         tp_rank = self.tp_rank
-        self.layout = layout_from_kv_caches(kv_caches, self.block_size, self.num_blocks, facts)
+        self.layout = layout_from_kv_caches(kv_caches, self.block_size, self.num_blocks, facts,
+                                            self.coords)
         if self.layout.kind is MemoryKind.DRAM:
             _allow_amx()
         key = self.config.auth_key()
@@ -332,6 +349,11 @@ class KVPushWorker:
                  f" (kernel blocks of {self.layout.kernel_tokens} tokens)"
                  if self.layout.folded else "")
         log.info("kvpush: compatibility identity %s", dict(self.layout.identity))
+        if self.coords.tp_size > 1:
+            log.info("kvpush: TP rank %d of %d holds KV heads [%d, %d) of %d",
+                     self.coords.tp_rank, self.coords.tp_size, self.layout.head_start,
+                     self.layout.head_start + self.layout.num_kv_heads,
+                     self.layout.total_kv_heads)
         if self.is_producer:
             self.producer = Producer(
                 self.layout, self.config.producer_config(self.coords, f"kvpush-p-{tag}", key))
@@ -344,8 +366,22 @@ class KVPushWorker:
             self.consumer = Consumer(self.layout,
                                      self.config.consumer_config(f"kvpush-c-{tag}", key))
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-vllm-conn")
-            for address in self.config.producers:
+            for address in self._startup_producers():
                 self._connect(address)
+
+    def _startup_producers(self) -> list[str]:
+        """The configured ``producers`` (one per prefill rank, in rank order) this rank
+        takes KV heads from: connected at start-up, while the engine is idle, instead of
+        on the first request."""
+        addresses = list(self.config.producers)
+        if not addresses or self.layout is None:
+            return addresses
+        try:
+            ranks = tp_routes(len(addresses), self.coords.tp_size,
+                              self.layout.total_kv_heads).producers[self.coords.tp_rank]
+        except ValueError:
+            return addresses
+        return [addresses[r] for r in ranks]
 
     def handshake(self) -> dict[str, Any] | None:
         """This rank's endpoint for the scheduler side (role, name, advertised address, host,
@@ -364,16 +400,64 @@ class KVPushWorker:
 
     # -- per step --------------------------------------------------------------------------
     def bind(self, plan: StepPlan) -> None:
-        """Before the forward pass: start loads, apply aborts."""
+        """Before the forward pass: start loads and claims, apply aborts."""
         self._pump_connections()
         for req_id in plan.recv_aborts:
             self._abort_recv(req_id)
+        for claim in plan.claims:
+            self._start_recv(claim, claim_only=True)
         for recv in plan.recv:
             self._start_recv(recv)
         if plan.send_aborts and self.producer is not None:
             for transfer_id in plan.send_aborts:
                 self.producer.abort(transfer_id, "request ended on the prefill instance")
         self._to_send = list(plan.send)
+
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        """Before the forward pass (vLLM calls this first): requests vLLM preempted after
+        their send was planned have had their blocks freed, and this step's forward may
+        overwrite them. End each one's transfer and wait (bounded) until kvpush says no
+        transfer can read the blocks any more; that release is not reported to vLLM (the
+        request is not finished: it is recomputed)."""
+        if not plan.send_preempted or self.producer is None:
+            return
+        waiting: dict[str, str] = {}
+        for req_id, transfer_id in plan.send_preempted:
+            self._issued.discard(req_id)
+            self._released.discard(req_id)
+            self._to_send = [s for s in self._to_send if s.req_id != req_id]
+            if self._sending.get(transfer_id) == req_id:
+                self.producer.abort(transfer_id, "request preempted on the prefill instance")
+                waiting[transfer_id] = req_id
+        deadline = time.monotonic() + self.config.transfer_timeout_s + 5.0
+        while waiting and time.monotonic() < deadline:
+            for release in self.producer.get_released():
+                if waiting.pop(release.request_id, None) is not None:
+                    self._sending.pop(release.request_id, None)
+                    log.info("kvpush: transfer %r of a preempted request ended (%s); its "
+                             "blocks may be reused", release.request_id, release.reason.value)
+                else:
+                    self._on_release(release)
+            if waiting:
+                time.sleep(0.001)
+        for transfer_id, req_id in waiting.items():
+            self._sending.pop(transfer_id, None)
+            log.error("kvpush: the transfer %r of preempted request %s did not end within "
+                      "%.0f s; its blocks go back to vLLM while it may still read them",
+                      transfer_id, req_id, self.config.transfer_timeout_s + 5.0)
+
+    def sends_from_here(self, num_prefill_ranks: int | None = None) -> bool:
+        """Whether this prefill rank's blocks are taken by anyone: a rank that replicates KV
+        heads another rank sends (TP above the KV head count) sends nothing."""
+        layout = self.layout
+        if layout is None:
+            return True
+        try:
+            routes = tp_routes(num_prefill_ranks or self.coords.tp_size, 1,
+                               layout.total_kv_heads)
+        except ValueError:  # heads not known (no model config): every rank sends
+            return True
+        return routes.sends(self.coords.tp_rank)
 
     def after_forward(self) -> None:
         """After the forward pass: this step's finished prefills hand their blocks over."""
@@ -384,8 +468,12 @@ class KVPushWorker:
             import torch  # the forward may still be running on the GPU
 
             torch.cuda.current_stream().synchronize()
+        sending = self.sends_from_here()
         for send in sends:
             self._issued.add(send.req_id)
+            if not sending:  # nobody comes for a replica's blocks: vLLM may free them
+                self._released.add(send.req_id)
+                continue
             try:
                 self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
                                            send.mode, sid=send.sid or None)
@@ -483,43 +571,80 @@ class KVPushWorker:
                 self._names[address] = future.result()
             except Exception as exc:
                 log.error("kvpush: cannot connect to producer %s: %s", address, exc)
-                for recv in queued:
-                    self._fail(recv, PeerUnavailable(f"cannot connect to {address}: {exc}"))
+                for recv, claim_only in queued:
+                    if not claim_only:
+                        self._fail(recv, PeerUnavailable(f"cannot connect to {address}: "
+                                                         f"{exc}"))
                 continue
-            for recv in queued:
-                self._start_recv(recv)
+            for recv, claim_only in queued:
+                self._start_recv(recv, claim_only)
 
-    def _start_recv(self, recv: RecvPlan) -> None:
+    def _start_recv(self, recv: RecvPlan, claim_only: bool = False) -> None:
+        """Push: register ``recv.dst`` with the prefill ranks holding this rank's heads;
+        pull: READ them (``claim_only``: claim the READ for later, the request waits for
+        blocks). Each rank computes the same routes (:func:`kvpush.layout.tp_routes`) and
+        says how many decode ranks share each prefill rank's source."""
         assert self.consumer is not None
+        remote = recv.remote
+        # (Before registration, in tests: one head per rank.)
+        total = self.layout.total_kv_heads if self.layout is not None else self.coords.tp_size
         try:
-            remote = recv.remote.for_rank(self.tp_rank)
-            ticket = PullTicket.from_bytes(remote.tickets[0]) \
-                if remote.mode is TransferMode.PULL else None
+            ranks, sharers = remote.route(self.coords.tp_size, self.tp_rank, total)
+            pull = remote.mode is TransferMode.PULL
+            tickets = [PullTicket.from_bytes(remote.tickets[r]) for r in ranks] if pull else []
+            if pull and len(set(sharers)) != 1:
+                raise KvpushError(
+                    f"decode rank {self.tp_rank} reads prefill ranks {list(ranks)} shared by "
+                    f"{list(sharers)} decode ranks; one pull names one sharer count (use push "
+                    "for this TP pair)")
         except (ValueError, KvpushError) as exc:
-            self._fail(recv, exc)
-            return
-        address = ticket.address if ticket is not None else remote.producers[0]
-        name = self._names.get(address)
-        if name is None or name not in self.consumer.producers():
-            self._queued.setdefault(address, []).append(recv)
-            self._connect(address)
+            if not claim_only:
+                self._fail(recv, exc)
+            else:
+                log.warning("kvpush: cannot claim KV of %s: %s", recv.req_id, exc)
             return
         tid = remote.transfer_id
+        if claim_only:
+            if pull and self._pool is not None:
+                # Off the engine's thread: claim() connects first if it must, and the claim
+                # must reach the prefill before its lease ends, not at the next step.
+                self._pool.submit(self._claim, recv.req_id, tid, tickets, sharers[0])
+            return
+        addresses = [t.address for t in tickets] if pull else [remote.producers[r]
+                                                               for r in ranks]
+        names: list[str] = []
+        for address in addresses:
+            name = self._names.get(address)
+            if name is None or name not in self.consumer.producers():
+                # Started again once connected (one address at a time).
+                self._queued.setdefault(address, []).append((recv, claim_only))
+                self._connect(address)
+                return
+            names.append(name)
         if tid in self._inflight:
             self._fail(recv, KvpushError(f"transfer {tid!r} is already in progress here"))
             return
         dst = np.asarray(recv.dst, dtype=np.int64)
         try:
-            if ticket is None:
+            if not pull:
                 # A decode-side prefix-cache hit needs only the last blocks.
-                self.consumer.expect(tid, dst, name, source_tail=True)
+                self.consumer.expect(tid, dst, names, source_tail=True, sharers=list(sharers))
             else:
-                self.consumer.pull(ticket, dst, source_tail=True)
+                self.consumer.pull(tickets, dst, source_tail=True, sharers=sharers[0])
         except (KvpushError, ValueError) as exc:
             self._fail(recv, exc)
             return
         self._inflight[tid] = _Recv(recv.req_id, recv.dst, recv.report, remote.mode)
         self._by_req[recv.req_id] = tid
+
+    def _claim(self, req_id: str, tid: str, tickets: list[PullTicket], sharers: int) -> None:
+        """(Pool thread.) Claim a pull the request cannot start yet; a failure is only
+        logged: the pull, if it comes, learns the source's fate itself."""
+        assert self.consumer is not None
+        try:
+            self.consumer.claim(tickets, sharers=sharers)
+        except Exception as exc:
+            log.warning("kvpush: cannot claim KV of %s (%r): %s", req_id, tid, exc)
 
     def _abort_recv(self, req_id: str) -> None:
         tid = self._by_req.get(req_id)
@@ -528,9 +653,12 @@ class KVPushWorker:
             self.consumer.abort(tid, "request ended on the decode instance")
             return
         for address, queued in self._queued.items():  # not started: nothing can land
-            for recv in queued:
+            for entry in list(queued):
+                recv, claim_only = entry
                 if recv.req_id == req_id:
-                    queued.remove(recv)
+                    queued.remove(entry)
+                    if claim_only:
+                        continue
                     if recv.report:
                         self._recv_done.add(req_id)
                     log.info("kvpush: %s ended before its transfer started (producer %s)",
