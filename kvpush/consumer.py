@@ -166,7 +166,7 @@ class _Claim:
 
     xid: int
     sids: dict[str, int]   # producer name -> sid
-    sharers: int
+    sharers: list[int]     # per ticket
 
 
 class _AgentLinks:
@@ -300,19 +300,21 @@ class Consumer(Endpoint):
 
     def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
              block_ids: Any, *, timeout: float | None = None,
-             source_tail: bool = False, sharers: int = 1) -> TransferHandle:
+             source_tail: bool = False,
+             sharers: int | Sequence[int] = 1) -> TransferHandle:
         """Pull: READ the blocks named by a :class:`~kvpush.messages.PullTicket` (or by one
         ticket per producer rank, for the same request) into ``block_ids``. Connects to a
         ticket's producer first if needed (blocking, at most ``connect_timeout_s`` and never
         past the tickets' lease or ``timeout``). ``source_tail``: read only the last
         ``len(block_ids)`` blocks of each ticket (see :meth:`expect`). ``sharers``: how many
-        consumer endpoints read a share of each ticket's source (see :meth:`expect`).
+        consumer endpoints read a share of each ticket's source (one count for all, or one
+        per ticket; see :meth:`expect`).
 
         A pull of the tickets a :meth:`claim` named continues that claim (same ``xid``;
         the producer holds a claimed source past the ticket's lease, so only ``timeout``
         bounds the READ)."""
         rid, parsed = self._parse_tickets(tickets, "pull")
-        check_sharers(sharers)
+        sharers = self._ticket_sharers(sharers, parsed)
         dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         sources = [m.decode_ids(t.block_ids) for t in parsed]
         if source_tail:
@@ -354,7 +356,7 @@ class Consumer(Endpoint):
         return handle
 
     def claim(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
-              sharers: int = 1) -> int:
+              sharers: int | Sequence[int] = 1) -> int:
         """Pull later: this consumer will READ the tickets' blocks but cannot yet (its
         engine has no free blocks). Asks each ticket's producer to hold its source past the
         ticket's lease while this consumer is connected (bounded by the producer's
@@ -362,7 +364,7 @@ class Consumer(Endpoint):
         :meth:`abort` of the request gives it up. Connects first if needed (as
         :meth:`pull`). Returns the claim's transfer id (the pull's ``xid``)."""
         rid, parsed = self._parse_tickets(tickets, "claim")
-        check_sharers(sharers)
+        sharers = self._ticket_sharers(sharers, parsed)
 
         def budget() -> float:
             return self._lease_left(parsed)
@@ -388,6 +390,17 @@ class Consumer(Endpoint):
             self._call_soon(lambda: self._abort_claim(request_id, claim, reason))
         self._call_soon(lambda: self._abort(request_id, RequestState.ABORTED,
                                             RequestAborted(reason)))
+
+    @staticmethod
+    def _ticket_sharers(sharers: int | Sequence[int], tickets: list[m.PullTicket]) -> list[int]:
+        """One valid count per ticket."""
+        if isinstance(sharers, (list, tuple)):
+            counts = [check_sharers(s, "each of sharers") for s in sharers]
+            if len(counts) != len(tickets):
+                raise ValueError(f"sharers names {len(counts)} counts for {len(tickets)} "
+                                 "tickets")
+            return counts
+        return [check_sharers(sharers)] * len(tickets)
 
     def _parse_tickets(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
                        what: str) -> tuple[str, list[m.PullTicket]]:
@@ -690,7 +703,7 @@ class Consumer(Endpoint):
 
     def _read(self, handle: TransferHandle, tickets: list[m.PullTicket],
               sources: list[np.ndarray], dst: np.ndarray, budget: float,
-              sharers: int) -> None:
+              sharers: list[int]) -> None:
         self._handles[handle.xid] = handle
         self._core.pull(time.monotonic(), tickets, sources, dst, budget, sharers, handle.xid)
         self._apply()

@@ -592,11 +592,6 @@ class KVPushWorker:
             ranks, sharers = remote.route(self.coords.tp_size, self.tp_rank, total)
             pull = remote.mode is TransferMode.PULL
             tickets = [PullTicket.from_bytes(remote.tickets[r]) for r in ranks] if pull else []
-            if pull and len(set(sharers)) != 1:
-                raise KvpushError(
-                    f"decode rank {self.tp_rank} reads prefill ranks {list(ranks)} shared by "
-                    f"{list(sharers)} decode ranks; one pull names one sharer count (use push "
-                    "for this TP pair)")
         except (ValueError, KvpushError) as exc:
             if not claim_only:
                 self._fail(recv, exc)
@@ -608,7 +603,7 @@ class KVPushWorker:
             if pull and self._pool is not None:
                 # Off the engine's thread: claim() connects first if it must, and the claim
                 # must reach the prefill before its lease ends, not at the next step.
-                self._pool.submit(self._claim, recv.req_id, tid, tickets, sharers[0])
+                self._pool.submit(self._claim, recv.req_id, tid, tickets, list(sharers))
             return
         addresses = [t.address for t in tickets] if pull else [remote.producers[r]
                                                                for r in ranks]
@@ -630,14 +625,15 @@ class KVPushWorker:
                 # A decode-side prefix-cache hit needs only the last blocks.
                 self.consumer.expect(tid, dst, names, source_tail=True, sharers=list(sharers))
             else:
-                self.consumer.pull(tickets, dst, source_tail=True, sharers=sharers[0])
+                self.consumer.pull(tickets, dst, source_tail=True, sharers=list(sharers))
         except (KvpushError, ValueError) as exc:
             self._fail(recv, exc)
             return
         self._inflight[tid] = _Recv(recv.req_id, recv.dst, recv.report, remote.mode)
         self._by_req[recv.req_id] = tid
 
-    def _claim(self, req_id: str, tid: str, tickets: list[PullTicket], sharers: int) -> None:
+    def _claim(self, req_id: str, tid: str, tickets: list[PullTicket],
+               sharers: list[int]) -> None:
         """(Pool thread.) Claim a pull the request cannot start yet; a failure is only
         logged: the pull, if it comes, learns the source's fate itself."""
         assert self.consumer is not None

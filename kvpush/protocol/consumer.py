@@ -217,7 +217,7 @@ class _Request:
     checksums: bytes | None = None        # pull with verify: the ticket's source checksums
     # pull
     sids: dict[str, int] = field(default_factory=dict)      # producer -> source use
-    sharers: int = 1                                        # pull: as in its PullBegin
+    sharers: dict[str, int] = field(default_factory=dict)   # pull: per producer, as sent
     reads: dict[int, _Read] = field(default_factory=dict)   # transfer key -> READ
     unheld: set[str] = field(default_factory=set)           # producers yet to send PullHeld
     began: dict[str, float] = field(default_factory=dict)   # PullBegin sent at
@@ -243,7 +243,15 @@ class _Request:
 class _Claim:
     xid: int
     sids: dict[str, int]
-    sharers: int
+    sharers: dict[str, int]
+
+
+def _per_ticket(tickets: Sequence[m.PullTicket], sharers: int | Sequence[int]) -> dict[str, int]:
+    """``sharers`` (one count for all, or one per ticket) by producer name."""
+    counts = [sharers] * len(tickets) if isinstance(sharers, int) else list(sharers)
+    if len(counts) != len(tickets):
+        raise ValueError(f"sharers names {len(counts)} counts for {len(tickets)} tickets")
+    return {t.producer: n for t, n in zip(tickets, counts, strict=True)}
 
 
 class ConsumerCore:
@@ -380,7 +388,7 @@ class ConsumerCore:
         return xid
 
     def pull(self, now: float, tickets: Sequence[m.PullTicket], sources: Sequence[np.ndarray],
-             dst: np.ndarray, budget: float, sharers: int = 1,
+             dst: np.ndarray, budget: float, sharers: int | Sequence[int] = 1,
              xid: int | None = None) -> int:
         """Pull: READ each ticket's ``sources`` (its block ids, or their tail) into ``dst``
         within ``budget`` seconds (the driver's bound from the timeout and the tickets'
@@ -424,14 +432,14 @@ class ConsumerCore:
         req = _Request(rid, xid, TransferMode.PULL, Phase.PULLING, dst, names, now,
                        now + budget)
         req.sids = {t.producer: t.sid for t in tickets}
-        req.sharers = sharers
+        req.sharers = _per_ticket(tickets, sharers)
         if self.config.verify and len(tickets) == 1:
             req.checksums = tickets[0].checksums
         self._add(req)
         for name, plan in zip(names, plans, strict=True):
             sid = req.sids[name]
             if plan.num_blocks == 0:  # see Posted.empty: no NIXL traffic for nothing
-                self._out.append(Send(name, m.PullDone(rid, xid, sid, 0, sharers)))
+                self._out.append(Send(name, m.PullDone(rid, xid, sid, 0, req.sharers[name])))
                 continue
             nbytes = len(plan.local_indices) * self.links.desc_bytes(name)
             req.moved += nbytes
@@ -442,26 +450,27 @@ class ConsumerCore:
             # The producer's PullHeld gates READY: ask before the READ so the round trip
             # overlaps it. Its hold_s counts from this moment (see _on_held).
             req.began[name] = now
-            self._out.append(Send(name, m.PullBegin(rid, xid, sid, sharers)))
+            self._out.append(Send(name, m.PullBegin(rid, xid, sid, req.sharers[name])))
             self._out.append(Post(key, "READ", name, plan.local_indices, plan.remote_indices,
-                                  m.PullDone(rid, xid, sid, nbytes, sharers), nbytes,
+                                  m.PullDone(rid, xid, sid, nbytes, req.sharers[name]), nbytes,
                                   plan.num_descriptors))
         if not req.reads:
             self._pull_done(now, req)
         return xid
 
     def claim(self, now: float, tickets: m.PullTicket | Sequence[m.PullTicket],
-              sharers: int = 1, xid: int | None = None) -> int:
+              sharers: int | Sequence[int] = 1, xid: int | None = None) -> int:
         """Pull later: ask each ticket's producer to hold its source use for this consumer;
         returns the claim's xid, which the pull passes to continue it."""
         batch = [tickets] if isinstance(tickets, m.PullTicket) else list(tickets)
         rid = batch[0].request_id
         xid = self._new_xid() if xid is None else xid
         sids = {t.producer: t.sid for t in batch}
-        self._claims[rid] = _Claim(xid, sids, sharers)
+        counts = _per_ticket(batch, sharers)
+        self._claims[rid] = _Claim(xid, sids, counts)
         for name, sid in sids.items():
             if name in self._peers:
-                self._out.append(Send(name, m.Claim(rid, xid, sid, sharers)))
+                self._out.append(Send(name, m.Claim(rid, xid, sid, counts[name])))
         return xid
 
     def abort_claim(self, now: float, rid: str, xid: int, reason: str) -> None:
@@ -643,7 +652,8 @@ class ConsumerCore:
         if req.phase is Phase.PULL_CLOSING:
             self._try_finish(now, req)
         elif end is not XferEnd.DONE:
-            done = m.PullDone(req.rid, req.xid, req.sids[read.peer], 0, req.sharers)
+            done = m.PullDone(req.rid, req.xid, req.sids[read.peer], 0,
+                              req.sharers.get(read.peer, 1))
             self._begin_close(now, req, RequestState.FAILED, PeerUnavailable(
                 f"producer {read.peer} unreachable for the READ of {req.rid!r}")
                 if end is XferEnd.LOST else
