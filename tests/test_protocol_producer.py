@@ -399,3 +399,15 @@ def test_a_prefill_after_every_owner_gave_up_is_released_at_once() -> None:
     h.core.on_message(h.now, "A", m.Abort("q", 2, "timed out"))
     h.advance(3.0)                                   # remembered for tombstone_s only
     assert h.core.records() == 0
+
+
+def test_a_registration_that_expires_gives_the_owner_up_like_its_abort() -> None:
+    """CI found it: the registration's wait and the consumer's deadline end together;
+    whichever came first decided a late prefill_done's release (FAILED or ABORTED)."""
+    h = Harness()
+    h.register("A", "r", 1, [2], wait_s=0.5)
+    h.advance(0.6)                                    # the wait ends before the Abort
+    h.core.on_message(h.now, "A", m.Abort("r", 1, "deadline"))
+    h.run()
+    h.prefill("r", [5])
+    assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]

@@ -837,7 +837,9 @@ class ProducerCore:
         elif share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
             self._fail(share.peer, rid, share.xid, "timeout", "prefill did not finish in time"
                        if share.mode is TransferMode.PUSH else "the claim was not pulled")
-            self._share_gone(req, share, ReleaseReason.FAILED, "registration expired")
+            # The owner stopped waiting (its deadline ends with this wait, and its own Abort
+            # may come first or not): it gave up, whichever arrives first.
+            self._share_gone(req, share, ReleaseReason.ABORTED, "registration expired")
         self._settle(req)
 
     def _fence_expired(self, rid: str, owner: tuple[str, int]) -> None:
