@@ -411,3 +411,26 @@ def test_a_registration_that_expires_gives_the_owner_up_like_its_abort() -> None
     h.run()
     h.prefill("r", [5])
     assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]
+
+
+def test_a_prefill_done_called_in_time_but_taken_late_is_still_the_released_uses() -> None:
+    """Found by the 1M-request simulation (seed 11): a layer-wise source released early;
+    the engine's prefill_done came 0.6 s later, but the producer's loop was stalled and
+    took it after the record's tombstone_s: taken as a new use, the blocks were held and
+    released a second time. The engine's call time decides now."""
+    h = Harness(tombstone_s=2.0)
+    h.register("A", "r", 1, [NUM_BLOCKS + 5], groups=LAYERS)    # fails at once: released
+    h.core.layer_done(h.now, "r", np.array([1]), 0, 3)
+    h.run()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED]
+    called = h.now + 0.6
+    h.advance(2.5)                                 # the loop was stalled past tombstone_s
+    h.core.prefill_done(h.now, "r", np.array([1]), TransferMode.PUSH, 3, called)
+    h.run()
+    h.advance(20.0)
+    assert len(h.releases()) == 1                  # swallowed: no second release
+    h.core.prefill_done(h.now, "r", np.array([1]), TransferMode.PUSH, 4)   # much later: new
+    h.run()
+    h.advance(20.0)
+    assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED,
+                                                ReleaseReason.LEASE_EXPIRED]

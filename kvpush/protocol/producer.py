@@ -202,6 +202,9 @@ class _Request:
     done_owners: set[tuple[str, int]] = field(default_factory=set)
     tomb: _Timer | None = None
     unsafe: bool = False    # a transfer may still read the source when it is released
+    # RELEASED_EARLY: engine calls made (their ``called`` stamp) before this belong to the
+    # released use; the record stays a while longer for calls a stalled loop takes late
+    use_deadline: float | None = None
 
     def live(self) -> list[_Share]:
         return [s for s in self.shares.values() if s.state in _LIVE]
@@ -549,10 +552,14 @@ class ProducerCore:
                                           {**stamps, "released": self._now}, sid)))
             self.stats["blocks_released"] += len(ids)
             return
-        if state is State.RELEASED_EARLY:
+        if state is State.RELEASED_EARLY and (req.use_deadline is None
+                                              or stamps["prefill_done"] <= req.use_deadline):
             req.state = State.ENDED    # the late prefill_done of a use released already
             self._tomb(req, req.code, req.why)
             return
+        if state is State.RELEASED_EARLY:  # called after that use's window: a new use
+            self._reuse(req)
+            state = req.state
         if state is State.ENDED:
             self._reuse(req)
             state = req.state
@@ -1096,14 +1103,21 @@ class ProducerCore:
 
     def _tomb(self, req: _Request, code: str, why: str, state: State = State.ENDED) -> None:
         req.state, req.code, req.why = state, code, why
+        req.use_deadline = None
         _cancel(req.tomb)
         rid = req.rid
 
         def expire(now: float) -> None:
             if self._requests.get(rid) is not req:
                 return
-            # RELEASED_EARLY too: a prefill_done more than tombstone_s after its use's early
-            # release is taken as a new use (the record must not outlive its deadline).
+            if req.state is State.RELEASED_EARLY and req.use_deadline is None:
+                # A prefill_done the engine calls more than tombstone_s after its use's
+                # early release is a new use; one it called before, but that a stalled loop
+                # takes only now, is still the old one's (decided by its call time), so the
+                # record stays another tombstone_s (simulator, 1M requests, seed 11).
+                req.use_deadline = now
+                req.tomb = self._after(self.config.tombstone_s, expire)
+                return
             if req.state in (State.ENDED, State.ABORTED_EARLY, State.RELEASED_EARLY) or (
                     req.state is State.WAITING and not req.live()):
                 del self._requests[rid]
@@ -1112,6 +1126,7 @@ class ProducerCore:
     def _reuse(self, req: _Request) -> None:
         """A new use of an ended request id: its tombstone goes."""
         _cancel(req.tomb)
+        req.use_deadline = None
         req.state, req.code, req.why = State.WAITING, "", ""
         req.shares, req.sharers, req.done_owners = {}, None, set()
 
