@@ -434,3 +434,19 @@ def test_a_prefill_done_called_in_time_but_taken_late_is_still_the_released_uses
     h.advance(20.0)
     assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED,
                                                 ReleaseReason.LEASE_EXPIRED]
+
+
+def test_an_abandoned_write_of_a_use_the_consumer_gave_up_is_not_fenced() -> None:
+    """The short soak found it: the engine aborted a push whose WRITE hung; the consumer's
+    Abort came before the WRITE was abandoned, so the owner waited in FENCING for a second
+    Abort that never comes, and the source for max_wait_s: past every deadline."""
+    h = Harness(transfer_timeout_s=2.0, max_wait_s=100.0)
+    h.register("A", "r", 1, [2])
+    h.prefill("r", [1])
+    h.core.abort(h.now, "r", "engine gave up")
+    h.core.on_message(h.now, "A", m.Abort("r", 1, "producer aborted"))
+    out = h.advance(2.5)
+    (abandon,) = [e for e in out if isinstance(e, Abandon)]
+    h.core.transfer_ended(h.now, abandon.key, XferEnd.ABANDONED)
+    h.run()
+    assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(ReleaseReason.ABORTED, True)]

@@ -170,6 +170,7 @@ class _Share:
     writes: dict[int, _Write] = field(default_factory=dict)
     errored: list[int] = field(default_factory=list)
     unfenced: bool = False
+    acked: bool = False      # the consumer's Abort came: it trusts nothing more of this use
     # A push that will not complete ends (message to the consumer, release reason, detail)
     # once no WRITE of it is in flight; message "ack" | a Failed code | "" (peer gone).
     end: tuple[str, ReleaseReason, str] | None = None
@@ -803,6 +804,7 @@ class ProducerCore:
             self.stats["stale_messages"] += share is None
             return
         if share.state is ShareState.WRITING:
+            share.acked = True
             self._end_push(req, share, "ack", ReleaseReason.ABORTED, why)
             self._conclude(req, share)
             return
@@ -985,7 +987,7 @@ class ProducerCore:
         elif message:
             self._send(share.peer, m.Failed(req.rid, share.xid, message, detail,
                                             share.errored, share.unfenced))
-            if share.unfenced:
+            if share.unfenced and not share.acked:
                 # The consumer has not given this use up: until it has read this Failed
                 # (its Abort says so), a Landed of the abandoned WRITE could reach it first
                 # and be trusted, so the WRITE must not read reused blocks.
