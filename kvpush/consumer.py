@@ -83,6 +83,17 @@ def check_sharers(value: Any, what: str = "sharers") -> int:
     return value
 
 
+def sharer_counts(sharers: int | Sequence[int], n: int, what: str) -> list[int]:
+    """``sharers`` as one valid count for each of ``n`` producers or tickets (one count for
+    all, or a sequence of ``n``)."""
+    if isinstance(sharers, (list, tuple)):
+        counts = [check_sharers(s, "each of sharers") for s in sharers]
+        if len(counts) != n:
+            raise ValueError(f"sharers names {len(counts)} counts for {n} {what}")
+        return counts
+    return [check_sharers(sharers)] * n
+
+
 @dataclass(frozen=True)
 class ConsumerConfig:
     """Consumer settings (all durations in seconds).
@@ -283,13 +294,7 @@ class Consumer(Endpoint):
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
             raise ValueError("expect needs at least one producer")
-        if isinstance(sharers, (list, tuple)):
-            shares = [check_sharers(s, "each of sharers") for s in sharers]
-            if len(shares) != len(names):
-                raise ValueError(f"sharers names {len(shares)} counts for {len(names)} "
-                                 "producers")
-        else:
-            shares = [check_sharers(sharers)] * len(names)
+        shares = sharer_counts(sharers, len(names), "producers")
         timeout = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "expect timeout")
         groups = self.layout.num_layers if layerwise else 1
@@ -314,7 +319,7 @@ class Consumer(Endpoint):
         the producer holds a claimed source past the ticket's lease, so only ``timeout``
         bounds the READ)."""
         rid, parsed = self._parse_tickets(tickets, "pull")
-        sharers = self._ticket_sharers(sharers, parsed)
+        sharers = sharer_counts(sharers, len(parsed), "tickets")
         dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         sources = [m.decode_ids(t.block_ids) for t in parsed]
         if source_tail:
@@ -364,7 +369,7 @@ class Consumer(Endpoint):
         :meth:`abort` of the request gives it up. Connects first if needed (as
         :meth:`pull`). Returns the claim's transfer id (the pull's ``xid``)."""
         rid, parsed = self._parse_tickets(tickets, "claim")
-        sharers = self._ticket_sharers(sharers, parsed)
+        sharers = sharer_counts(sharers, len(parsed), "tickets")
 
         def budget() -> float:
             return self._lease_left(parsed)
@@ -390,17 +395,6 @@ class Consumer(Endpoint):
             self._call_soon(lambda: self._abort_claim(request_id, claim, reason))
         self._call_soon(lambda: self._abort(request_id, RequestState.ABORTED,
                                             RequestAborted(reason)))
-
-    @staticmethod
-    def _ticket_sharers(sharers: int | Sequence[int], tickets: list[m.PullTicket]) -> list[int]:
-        """One valid count per ticket."""
-        if isinstance(sharers, (list, tuple)):
-            counts = [check_sharers(s, "each of sharers") for s in sharers]
-            if len(counts) != len(tickets):
-                raise ValueError(f"sharers names {len(counts)} counts for {len(tickets)} "
-                                 "tickets")
-            return counts
-        return [check_sharers(sharers)] * len(tickets)
 
     def _parse_tickets(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
                        what: str) -> tuple[str, list[m.PullTicket]]:
