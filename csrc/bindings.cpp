@@ -73,8 +73,25 @@ std::string describe_non_1d(const py::handle& obj) {
     return std::to_string(arr.ndim()) + "-D array of " + std::string(py::str(arr.dtype()));
 }
 
-// Never converts: a float or 2-D array, or a list, is a caller bug that a silent cast
-// would hide.
+py::handle plain_ndarray_type() {
+    return reinterpret_cast<PyObject*>(py::detail::npy_api::get().PyArray_Type_);
+}
+
+// Only reached for ndarray subclasses; numpy.ma is imported by numpy itself.
+bool is_masked_array(const py::handle& obj) {
+    const py::object cls = py::module_::import("numpy.ma").attr("MaskedArray");
+    return py::isinstance(obj, cls);
+}
+
+// A view at an odd byte offset (np.frombuffer(..., offset=1)) is C-contiguous but reading
+// its elements as int32/int64 is undefined behaviour.
+bool is_aligned(const py::array& arr) {
+    return (py::detail::array_proxy(arr.ptr())->flags &
+            py::detail::npy_api::NPY_ARRAY_ALIGNED_) != 0;
+}
+
+// Never converts: a float or 2-D array, a list, a masked or misaligned array is a caller
+// bug that a silent cast would hide.
 kvpush::BlockIdView block_ids_arg(const py::handle& obj, const char* name) {
     const std::string expected = std::string(name) + " must be a 1-D int32 or int64 array, got ";
     if (!py::isinstance<py::array>(obj) || py::reinterpret_borrow<py::array>(obj).ndim() != 1) {
@@ -85,8 +102,16 @@ kvpush::BlockIdView block_ids_arg(const py::handle& obj, const char* name) {
     if (!is_int32 && !py::isinstance<py::array_t<int64_t>>(obj)) {
         raise_invalid_block_ids(expected + std::string(py::str(arr.dtype())));
     }
+    if (!py::type::handle_of(obj).is(plain_ndarray_type()) && is_masked_array(obj)) {
+        raise_invalid_block_ids(std::string(name) +
+                                " must be a plain array, not a masked array (its mask would "
+                                "be ignored)");
+    }
     if ((arr.flags() & py::array::c_style) == 0) {
         raise_invalid_block_ids(std::string(name) + " must be C-contiguous");
+    }
+    if (!is_aligned(arr)) {
+        raise_invalid_block_ids(std::string(name) + " must be aligned to its dtype's size");
     }
     const auto n = static_cast<std::size_t>(arr.shape(0));
     if (is_int32) return kvpush::BlockIdView::of(static_cast<const int32_t*>(arr.data()), n);
@@ -163,6 +188,7 @@ struct PyTransferPlan {
     int64_t num_blocks;
     int64_t num_regions;
     int64_t num_runs;
+    int64_t num_descriptors;
 };
 
 static_assert(std::is_standard_layout_v<kvpush::Run> && sizeof(kvpush::Run) == 3 * sizeof(int64_t),
@@ -171,7 +197,7 @@ static_assert(std::is_standard_layout_v<kvpush::Run> && sizeof(kvpush::Run) == 3
 // Writes a core plan's index lists (np.empty-like: write_indices fills every entry, straight
 // into the arrays' buffers) and wraps everything as read-only numpy arrays.
 template <class Plan>
-PyTransferPlan to_python(const Plan& plan, bool release) {
+PyTransferPlan to_python(const Plan& plan, bool release, bool merges) {
     const std::size_t count = plan.num_indices();
     py::array_t<int32_t> local_indices;
     py::array_t<int32_t> remote_indices;
@@ -198,13 +224,14 @@ PyTransferPlan to_python(const Plan& plan, bool release) {
                           read_only(std::move(runs)),
                           plan.num_blocks(),
                           plan.num_regions,
-                          plan.num_runs()};
+                          plan.num_runs(),
+                          plan.num_descriptors(merges)};
 }
 
 PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remote_ids,
                              const py::object& local_num_blocks,
                              const py::object& remote_num_blocks, const py::object& num_regions,
-                             bool coalesce) {
+                             bool coalesce, bool merges) {
     // Arrays are checked before the counts are converted (the documented error order),
     // and viewed only after: a count's __index__ is arbitrary Python that could swap an
     // array's buffer or dtype in between.
@@ -228,7 +255,7 @@ PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remo
     run_maybe_without_gil(release, [&] { status = kvpush::plan_transfer(request, &plan); });
     throw_if_error(status);
 
-    return to_python(plan, release);
+    return to_python(plan, release, merges);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -239,7 +266,7 @@ PyTransferPlan plan_split_transfer(const py::object& local_ids, const py::object
                                    const py::object& remote_num_blocks,
                                    const py::object& num_regions, const py::object& heads,
                                    const py::object& local_split,
-                                   const py::object& remote_split) {
+                                   const py::object& remote_split, bool merges) {
     // Checked, converted, then viewed, for the reasons given in plan_transfer.
     block_ids_arg(local_ids, "local_ids");
     block_ids_arg(remote_ids, "remote_ids");
@@ -265,7 +292,7 @@ PyTransferPlan plan_split_transfer(const py::object& local_ids, const py::object
                           [&] { status = kvpush::plan_split_transfer(request, &plan); });
     throw_if_error(status);
 
-    return to_python(plan, release);
+    return to_python(plan, release, merges);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -297,8 +324,7 @@ void register_plan(py::module_& m) {
         .def_readonly("num_blocks", &PyTransferPlan::num_blocks)
         .def_readonly("num_regions", &PyTransferPlan::num_regions)
         .def_readonly("num_runs", &PyTransferPlan::num_runs)
-        .def_property_readonly("num_descriptors",
-                               [](const PyTransferPlan& p) { return p.num_runs * p.num_regions; })
+        .def_readonly("num_descriptors", &PyTransferPlan::num_descriptors)
         .def("__repr__", [](const PyTransferPlan& p) {
             return "TransferPlan(num_blocks=" + std::to_string(p.num_blocks) +
                    ", num_regions=" + std::to_string(p.num_regions) +
@@ -307,7 +333,7 @@ void register_plan(py::module_& m) {
 
     m.def("plan_transfer", &plan_transfer, py::arg("local_ids"), py::arg("remote_ids"),
           py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
-          py::arg("coalesce") = true,
+          py::arg("coalesce") = true, py::kw_only(), py::arg("merges") = true,
           "Map and coalesce block-id pairs into NIXL descriptor indices; see kvpush/_core.pyi.");
 
     m.def("check_block_ids", &check_block_ids, py::arg("ids"), py::arg("num_blocks"),
@@ -317,7 +343,8 @@ void register_plan(py::module_& m) {
 
     m.def("plan_split_transfer", &plan_split_transfer, py::arg("local_ids"), py::arg("remote_ids"),
           py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
-          py::arg("heads"), py::arg("local_split"), py::arg("remote_split"),
+          py::arg("heads"), py::arg("local_split"), py::arg("remote_split"), py::kw_only(),
+          py::arg("merges") = true,
           "Map fine blocks to per-head slots of coarse blocks as NIXL descriptor indices; "
           "see kvpush/_core.pyi.");
 }
@@ -403,6 +430,9 @@ const uint64_t* base_addresses_arg(const py::handle& obj, std::size_t* num_regio
     }
     if ((arr.flags() & py::array::c_style) == 0) {
         raise_invalid_block_ids("base_addresses must be C-contiguous");
+    }
+    if (!is_aligned(arr)) {
+        raise_invalid_block_ids("base_addresses must be aligned to its dtype's size");
     }
     *num_regions = static_cast<std::size_t>(arr.shape(0));
     return static_cast<const uint64_t*>(arr.data());

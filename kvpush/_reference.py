@@ -85,8 +85,13 @@ def _block_ids(ids: object, name: str) -> NDArray[np.int64]:
     # dtype equality includes byte order, as the bindings' check does.
     if ids.dtype != np.dtype(np.int32) and ids.dtype != np.dtype(np.int64):
         raise InvalidBlockIds(expected + str(ids.dtype))
+    if isinstance(ids, np.ma.MaskedArray):
+        raise InvalidBlockIds(f"{name} must be a plain array, not a masked array (its mask "
+                              "would be ignored)")
     if not ids.flags.c_contiguous:
         raise InvalidBlockIds(f"{name} must be C-contiguous")
+    if not ids.flags.aligned:
+        raise InvalidBlockIds(f"{name} must be aligned to its dtype's size")
     return ids.astype(np.int64)
 
 
@@ -137,6 +142,10 @@ class TransferPlan:
         Regions each pair is moved in.
     num_runs : int
         Runs per region.
+    num_descriptors : int
+        Descriptors NIXL moves: ``num_runs * num_regions`` where it merges each run into
+        one, else every index (``merges=False``, or a split plan whose coarse slots hold
+        several heads).
     """
 
     local_indices: NDArray[np.int32]
@@ -145,11 +154,7 @@ class TransferPlan:
     num_blocks: int
     num_regions: int
     num_runs: int
-
-    @property
-    def num_descriptors(self) -> int:
-        """Descriptors NIXL ends up moving after merging adjacent ones: runs x regions."""
-        return self.num_runs * self.num_regions
+    num_descriptors: int
 
     def __repr__(self) -> str:
         return (
@@ -169,6 +174,8 @@ def plan_transfer(
     remote_num_blocks: int,
     num_regions: int,
     coalesce: bool = True,
+    *,
+    merges: bool = True,
 ) -> TransferPlan:
     """Map block-id pairs to NIXL descriptor indices, optionally coalescing runs.
 
@@ -186,6 +193,9 @@ def plan_transfer(
         Sort pairs by local id so blocks adjacent on both sides get adjacent
         descriptor indices, which NIXL merges into one transfer. Otherwise keep the
         given order.
+    merges : bool, default True
+        Whether adjacent descriptor indices are adjacent bytes on both sides (whole,
+        unpadded blocks); only then does NIXL merge runs (see ``num_descriptors``).
 
     Returns
     -------
@@ -244,6 +254,7 @@ def plan_transfer(
         num_blocks=n,
         num_regions=regions,
         num_runs=len(runs),
+        num_descriptors=len(runs) * regions if merges else n * regions,
     )
 
 
@@ -269,6 +280,8 @@ def plan_split_transfer(
     heads: int,
     local_split: int,
     remote_split: int,
+    *,
+    merges: bool = True,
 ) -> TransferPlan:
     """Map fine blocks to per-head slots of coarse blocks as NIXL descriptor indices.
 
@@ -371,6 +384,9 @@ def plan_split_transfer(
         num_blocks=n,
         num_regions=regions,
         num_runs=len(runs),
+        # A coarse slot's heads lie apart when there are several of both: nothing merges.
+        num_descriptors=len(runs) * regions if merges and not (k > 1 and head_count > 1)
+        else int(local_indices.size),
     )
 
 
@@ -481,6 +497,8 @@ def _base_addresses(obj: object) -> NDArray[np.uint64]:
         raise InvalidBlockIds(expected + str(obj.dtype))
     if not obj.flags.c_contiguous:
         raise InvalidBlockIds("base_addresses must be C-contiguous")
+    if not obj.flags.aligned:
+        raise InvalidBlockIds("base_addresses must be aligned to its dtype's size")
     return obj.astype(np.uint64)
 
 

@@ -154,6 +154,9 @@ def test_plan_example(impl: ModuleType) -> None:
     assert plan.runs.tolist() == [[1, 8, 3], [7, 0, 1]]
     assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (4, 2, 2, 4)
     assert repr(plan) == "TransferPlan(num_blocks=4, num_regions=2, num_runs=2)"
+    # Where adjacent indices are not adjacent bytes (a head shard), NIXL merges nothing.
+    plan = impl.plan_transfer(local, remote, 8, 16, 2, merges=False)
+    assert (plan.num_runs, plan.num_descriptors) == (2, 8)
 
     plan = impl.plan_transfer(local, remote, 8, 16, 2, coalesce=False)
     assert plan.local_indices.tolist() == [3, 1, 2, 7, 11, 9, 10, 15]
@@ -242,6 +245,11 @@ BAD_ARRAYS = [
     pytest.param(np.ones(3, dtype=bool), "got bool", id="bool"),
     pytest.param(np.arange(3, dtype=">i8"), "got >i8", id="big-endian"),
     pytest.param(np.arange(6)[::2], "C-contiguous", id="strided"),
+    # An int64 view one byte into a buffer: reading it as int64 is undefined behaviour.
+    pytest.param(np.frombuffer(bytes(25), dtype=np.int64, offset=1), "aligned to its dtype's size",
+                 id="misaligned"),
+    pytest.param(np.ma.masked_array(np.arange(3), mask=[False, True, False]),
+                 "not a masked array (its mask would be ignored)", id="masked"),
 ]
 
 
@@ -518,8 +526,14 @@ def test_split_plan_example(impl: ModuleType) -> None:
     assert plan.remote_indices.tolist() == region0 + [i + 16 for i in region0]
     # Units 5,6 -> 6,7 advance together: one run of 2 pairs x 2 heads; then 7 -> 0, 2 -> 1.
     assert plan.runs.tolist() == [[10, 12, 4], [14, 0, 2], [4, 2, 2]]
-    assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (4, 2, 3, 6)
+    # 2 heads and a split of 2: a coarse slot's heads lie apart, so the index runs do not
+    # merge and every one of the 16 indices is a descriptor.
+    assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (4, 2, 3, 16)
     assert repr(plan) == "TransferPlan(num_blocks=4, num_regions=2, num_runs=3)"
+    one_head = impl.plan_split_transfer(local, remote, 8, 4, 2, 1, 1, 2)
+    assert (one_head.num_runs, one_head.num_descriptors) == (3, 6)  # slots are adjacent
+    assert impl.plan_split_transfer(local, remote, 8, 4, 2, 1, 1, 2,
+                                    merges=False).num_descriptors == 8
 
     # The mirror image: the coarse side local, an odd count leaving slot 1 of block 0 unused.
     plan = impl.plan_split_transfer(remote, local[:3], 4, 8, 1, 1, 2, 1)
@@ -963,6 +977,10 @@ CHECKSUM_ERRORS = [
         (np.zeros(4, np.uint64)[::2], 16, 16, [0], 4), "base_addresses must be C-contiguous"
     ),
     pytest.param(
+        (np.frombuffer(bytes(17), np.uint64, offset=1), 16, 16, [0], 4),
+        "base_addresses must be aligned to its dtype's size",
+    ),
+    pytest.param(
         (None, 16, 16, [0.5], 4),
         "base_addresses must be a 1-D uint64 array, got <class 'NoneType'>",
     ),
@@ -1065,3 +1083,19 @@ def test_cpp_core_under_sanitizers() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout
+
+
+def test_pybind11_bound_matches_the_bindings() -> None:
+    """The bindings use pybind11 3 (py::native_enum); a build requirement that admits
+    pybind11 2 would fail to compile with a confusing error."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    # tomllib is 3.11+; the build-system table's requires line is simple enough to read.
+    requires = re.search(r"^requires\s*=\s*\[(.*)\]", (root / "pyproject.toml").read_text(),
+                         re.MULTILINE)
+    assert requires
+    needs = re.findall(r'"pybind11\s*>=\s*(\d+)[^"]*"', requires.group(1))
+    assert len(needs) == 1, requires.group(1)
+    if "py::native_enum" in (root / "csrc" / "bindings.cpp").read_text():
+        assert int(needs[0]) >= 3, requires.group(1)

@@ -410,6 +410,7 @@ Status plan_split_transfer(const SplitPlanRequest& req, SplitTransferPlan* out,
     out->remote_units_per_region = req.remote_num_blocks * req.remote_split;
     out->num_regions = req.num_regions;
     out->heads = req.heads;
+    out->heads_apart = k > 1 && req.heads > 1;
     return Status::Ok();
 }
 

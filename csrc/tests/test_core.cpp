@@ -136,7 +136,8 @@ void check_against_naive(const std::vector<int64_t>& local, const std::vector<in
                   p.plan.runs[i].length == runs[i].length;
     }
     CHECK(runs_ok);
-    CHECK_EQ(p.plan.num_descriptors(), static_cast<int64_t>(runs.size()) * regions);
+    CHECK_EQ(p.plan.num_descriptors(true), static_cast<int64_t>(runs.size()) * regions);
+    CHECK_EQ(p.plan.num_descriptors(false), static_cast<int64_t>(p.plan.num_indices()));
 }
 
 void test_plan_small_examples() {
@@ -151,7 +152,8 @@ void test_plan_small_examples() {
     CHECK_EQ(p.plan.runs[0].local_start, 1);
     CHECK_EQ(p.plan.runs[0].remote_start, 8);
     CHECK_EQ(p.plan.runs[0].length, 3);
-    CHECK_EQ(p.plan.num_descriptors(), 4);
+    CHECK_EQ(p.plan.num_descriptors(true), 4);
+    CHECK_EQ(p.plan.num_descriptors(false), 8);  // a head shard: nothing merges
 
     // Without coalescing the given order stays; (1,8) (2,9) is still a run in that order.
     p = make_plan(local, remote, 8, 16, 2, false);
@@ -379,7 +381,12 @@ void check_split_against_naive(const std::vector<int64_t>& local,
                   p.plan.runs[i].length == runs[i].length;
     }
     CHECK(runs_ok);
-    CHECK_EQ(p.plan.num_descriptors(), static_cast<int64_t>(runs.size()) * sh.regions);
+    // Runs merge only where a coarse slot's heads are adjacent bytes (one head or no split).
+    const bool heads_apart = std::max(sh.local_split, sh.remote_split) > 1 && sh.heads > 1;
+    CHECK_EQ(p.plan.heads_apart, heads_apart);
+    CHECK_EQ(p.plan.num_descriptors(true),
+             heads_apart ? static_cast<int64_t>(p.plan.num_indices())
+                         : static_cast<int64_t>(runs.size()) * sh.regions);
 }
 
 void check_split_error(const SplitPlan& p, StatusCode code, const std::string& message) {
@@ -403,7 +410,9 @@ void test_split_plan() {
     CHECK_EQ(p.plan.runs[0].local_start, 10);
     CHECK_EQ(p.plan.runs[0].remote_start, 12);
     CHECK_EQ(p.plan.runs[0].length, 4);
-    CHECK_EQ(p.plan.num_descriptors(), 6);
+    // 2 heads, split 2: a slot's heads are not adjacent on the coarse side, so all 16
+    // indices are descriptors of their own, though the index runs number 3 per region.
+    CHECK_EQ(p.plan.num_descriptors(true), 16);
 
     // Mirrored, coarse side local, slot 1 of its block 0 unused.
     p = make_split_plan(remote, V{5, 6, 7}, SplitShape{4, 8, 1, 1, 2, 1});
