@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -24,8 +25,15 @@ namespace py = pybind11;
 
 namespace {
 
-// Below this many output entries, dropping and retaking the GIL costs more than it frees.
-constexpr double kReleaseGilEntries = 4096;
+// When to let other Python threads run during compiled work. Dropping the GIL is cheap;
+// taking it back is not: inside an engine whose own threads run Python, a thread that gave
+// the GIL up waits for CPython's switch interval (5 ms by default) to get it back. A 64-layer
+// x 512-block plan (12 us of work) that released the GIL took 5 ms median beside one busy
+// thread. So only work far longer than a hand-off runs without the GIL: plans of at least
+// 4M index entries (0.2-3 ns each here: 1-12 ms; a 32k-token Qwen3-32B request is 4M) and
+// checksums over at least 16 MiB (~12 GB/s here: over 1 ms).
+constexpr double kReleaseGilEntries = double{1 << 22};
+constexpr double kReleaseGilChecksumBytes = double{16 << 20};
 
 [[noreturn]] void raise_invalid_block_ids(const std::string& message) {
     // Imported when needed, not at module load: kvpush.errors is plain Python and the
@@ -166,10 +174,15 @@ private:
     std::size_t capacity_ = 0;
 };
 
+// How often compiled work has run without the GIL: _core._gil_releases(), for the tests
+// that hold short work to keeping it.
+std::atomic<uint64_t> gil_releases{0};
+
 // Runs `work` without the GIL when there is enough of it to be worth the switch.
 template <class F>
 void run_maybe_without_gil(bool release, F&& work) {
     if (release) {
+        gil_releases.fetch_add(1, std::memory_order_relaxed);
         const py::gil_scoped_release no_gil;
         work();
     } else {
@@ -455,10 +468,12 @@ py::array_t<uint64_t> block_checksums(const py::object& base_addresses,
     py::array_t<uint64_t> out(static_cast<py::ssize_t>(request.block_ids.size));
     uint64_t* out_data = out.mutable_data();
     kvpush::Status status;
-    {
-        const py::gil_scoped_release release;  // hashing reads megabytes; let others run
-        status = kvpush::block_checksums(request, out_data);
-    }
+    // Doubles: nothing is validated yet, and the product may not fit an integer.
+    const double bytes = static_cast<double>(request.block_ids.size) *
+                         static_cast<double>(request.num_regions) *
+                         static_cast<double>(std::max<int64_t>(request.block_bytes, 0));
+    run_maybe_without_gil(bytes >= kReleaseGilChecksumBytes,
+                          [&] { status = kvpush::block_checksums(request, out_data); });
     throw_if_error(status);
     return out;
 }
@@ -482,4 +497,6 @@ PYBIND11_MODULE(_core, m) {
     register_plan(m);
     register_completion(m);
     register_checksum(m);
+    m.def("_gil_releases", [] { return gil_releases.load(std::memory_order_relaxed); },
+          "How many compiled calls have let go of the GIL (a test hook).");
 }

@@ -78,7 +78,9 @@ def plan_transfer(
     """Map block-id pairs to NIXL descriptor indices, optionally coalescing runs.
 
     Each side's descriptor list is region-major: (region ``r``, block ``b``) is descriptor
-    ``r * side_num_blocks + b``. The GIL is released for large requests.
+    ``r * side_num_blocks + b``. The GIL is held, except for plans of at least 2**22
+    index entries: winning it back beside a busy Python thread can take a whole switch
+    interval, far longer than the work (see ``csrc/bindings.cpp``).
 
     Parameters
     ----------
@@ -123,7 +125,8 @@ def check_block_ids(ids: _BlockIds, num_blocks: int, name: str = "block_ids") ->
     1-D, C-contiguous, aligned, not masked, int32 or int64 (never converted);
     ``num_blocks`` >= 1; every id in ``[0, num_blocks)``; no id repeated. Messages name the
     array ``name``, and are otherwise those of :func:`plan_transfer`. The copy is read once
-    from ``ids``, so the caller may reuse its array at once. The GIL is released for large arrays.
+    from ``ids``, so the caller may reuse its array at once. The GIL is held, except for
+    at least 2**22 ids (as in :func:`plan_transfer`).
 
     Raises
     ------
@@ -156,7 +159,7 @@ def plan_split_transfer(
     (region ``r``, block ``b``, slot ``s``, head ``h``) is descriptor
     ``((r * side_num_blocks + b) * side_split + s) * heads + h``. Nothing is sorted or
     coalesced: slots must stay with their coarse block, so pairs keep the given order.
-    The GIL is released for large requests.
+    The GIL is held, except for at least 2**22 index entries (as in :func:`plan_transfer`).
 
     Parameters
     ----------
@@ -266,7 +269,8 @@ def block_checksums(
 ) -> NDArray[np.uint64]:
     """One 64-bit checksum per block id, over that block in every region.
 
-    Reads raw memory without the GIL; the caller guarantees every addressed block is
+    Reads raw memory, without the GIL from 16 MiB hashed on (less is over before a hand-off
+    of the GIL would be); the caller guarantees every addressed block is
     readable host memory. The hash is defined in ``csrc/kvpush/checksum.hpp``.
 
     Parameters

@@ -160,6 +160,7 @@ class Endpoint:
         self._flush_delay = 1e-3
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
         self._stop = False
+        self._waiting = True  # the loop may be blocked in poll: callers must wake it
         self._loop_error: BaseException | None = None
 
     def _start(self) -> None:
@@ -172,7 +173,11 @@ class Endpoint:
             if self._closed:
                 raise ClosedError(f"{self._role} {self.name} is closed")
             self._commands.put(fn)
-            os.eventfd_write(self._wake_fd, 1)
+            # Only a loop blocked in poll needs waking; otherwise it drains the queue on
+            # its next iteration. Saves the engine's thread a syscall that lets go of the
+            # GIL (see _run for why no command is missed).
+            if self._waiting:
+                os.eventfd_write(self._wake_fd, 1)
 
     def _on_loop(self) -> bool:
         """True on this endpoint's loop thread (inside a callback)."""
@@ -406,12 +411,26 @@ class Endpoint:
         try:
             while not self._stop:
                 timeout = self._next_timeout()
+                if timeout == 0.0:
+                    # Spinning: poll without giving up the GIL. A zero-timeout zmq poll
+                    # or an eventfd read drops it, and with a busy Python thread in the
+                    # engine taking it back can wait a whole switch interval (5 ms).
+                    self._hot_iteration()
+                    continue
                 if timeout is not None and 0 < timeout < 1e-3:
                     # zmq's poll counts whole milliseconds; short waits sleep instead.
                     time.sleep(timeout)
                     timeout = 0.0
+                # Callers wake a waiting loop through the eventfd. The flag is raised
+                # before the queue is checked: a command queued after the check sees it
+                # raised and writes the eventfd; one queued before it is found here.
+                self._waiting = True
+                if not self._commands.empty():
+                    timeout = 0.0
                 events = dict(self._poller.poll(None if timeout is None
                                                 else int(timeout * 1e3)))
+                self._waiting = False
+                self._stats.loop_wakeups += 1
                 if events.pop(self._wake_fd, 0):
                     try:
                         os.eventfd_read(self._wake_fd)
@@ -441,6 +460,19 @@ class Endpoint:
                 late = self._teardown_on_exit
             if late:  # close() could not wait for this thread
                 self._teardown()
+
+    def _hot_iteration(self) -> None:
+        """One loop iteration that never releases the GIL: commands straight from the queue
+        (the eventfd stays set and is read by the next blocking poll), sockets by their
+        ``EVENTS`` option, then NIXL and the timers, as :meth:`_run` does."""
+        self._stats.hot_polls += 1
+        self._drain_commands()
+        for sock, handler in list(self._sockets.items()):
+            if sock in self._sockets and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                handler(sock)
+        if self._busy() and self._poll_transfers():
+            self._backoff.progressed()
+        self._run_timers()
 
     def _drain_commands(self) -> None:
         # Called on every receive and poll (see _recv_all): an empty queue costs one

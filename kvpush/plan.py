@@ -82,8 +82,8 @@ def require_host_checksums(layout: KVLayout, what: str) -> None:
 
 def block_checksums(layout: KVLayout, ids: np.ndarray) -> np.ndarray:
     """One 64-bit checksum per block id (over the block in every region), in ``ids`` order,
-    computed in C++ without the GIL. Refuses (ValueError) a layout with device memory,
-    which the host cannot read."""
+    computed in C++ (without the GIL from 16 MiB on). Refuses (ValueError) a layout with
+    device memory, which the host cannot read."""
     require_host_checksums(layout, "block_checksums")
     bases = np.array([r.addr for r in layout.regions], dtype=np.uint64)
     sums: np.ndarray = _core.block_checksums(bases, layout.block_stride, layout.block_bytes,

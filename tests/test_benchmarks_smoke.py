@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
 
-from benchmarks import cpu, critical_path, desc_prep, report, throughput  # noqa: E402
+from benchmarks import busy_engine, cpu, critical_path, desc_prep, report, throughput  # noqa: E402
 from benchmarks._common import KIB, MIB  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,7 +49,9 @@ def test_throughput(results: dict[str, dict[str, object]]) -> None:
     r = throughput.run(quick=True, progress=False, points=points, total_bytes=8 * MIB,
                        min_time=0.002)
     _finite(r["summary"], "write_vs_raw_nixl", "read_vs_raw_nixl", "write_vs_memcpy_1mib",
-            "coalesced_vs_uncoalesced_write")
+            "coalesced_vs_uncoalesced_write", "write_vs_raw_nixl_1mib_plus",
+            "read_vs_raw_nixl_1mib_plus", "pull_stage_engine_call_us_p50",
+            *(f"push_stage_{stage}_us_p50" for stage in throughput.PUSH_STAGES))
     assert all(row["kv_write_gbps"] > 0 and row["raw_default_read_gbps"] > 0
                for row in r["rows"])
     results["throughput"] = r
@@ -67,6 +69,14 @@ def test_critical_path(results: dict[str, dict[str, object]]) -> None:
     stages = next(run for run in r["runs"] if run["mode"] == "push")["push_stages_p50_us"]
     assert all(us >= 0 for stage, us in stages.items() if stage != "write_extra"), stages
     results["critical_path"] = r
+
+
+def test_busy_engine() -> None:
+    r = busy_engine.run(quick=True, progress=False, rounds=1, per_round=2)
+    _finite(r["summary"], "handover_busy_engine_over_idle",
+            "handover_busy_numpy_engine_over_idle", "handover_p50_idle_push_us",
+            "handover_p50_python_pull_us")
+    assert [row["requests"] for row in r["rows"]] == [2, 2]
 
 
 def test_cpu(results: dict[str, dict[str, object]]) -> None:

@@ -215,18 +215,41 @@ def test_plan_reuses_large_index_buffers_safely() -> None:
 
 
 def test_plan_from_threads() -> None:
-    # Large enough that the GIL is released inside; results must not depend on timing.
+    # Short plans keep the GIL, long ones (2**22 entries: 16384 x 256) let it go inside;
+    # results must not depend on timing either way.
     rng = np.random.default_rng(1)
     cases = [
-        (rng.choice(5000, 300, replace=False), rng.choice(6000, 300, replace=False))
-        for _ in range(8)
-    ]
-    want = [_reference.plan_transfer(lo, re, 5000, 6000, 32) for lo, re in cases]
+        (rng.choice(5000, 300, replace=False), rng.choice(6000, 300, replace=False), 32)
+        for _ in range(6)
+    ] + [(rng.choice(20000, 16384, replace=False), rng.choice(20000, 16384, replace=False),
+          256) for _ in range(2)]
+    want = [_reference.plan_transfer(lo, re, 20000, 20000, r) for lo, re, r in cases]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        for _ in range(5):
-            got = list(pool.map(lambda c: _core.plan_transfer(c[0], c[1], 5000, 6000, 32), cases))
+        for _ in range(2):
+            got = list(pool.map(lambda c: _core.plan_transfer(c[0], c[1], 20000, 20000, c[2]),
+                                cases))
             for g, w in zip(got, want, strict=True):
                 assert_same_plan(g, w)
+
+
+def test_short_compiled_work_keeps_the_gil() -> None:
+    """Taking the GIL back beside a busy Python thread can cost a whole switch interval
+    (5 ms), so work of microseconds must never let go of it: a Qwen3-32B-shaped plan of 512
+    blocks (65,536 entries, ~12 us), its split twin, the ids check, and a 1 MiB checksum.
+    Only long work does (4M entries, 16 MiB hashed)."""
+    rng = np.random.default_rng(3)
+    ids = (rng.choice(32768, 512, replace=False), rng.choice(32768, 512, replace=False))
+    buffers, bases = make_cache(rng, 1, 64, 16384)
+    before = _core._gil_releases()
+    _core.plan_transfer(*ids, 32768, 32768, 128)
+    _core.plan_split_transfer(ids[0], ids[1][:256], 32768, 32768, 64, 2, 1, 2)
+    _core.check_block_ids(rng.choice(1 << 20, 4096, replace=False), 1 << 20)
+    _core.block_checksums(bases, 16384, 16384, np.arange(64), 64)  # 1 MiB
+    assert _core._gil_releases() == before
+    big = (rng.choice(32768, 16384, replace=False), rng.choice(32768, 16384, replace=False))
+    _core.plan_transfer(*big, 32768, 32768, 256)
+    assert _core._gil_releases() == before + 2  # validation, then the index lists
+    del buffers
 
 
 GOOD = np.arange(3, dtype=np.int64)
