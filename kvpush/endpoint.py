@@ -468,7 +468,7 @@ class Endpoint:
         self._stats.hot_polls += 1
         self._drain_commands()
         for sock, handler in list(self._sockets.items()):
-            if sock in self._sockets and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if sock in self._sockets and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 handler(sock)
         if self._busy() and self._poll_transfers():
             self._backoff.progressed()
