@@ -328,6 +328,74 @@ py::array_t<int64_t> check_block_ids(const py::object& ids, const py::object& nu
     return read_only(std::move(out));
 }
 
+// ---------------------------------------------------------------------------------------
+// PreparedLink: a link's constants converted and checked once, at handshake; a request
+// then costs one call with its two id arrays.
+
+class PreparedLink {
+public:
+    PreparedLink(const py::object& local_num_blocks, const py::object& remote_num_blocks,
+                 const py::object& num_regions, const py::object& heads,
+                 const py::object& local_split, const py::object& remote_split, bool merges) {
+        shape_.local_num_blocks = to_int64(local_num_blocks);
+        shape_.remote_num_blocks = to_int64(remote_num_blocks);
+        shape_.num_regions = to_int64(num_regions);
+        shape_.heads = to_int64(heads);
+        shape_.local_split = to_int64(local_split);
+        shape_.remote_split = to_int64(remote_split);
+        shape_.merges = merges;
+        const kvpush::Status status = kvpush::check_link(shape_);
+        if (!status.ok()) throw py::value_error(status.message);
+    }
+
+    PyTransferPlan plan(const py::object& local_ids, const py::object& remote_ids,
+                        bool coalesce) const {
+        if (!shape_.split()) {
+            kvpush::PlanRequest request;
+            request.local_ids = block_ids_arg(local_ids, "local_ids");
+            request.remote_ids = block_ids_arg(remote_ids, "remote_ids");
+            request.local_num_blocks = shape_.local_num_blocks;
+            request.remote_num_blocks = shape_.remote_num_blocks;
+            request.num_regions = shape_.num_regions;
+            request.coalesce = coalesce;
+            const bool release = static_cast<double>(request.local_ids.size) *
+                                     static_cast<double>(shape_.num_regions) >=
+                                 kReleaseGilEntries;
+            kvpush::TransferPlan plan;
+            kvpush::Status status;
+            run_maybe_without_gil(release,
+                                  [&] { status = kvpush::plan_transfer(request, &plan); });
+            throw_if_error(status);
+            return to_python(plan, release, shape_.merges);
+        }
+        kvpush::SplitPlanRequest request;
+        request.local_ids = block_ids_arg(local_ids, "local_ids");
+        request.remote_ids = block_ids_arg(remote_ids, "remote_ids");
+        request.local_num_blocks = shape_.local_num_blocks;
+        request.remote_num_blocks = shape_.remote_num_blocks;
+        request.num_regions = shape_.num_regions;
+        request.heads = shape_.heads;
+        request.local_split = shape_.local_split;
+        request.remote_split = shape_.remote_split;
+        const auto n =
+            static_cast<double>(std::max(request.local_ids.size, request.remote_ids.size));
+        const bool release = n * static_cast<double>(shape_.heads) *
+                                 static_cast<double>(shape_.num_regions) >=
+                             kReleaseGilEntries;
+        kvpush::SplitTransferPlan plan;
+        kvpush::Status status;
+        run_maybe_without_gil(release,
+                              [&] { status = kvpush::plan_split_transfer(request, &plan); });
+        throw_if_error(status);
+        return to_python(plan, release, shape_.merges);
+    }
+
+    const kvpush::LinkShape& shape() const { return shape_; }
+
+private:
+    kvpush::LinkShape shape_;
+};
+
 void register_plan(py::module_& m) {
     py::class_<PyTransferPlan>(m, "TransferPlan", py::is_final(),
                                "Descriptor indices for one transfer; see kvpush/_core.pyi.")
@@ -342,6 +410,38 @@ void register_plan(py::module_& m) {
             return "TransferPlan(num_blocks=" + std::to_string(p.num_blocks) +
                    ", num_regions=" + std::to_string(p.num_regions) +
                    ", num_runs=" + std::to_string(p.num_runs) + ")";
+        });
+
+    py::class_<PreparedLink>(m, "PreparedLink", py::is_final(),
+                             "A link's planning constants, checked once; see kvpush/_core.pyi.")
+        .def(py::init<const py::object&, const py::object&, const py::object&,
+                      const py::object&, const py::object&, const py::object&, bool>(),
+             py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
+             py::arg("heads") = 0, py::arg("local_split") = 1, py::arg("remote_split") = 1,
+             py::arg("merges") = true)
+        .def("plan", &PreparedLink::plan, py::arg("local_ids"), py::arg("remote_ids"),
+             py::arg("coalesce") = true)
+        .def_property_readonly("local_num_blocks",
+                               [](const PreparedLink& l) { return l.shape().local_num_blocks; })
+        .def_property_readonly("remote_num_blocks",
+                               [](const PreparedLink& l) { return l.shape().remote_num_blocks; })
+        .def_property_readonly("num_regions",
+                               [](const PreparedLink& l) { return l.shape().num_regions; })
+        .def_property_readonly("heads", [](const PreparedLink& l) { return l.shape().heads; })
+        .def_property_readonly("local_split",
+                               [](const PreparedLink& l) { return l.shape().local_split; })
+        .def_property_readonly("remote_split",
+                               [](const PreparedLink& l) { return l.shape().remote_split; })
+        .def_property_readonly("merges", [](const PreparedLink& l) { return l.shape().merges; })
+        .def("__repr__", [](const PreparedLink& l) {
+            const kvpush::LinkShape& s = l.shape();
+            return "PreparedLink(local_num_blocks=" + std::to_string(s.local_num_blocks) +
+                   ", remote_num_blocks=" + std::to_string(s.remote_num_blocks) +
+                   ", num_regions=" + std::to_string(s.num_regions) +
+                   ", heads=" + std::to_string(s.heads) +
+                   ", local_split=" + std::to_string(s.local_split) +
+                   ", remote_split=" + std::to_string(s.remote_split) +
+                   ", merges=" + (s.merges ? "True" : "False") + ")";
         });
 
     m.def("plan_transfer", &plan_transfer, py::arg("local_ids"), py::arg("remote_ids"),

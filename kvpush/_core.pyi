@@ -212,6 +212,46 @@ def plan_split_transfer(
         If a count is not an integer.
     """
 
+@final
+class PreparedLink:
+    """The constants of every request over one link (this side's cache and one peer's),
+    converted and checked once, at handshake: :meth:`plan` then takes only the ids.
+
+    ``heads == 0``: :meth:`plan` is :func:`plan_transfer`; above 0, it is
+    :func:`plan_split_transfer` with these heads and splits (and ``coalesce`` is ignored:
+    split plans keep the given order). ``merges`` as for :func:`plan_transfer`.
+
+    Raises
+    ------
+    ValueError
+        For constants no request could use (the plan functions' checks of them, messages
+        as theirs; a link without heads has splits 1).
+    TypeError
+        If a count is not an integer.
+    """
+
+    def __init__(self, local_num_blocks: int, remote_num_blocks: int, num_regions: int,
+                 heads: int = 0, local_split: int = 1, remote_split: int = 1,
+                 merges: bool = True) -> None: ...
+    def plan(self, local_ids: _BlockIds, remote_ids: _BlockIds,
+             coalesce: bool = True) -> TransferPlan:
+        """Plan one request over the link; raises as the plan functions do."""
+
+    @property
+    def local_num_blocks(self) -> int: ...
+    @property
+    def remote_num_blocks(self) -> int: ...
+    @property
+    def num_regions(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def local_split(self) -> int: ...
+    @property
+    def remote_split(self) -> int: ...
+    @property
+    def merges(self) -> bool: ...
+
 class Arrival(enum.Enum):
     """What one :meth:`CompletionTable.arrive` call did."""
 

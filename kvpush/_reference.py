@@ -37,6 +37,7 @@ __all__ = [
     "DEBUG",
     "Arrival",
     "CompletionTable",
+    "PreparedLink",
     "TransferPlan",
     "__version__",
     "block_checksums",
@@ -388,6 +389,72 @@ def plan_split_transfer(
         num_descriptors=len(runs) * regions if merges and not (k > 1 and head_count > 1)
         else int(local_indices.size),
     )
+
+
+class PreparedLink:
+    """A link's planning constants, checked once (see ``kvpush/_core.pyi``)."""
+
+    def __init__(self, local_num_blocks: int, remote_num_blocks: int, num_regions: int,
+                 heads: int = 0, local_split: int = 1, remote_split: int = 1,
+                 merges: bool = True) -> None:
+        self.local_num_blocks = _index(local_num_blocks)
+        self.remote_num_blocks = _index(remote_num_blocks)
+        self.num_regions = _index(num_regions)
+        self.heads = _index(heads)
+        self.local_split = _index(local_split)
+        self.remote_split = _index(remote_split)
+        self.merges = bool(merges)
+        try:
+            self._check()
+        except InvalidBlockIds as exc:
+            raise ValueError(str(exc)) from None
+
+    def _check(self) -> None:
+        _require_positive("num_regions", self.num_regions)
+        _require_positive("local_num_blocks", self.local_num_blocks)
+        _require_positive("remote_num_blocks", self.remote_num_blocks)
+        splits = (self.local_split, self.remote_split)
+        if self.heads <= 0:
+            if self.heads < 0:
+                raise InvalidBlockIds(f"heads must be >= 0, got {self.heads}")
+            if splits != (1, 1):
+                raise InvalidBlockIds(f"a link without heads has splits 1, got {splits[0]} "
+                                      f"and {splits[1]}")
+            for name, blocks in (("local_num_blocks", self.local_num_blocks),
+                                 ("remote_num_blocks", self.remote_num_blocks)):
+                if blocks > _INT32_MAX // self.num_regions:
+                    raise InvalidBlockIds(f"num_regions * {name} = {self.num_regions} * "
+                                          f"{blocks} does not fit in int32 descriptor indices")
+            return
+        _require_positive("local_split", splits[0])
+        _require_positive("remote_split", splits[1])
+        if splits[0] > 1 and splits[1] > 1:
+            raise InvalidBlockIds("local_split and remote_split cannot both exceed 1, "
+                                  f"got {splits[0]} and {splits[1]}")
+        for side, blocks, split in (("local", self.local_num_blocks, splits[0]),
+                                    ("remote", self.remote_num_blocks, splits[1])):
+            if self.num_regions * blocks * split * self.heads > _INT32_MAX:
+                raise InvalidBlockIds(
+                    f"num_regions * {side}_num_blocks * {side}_split * heads = "
+                    f"{self.num_regions} * {blocks} * {split} * {self.heads} "
+                    "does not fit in int32 descriptor indices")
+
+    def plan(self, local_ids: NDArray[np.int32] | NDArray[np.int64],
+             remote_ids: NDArray[np.int32] | NDArray[np.int64],
+             coalesce: bool = True) -> TransferPlan:
+        if self.heads:
+            return plan_split_transfer(local_ids, remote_ids, self.local_num_blocks,
+                                       self.remote_num_blocks, self.num_regions, self.heads,
+                                       self.local_split, self.remote_split, merges=self.merges)
+        return plan_transfer(local_ids, remote_ids, self.local_num_blocks,
+                             self.remote_num_blocks, self.num_regions, coalesce,
+                             merges=self.merges)
+
+    def __repr__(self) -> str:
+        return (f"PreparedLink(local_num_blocks={self.local_num_blocks}, "
+                f"remote_num_blocks={self.remote_num_blocks}, num_regions={self.num_regions}, "
+                f"heads={self.heads}, local_split={self.local_split}, "
+                f"remote_split={self.remote_split}, merges={self.merges})")
 
 
 class Arrival(enum.Enum):

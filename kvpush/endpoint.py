@@ -417,6 +417,10 @@ class Endpoint:
                     # engine taking it back can wait a whole switch interval (5 ms).
                     self._hot_iteration()
                     continue
+                if timeout and self._xfers and self._backoff.keep_polling():
+                    # Bytes in flight: keep NIXL progressed (a zero-timeout poll below,
+                    # which lets an engine thread that wants the GIL run first).
+                    timeout = 0.0
                 if timeout is not None and 0 < timeout < 1e-3:
                     # zmq's poll counts whole milliseconds; short waits sleep instead.
                     time.sleep(timeout)

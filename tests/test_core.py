@@ -1088,6 +1088,7 @@ def test_stub_matches_module(impl: ModuleType) -> None:
         "TransferPlan": impl.plan_transfer(GOOD, GOOD, 8, 8, 1),
         "CompletionTable": impl.CompletionTable(),
         "Arrival": impl.Arrival,
+        "PreparedLink": impl.PreparedLink(8, 8, 1),
     }
     assert set(instances) == set(members)
     for cls, declared in members.items():
@@ -1122,3 +1123,48 @@ def test_pybind11_bound_matches_the_bindings() -> None:
     assert len(needs) == 1, requires.group(1)
     if "py::native_enum" in (root / "csrc" / "bindings.cpp").read_text():
         assert int(needs[0]) >= 3, requires.group(1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prepared_link_is_the_plan_functions(impl: ModuleType) -> None:
+    """A link's constants checked once at handshake; each request is one call with its ids,
+    and gives exactly what the plan functions give with the same constants."""
+    rng = np.random.default_rng(11)
+    local, remote = rng.choice(500, 40, replace=False), rng.choice(600, 40, replace=False)
+    link = impl.PreparedLink(500, 600, 6)
+    for coalesce in (True, False):
+        assert_same_plan(link.plan(local, remote, coalesce),
+                         impl.plan_transfer(local, remote, 500, 600, 6, coalesce))
+    shard = impl.PreparedLink(500, 600, 6, merges=False)
+    assert shard.plan(local, remote).num_descriptors == 40 * 6
+    split = impl.PreparedLink(500, 600, 6, 4, 1, 2)
+    assert (split.heads, split.local_split, split.remote_split, split.merges) == (4, 1, 2, True)
+    want = impl.plan_split_transfer(local, remote[:20], 500, 600, 6, 4, 1, 2)
+    got = split.plan(local, remote[:20])
+    assert_same_plan(got, want)
+    assert got.num_descriptors == want.num_descriptors == 40 * 4 * 6  # heads lie apart
+    with pytest.raises(InvalidBlockIds, match="local_ids has duplicate block id"):
+        link.plan(np.array([1, 1]), np.array([2, 3]))
+    with pytest.raises(InvalidBlockIds, match=r"remote_ids\[0\] = 600 is out of range"):
+        link.plan(np.array([1]), np.array([600]))
+    assert repr(split) == ("PreparedLink(local_num_blocks=500, remote_num_blocks=600, "
+                           "num_regions=6, heads=4, local_split=1, remote_split=2, merges=True)")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((0, 8, 1), "local_num_blocks must be >= 1, got 0"),
+    ((8, 8, 0), "num_regions must be >= 1, got 0"),
+    ((8, 8, 1, 0, 2, 1), "a link without heads has splits 1, got 2 and 1"),
+    ((8, 8, 1, -1), "heads must be >= 0, got -1"),
+    ((8, 8, 1, 2, 2, 2), "local_split and remote_split cannot both exceed 1, got 2 and 2"),
+    ((2**30, 8, 4), "num_regions * local_num_blocks = 4 * 1073741824 does not fit in int32 "
+                    "descriptor indices"),
+    ((8, 2**28, 4, 2, 1, 2), "num_regions * remote_num_blocks * remote_split * heads = "
+                             "4 * 268435456 * 2 * 2 does not fit in int32 descriptor indices"),
+])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prepared_link_refuses_bad_constants(impl: ModuleType, args: tuple[int, ...],
+                                             message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        impl.PreparedLink(*args)
+    assert str(info.value) == message

@@ -175,4 +175,28 @@ struct SplitTransferPlan {
 Status plan_split_transfer(const SplitPlanRequest& request, SplitTransferPlan* out,
                            IdSetMethod method = IdSetMethod::Auto);
 
+// ---------------------------------------------------------------------------------------
+// A link: the constants of every request between this side's cache and one peer's, fixed
+// when the two sides shake hands. Planning a request over a link then takes only the ids.
+
+struct LinkShape {
+    int64_t local_num_blocks = 0;
+    int64_t remote_num_blocks = 0;
+    int64_t num_regions = 0;
+    // 0: one descriptor per (region, block), plan_transfer. Above 0: per (region, block,
+    // slot, head) descriptors, plan_split_transfer with these heads and splits.
+    int64_t heads = 0;
+    int64_t local_split = 1;
+    int64_t remote_split = 1;
+    // Adjacent descriptor indices are adjacent bytes on both sides (see num_descriptors).
+    bool merges = true;
+
+    bool split() const { return heads > 0; }
+};
+
+// Checks a link's constants once, as the plan functions would on every request: counts
+// >= 1 (heads >= 0), not both splits above 1, splits 1 without heads, and each side's
+// index space within int32. Messages are the plan functions' own.
+Status check_link(const LinkShape& shape);
+
 }  // namespace kvpush
