@@ -408,6 +408,7 @@ class Endpoint:
         return timeout
 
     def _run(self) -> None:
+        wake_pending = False  # the eventfd was seen readable and not read yet
         try:
             while not self._stop:
                 timeout = self._next_timeout()
@@ -431,15 +432,23 @@ class Endpoint:
                 self._waiting = True
                 if not self._commands.empty():
                     timeout = 0.0
+                if wake_pending and timeout != 0.0:
+                    # Reset the eventfd only now, about to block: the read lets go of the
+                    # GIL, which right after a wake-up would put the engine's threads
+                    # between the wake-up and the command it brought.
+                    wake_pending = False
+                    try:
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
+                    if not self._commands.empty():
+                        timeout = 0.0
                 events = dict(self._poller.poll(None if timeout is None
                                                 else int(timeout * 1e3)))
                 self._waiting = False
                 self._stats.loop_wakeups += 1
                 if events.pop(self._wake_fd, 0):
-                    try:
-                        os.eventfd_read(self._wake_fd)
-                    except BlockingIOError:
-                        pass
+                    wake_pending = True
                 self._drain_commands()
                 for sock in list(events):
                     handler = self._sockets.get(sock)
