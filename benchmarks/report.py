@@ -164,6 +164,15 @@ def tables(results: dict[str, Any], md: bool = False) -> str:
             [[x["mode"], x["idle_p50_us"], x["idle_p90_us"], x["python_p50_us"],
               x["python_p90_us"], x["python_over_idle"], x["numpy_p50_us"], x["numpy_p90_us"],
               x["numpy_over_idle"]] for x in r["rows"]]))
+        if "short_switch" in r:
+            parts.append("The same with a 0.5 ms switch interval in both engines")
+            parts.append(table(
+                ["mode", "idle p50", "p90", "python p50", "p90", "x idle", "numpy p50", "p90",
+                 "x idle"],
+                [[x["mode"], x["idle_p50_us"], x["idle_p90_us"], x["python_p50_us"],
+                  x["python_p90_us"], x["python_over_idle"], x["numpy_p50_us"],
+                  x["numpy_p90_us"], x["numpy_over_idle"]]
+                 for x in r["short_switch"]["rows"]]))
     if "critical_path" in results:
         r = results["critical_path"]
         parts.append("Critical path, 1 prefill + 1 decode (TTFT = arrival -> first token "

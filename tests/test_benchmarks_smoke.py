@@ -77,7 +77,7 @@ def test_busy_engine() -> None:
     r = busy_engine.run(quick=True, progress=False, rounds=1, per_round=2)
     _finite(r["summary"], "handover_busy_engine_over_idle",
             "handover_busy_numpy_engine_over_idle", "handover_p50_idle_push_us",
-            "handover_p50_python_pull_us")
+            "handover_p50_python_pull_us", "handover_busy_engine_over_idle_switch_0_5ms")
     assert [row["requests"] for row in r["rows"]] == [2, 2]
 
 
