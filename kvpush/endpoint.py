@@ -161,6 +161,7 @@ class Endpoint:
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
         self._stop = False
         self._waiting = True  # the loop may be blocked in poll: callers must wake it
+        self._emitted = False  # a result or release went to the engine this iteration
         self._loop_error: BaseException | None = None
 
     def _start(self) -> None:
@@ -254,6 +255,7 @@ class Endpoint:
                     self._abandon(effect.key)
                 elif isinstance(effect, Emit):
                     self._emit(effect.item)
+                    self._emitted = True
                 elif isinstance(effect, DropPeer):
                     self._forget(effect.peer, effect.why)
         self._applied()
@@ -412,12 +414,16 @@ class Endpoint:
         try:
             while not self._stop:
                 timeout = self._next_timeout()
-                if timeout == 0.0:
+                if timeout == 0.0 and not self._emitted:
                     # Spinning: poll without giving up the GIL. A zero-timeout zmq poll
                     # or an eventfd read drops it, and with a busy Python thread in the
                     # engine taking it back can wait a whole switch interval (5 ms).
+                    # Not right after a result or release went to the engine, though: a
+                    # thread of the engine woken by it must get the GIL now, not after
+                    # the spin (the zero-timeout poll below lets it).
                     self._hot_iteration()
                     continue
+                self._emitted = False
                 if timeout and self._xfers and self._backoff.keep_polling():
                     # Bytes in flight: keep NIXL progressed (a zero-timeout poll below,
                     # which lets an engine thread that wants the GIL run first).
