@@ -9,8 +9,9 @@ kvpush turns it off and drives progress from its one loop thread:
   ``spin_s`` (lowest latency for the next completion), without letting go of the GIL;
 * while a transfer this side posted is in flight (its bytes may need this side's progress
   to move: UCX drives a large transfer from the initiator's progress calls), keep polling
-  NIXL back to back for up to ``inflight_s`` since the last progress, letting go of the GIL
-  between polls (an engine thread that wants it runs first);
+  NIXL every ``min_sleep_s`` for up to ``inflight_s`` since the last progress, instead of
+  backing off (real sleeps: an engine thread that wants the GIL gets it in between; the
+  loop thread's timer slack is 1 us, so a 20 us sleep lasts about that);
 * then back off in proportion: sleep ``sleep_fraction`` of the time since the last
   progress, between ``min_sleep_s`` and ``max_sleep_s``. A completion is then noticed at
   most that fraction late (about 12 % by default), however long the transfer, while a long
@@ -49,7 +50,7 @@ class ProgressPolicy:
         Each sleep is this fraction of the time since the last progress (clamped).
     inflight_s
         While a transfer this side posted is in flight, seconds since the last progress
-        during which NIXL is polled back to back (0: sleep as above instead).
+        during which NIXL is polled every ``min_sleep_s`` (0: back off as above instead).
     """
 
     spin_s: float = 100e-6
@@ -100,8 +101,8 @@ class Backoff:
         self._last_progress = time.monotonic()
 
     def keep_polling(self) -> bool:
-        """While a transfer this side posted is in flight: poll NIXL again at once (the
-        GIL let go between polls) rather than sleep."""
+        """While a transfer this side posted is in flight: poll NIXL again after
+        ``min_sleep_s`` rather than back off."""
         return time.monotonic() - self._last_progress < self._policy.inflight_s
 
     def next_delay(self, window: tuple[float, float] | None = None) -> float:
