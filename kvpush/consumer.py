@@ -25,8 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,7 @@ import zmq
 
 from . import messages as m
 from .agent import Agent, TransportConfig
+from .aio import DrainQueue, drain_iter
 from .auth import (
     HELLO_MAX_SKEW_S,
     Opener,
@@ -73,6 +73,7 @@ from .request import (
     ConnectHandle,
     ConnectResult,
     RequestState,
+    RequestStatus,
     TransferHandle,
     TransferMode,
     TransferResult,
@@ -229,7 +230,9 @@ class Consumer(Endpoint):
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_finished = on_finished
-        self._finished: deque[TransferResult] = deque()
+        self._finished: DrainQueue[TransferResult] = DrainQueue()
+        # called on the loop thread with every result (kvpush.prometheus)
+        self._observers: list[Callable[[TransferResult], None]] = []
         self._producers: dict[str, _Producer] = {}     # by address
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
         # Every request's state lives in the core; this facade keeps only the handles the
@@ -477,18 +480,57 @@ class Consumer(Endpoint):
                                           f"{t.producer!r}")
 
     def get_finished(self) -> list[TransferResult]:
-        """Results since the last call (for engines that poll rather than take callbacks)."""
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        """Results since the last call, oldest first (for engines that poll rather than take
+        callbacks; without ``on_finished`` every result is queued here, whether or not its
+        handle is also awaited). Never blocks; any thread."""
+        return self._finished.take()
+
+    def fileno(self) -> int:
+        """A file descriptor (an eventfd) that is readable when :meth:`get_finished` may
+        have results, and once the Consumer is closed: watch it with a selector, ``epoll``
+        or ``loop.add_reader`` and drain when it fires (draining clears it). Only results
+        queued without an ``on_finished`` callback wake it. Valid for this object's
+        lifetime."""
+        return self._finished.fileno()
+
+    def results(self) -> AsyncIterator[TransferResult]:
+        """``async for result in consumer.results()``: every result as it comes, in order,
+        until the Consumer closes (stock asyncio loop or uvloop; it waits on
+        :meth:`fileno`, no thread). The same queue as :meth:`get_finished`: use one of
+        the two. Raises RuntimeError if the Consumer has an ``on_finished`` callback (then
+        nothing is queued)."""
+        if self._on_finished is not None:
+            raise RuntimeError("Consumer.results(): this Consumer has an on_finished "
+                               "callback, so no result is queued for an iterator")
+        return drain_iter(self._finished)
+
+    def status(self, request_id: str) -> RequestStatus:
+        """A snapshot of ``request_id``'s live use here (:class:`~kvpush.RequestStatus`:
+        phase, mode, xid, parts landed of parts owed, deadline, bytes so far); phase
+        ``none`` once it has its result. Taken on the loop thread: the call waits for the
+        loop briefly (at most 10 s), runs at once inside this Consumer's own callbacks, and
+        raises RuntimeError inside another endpoint's."""
+        rid = self._check_request_id(request_id)
+
+        def snap() -> RequestStatus:
+            for handle, dst, _, deadline in self._connecting.values():
+                if handle.request_id == rid:
+                    return RequestStatus(rid, "connecting", TransferMode.PULL, handle.xid,
+                                         0, dst, deadline=deadline)
+            status: RequestStatus = self._core.snapshot(rid)
+            return status
+
+        status: RequestStatus = self._call_and_wait(snap, 10.0, "Consumer.status()")
+        return status
 
     def stats(self) -> dict[str, int]:
+        """Counters of what this Consumer has done (:class:`kvpush.metrics.Stats`)."""
         return self._stats.as_dict()
 
     @property
     def pending(self) -> int:
-        return self._core.pending
+        """Requests with no result yet (handshakes of pulls included)."""
+        return self._core.pending + len(self._connecting)
 
     def producers(self) -> list[str]:
         """Names of producers connected now."""
@@ -820,10 +862,16 @@ class Consumer(Endpoint):
     def _emit(self, result: Any) -> None:
         assert isinstance(result, TransferResult)
         handle = self._handles.pop(result.xid, None)
+        for observe in self._observers:
+            try:
+                observe(result)
+            except Exception:
+                log.exception("%s: a result observer raised", self.name)
         if handle is not None:
             handle._set(result)
         if self._on_finished is None:
             queue_result(self._finished, result, self.name, "get_finished")
+            self._finished.signal()
             return
         try:
             self._on_finished(result)
@@ -853,3 +901,4 @@ class Consumer(Endpoint):
         self._apply()
         self._by_name.clear()
         self._producers.clear()
+        self._finished.end()

@@ -21,8 +21,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +30,7 @@ import zmq
 
 from . import messages as m
 from .agent import TransportConfig
+from .aio import DrainQueue, drain_iter
 from .auth import (
     HelloGuard,
     Opener,
@@ -61,7 +61,7 @@ from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.effects import Emit
 from .protocol.producer import CoreConfig, ProducerCore
-from .request import Release, TransferMode
+from .request import Release, RequestStatus, TransferMode
 
 __all__ = ["Producer", "ProducerConfig"]
 
@@ -185,7 +185,9 @@ class Producer(Endpoint):
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_release = on_release
-        self._released: deque[Release] = deque()
+        self._released: DrainQueue[Release] = DrainQueue()
+        # called on the loop thread with every release (kvpush.prometheus)
+        self._observers: list[Callable[[Release], None]] = []
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
         self._hello_guard = HelloGuard()
@@ -281,13 +283,41 @@ class Producer(Endpoint):
             now, request_id, reason)))
 
     def get_released(self) -> list[Release]:
-        """Releases since the last call (for engines that poll rather than take callbacks)."""
-        out = []
-        while self._released:
-            out.append(self._released.popleft())
-        return out
+        """Releases since the last call, oldest first (for engines that poll rather than
+        take callbacks). Never blocks; any thread."""
+        return self._released.take()
+
+    def fileno(self) -> int:
+        """A file descriptor (an eventfd) that is readable when :meth:`get_released` may
+        have releases, and once the Producer is closed: watch it with a selector, ``epoll``
+        or ``loop.add_reader`` and drain when it fires (draining clears it). Only releases
+        queued without an ``on_release`` callback wake it. Valid for this object's
+        lifetime."""
+        return self._released.fileno()
+
+    def releases(self) -> AsyncIterator[Release]:
+        """``async for release in producer.releases()``: every release as it comes, in
+        order, until the Producer closes (stock asyncio loop or uvloop; it waits on
+        :meth:`fileno`, no thread). The same queue as :meth:`get_released`: use one of the
+        two. Raises RuntimeError if the Producer has an ``on_release`` callback."""
+        if self._on_release is not None:
+            raise RuntimeError("Producer.releases(): this Producer has an on_release "
+                               "callback, so no release is queued for an iterator")
+        return drain_iter(self._released)
+
+    def status(self, request_id: str) -> RequestStatus:
+        """A snapshot of ``request_id`` here (:class:`~kvpush.RequestStatus`: phase, mode,
+        sid, source blocks, each owner's xid and state, owners done, lease deadline).
+        Taken on the loop thread: waits for the loop briefly (at most 10 s), runs at once
+        inside this Producer's own callbacks, raises RuntimeError inside another
+        endpoint's."""
+        check_request_id(request_id)
+        status: RequestStatus = self._call_and_wait(
+            lambda: self._core.snapshot(request_id), 10.0, "Producer.status()")
+        return status
 
     def stats(self) -> dict[str, int]:
+        """Counters of what this Producer has done (:class:`kvpush.metrics.Stats`)."""
         out = self._stats.as_dict()
         for key, value in self._core.stats.items():
             out[key] = out.get(key, 0) + value
@@ -487,8 +517,14 @@ class Producer(Endpoint):
 
     def _emit(self, release: Any) -> None:
         assert isinstance(release, Release)
+        for observe in self._observers:
+            try:
+                observe(release)
+            except Exception:
+                log.exception("%s: a release observer raised", self.name)
         if self._on_release is None:
             queue_result(self._released, release, self.name, "get_released")
+            self._released.signal()
             return
         try:
             self._on_release(release)
@@ -544,3 +580,4 @@ class Producer(Endpoint):
                 self._emit(effect.item)
         self._applied()
         self._consumers.clear()
+        self._released.end()

@@ -19,9 +19,11 @@ from .errors import KvpushError, TransferTimeout
 __all__ = [
     "ConnectHandle",
     "ConnectResult",
+    "OwnerStatus",
     "Release",
     "ReleaseReason",
     "RequestState",
+    "RequestStatus",
     "TransferHandle",
     "TransferMode",
     "TransferResult",
@@ -71,7 +73,9 @@ class Release:
 
     ``sid`` names the use of ``request_id`` these blocks belong to (the source id of its
     ``prefill_done``, also in its pull ticket), so an engine that reuses request ids can tell
-    which use's blocks came back.
+    which use's blocks came back. ``mode`` is the one its ``prefill_done`` named, ``xids``
+    the transfer ids of the consumer uses the source served (each consumer's
+    ``TransferHandle.xid``; empty if none came), ascending.
 
     ``blocks_safe`` False: a transfer may still *read* these blocks (the Producer closed
     with a WRITE in flight or a READ inside the hold it promised, or a WRITE was abandoned
@@ -89,6 +93,64 @@ class Release:
     sid: int = 0
     blocks_safe: bool = True
     quarantine_s: float = 0.0
+    mode: TransferMode | None = None
+    xids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class OwnerStatus:
+    """One consumer use a producer-side source serves (see :class:`RequestStatus`):
+    the consumer endpoint's NIXL agent name, the use's transfer id, its mode, and where it
+    is: ``registered`` (push, waiting for the source), ``writing``, ``claimed``,
+    ``pulling``, ``fencing`` (an abandoned WRITE awaits the consumer's word), ``done``,
+    ``gone``."""
+
+    peer: str
+    xid: int
+    mode: TransferMode
+    state: str
+
+
+@dataclass(frozen=True)
+class RequestStatus:
+    """A snapshot of one request id's live use on one endpoint (``Producer.status`` /
+    ``Consumer.status``), taken on the loop thread; it does not change afterwards.
+
+    ``phase`` -- consumer: ``connecting`` (a pull in its handshake), ``claimed`` (a
+    :meth:`~kvpush.Consumer.claim` not pulled yet), ``pushing``, ``pulling``,
+    ``push_closing`` / ``pull_closing`` (ending without success, waiting until nothing can
+    land), or ``none`` (no live use: finished, or never seen). Producer: ``waiting``
+    (registrations, no source yet), ``partial`` (layer-wise, some layers done), ``held``
+    (source held for its owners), ``ending`` (released once the transfers reading it end),
+    ``released_early``, ``ended``, ``aborted_early`` (tombstones: the id's last use is
+    over and a late message about it is answered) or ``none``.
+
+    ``xid`` is the consumer use's transfer id (0 on the producer: see ``owners``), ``sid``
+    the producer's source use (0 where none). ``parts`` / ``parts_landed``: consumer, the
+    (producer, layer group) parts the use waits for and those whose data landed; producer,
+    the owners the source serves and those done. ``deadline`` is the
+    :func:`time.monotonic` time the next bound falls (consumer: the request's timeout, or
+    its abort grace once closing; producer: the lease of a held source, else the earliest
+    registration wait), None if none. ``bytes_moved``: bytes landed so far (consumer).
+    """
+
+    request_id: str
+    phase: str
+    mode: TransferMode | None = None
+    xid: int = 0
+    sid: int = 0
+    block_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64),
+                                  compare=False)
+    parts: int = 0
+    parts_landed: int = 0
+    deadline: float | None = None
+    bytes_moved: int = 0
+    owners: tuple[OwnerStatus, ...] = ()
+
+    @property
+    def live(self) -> bool:
+        """True while the id has a use here that has not ended."""
+        return self.phase not in ("none", "ended", "released_early", "aborted_early")
 
 
 @dataclass(frozen=True)
