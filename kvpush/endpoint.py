@@ -175,6 +175,21 @@ class Endpoint:
             self._commands.put(fn)
             os.eventfd_write(self._wake_fd, 1)
 
+    def _run_batch(self, runs: list[Callable[[], None]]) -> None:
+        """Run ``runs`` on the loop thread, in order, in one hand-off (batch calls); one
+        that raises a KvpushError is logged and does not stop the others."""
+        if not runs:
+            return
+
+        def batch() -> None:
+            for run in runs:
+                try:
+                    run()
+                except KvpushError as exc:
+                    log.warning("%s: %s", self.name, exc)
+
+        self._call_soon(batch)
+
     def _on_loop(self) -> bool:
         """True on this endpoint's loop thread (inside a callback)."""
         return threading.current_thread() is self._thread
