@@ -310,19 +310,78 @@ class Consumer(Endpoint):
         producer holds its source until that many have finished or given up.
 
         The handle's ``xid`` (and its result's) names this use of ``request_id``."""
+        handle, run = self._prepare_expect(request_id, block_ids, producers, timeout,
+                                           layerwise, source_tail, sharers)
+        self._call_soon(run)
+        return handle
+
+    def _prepare_expect(self, request_id: str, block_ids: Any,
+                        producers: str | Sequence[str], timeout: float | None,
+                        layerwise: bool, source_tail: bool, sharers: int | Sequence[int]
+                        ) -> tuple[TransferHandle, Callable[[], None]]:
+        """Validate an expect (caller's thread; raises on bad input) and make the closure
+        that registers it on the loop thread."""
         rid = self._check_request_id(request_id)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
             raise ValueError("expect needs at least one producer")
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"producers must be names (str), got {producers!r}")
         shares = sharer_counts(sharers, len(names), "producers")
-        timeout = self.config.request_timeout_s if timeout is None \
+        seconds = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "expect timeout")
         groups = self.layout.num_layers if layerwise else 1
         handle = TransferHandle(rid, TransferMode.PUSH, new_xid())
-        self._call_soon(lambda: self._register(handle, ids, names, timeout, groups,
-                                               source_tail, shares))
-        return handle
+        return handle, lambda: self._register(handle, ids, names, seconds, groups,
+                                              source_tail, shares)
+
+    def expect_many(self, items: Sequence[tuple[str, Any, str | Sequence[str]]], *,
+                    timeout: float | None = None, layerwise: bool = False,
+                    source_tail: bool = False, sharers: int | Sequence[int] = 1
+                    ) -> list[TransferHandle | Exception]:
+        """:meth:`expect` for a batch: ``items`` are ``(request_id, block_ids, producers)``
+        and the keyword options apply to each. Every item is validated on its own; the
+        valid ones reach the loop thread in one hand-off, in order. Returns one entry per
+        item: its :class:`~kvpush.request.TransferHandle`, or the exception a single
+        ``expect`` of it would have raised (a bad item refuses only itself). Never blocks."""
+        out: list[TransferHandle | Exception] = []
+        runs: list[Callable[[], None]] = []
+        for item in items:
+            try:
+                request_id, block_ids, producers = item
+                handle, run = self._prepare_expect(request_id, block_ids, producers, timeout,
+                                                   layerwise, source_tail, sharers)
+            except (KvpushError, ValueError, TypeError) as exc:
+                out.append(exc)
+                continue
+            out.append(handle)
+            runs.append(run)
+        self._run_batch(runs)
+        return out
+
+    def pull_many(self, items: Sequence[tuple[m.PullTicket | bytes
+                                              | Sequence[m.PullTicket | bytes], Any]], *,
+                  timeout: float | None = None, source_tail: bool = False,
+                  sharers: int | Sequence[int] = 1) -> list[TransferHandle | Exception]:
+        """:meth:`pull` for a batch: ``items`` are ``(tickets, block_ids)`` and the keyword
+        options apply to each; validated one by one, the valid ones handed to the loop
+        thread at once, in order. Returns per item its handle or the exception a single
+        ``pull`` would have raised. Never blocks (handshakes are part of each request)."""
+        out: list[TransferHandle | Exception] = []
+        runs: list[Callable[[], None]] = []
+        for item in items:
+            try:
+                tickets, block_ids = item
+                handle, run = self._prepare_pull(tickets, block_ids, timeout, source_tail,
+                                                 sharers)
+            except (KvpushError, ValueError, TypeError) as exc:
+                out.append(exc)
+                continue
+            out.append(handle)
+            runs.append(run)
+        self._run_batch(runs)
+        return out
 
     def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
              block_ids: Any, *, timeout: float | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,6 +236,14 @@ class Producer(Endpoint):
         that writes its tickets elsewhere (vLLM's scheduler process) passes the one it put
         there (:func:`new_id`).
         """
+        ticket, run = self._prepare_prefill(request_id, block_ids, mode, sid)
+        self._call_soon(run)
+        return ticket
+
+    def _prepare_prefill(self, request_id: str, block_ids: Any, mode: TransferMode,
+                         sid: int | None) -> tuple[m.PullTicket | None, Callable[[], None]]:
+        """Validate a prefill_done (caller's thread; raises on bad input) and make its
+        ticket (pull) and the closure that holds the blocks on the loop thread."""
         called = time.monotonic()
         check_request_id(request_id)
         mode = TransferMode(mode)
@@ -244,8 +252,12 @@ class Producer(Endpoint):
             sid = new_id()
         elif isinstance(sid, bool) or not isinstance(sid, int) or not 0 < sid < 1 << 63:
             raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
-        self._call_soon(lambda: self._event(lambda now: self._core.prefill_done(
-            now, request_id, ids, mode, sid, called)))
+        use = sid
+
+        def run() -> None:
+            self._event(lambda now: self._core.prefill_done(now, request_id, ids, mode, use,
+                                                            called))
+
         if mode is TransferMode.PULL:
             sums = block_checksums(self.layout, ids).astype("<u8").tobytes() \
                 if self.config.verify else b""
@@ -253,8 +265,34 @@ class Producer(Endpoint):
                                   request_id=request_id, block_ids=m.encode_ids(ids),
                                   lease_s=self.config.lease_s, issued_at=time.time(), sid=sid,
                                   checksums=sums)
-            return ticket if self._key is None else ticket.seal(self._key)
-        return None
+            return (ticket if self._key is None else ticket.seal(self._key)), run
+        return None, run
+
+    def prefill_done_many(self, items: Sequence[tuple[str, Any] | tuple[str, Any, TransferMode]],
+                          mode: TransferMode = TransferMode.PUSH
+                          ) -> list[m.PullTicket | Exception | None]:
+        """:meth:`prefill_done` for a batch: ``items`` are ``(request_id, block_ids)`` or
+        ``(request_id, block_ids, mode)`` (``mode`` is the default of the former). Every
+        item is validated on its own; the valid ones reach the loop thread in one
+        hand-off, in order. Returns per item what a single call would: its pull ticket,
+        None (push), or the exception a single call would have raised (that item's blocks
+        are not held: the engine keeps them). Never blocks."""
+        out: list[m.PullTicket | Exception | None] = []
+        runs: list[Callable[[], None]] = []
+        for item in items:
+            try:
+                if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                    raise ValueError(f"each item is (request_id, block_ids[, mode]), got "
+                                     f"{item!r:.80}")
+                ticket, run = self._prepare_prefill(item[0], item[1],
+                                                    item[2] if len(item) == 3 else mode, None)
+            except (KvpushError, ValueError, TypeError) as exc:
+                out.append(exc)
+                continue
+            out.append(ticket)
+            runs.append(run)
+        self._run_batch(runs)
+        return out
 
     def layer_done(self, request_id: str, block_ids: Any, layer: int) -> None:
         """Layer-wise push: layer ``layer``'s KV for ``request_id`` is final in
