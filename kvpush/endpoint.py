@@ -579,6 +579,7 @@ class Endpoint:
 
     @property
     def closed(self) -> bool:
+        """True once close() began (calls then raise ClosedError)."""
         return self._closed
 
     # -- control frames: delivered, or their loss known -------------------------------------

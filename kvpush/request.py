@@ -190,6 +190,7 @@ class TransferResult:
 
     @property
     def ok(self) -> bool:
+        """True when the request is READY."""
         return self.state is RequestState.READY
 
     def raise_for_state(self) -> None:
