@@ -67,14 +67,16 @@ class DrainQueue(deque[_T], Generic[_T]):
             os.eventfd_write(self._fd, 1)
 
     def take(self) -> list[_T]:
-        """Everything queued now, oldest first (any thread). Clears the descriptor first,
-        so an item queued while this drains wakes the watcher again."""
-        if self._signalled and not self._ended:
-            self._signalled = False
+        """Everything queued now, oldest first (any thread). Clears the descriptor, then
+        the flag, then drains: an item queued before the flag is cleared is drained here,
+        and one queued after it writes the descriptor again (clearing the flag before
+        reading the descriptor lost that write: a watcher then slept with an item queued)."""
+        if not self._ended:
             try:
                 os.eventfd_read(self._fd)
             except BlockingIOError:
                 pass
+            self._signalled = False
         out = []
         while self:
             out.append(self.popleft())

@@ -292,3 +292,35 @@ def test_status_names_the_use_its_parts_and_deadline() -> None:
         assert c.status("s").phase == "none" and not c.status("s").live
         c.pull(ticket, [5, 6]).wait(10)
         check_blocks(dst, np.array([1, 2, 5, 6]), np.array([3, 4, 7, 8]), 2)
+
+
+def test_a_drain_queue_never_sleeps_on_a_queued_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop thread queues an item while the engine's thread is clearing the descriptor
+    (here: inside its read). Clearing the flag before reading lost the write of that moment,
+    and the next item wrote nothing: a watcher slept with results queued (found by
+    examples/async_batching.py hanging on the stock loop). Now the next item wakes it."""
+    import os
+    import select
+
+    from kvpush import aio
+
+    q: aio.DrainQueue[int] = aio.DrainQueue()
+    q.put(1)
+    real_read = os.eventfd_read
+    raced = []
+
+    def read_racing_a_put(fd: int) -> int:
+        if not raced:
+            raced.append(True)
+            q.put(2)   # what the loop thread does at that instant
+        return real_read(fd)
+
+    monkeypatch.setattr(aio.os, "eventfd_read", read_racing_a_put)
+    assert q.take() == [1, 2]
+    monkeypatch.setattr(aio.os, "eventfd_read", real_read)
+    q.put(3)
+    assert select.select([q], [], [], 0)[0] == [q]      # the watcher is woken
+    assert q.take() == [3]
+    assert select.select([q], [], [], 0)[0] == []       # and not again: nothing spins
+    q.end()
+    assert select.select([q], [], [], 0)[0] == [q] and q.take() == [] and q.ended
