@@ -401,12 +401,16 @@ class Consumer(Endpoint):
              source_tail: bool = False,
              sharers: int | Sequence[int] = 1) -> TransferHandle:
         """Pull: READ the blocks named by a :class:`~kvpush.messages.PullTicket` (or by one
-        ticket per producer rank, for the same request) into ``block_ids``. Connects to a
-        ticket's producer first if needed (blocking, at most ``connect_timeout_s`` and never
-        past the tickets' lease or ``timeout``). ``source_tail``: read only the last
-        ``len(block_ids)`` blocks of each ticket (see :meth:`expect`). ``sharers``: how many
-        consumer endpoints read a share of each ticket's source (one count for all, or one
-        per ticket; see :meth:`expect`).
+        ticket per producer rank, for the same request) into ``block_ids``. Returns at once
+        (any thread, callbacks included): a ticket's producer not connected yet is connected
+        to first, on the loop thread, as part of the request (``status().phase`` is
+        ``connecting``; at most ``connect_timeout_s`` and never past the tickets' lease or
+        ``timeout``); a handshake that fails ends the request FAILED with its error
+        (``PeerUnavailable``, ``LayoutMismatch``, ...), nothing posted.
+
+        ``source_tail``: read only the last ``len(block_ids)`` blocks of each ticket (see
+        :meth:`expect`). ``sharers``: how many consumer endpoints read a share of each
+        ticket's source (one count for all, or one per ticket; see :meth:`expect`).
 
         A pull of the tickets a :meth:`claim` named continues that claim (same ``xid``;
         the producer holds a claimed source past the ticket's lease, so only ``timeout``
@@ -608,7 +612,7 @@ class Consumer(Endpoint):
         phase, mode, xid, parts landed of parts owed, deadline, bytes so far); phase
         ``none`` once it has its result. Taken on the loop thread: the call waits for the
         loop briefly (at most 10 s), runs at once inside this Consumer's own callbacks, and
-        raises RuntimeError inside another endpoint's."""
+        raises RuntimeError inside another endpoint's (ClosedError once closed)."""
         rid = self._check_request_id(request_id)
 
         def snap() -> RequestStatus:

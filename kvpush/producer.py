@@ -348,7 +348,7 @@ class Producer(Endpoint):
         sid, source blocks, each owner's xid and state, owners done, lease deadline).
         Taken on the loop thread: waits for the loop briefly (at most 10 s), runs at once
         inside this Producer's own callbacks, raises RuntimeError inside another
-        endpoint's."""
+        endpoint's (ClosedError once closed)."""
         check_request_id(request_id)
         status: RequestStatus = self._call_and_wait(
             lambda: self._core.snapshot(request_id), 10.0, "Producer.status()")
