@@ -143,6 +143,14 @@ def test_connect_to_an_absent_producer_does_not_block_and_fails_in_its_deadline(
             assert ticker.ticks >= 30                   # the loop kept turning meanwhile
             ticker.stop()
             assert c.status("r").phase == "none" and c.pending == 0
+            # a pull given up during its handshake ends ABORTED at once, blocks safe
+            waiting = c.pull(ticket, [4, 5], timeout=30)
+            assert c.pending == 1
+            c.abort("r", "changed my mind")
+            result = await asyncio.wait_for(waiting, 2)
+            assert (result.state, result.blocks_safe, result.xid) == \
+                (RequestState.ABORTED, True, waiting.xid)
+            assert c.pending == 0 and c.stats()["requests_aborted"] == 1
 
     run(loop_kind, main)
 
