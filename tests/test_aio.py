@@ -129,7 +129,7 @@ def test_connect_to_an_absent_producer_does_not_block_and_fails_in_its_deadline(
                                        kvpush.messages.encode_ids(np.array([0, 1])), 60.0,
                                        time.time())
             pull = c.pull(ticket, [2, 3], timeout=0.7)
-            assert time.monotonic() - t0 < 0.1          # both returned at once
+            assert time.monotonic() - t0 < 0.3          # both returned at once
             assert not handle.done() and not pull.done()
             assert c.status("r").phase == "connecting"
             with pytest.raises(kvpush.PeerUnavailable):

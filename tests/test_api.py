@@ -145,7 +145,7 @@ def test_pull_waits_for_a_handshake_no_longer_than_its_lease() -> None:
             t0 = time.monotonic()
             handle = c.pull(_ticket("tcp://127.0.0.1:9", lease_s, age_s), [0, 1],
                             timeout=timeout)
-            assert time.monotonic() - t0 < 0.2  # never blocks on the handshake
+            assert time.monotonic() - t0 < 0.3  # never blocks on the handshake (>= 0.5 s)
             result = handle.wait(5)
             assert time.monotonic() - t0 < 3.0
             assert (result.state, result.blocks_safe, result.xid) == \
