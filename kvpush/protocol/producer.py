@@ -180,6 +180,7 @@ class _Share:
     reason: ReleaseReason = ReleaseReason.TRANSFERRED   # how it ended (DONE/GONE)
     detail: str = ""
     hold: _Timer | None = None                          # pull: blocks held until then
+    registered: float | None = None                     # push: when its Register came
 
 
 @dataclass
@@ -623,6 +624,9 @@ class ProducerCore:
             req.source.stamps.update(stamps)
         else:  # WAITING
             _cancel(req.tomb)
+            came = [s.registered for s in req.live() if s.registered is not None]
+            if came and mode is TransferMode.PUSH:  # registered before prefill_done
+                stamps["registered"] = min(came)
             req.source = _Source(ids, mode, sid, True, stamps=stamps)
             self.gauges["sources_held"] += 1
             if mode is TransferMode.PULL:  # push registrations cannot be served
@@ -732,7 +736,7 @@ class ProducerCore:
             if math.isfinite(msg.wait_s) else self.config.max_wait_s
         share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.REGISTERED, msg.sharers,
                        ids=ids, part=msg.part, groups=msg.groups, verify=msg.verify,
-                       tail=msg.tail)
+                       tail=msg.tail, registered=self._now)
         owner = (peer, msg.xid)
         share.wait = self._after(wait, lambda now: self._wait_expired(rid, owner))
         self._add_share(req, share)
