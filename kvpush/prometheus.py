@@ -18,6 +18,7 @@ either -- and labelled by ``role`` (``producer``/``consumer``) and ``endpoint`` 
 
 Use::
 
+    import kvpush.prometheus, prometheus_client
     metrics = kvpush.prometheus.KvpushMetrics()      # default registry, or registry=...
     metrics.track(producer)                          # or a consumer; any number of them
     prometheus_client.start_http_server(9400)        # serves /metrics
