@@ -31,6 +31,7 @@ takes them (callbacks, handles, get_finished, async iterators). See
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 try:
@@ -89,10 +90,15 @@ class KvpushMetrics:
             f"{prefix}_requests_in_flight", "Requests with no result yet (consumer) or "
             "source blocks held (producer).", _LABELS, registry=registry)
         self._tracked: dict[int, tuple[Any, Any]] = {}
+        self._lock = threading.Lock()
 
     def track(self, endpoint: Producer | Consumer) -> None:
         """Count ``endpoint``'s results (Consumer) or releases (Producer) from now on, and
         report its in-flight requests at every scrape. Tracking twice is a no-op."""
+        with self._lock:
+            self._track(endpoint)
+
+    def _track(self, endpoint: Producer | Consumer) -> None:
         if id(endpoint) in self._tracked:
             return
         if isinstance(endpoint, Consumer):
@@ -116,6 +122,10 @@ class KvpushMetrics:
 
     def untrack(self, endpoint: Producer | Consumer) -> None:
         """Stop counting ``endpoint`` and drop its series (e.g. once it is closed)."""
+        with self._lock:
+            self._untrack(endpoint)
+
+    def _untrack(self, endpoint: Producer | Consumer) -> None:
         entry = self._tracked.pop(id(endpoint), None)
         if entry is None:
             return
