@@ -81,7 +81,10 @@ class DrainQueue(deque[_T], Generic[_T]):
             self._signalled = False
         out = []
         while self:
-            out.append(self.popleft())
+            try:
+                out.append(self.popleft())
+            except IndexError:  # another thread drained it meanwhile
+                break
         return out
 
 
