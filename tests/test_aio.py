@@ -347,3 +347,35 @@ def test_a_drain_queue_never_sleeps_on_a_queued_item(monkeypatch: pytest.MonkeyP
     assert select.select([q], [], [], 0)[0] == []
     q.end()
     assert select.select([q], [], [], 0)[0] == [q] and q.take() == [] and q.ended
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_iterators_end_at_close_and_refuse_endpoints_with_callbacks(loop_kind: str) -> None:
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8, num_layers=3)
+
+    async def main() -> None:
+        p = kvpush.Producer(src.layout)
+        c = kvpush.Consumer(dst.layout, on_finished=lambda result: None)
+        try:
+            with pytest.raises(RuntimeError, match="on_finished"):
+                c.results()
+            with pytest.raises(kvpush.LayoutMismatch):   # a refused handshake, awaited
+                await asyncio.wait_for(c.connect_nowait(p.address), 10)
+            seen: list[str] = []
+
+            async def collect() -> None:
+                async for release in p.releases():
+                    seen.append(release.request_id)
+
+            task = asyncio.get_running_loop().create_task(collect())
+            p.prefill_done("held", [1], TransferMode.PULL)
+            await asyncio.sleep(0.05)
+            assert not task.done()
+            p.close()                                    # releases "held" CLOSED, then ends
+            await asyncio.wait_for(task, 10)
+            assert seen == ["held"]
+        finally:
+            c.close()
+            p.close()
+
+    run(loop_kind, main)
