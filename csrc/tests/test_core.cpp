@@ -47,7 +47,9 @@ void check_eq(const A& a, const B& b, const char* expr_a, const char* expr_b, co
 using kvpush::Arrival;
 using kvpush::BlockIdView;
 using kvpush::CompletionTable;
+using kvpush::check_link;
 using kvpush::IdSetMethod;
+using kvpush::LinkShape;
 using kvpush::PlanRequest;
 using kvpush::Status;
 using kvpush::StatusCode;
@@ -786,8 +788,42 @@ void test_buffer_pool() {
     pool.release(g, cap_g);
 }
 
+void test_check_link() {
+    // A link's constants, checked once at handshake, with the plan functions' messages.
+    LinkShape shape;
+    shape.local_num_blocks = 8;
+    shape.remote_num_blocks = 16;
+    shape.num_regions = 4;
+    CHECK(check_link(shape).ok());
+    shape.heads = 2;
+    shape.remote_split = 2;
+    CHECK(shape.split());
+    CHECK(check_link(shape).ok());
+    shape.local_split = 2;
+    Status s = check_link(shape);
+    CHECK_EQ(code_name(s.code), code_name(StatusCode::InvalidArgument));
+    CHECK_EQ(s.message, std::string("local_split and remote_split cannot both exceed 1, got 2 "
+                                    "and 2"));
+    shape = LinkShape{};
+    shape.local_num_blocks = 8;
+    shape.remote_num_blocks = 8;
+    shape.num_regions = 1;
+    shape.local_split = 3;  // splits without heads
+    s = check_link(shape);
+    CHECK_EQ(s.message, std::string("a link without heads has splits 1, got 3 and 1"));
+    shape.local_split = 1;
+    shape.num_regions = 4;
+    shape.local_num_blocks = int64_t{1} << 30;  // 4 * 2^30 indices do not fit int32
+    s = check_link(shape);
+    CHECK_EQ(s.message, std::string("num_regions * local_num_blocks = 4 * 1073741824 does not "
+                                    "fit in int32 descriptor indices"));
+    shape.local_num_blocks = 0;
+    CHECK_EQ(check_link(shape).message, std::string("local_num_blocks must be >= 1, got 0"));
+}
+
 int main() {
     test_buffer_pool();
+    test_check_link();
     test_plan_small_examples();
     test_plan_errors();
     test_check_block_ids();
