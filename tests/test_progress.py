@@ -62,7 +62,7 @@ def test_idle_endpoints_do_no_work_per_engine_step() -> None:
     src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
     with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
         c.connect(p.address)
-        time.sleep(0.05)  # let the handshake's messages settle
+        time.sleep(0.2)  # let the handshake's messages settle
         before = (c.stats(), p.stats())
         t0 = time.monotonic()
         for _ in range(2000):  # 2000 engine steps
@@ -73,4 +73,4 @@ def test_idle_endpoints_do_no_work_per_engine_step() -> None:
     for b, a in zip(before, after, strict=True):
         assert a["hot_polls"] == b["hot_polls"]
         # a heartbeat per second (consumer) and the peers' answers; never one per step
-        assert a["loop_wakeups"] - b["loop_wakeups"] <= 4 + 4 * elapsed
+        assert a["loop_wakeups"] - b["loop_wakeups"] <= 6 + 4 * elapsed
