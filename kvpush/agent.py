@@ -32,6 +32,7 @@ __all__ = ["Agent", "Link", "TransportConfig", "XferState"]
 log = logging.getLogger("kvpush.agent")
 
 _ERROR_MODES = ("none", "peer")
+_DATA_PLANES = ("inprocess", "child")
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,28 @@ class TransportConfig:
     ucx_error_mode
         ``"none"`` (default: shared memory on a host, kvpush-level liveness) or ``"peer"``
         (UCX detects dead peers itself; TCP on a host, target must progress).
+    data_plane
+        ``"inprocess"`` (default: the NIXL agent runs in the engine's process) or
+        ``"child"`` (a data-plane child process per endpoint, so a fatal abort inside
+        UCX costs that endpoint's requests and a restart, not the engine; the KV cache
+        must then come from :func:`kvpush.shared_array` / :func:`kvpush.shared_tensor`).
+        See :mod:`kvpush.dataplane`.
     """
 
     backend: str = "UCX"
     ucx_error_mode: str = "none"
+    data_plane: str = "inprocess"
 
     def __post_init__(self) -> None:
         if self.ucx_error_mode not in _ERROR_MODES:
             raise ValueError(
                 f"TransportConfig.ucx_error_mode must be one of {_ERROR_MODES}, "
                 f"got {self.ucx_error_mode!r}"
+            )
+        if self.data_plane not in _DATA_PLANES:
+            raise ValueError(
+                f"TransportConfig.data_plane must be one of {_DATA_PLANES}, "
+                f"got {self.data_plane!r}"
             )
         if not self.backend:
             raise ValueError("TransportConfig.backend must be a backend name")

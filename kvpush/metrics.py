@@ -55,6 +55,7 @@ class Stats:
     frames_queued: int = 0         # control frames ZeroMQ could not take at once (retried)
     stale_messages: int = 0        # about a use (request id, xid) that is not live here
     events_refused: int = 0        # an event the request's state does not allow
+    data_plane_restarts: int = 0   # data-plane child lost and started again (data_plane="child")
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
