@@ -460,7 +460,7 @@ class Producer(Endpoint):
                 identity, best_effort=True)
             return
         peer = _Consumer(identity, agent_name, remote, time.monotonic())
-        ack = m.HelloAck(self.name, self._agent.metadata(), self.layout.to_wire())
+        ack = m.HelloAck(self.name, self._agent.metadata(), self._agent.layout.to_wire())
         ack_sealer = None
         if self._key is not None:
             nonce = new_nonce()
@@ -472,7 +472,7 @@ class Producer(Endpoint):
             peer.notif_opener = Opener(session, b"c2p-notif", accept_old=True)
             ack = m.HelloAck(self.name, encrypt(session, b"ack-metadata", nonce + msg.nonce,
                                                 self._agent.metadata()),
-                             self.layout.to_wire(), nonce=nonce, echo=msg.nonce)
+                             self._agent.layout.to_wire(), nonce=nonce, echo=msg.nonce)
             ack_sealer = Sealer(self._key, b"hello-ack")
         peer.hello_nonce, peer.hello_metadata = msg.nonce, msg.agent_metadata
         peer.ack_frame = m.encode(ack, ack_sealer)
@@ -527,6 +527,13 @@ class Producer(Endpoint):
             del self._by_agent[agent_name]
         if peer is None or peer.identity not in self._consumers:
             self._agent.remove_peer(agent_name)
+
+    def _data_plane_peers_lost(self, why: str) -> None:
+        """The data plane restarted: every consumer's requests fail, and each is told to
+        connect again (it needs the new NIXL metadata)."""
+        for peer in list(self._consumers.values()):
+            self._tell(peer, m.Bye(self.name, rejoin=True))
+            self._drop_consumer(peer, why, abandon=True)
 
     def _debug_state(self, rid: str) -> str:
         """Where ``rid`` is (loop thread; for tests): writing, registered, held-push,
