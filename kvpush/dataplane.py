@@ -211,6 +211,11 @@ class ChildAgent:
         self._config = config
         self._shares = [_share_of(r) for r in layout.regions]  # refuses unshareable memory
         self._links: dict[str, Link] = {}
+        # Transfer states are asked for all live handles at once (one call per poll of
+        # the endpoint, not one per transfer) and kept until asked for: handle -> state.
+        # Handles the child found ended it has released already (a release is then local).
+        self._live: set[int] = set()
+        self._states: dict[int, str] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._closed = False
@@ -302,6 +307,8 @@ class ChildAgent:
             why = f"{why}; the child exited with status {rc}"
         self.lost = why
         self._links.clear()
+        self._live.clear()
+        self._states.clear()
 
     def check(self) -> str | None:
         """Whether the child is gone (called when its channel is readable); why, if so."""
@@ -376,25 +383,40 @@ class ChildAgent:
         if peer not in self._links:
             raise PeerUnavailable(f"no connection to {peer!r}")
         try:
-            return self._call("post", op, peer, local_idx, remote_idx, notif)
+            hid, state = self._call("post", op, peer, local_idx, remote_idx, notif)
         except DataPlaneLost:
             return _Lost()  # the child may have posted it before dying: not fenced
+        self._live.add(hid)
+        self._states[hid] = state  # the endpoint asks at once (UCX often ends it inside)
+        return hid
 
     def state(self, handle: Any) -> XferState:
         if isinstance(handle, _Lost) or self.lost is not None:
             return XferState.IN_PROGRESS
-        try:
-            return XferState(self._call("state", handle))
-        except DataPlaneLost:
-            return XferState.IN_PROGRESS
+        state = self._states.pop(handle, None)
+        if state is None:
+            try:
+                self._states = self._call("states", sorted(self._live))
+            except DataPlaneLost:
+                return XferState.IN_PROGRESS
+            state = self._states.pop(handle, XferState.ERROR.value)
+        if state != XferState.IN_PROGRESS.value:
+            self._live.discard(handle)  # ended: the child has released it
+        return XferState(state)
 
     def release(self, handle: Any) -> bool:
         if isinstance(handle, _Lost) or self.lost is not None:
             return True  # nothing left to release; the transfer reads as not fenced
+        self._states.pop(handle, None)
+        if handle not in self._live:
+            return True  # the child released it when it saw it end
         try:
-            return bool(self._call("release", handle))
+            released = bool(self._call("release", handle))
         except DataPlaneLost:
             return True
+        if released:
+            self._live.discard(handle)
+        return released
 
     def notifications(self) -> dict[str, list[bytes]]:
         if self.lost is not None:
@@ -443,6 +465,18 @@ def make_agent(name: str, layout: KVLayout, config: TransportConfig) -> Agent | 
 
 
 # -- the child -------------------------------------------------------------------------------
+def _state(agent: Agent, handles: dict[int, Any], hid: int) -> str:
+    """A transfer's state; one that ended is released here (the parent knows)."""
+    handle = handles.get(hid)
+    if handle is None:
+        return XferState.ERROR.value
+    state = agent.state(handle)
+    if state is not XferState.IN_PROGRESS:
+        agent.release(handle)
+        del handles[hid]
+    return state.value
+
+
 def _serve(sock: socket.socket) -> None:
     (op, name, layout, config, regions, index), fds = _recv_frame(sock, with_fds=64)
     assert op == "init"
@@ -477,9 +511,9 @@ def _serve(sock: socket.socket) -> None:
             if op == "post":
                 hid = next(ids)
                 handles[hid] = agent.post(*args)
-                value: Any = hid
-            elif op == "state":
-                value = agent.state(handles[args[0]]).value
+                value: Any = (hid, _state(agent, handles, hid))
+            elif op == "states":
+                value = {hid: _state(agent, handles, hid) for hid in args[0]}
             elif op == "release":
                 value = agent.release(handles[args[0]])
                 if value:
