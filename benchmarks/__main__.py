@@ -15,7 +15,8 @@ from typing import Any
 from . import SCHEMA_VERSION
 from .report import machine, markdown_tables, plot, print_tables, targets, write_json
 
-SUITES = ("desc_prep", "throughput", "critical_path", "cpu", "layerwise", "multiturn")
+SUITES = ("desc_prep", "throughput", "critical_path", "cpu", "layerwise", "multiturn",
+          "containment")
 
 
 def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
@@ -43,6 +44,10 @@ def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
         from . import multiturn
 
         return multiturn.run(quick, progress)
+    if name == "containment":
+        from . import containment
+
+        return containment.run(quick, progress)
     raise ValueError(name)
 
 
