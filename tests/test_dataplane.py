@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from harness import check_blocks, fill, make_cache
 
 import kvpush
-from harness import check_blocks, fill, make_cache
 from kvpush import RequestState, TransferMode
 
 CHILD = kvpush.TransportConfig(data_plane="child")
@@ -94,7 +94,7 @@ def _one(p: kvpush.Producer, c: kvpush.Consumer, mode: TransferMode, rid: str,
 @pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
 def test_sigkill_of_the_data_plane_mid_transfer(pair, mode: TransferMode,  # type: ignore[no-untyped-def]
                                                 killed: str) -> None:
-    p, c, pc, cc = pair
+    p, c, _, cc = pair
     src, dst = list(range(32)), list(range(8, 40))
     # Warm: one request of the same size goes through.
     h = _one(p, c, mode, "warm", src, dst, 10.0)
@@ -123,9 +123,11 @@ def test_sigkill_of_the_data_plane_mid_transfer(pair, mode: TransferMode,  # typ
     # a transfer that could not be fenced says so.
     assert result.state is RequestState.FAILED, result
     assert took < timeout, took
+    # The request fails as the loss is handled; the new child starts right after.
+    _wait(lambda: victim._agent.pid not in (None, old) and victim._agent.lost is None, 30.0,
+          "the data plane's restart")
     assert victim.stats()["data_plane_restarts"] == 1
-    assert victim._agent.pid != old and _alive(victim._agent.pid)
-    assert not _alive(old)
+    assert _alive(victim._agent.pid) and not _alive(old)
     # The producer released the request's source.
     _wait(lambda: p.pending == 0, 10.0, "the source's release")
     # Both sides handshake again by themselves; the next requests succeed, every byte.
