@@ -174,3 +174,46 @@ def test_shared_allocators() -> None:
     assert tuple(t.shape) == (2, 5) and t.dtype == torch.float16
     t += 1
     assert float(t.sum()) == 10.0
+
+
+@pytest.mark.xfail(strict=True, reason="bug 12 (RELIABILITY.md): UCX aborts a worker that "
+                   "meets a connection its peer reset under an outstanding READ; in process, "
+                   "that is the engine")
+def test_inprocess_producer_survives_a_reader_killed_mid_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sequence as ``[PULL-consumer]`` above, against an in-process producer (its
+    own process, as an engine): frozen while a consumer READs from it, the reader killed,
+    the producer thawed. In process, UCX's ``Fatal: unexpected error: Connection reset by
+    remote peer`` aborts the producer's whole process (every run here); contained, the
+    same abort costs a data-plane child (the test above)."""
+    from harness import ChildProducer
+
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    kw = {k: v for k, v in CACHE.items() if k != "shared"}
+    producer = ChildProducer(seed=SEED, cache=kw, host="127.0.0.1", lease_s=10.0)
+    cc = make_cache(**CACHE)
+    c = kvpush.Consumer(cc.layout, kvpush.ConsumerConfig(transport=CHILD, peer_timeout_s=3.0))
+    try:
+        name = c.connect(producer.address, timeout=20.0)
+        src, dst = list(range(32)), list(range(8, 40))
+        ticket = producer.call("prefill_done", ("warm", src, "pull"))
+        assert c.pull(ticket, dst, timeout=10.0).wait(15.0).state is RequestState.READY
+        ticket = producer.call("prefill_done", ("hit", src, "pull"))
+        os.kill(producer.process.pid, signal.SIGSTOP)
+        posted = c.stats()["transfers_posted"]
+        h = c.pull(ticket, dst, timeout=8.0)
+        _wait(lambda: c.stats()["transfers_posted"] > posted, 5.0, "the READ's post")
+        time.sleep(0.2)
+        os.kill(c._agent.pid, signal.SIGKILL)
+        time.sleep(0.3)
+        os.kill(producer.process.pid, signal.SIGCONT)
+        assert h.wait(15.0).state is RequestState.FAILED
+        time.sleep(2.0)  # the producer progresses its worker on its next poll
+        assert producer.process.is_alive(), \
+            f"the producer's process died (exit {producer.process.exitcode})"
+        assert name
+    finally:
+        if producer.process.is_alive():
+            os.kill(producer.process.pid, signal.SIGCONT)
+        c.close()
+        producer.close()
