@@ -430,6 +430,18 @@ class ChildAgent:
     def send_notification(self, peer: str, message: bytes) -> None:
         self._call("send_notification", peer, message)
 
+    def __getattr__(self, name: str) -> Any:
+        """Any other public :class:`~kvpush.agent.Agent` method, run in the child (its
+        arguments and result pickled; transfer handles are only those :meth:`post`
+        returns)."""
+        if name.startswith("_") or not callable(getattr(Agent, name, None)):
+            raise AttributeError(name)
+
+        def call(*args: Any) -> Any:
+            return self._call("method", name, args)
+
+        return call
+
     def close(self) -> None:
         if self._closed:
             return
@@ -529,6 +541,11 @@ def _serve(sock: socket.socket) -> None:
             elif op == "send_notification":
                 agent.send_notification(*args)
                 value = None
+            elif op == "method":  # ChildAgent.__getattr__: another Agent method
+                name, margs = args
+                if name.startswith("_") or not callable(getattr(Agent, name, None)):
+                    raise TransferFailed(f"Agent has no method {name!r}")
+                value = getattr(agent, name)(*margs)
             elif op == "close":
                 for handle in handles.values():
                     agent.release(handle)

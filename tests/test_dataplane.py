@@ -217,3 +217,23 @@ def test_inprocess_producer_survives_a_reader_killed_mid_read(
             os.kill(producer.process.pid, signal.SIGCONT)
         c.close()
         producer.close()
+
+
+def test_other_agent_methods_run_in_the_child() -> None:
+    """A public Agent method ChildAgent does not define itself runs in the child (the
+    generic path, exercised here through one it does define); private names never do."""
+    from kvpush.dataplane import ChildAgent
+
+    cache = make_cache(shared=True)
+    agent = ChildAgent("kvpush-test-generic", cache.layout, CHILD)
+    try:
+        assert agent.__getattr__("has_peer")("nobody") is False
+        assert agent.__getattr__("metadata")() == agent.metadata()
+        with pytest.raises(AttributeError):
+            agent.__getattr__("_agent")
+        with pytest.raises(AttributeError):
+            agent.no_such_method  # noqa: B018
+    finally:
+        pid = agent.pid
+        agent.close()
+    assert pid is not None and not _alive(pid)
