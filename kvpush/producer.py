@@ -188,6 +188,8 @@ class Producer(Endpoint):
         self._released: deque[Release] = deque()
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
+        # connections dropped by a data-plane restart (answered Bye(rejoin=True)); bounded
+        self._rejoiners: set[bytes] = set()
         self._hello_guard = HelloGuard()
         self._core: ProducerCore = ProducerCore(layout, CoreConfig(
             lease_s=config.lease_s, max_wait_s=config.max_wait_s,
@@ -363,7 +365,10 @@ class Producer(Endpoint):
                                               "no handshake from this consumer"), identity,
                                best_effort=True)
                 elif isinstance(msg, m.Heartbeat):  # we dropped it; it should know
-                    self._send(sock, m.Bye(self.name), identity, best_effort=True)
+                    # (dropped by a data-plane restart: it should connect again)
+                    rejoin = identity in self._rejoiners
+                    self._send(sock, m.Bye(self.name, rejoin=rejoin), identity,
+                               best_effort=True)
             elif isinstance(msg, m.Heartbeat):
                 self._tell(peer, m.HeartbeatAck(msg.seq))
             elif isinstance(msg, m.Bye):
@@ -533,6 +538,9 @@ class Producer(Endpoint):
         connect again (it needs the new NIXL metadata)."""
         for peer in list(self._consumers.values()):
             self._tell(peer, m.Bye(self.name, rejoin=True))
+            if len(self._rejoiners) >= 4096:
+                self._rejoiners.clear()
+            self._rejoiners.add(peer.identity)  # in case this Bye is lost
             self._drop_consumer(peer, why, abandon=True)
 
     def _debug_state(self, rid: str) -> str:

@@ -237,3 +237,39 @@ def test_other_agent_methods_run_in_the_child() -> None:
         pid = agent.pid
         agent.close()
     assert pid is not None and not _alive(pid)
+
+
+def test_a_consumer_that_missed_the_rejoin_bye_hears_it_again(pair) -> None:  # type: ignore[no-untyped-def]
+    """A producer whose data plane restarted answers a heartbeat on a connection it
+    dropped for that with ``Bye(rejoin=True)`` (its first Bye may have been lost)."""
+    import zmq
+
+    from kvpush import messages as m
+
+    p, c, _, _ = pair
+    old = c._producers[p.address].socket.getsockopt(zmq.IDENTITY)
+    os.kill(p._agent.pid, signal.SIGKILL)
+    _wait(lambda: p.stats()["data_plane_restarts"] == 1 and p.name in c.producers(), 30.0,
+          "the restart and the new handshake")
+    assert c._producers[p.address].socket.getsockopt(zmq.IDENTITY) != old
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, old)
+    try:
+        sock.connect(p.address)
+        sock.send(m.encode(m.Heartbeat(1)))
+        assert sock.poll(10_000), "no answer"
+        msg = m.decode(sock.recv())
+        assert isinstance(msg, m.Bye) and msg.rejoin, msg
+        stranger = ctx.socket(zmq.DEALER)  # a connection it never had: a plain Bye
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(p.address)
+        stranger.send(m.encode(m.Heartbeat(1)))
+        assert stranger.poll(10_000), "no answer"
+        msg = m.decode(stranger.recv())
+        assert isinstance(msg, m.Bye) and not msg.rejoin, msg
+        stranger.close()
+    finally:
+        sock.close()
+        ctx.term()
