@@ -77,9 +77,10 @@ def _producer(conn: Any, mode: str) -> None:
             conn.send(rid)
 
 
-def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
-    small_reps = 40 if quick else 200
-    big_reps = 4 if quick else 12
+def run(quick: bool = False, progress: bool = True, small_reps: int | None = None,
+        big_reps: int | None = None) -> dict[str, Any]:
+    small_reps = small_reps or (40 if quick else 200)
+    big_reps = big_reps or (4 if quick else 12)
     ctx = mp.get_context("spawn")
     procs: dict[str, Any] = {}
     conns: dict[str, Any] = {}
