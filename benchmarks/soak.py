@@ -76,6 +76,9 @@ GLOBAL_FAULTS = ["kill_producer", "kill_consumer", "link_cut", "freeze_consumer"
 #: node calls slower than this go into the report's timeline (the driver is one thread: a
 #: slow call delays fault ends, polls and retirement alike)
 SLOW_CALL_S = 1.0
+#: a request that failed with no fault seen is called unexpected only this much later
+#: (health checks, which notice data-plane restarts, run every 0.5 s)
+UNEXPECTED_WAIT = 1.5
 TIMELINE_MAX = 2000
 
 
@@ -99,6 +102,7 @@ class Request:
     release: str | None = None
     consumer_died: bool = False
     producer_died: bool = False
+    failed_at: float = 0.0            # when it settled not READY with no fault seen (yet)
 
     def settled(self) -> bool:
         if self.waiting:
@@ -393,11 +397,20 @@ class Soak:
         self.mark_hit(time.monotonic() + RECOVERY)
 
     def health(self) -> None:
-        """A node whose kvpush loop thread died still answers its pipe: look for that."""
+        """A node whose kvpush loop thread died still answers its pipe: look for that. A
+        data-plane restart (data_plane="child") is a fault too: the requests about then
+        are hit by it."""
         for label in ("p0", "p1", "c0", "c1"):
             info = self._call(label, "info")
             if info is not None and f"{self.nodes[label].name}-loop" not in info["threads"]:
                 self.crashed(label, "kvpush loop thread crashed")
+            if self.data_plane == "child":
+                stats = self._call(label, "stats")
+                key = f"{label}#{self.incarnation[label]}"
+                if stats and stats["data_plane_restarts"] > self.restarts_seen[key]:
+                    self.restarts_seen[key] = stats["data_plane_restarts"]
+                    self.event(f"{label} data plane restarted")
+                    self.mark_hit(time.monotonic() + RECOVERY)
 
     def died(self, label: str) -> None:
         for req in self.active.values():
@@ -518,6 +531,12 @@ class Soak:
                                         f"{req.result and req.result['corrupted']} bytes")
             elif req.fault != "none" or req.hit:
                 outcome = "failed_by_design"
+            elif not final and (not req.failed_at or now - req.failed_at < UNEXPECTED_WAIT):
+                # a fault noticed late (a data-plane restart, seen at the next health
+                # check) may explain it: wait that long before calling it unexpected
+                req.failed_at = req.failed_at or now
+                self.active[rid] = req
+                continue
             else:
                 outcome = "failed_unexpected"
                 self._note("unexpected", f"{rid} ({req.mode}, {req.producer}->{req.consumer}):"
