@@ -9,6 +9,11 @@
   ``nixlRemoteDisconnectError``), which the fault tests check.
 * Descriptor lists are prepared once per (layout, peer), region-major, and every request
   names descriptors by index (``make_prepped_xfer``).
+* A dropped peer's NIXL metadata (its UCX endpoint) is **kept** until a peer of the same
+  name is added again or the agent closes (at most :data:`DORMANT_MAX` such peers): NIXL's
+  ``remove_remote_agent`` closes the endpoint in flush mode, and a flush-mode close of a
+  connection cut or reset under it is what UCX aborted the process on in the soak (bug 12
+  of ``docs/RELIABILITY.md``); kept, the endpoint is closed only once its peer is back.
 
 Only the loop thread touches an agent after construction (NIXL's sync mode is NONE).
 """
@@ -30,6 +35,10 @@ from .plan import plan_split_transfer, plan_transfer
 __all__ = ["Agent", "Link", "TransportConfig", "XferState"]
 
 log = logging.getLogger("kvpush.agent")
+
+#: Dropped peers whose NIXL metadata is kept (see the module's docstring); past it the
+#: oldest is removed.
+DORMANT_MAX = 64
 
 _ERROR_MODES = ("none", "peer")
 _DATA_PLANES = ("inprocess", "child")
@@ -155,6 +164,7 @@ class Agent:
         # Peers sharing only some heads, or with other block sizes, get lists of their own.
         self._local_dlists: dict[str, Any] = {}
         self._links: dict[str, Link] = {}
+        self._dormant: dict[str, None] = {}  # dropped peers still loaded in NIXL, oldest first
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
@@ -162,9 +172,10 @@ class Agent:
         data: bytes = self._agent.get_agent_metadata()
         return data
 
-    def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
+    def add_peer(self, metadata: bytes, layout: KVLayout, name: str = "") -> str:
         """Load a peer's metadata and prepare its descriptor lists (over the KV heads both
-        sides hold, per head when block sizes differ); returns its agent name."""
+        sides hold, per head when block sizes differ); returns its agent name. ``name``:
+        the name the peer gave (its dropped predecessor's metadata goes first)."""
         local, remote = self.layout, layout
         local_table: np.ndarray | None  # None: the shared whole-block list serves
         if local.tokens_per_block != remote.tokens_per_block:
@@ -188,8 +199,18 @@ class Agent:
             local_table = None if (local_offset, length) == (0, local.block_bytes) else \
                 local.descriptor_table(local_offset, length)
             link = Link(remote.num_blocks, length)
+        if name in self._dormant:
+            self._remove_remote(name)
         try:
-            name: str = self._agent.add_remote_agent(metadata)
+            try:
+                name = self._agent.add_remote_agent(metadata)
+            except Exception:
+                if not self._dormant:
+                    raise
+                # the caller did not say who it is: its predecessor may be one of these
+                for old in list(self._dormant):
+                    self._remove_remote(old)
+                name = self._agent.add_remote_agent(metadata)
             if isinstance(name, bytes):
                 name = name.decode()
             self._release_remote(name)
@@ -211,8 +232,19 @@ class Agent:
         return link
 
     def remove_peer(self, name: str) -> None:
-        """Drop a peer's prepared list and metadata (after it died or left)."""
+        """Drop a peer (after it died or left): its prepared lists at once, its NIXL
+        metadata once a peer of that name comes back (see the module's docstring)."""
         self._release_remote(name)
+        if self._closed:
+            self._remove_remote(name)
+            return
+        self._dormant.pop(name, None)
+        self._dormant[name] = None
+        while len(self._dormant) > DORMANT_MAX:
+            self._remove_remote(next(iter(self._dormant)))
+
+    def _remove_remote(self, name: str) -> None:
+        self._dormant.pop(name, None)
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # already gone: nothing to undo
@@ -302,7 +334,7 @@ class Agent:
         if self._closed:
             return
         self._closed = True
-        for name in list(self._remote_dlists):
+        for name in [*self._remote_dlists, *self._dormant]:
             self.remove_peer(name)
         try:
             self._local_dlist.release()

@@ -354,8 +354,8 @@ class ChildAgent:
         data: bytes = self._metadata
         return data
 
-    def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
-        name, link = self._call("add_peer", metadata, layout)
+    def add_peer(self, metadata: bytes, layout: KVLayout, name: str = "") -> str:
+        name, link = self._call("add_peer", metadata, layout, name)
         self._links[name] = link
         return str(name)
 
