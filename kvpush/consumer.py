@@ -674,7 +674,7 @@ class Consumer(Endpoint):
             if self._key is not None:
                 metadata = decrypt(session_key(self._key, msg.echo, msg.nonce),
                                    b"ack-metadata", msg.nonce + msg.echo, metadata)
-            name = self._agent.add_peer(metadata, remote)
+            name = self._agent.add_peer(metadata, remote, msg.name)
         except KvpushError as exc:
             self._connect_failed(peer, exc)
             return

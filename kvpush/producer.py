@@ -454,7 +454,7 @@ class Producer(Endpoint):
                                  abandon=True)
             self._apply()
         try:
-            agent_name = self._agent.add_peer(metadata, remote)
+            agent_name = self._agent.add_peer(metadata, remote, msg.name)
         except PeerUnavailable as exc:
             self._send(self._router, m.HelloReject(str(exc)), identity, best_effort=True)
             return
