@@ -409,7 +409,12 @@ class Soak:
                 key = f"{label}#{self.incarnation[label]}"
                 if stats and stats["data_plane_restarts"] > self.restarts_seen[key]:
                     self.restarts_seen[key] = stats["data_plane_restarts"]
-                    self.event(f"{label} data plane restarted")
+                    # why: the dead child's last words (UCX's fatal) are in the node's log
+                    tail = self.nodes[label].log_tail(80).splitlines()
+                    why = next((ln for ln in reversed(tail) if "Fatal" in ln),
+                               next((ln for ln in reversed(tail) if "data plane lost" in ln),
+                                    ""))
+                    self.event(f"{label} data plane restarted: {why.strip()[-200:]}")
                     self.mark_hit(time.monotonic() + RECOVERY)
 
     def died(self, label: str) -> None:
