@@ -557,7 +557,11 @@ def _serve(sock: socket.socket) -> None:
             reply: tuple[str, Any] = ("ok", value)
         except Exception as exc:
             reply = ("err", (type(exc).__name__, str(exc)))
-        _send_frame(sock, reply)
+        try:
+            _send_frame(sock, reply)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # not picklable
+            _send_frame(sock, ("err", ("TransferFailed", f"{op}: answer not picklable: "
+                                                         f"{exc}")))
     for handle in handles.values():
         agent.release(handle)
     agent.close()

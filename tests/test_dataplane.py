@@ -222,10 +222,12 @@ def test_inprocess_producer_survives_a_reader_killed_mid_read(
 def test_other_agent_methods_run_in_the_child() -> None:
     """A public Agent method ChildAgent does not define itself runs in the child (the
     generic path, exercised here through one it does define); private names never do."""
+    from kvpush.agent import Agent
     from kvpush.dataplane import ChildAgent
 
-    cache = make_cache(shared=True)
+    cache, other = make_cache(shared=True), make_cache()
     agent = ChildAgent("kvpush-test-generic", cache.layout, CHILD)
+    peer = Agent("kvpush-test-generic-peer", other.layout, kvpush.TransportConfig())
     try:
         assert agent.__getattr__("has_peer")("nobody") is False
         assert agent.__getattr__("metadata")() == agent.metadata()
@@ -233,9 +235,17 @@ def test_other_agent_methods_run_in_the_child() -> None:
             agent.__getattr__("_agent")
         with pytest.raises(AttributeError):
             agent.no_such_method  # noqa: B018
+        # An answer that cannot cross the channel (a NIXL handle) is an error, not a
+        # dead child.
+        name = agent.add_peer(peer.metadata(), peer.layout, peer.name)
+        idx = np.zeros(1, np.int64)
+        with pytest.raises(kvpush.TransferFailed, match="not picklable"):
+            agent.__getattr__("post")("WRITE", name, idx, idx, b"")
+        assert agent.lost is None and agent.__getattr__("has_peer")(name) is True
     finally:
         pid = agent.pid
         agent.close()
+        peer.close()
     assert pid is not None and not _alive(pid)
 
 
