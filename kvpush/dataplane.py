@@ -517,8 +517,11 @@ def _serve(sock: socket.socket) -> None:
     while True:
         try:
             (op, *args), _ = _recv_frame(sock)
-        except EOFError:
-            break  # the engine closed the channel, or died
+        except (EOFError, OSError):
+            # The engine died (or dropped the channel without a close): go as it went, at
+            # once, as an engine dying with its agent in process does -- not with a tidy
+            # NIXL close (handles released, every peer's endpoint closed in flush mode).
+            os._exit(0)
         try:
             if op == "post":
                 hid = next(ids)
@@ -562,9 +565,6 @@ def _serve(sock: socket.socket) -> None:
         except (pickle.PicklingError, TypeError, AttributeError) as exc:  # not picklable
             _send_frame(sock, ("err", ("TransferFailed", f"{op}: answer not picklable: "
                                                          f"{exc}")))
-    for handle in handles.values():
-        agent.release(handle)
-    agent.close()
 
 
 def _child_main(argv: list[str]) -> int:

@@ -283,3 +283,35 @@ def test_a_consumer_that_missed_the_rejoin_bye_hears_it_again(pair) -> None:  # 
     finally:
         sock.close()
         ctx.term()
+
+
+def test_the_child_goes_with_the_engine() -> None:
+    """An engine process killed outright (SIGKILL: no close) takes its data-plane child
+    with it: the child sees its channel close and exits at once."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests'); import kvpush, time\n"
+            "from harness import make_cache\n"
+            "c = make_cache(shared=True)\n"
+            "p = kvpush.Producer(c.layout, kvpush.ProducerConfig(host='127.0.0.1', "
+            "transport=kvpush.TransportConfig(data_plane='child')))\n"
+            "print(p._agent.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=root,
+                              env=env, text=True)
+    try:
+        line = engine.stdout.readline() if engine.stdout else ""
+        child = int(line)
+        assert _alive(child)
+        engine.kill()
+        engine.wait(10)
+        _wait(lambda: not _alive(child), 10.0, "the child's exit")
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+        if engine.stdout:
+            engine.stdout.close()
