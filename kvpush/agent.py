@@ -13,7 +13,8 @@
   name is added again or the agent closes (at most :data:`DORMANT_MAX` such peers): NIXL's
   ``remove_remote_agent`` closes the endpoint in flush mode, and a flush-mode close of a
   connection cut or reset under it is what UCX aborted the process on in the soak (bug 12
-  of ``docs/RELIABILITY.md``); kept, the endpoint is closed only once its peer is back.
+  of ``docs/RELIABILITY.md``); kept, the endpoint is closed only once its peer is back,
+  and UCX is progressed just before and after each removal.
 
 Only the loop thread touches an agent after construction (NIXL's sync mode is NONE).
 """
@@ -165,6 +166,8 @@ class Agent:
         self._local_dlists: dict[str, Any] = {}
         self._links: dict[str, Link] = {}
         self._dormant: dict[str, None] = {}  # dropped peers still loaded in NIXL, oldest first
+        # Notifications read while progressing UCX around a removal, for notifications()
+        self._stash: dict[str, list[bytes]] = {}
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
@@ -244,11 +247,28 @@ class Agent:
             self._remove_remote(next(iter(self._dormant)))
 
     def _remove_remote(self, name: str) -> None:
+        """NIXL's removal, with UCX progressed just before and after it (what it finds
+        about the peer's connection is handled then, not in the next post)."""
         self._dormant.pop(name, None)
+        self._progress()
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # already gone: nothing to undo
             log.debug("remove_remote_agent(%s): %s", name, exc)
+        self._progress()
+
+    def _progress(self) -> None:
+        """Progress UCX (NIXL's Python API does it through get_new_notifs); what comes is
+        kept for :meth:`notifications`."""
+        if self._agent is None:
+            return
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as exc:
+            log.warning("get_new_notifs: %s", exc)
+            return
+        for sender, notes in notifs.items():
+            self._stash.setdefault(sender, []).extend(notes)
 
     def _release_remote(self, name: str) -> None:
         self._links.pop(name, None)
@@ -314,7 +334,12 @@ class Agent:
             notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
         except Exception as exc:
             log.warning("get_new_notifs: %s", exc)
-            return {}
+            notifs = {}
+        if self._stash:  # read while progressing around a removal: those came first
+            stash, self._stash = self._stash, {}
+            for sender, notes in notifs.items():
+                stash.setdefault(sender, []).extend(notes)
+            return stash
         return notifs
 
     def send_notification(self, peer: str, message: bytes) -> None:

@@ -86,3 +86,26 @@ def test_dropped_peers_kept_are_bounded(factory: Any, monkeypatch: pytest.Monkey
     assert _refused(local, factory(peers[1].name))
     local.close()
     assert not local._dormant
+
+
+def test_notifications_read_around_a_removal_are_kept(factory: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX is progressed around each removal (through get_new_notifs): what that reads
+    comes out of the next notifications(), nothing is lost."""
+    monkeypatch.setattr(agent_mod, "DORMANT_MAX", 0)  # every removal at once
+    local, peer, gone = (factory(f"kvpush-test-{n}") for n in ("local", "peer", "gone"))
+    local.add_peer(peer.metadata(), peer.layout, peer.name)
+    peer.add_peer(local.metadata(), local.layout, local.name)
+    local.add_peer(gone.metadata(), gone.layout, gone.name)
+    peer.send_notification(local.name, b"hello")
+    seen: list[bytes] = []
+    for _ in range(200):  # until the notification is in (read by the removal's progress)
+        local.remove_peer(gone.name)
+        seen += local._stash.get(peer.name, [])
+        if seen:
+            break
+        local.add_peer(gone.metadata(), gone.layout, gone.name)
+        peer.notifications()
+    assert seen == [b"hello"]
+    assert local.notifications().get(peer.name) == [b"hello"]
+    assert not local._stash
