@@ -9,12 +9,14 @@
   ``nixlRemoteDisconnectError``), which the fault tests check.
 * Descriptor lists are prepared once per (layout, peer), region-major, and every request
   names descriptors by index (``make_prepped_xfer``).
-* A dropped peer's NIXL metadata (its UCX endpoint) is **kept** until a peer of the same
-  name is added again or the agent closes (at most :data:`DORMANT_MAX` such peers): NIXL's
+* A dropped peer's NIXL metadata (its UCX endpoint) is **kept** (at most
+  :data:`DORMANT_MAX` such peers, and until the agent closes): NIXL's
   ``remove_remote_agent`` closes the endpoint in flush mode, and a flush-mode close of a
-  connection cut or reset under it is what UCX aborted the process on in the soak (bug 12
-  of ``docs/RELIABILITY.md``); kept, the endpoint is closed only once its peer is back,
-  and UCX is progressed just before and after each removal.
+  connection a link cut left behind is what UCX aborted the process on in the soak (bug 12
+  of ``docs/RELIABILITY.md``). The same incarnation coming back (after a cut) gets its
+  endpoint back, never closed; a new incarnation of the name (new metadata, which NIXL
+  refuses while the old is loaded) has the old removed first, with UCX progressed just
+  before and after the removal.
 
 Only the loop thread touches an agent after construction (NIXL's sync mode is NONE).
 """
@@ -178,7 +180,7 @@ class Agent:
     def add_peer(self, metadata: bytes, layout: KVLayout, name: str = "") -> str:
         """Load a peer's metadata and prepare its descriptor lists (over the KV heads both
         sides hold, per head when block sizes differ); returns its agent name. ``name``:
-        the name the peer gave (its dropped predecessor's metadata goes first)."""
+        the name the peer gave (a kept predecessor NIXL refuses to replace goes first)."""
         local, remote = self.layout, layout
         local_table: np.ndarray | None  # None: the shared whole-block list serves
         if local.tokens_per_block != remote.tokens_per_block:
@@ -202,20 +204,23 @@ class Agent:
             local_table = None if (local_offset, length) == (0, local.block_bytes) else \
                 local.descriptor_table(local_offset, length)
             link = Link(remote.num_blocks, length)
-        if name in self._dormant:
-            self._remove_remote(name)
         try:
             try:
+                # The same incarnation back (after a cut): NIXL takes its metadata again and
+                # the kept endpoint serves on, never closed.
                 name = self._agent.add_remote_agent(metadata)
             except Exception:
-                if not self._dormant:
+                # A new incarnation: NIXL refuses its metadata while the old is loaded; the
+                # old goes first (all kept ones, when the caller did not say who it is).
+                stale = [name] if name in self._dormant else list(self._dormant)
+                if not stale:
                     raise
-                # the caller did not say who it is: its predecessor may be one of these
-                for old in list(self._dormant):
+                for old in stale:
                     self._remove_remote(old)
                 name = self._agent.add_remote_agent(metadata)
             if isinstance(name, bytes):
                 name = name.decode()
+            self._dormant.pop(name, None)
             self._release_remote(name)
             self._remote_dlists[name] = self._agent.prep_xfer_dlist(
                 name, remote_table, remote.kind.value)
@@ -235,8 +240,8 @@ class Agent:
         return link
 
     def remove_peer(self, name: str) -> None:
-        """Drop a peer (after it died or left): its prepared lists at once, its NIXL
-        metadata once a peer of that name comes back (see the module's docstring)."""
+        """Drop a peer (after it died or left): its prepared lists at once; its NIXL
+        metadata is kept (see the module's docstring)."""
         self._release_remote(name)
         if self._closed:
             self._remove_remote(name)

@@ -59,12 +59,19 @@ def test_a_dropped_peer_is_kept_until_it_comes_back(factory: Any) -> None:
         local.link(name)
     with pytest.raises(PeerUnavailable):
         local.post("WRITE", name, np.zeros(1, np.int64), np.zeros(1, np.int64), b"")
+    # The same incarnation back (after a cut): its kept endpoint serves on, never closed.
+    removed: list[str] = []
+    remove = local._remove_remote
+    local._remove_remote = lambda n: (removed.append(n), remove(n))[1]  # type: ignore[method-assign]
+    assert local.add_peer(peer.metadata(), peer.layout, peer.name) == name
+    assert local.has_peer(name) and not local._dormant and not removed
+    local.remove_peer(name)
     # Still loaded in NIXL (its endpoint not closed): a new incarnation is refused by NIXL.
     again = factory(peer.name)
     assert _refused(local, again)
     # Through kvpush, the new incarnation replaces it: the old metadata goes first.
     assert local.add_peer(again.metadata(), again.layout, again.name) == name
-    assert local.has_peer(name) and not local._dormant
+    assert local.has_peer(name) and not local._dormant and removed == [name]
     # Back without saying its name (the caller did not know it): found all the same.
     local.remove_peer(name)
     third = factory(peer.name)
