@@ -236,6 +236,7 @@ def _cpu_seconds(pids: list[int]) -> float:
 def idle_cpu(servers: list[launch.Process], seconds: float = 3.0) -> float:
     """Cores the servers' processes use while no request is in flight (a spinning progress
     thread shows as ~1 per agent)."""
+    time.sleep(2.0)   # past vLLM's own busy tails after the warm-up requests
     pids = [pid for s in servers for pid in s.group_pids()]
     before = _cpu_seconds(pids)
     time.sleep(seconds)
