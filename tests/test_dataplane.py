@@ -131,7 +131,8 @@ def test_sigkill_of_the_data_plane_mid_transfer(pair, mode: TransferMode,  # typ
     # The producer released the request's source.
     _wait(lambda: p.pending == 0, 10.0, "the source's release")
     # Both sides handshake again by themselves; the next requests succeed, every byte.
-    _wait(lambda: p.name in c.producers(), 20.0, "the new handshake")
+    _wait(lambda: c.stats()["peers_lost"] >= 1 and p.name in c.producers(), 20.0,
+          "the new handshake")
     for i in range(3):
         dst2 = list(range(40 - 32 + i, 40 + i)) if i else dst
         for buf in cc.buffers:
@@ -259,8 +260,8 @@ def test_a_consumer_that_missed_the_rejoin_bye_hears_it_again(pair) -> None:  # 
     p, c, _, _ = pair
     old = c._producers[p.address].socket.getsockopt(zmq.IDENTITY)
     os.kill(p._agent.pid, signal.SIGKILL)
-    _wait(lambda: p.stats()["data_plane_restarts"] == 1 and p.name in c.producers(), 30.0,
-          "the restart and the new handshake")
+    _wait(lambda: p.stats()["data_plane_restarts"] == 1 and c.stats()["peers_lost"] >= 1
+          and p.name in c.producers(), 30.0, "the restart and the new handshake")
     assert c._producers[p.address].socket.getsockopt(zmq.IDENTITY) != old
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
