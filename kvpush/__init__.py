@@ -38,9 +38,13 @@ from .prefix import BlockPool, PrefixIndex, block_hashes, reusable_blocks
 from .producer import Producer, ProducerConfig
 from .progress import ProgressPolicy
 from .request import (
+    ConnectHandle,
+    ConnectResult,
+    OwnerStatus,
     Release,
     ReleaseReason,
     RequestState,
+    RequestStatus,
     TransferHandle,
     TransferMode,
     TransferResult,
@@ -52,6 +56,8 @@ __all__ = [
     "AuthenticationError",
     "BlockPool",
     "ClosedError",
+    "ConnectHandle",
+    "ConnectResult",
     "Consumer",
     "ConsumerConfig",
     "InvalidBlockIds",
@@ -60,6 +66,7 @@ __all__ = [
     "LayoutMismatch",
     "MemoryKind",
     "OutOfBlocks",
+    "OwnerStatus",
     "PeerUnavailable",
     "PrefixIndex",
     "Producer",
@@ -72,6 +79,7 @@ __all__ = [
     "ReleaseReason",
     "RequestAborted",
     "RequestState",
+    "RequestStatus",
     "TransferFailed",
     "TransferHandle",
     "TransferMode",
