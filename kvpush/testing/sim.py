@@ -501,20 +501,40 @@ class Simulation:
                 pe.engine.give_back(src)
                 self.source_ended(src)
         self.checker.trace(f"{pe.name} engine abort {req.rid}")
-        pe.run(lambda: pe.core.abort(self.sched.now, req.rid, "aborted by the sim's engine"))
+        pe.run(self._call_abort, pe, req, src)
 
-    def _check_released(self, src: Source, stall0: float, bound: float) -> None:
+    def _call_abort(self, pe: Endpoint, req: Request, src: Source) -> None:
+        now = self.sched.now
+        pe.core.abort(now, req.rid, "aborted by the sim's engine")
+        if req.mode is TransferMode.PUSH and src.handed and not src.released:
+            # A pushed source the engine gave up goes back once no WRITE can read it: each
+            # WRITE ends or is abandoned within transfer_timeout_s of its post, and an
+            # abandoned one's fence ends when the consumer acknowledges or is lost (silent
+            # peer_timeout_s, seen at a liveness check). Nothing waits for a lease or
+            # max_wait_s here (the soak's lost s1641: a fence waited max_wait_s for a
+            # consumer lost before its WRITE was abandoned).
+            t = self.timings
+            bound = now + t.transfer_timeout_s + t.peer_timeout_s + t.heartbeat_s \
+                + t.slack_s
+            self.sched.at(bound, self._check_released, src, pe.stall_total, bound,
+                          "the engine's abort")
+
+    def _check_released(self, src: Source, stall0: float, bound: float,
+                        since: str = "") -> None:
         pe = src.ep
         if src.released or pe.engine.dead or pe.engine.sources.get(src.req.rid) is not src:
             return
         ext = pe.stall_total - stall0 + max(0.0, pe.stalled_until - self.sched.now)
         if ext > 1e-9:
-            self.sched.after(ext, self._check_released, src, pe.stall_total, bound + ext)
+            self.sched.after(ext, self._check_released, src, pe.stall_total, bound + ext,
+                             since)
             return
+        after = f" after {since}" if since else ""
         self.checker.fail("never_released",
                           f"{pe.name} still holds {src.req.rid!r} (sid {src.sid:x}, "
                           f"{src.req.mode.value}, prefill_done at {src.done_at:.6f}) past "
-                          f"its bound t={bound:.6f}; core says {pe.core.status(src.req.rid)}")
+                          f"its bound{after} t={bound:.6f}; core says "
+                          f"{pe.core.status(src.req.rid)}")
         # Reported once; give the blocks back so the run goes on.
         pe.engine.give_back(src)
         self.source_ended(src)
@@ -984,6 +1004,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(sharers)")
     ap.add_argument("--verify", action="store_true",
                     help="per-block checksums with the data (ConsumerConfig.verify)")
+    ap.add_argument("--transfer-timeout", type=float, default=None, metavar="S",
+                    help="the producer's transfer_timeout_s (default 0.4, below "
+                         "peer_timeout_s 1.0; the library's defaults and the soak's have it "
+                         "above: a silent consumer is lost before its WRITE is abandoned)")
     ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
     args = ap.parse_args(argv)
     if not args.verbose:   # the cores log every refused event; the checks say what matters
@@ -995,6 +1019,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tp < 1 or args.producers % args.tp or args.ctp < 1 or args.consumers % args.ctp:
         raise SystemExit("--producers must be a multiple of --tp, --consumers of --ctp")
     timings = Timings(verify=args.verify, tp=args.tp, ctp=args.ctp)
+    if args.transfer_timeout is not None:
+        if not 0 < args.transfer_timeout < 60:
+            raise SystemExit("--transfer-timeout takes seconds in (0, 60)")
+        timings = replace(timings, transfer_timeout_s=args.transfer_timeout)
     sim = Simulation(args.seed, producers=args.producers, consumers=args.consumers,
                      timings=timings,
                      requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
@@ -1006,9 +1034,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: python -m kvpush.testing.sim --requests {args.requests} "
               f"--seed {args.seed} --producers {args.producers} --consumers {args.consumers} "
               f"--faults {args.faults}" + (f" --rate {args.rate}" if args.rate else "")
+              + (f" --fault-rate {args.fault_rate}" if args.fault_rate is not None else "")
               + (" --verify" if args.verify else "")
               + (f" --tp {args.tp}" if args.tp > 1 else "")
-              + (f" --ctp {args.ctp}" if args.ctp > 1 else ""))
+              + (f" --ctp {args.ctp}" if args.ctp > 1 else "")
+              + (f" --transfer-timeout {args.transfer_timeout}"
+                 if args.transfer_timeout is not None else ""))
     print(sim.summary())
     return 1 if violations else 0
 
