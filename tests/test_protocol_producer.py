@@ -549,3 +549,50 @@ def test_a_registration_before_prefill_done_is_stamped_in_the_release() -> None:
     assert list(release.timings) == ["prefill_done", "held", "registered", "posted",
                                      "written", "released"], release.timings
     assert release.timings["registered"] == 0.0 < release.timings["prefill_done"]
+
+
+@pytest.mark.parametrize("aborted", [True, False])
+def test_a_write_abandoned_after_its_consumer_was_lost_is_not_fenced(aborted: bool) -> None:
+    """The soak's lost s1641 (seed 506; transfer_timeout_s 4 > peer_timeout_s 1.5): the
+    engine aborted a push whose WRITE hung in a link cut, the consumer was then lost
+    (silent), and the WRITE was abandoned later; the abort's Failed(unfenced) went to no
+    one and the owner waited in FENCING for an Abort that cannot come: the source was held
+    max_wait_s past its loss. It goes at once now, unsafe (the consumer may only be cut off
+    and see that WRITE land), as a FENCING owner lost does; without the abort too."""
+    h = Harness(transfer_timeout_s=4.0, max_wait_s=30.0, peer_timeout_s=1.5)
+    h.register("A", "r", 1, [2])
+    h.prefill("r", [1])
+    if aborted:
+        h.core.abort(h.now, "r", "engine gave up")
+        h.run()
+    h.advance(1.5)
+    h.core.peer_lost(h.now, "A", "no heartbeat for 1.5 s")
+    h.run()
+    assert h.releases() == []                # the WRITE may still read the blocks
+    out = h.advance(2.6)
+    (abandon,) = [e for e in out if isinstance(e, Abandon)]
+    h.core.transfer_ended(h.now, abandon.key, XferEnd.ABANDONED)
+    h.run()
+    reason = ReleaseReason.ABORTED if aborted else ReleaseReason.FAILED
+    assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(reason, False)]
+    assert h.releases()[0].quarantine_s == 4.0
+    assert h.sent(m.Failed) == []            # nothing goes to a consumer that is gone
+    assert any(isinstance(e, DropPeer) for e in h.effects)
+    assert h.core.held() == 0 and h.core.status("r") == "ended"
+
+
+def test_a_write_abandoned_because_its_consumer_reconnected_is_not_fenced() -> None:
+    """The same through a restarted (or reconnecting) consumer: peer_lost(abandon=True)
+    gives the WRITE up, and the new session will never acknowledge the old use's Failed.
+    It is known dead, so the blocks are safe (as for a FENCING owner it replaces)."""
+    h = Harness(transfer_timeout_s=4.0, max_wait_s=30.0)
+    h.register("A", "r", 1, [2])
+    h.prefill("r", [1])
+    h.core.abort(h.now, "r", "engine gave up")
+    h.run()
+    h.core.peer_lost(h.now, "A", "consumer reconnected", abandon=True)
+    (abandon,) = [e for e in h.run() if isinstance(e, Abandon)]
+    h.core.transfer_ended(h.now, abandon.key, XferEnd.ABANDONED)
+    h.run()
+    h.core.peer_up(h.now, "A", layout())
+    assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(ReleaseReason.ABORTED, True)]

@@ -13,7 +13,16 @@ import pytest
 from kvpush import messages as m
 from kvpush.protocol.effects import Emit, XferEnd
 from kvpush.request import RequestState, TransferMode, TransferResult
-from kvpush.testing import FakeMemory, FakeNixl, Faults, Network, Scheduler, Simulation, Transfer
+from kvpush.testing import (
+    FakeMemory,
+    FakeNixl,
+    Faults,
+    Network,
+    Scheduler,
+    Simulation,
+    Timings,
+    Transfer,
+)
 from kvpush.testing.sim import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -242,8 +251,6 @@ def test_regression_close_breaks_the_pullheld_promise() -> None:
 @pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
 @pytest.mark.parametrize(("tp", "ctp"), [(2, 1), (2, 2), (1, 4), (4, 2)])
 def test_sixteen_by_sixteen_with_ranks_real_cores(tp: int, ctp: int) -> None:
-    from kvpush.testing import Timings
-
     out = io.StringIO()
     faults = Faults.parse("stall,kill,dup,xerr,slow,abort,pabort,reuse,late,skew,claim")
     sim = Simulation(4, requests=800, producers=16, consumers=16, faults=faults, out=out,
@@ -263,13 +270,25 @@ def test_regression_released_early_then_aborted() -> None:
         assert not found, found
 
 
+def test_regression_fence_of_a_consumer_lost_before_its_write_was_abandoned() -> None:
+    """F6 (the soak's lost s1641): with transfer_timeout_s above peer_timeout_s (the
+    library's defaults and the soak's), an engine abort's WRITE hung in a cut was abandoned
+    after its consumer was lost; the owner was fenced for max_wait_s waiting for an Abort
+    that cannot come. Seeds 1 and 6 of these, and `python -m kvpush.testing.sim --requests
+    10000 --seed 16 --faults cut,pabort --fault-rate 6 --transfer-timeout 1.5`, before."""
+    faults = Faults(enabled=frozenset({"cut", "pabort"}), rate=6.0, pabort_p=0.3)
+    found = _first("never_released", "", faults, 2500, 8,
+                   timings=Timings(transfer_timeout_s=1.5))
+    assert not found, found
+
+
 @pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
 def test_regression_close_quarantine_shorter_than_a_cut() -> None:
     """Simulator finding F4: a Release with blocks_safe=False kept the blocks for
     transfer_timeout_s only, but a cut shorter than peer_timeout_s held the WRITE and the
     Bye longer; the WRITE copied the reuse and its Landed beat the Bye. The quarantine now
     lasts until the consumer would give the producer up (Release.quarantine_s)."""
-    from kvpush.testing import Timings
+
 
     out = io.StringIO()
     sim = Simulation(1, requests=400, producers=1, consumers=1, faults=Faults.parse("none"),

@@ -174,6 +174,9 @@ class _Share:
     errored: list[int] = field(default_factory=list)
     unfenced: bool = False
     acked: bool = False      # the consumer's Abort came: it trusts nothing more of this use
+    # Its consumer was lost while a WRITE was in flight: "silent" (it may only be cut off)
+    # or "dead" (peer_lost(abandon=True)). No Failed reaches it and no Abort will come.
+    lost: str = ""
     # A push that will not complete ends (message to the consumer, release reason, detail)
     # once no WRITE of it is in flight; message "ack" | a Failed code | "" (peer gone).
     end: tuple[str, ReleaseReason, str] | None = None
@@ -409,6 +412,7 @@ class ProducerCore:
                 if share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
                     self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
                 elif share.state is ShareState.WRITING:
+                    share.lost = "dead" if abandon else "silent"
                     self._end_push(req, share, "", ReleaseReason.FAILED,
                                    f"consumer lost: {why}")
                     if abandon:
@@ -1055,7 +1059,14 @@ class ProducerCore:
         message, reason, detail = share.end
         if reason is ReleaseReason.FAILED:
             self.stats["requests_failed"] += 1
-        if message == "ack":
+        if share.lost:
+            # Its consumer was lost before its WRITEs ended: nothing it is told arrives,
+            # and no Abort will acknowledge an abandoned WRITE, so there is nothing to
+            # fence (the soak's lost s1641: an engine abort's Failed "sent" after the loss
+            # fenced the source for max_wait_s). A consumer only cut off may still see that
+            # WRITE land late, as for a FENCING owner lost (peer_lost).
+            req.unsafe |= share.unfenced and share.lost == "silent" and not share.acked
+        elif message == "ack":
             self._send(share.peer, m.AbortAck(req.rid, share.xid, share.errored,
                                               share.unfenced))
         elif message:
