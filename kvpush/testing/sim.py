@@ -401,8 +401,12 @@ class Simulation:
             elif not src.handed:      # closed: the call raises ClosedError, the engine
                 pe.engine.give_back(src)  # keeps its blocks
                 self.source_ended(src)
-            else:                     # layers went to kvpush before the close: it
-                src.engine_done = True    # releases them (CLOSED); the engine then frees
+            elif not req.p_aborted:   # (aborted: the engine was done with them at the
+                # abort, and their release frees them: freeing here too was a double free,
+                # seed 9 --verify --transfer-timeout 1.5, 50,000 requests)
+                # layers went to kvpush before the close: it releases them (CLOSED); the
+                # engine then frees them
+                src.engine_done = True
                 if src.released:
                     pe.engine.give_back(src)
                     self.source_ended(src)
