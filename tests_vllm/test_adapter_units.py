@@ -67,7 +67,7 @@ def test_kernel_blocks_fold_into_logical_blocks() -> None:
 
 def test_unsupported_shape_is_refused() -> None:
     with pytest.raises(NotImplementedError, match="not supported"):
-        layout_from_kv_caches({"l.0": torch.zeros(64, 32, 128)}, block_size=32)
+        layout_from_kv_caches({"l.0": torch.zeros(3, 64, 32, 2, 64)}, block_size=32)
 
 
 # -- scheduler side --------------------------------------------------------------------------

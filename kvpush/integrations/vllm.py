@@ -384,7 +384,8 @@ def _engine_facts(vllm_config: Any, kv_cache_config: Any, config: AdapterConfig,
         dtype=str(model.dtype), num_layers=model.get_total_num_hidden_layers(),
         num_kv_heads=model.get_total_num_kv_heads(), head_size=model.get_head_size(),
         cache_dtype=str(cache.cache_dtype), attn_backend=backend, protocol=PROTOCOL_VERSION,
-        vllm_version=vllm_version)
+        vllm_version=vllm_version, cache_kind="mla" if model.use_mla else "kv")
     return EngineFacts(attn_backend=backend, kv_cache_layout=layout,
                        cache_dtype=str(cache.cache_dtype), identity=identity,
-                       total_kv_heads=int(model.get_total_num_kv_heads()))
+                       # MLA: one latent vector per token, whole on every rank
+                       total_kv_heads=1 if model.use_mla else int(model.get_total_num_kv_heads()))

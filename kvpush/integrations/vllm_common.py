@@ -49,7 +49,7 @@ from typing import Any
 
 from ..agent import TransportConfig
 from ..consumer import ConsumerConfig
-from ..layout import tp_routes
+from ..layout import replica_routes, tp_routes
 from ..producer import ProducerConfig
 from ..request import TransferMode
 
@@ -362,11 +362,14 @@ def packed_order(attn_backend: str, heads_first: bool) -> str:
 
 def engine_identity(*, model: str, revision: str | None, dtype: str, num_layers: int,
                     num_kv_heads: int, head_size: int, cache_dtype: str, attn_backend: str,
-                    protocol: int, vllm_version: tuple[int, int]) -> tuple[tuple[str, str], ...]:
+                    protocol: int, vllm_version: tuple[int, int], cache_kind: str = "kv"
+                    ) -> tuple[tuple[str, str], ...]:
     """The compatibility identity two instances must share to exchange KV: the model
-    (name or path, revision, dtype, layers, KV heads, head size), the cache dtype, the
-    attention backend, kvpush's protocol version and vLLM's (major, minor) version."""
+    (name or path, revision, dtype, layers, KV heads, head size), what its cache holds
+    (``cache_kind``: ``kv``, or ``mla``'s latent vectors), the cache dtype, the attention
+    backend, kvpush's protocol version and vLLM's (major, minor) version."""
     return tuple(sorted({
+        "cache_kind": cache_kind,
         "model": model,
         "revision": revision or "",
         "model_dtype": dtype.removeprefix("torch."),
@@ -508,13 +511,18 @@ class RemotePrefill:
         per rank."""
         return len(self.tickets if self.mode is TransferMode.PULL else self.producers)
 
-    def route(self, tp_size: int, tp_rank: int, total_kv_heads: int
+    def route(self, tp_size: int, tp_rank: int, total_kv_heads: int, replicated: bool = False
               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(prefill ranks, their sharer counts) that decode rank ``tp_rank`` of ``tp_size``
         takes its KV heads from (:func:`kvpush.layout.tp_routes`; ValueError if the two
-        TP sizes cannot share ``total_kv_heads`` heads)."""
+        TP sizes cannot share ``total_kv_heads`` heads). ``replicated`` (an MLA cache, whole
+        on every rank): one prefill rank per transfer
+        (:func:`kvpush.layout.replica_routes`)."""
         if not self.num_ranks:
             raise ValueError("the request names no prefill rank")
+        if replicated:
+            return replica_routes(self.num_ranks, tp_size,
+                                  self.transfer_id).of_consumer(tp_rank)
         return tp_routes(self.num_ranks, tp_size, total_kv_heads).of_consumer(tp_rank)
 
     def for_rank(self, tp_rank: int) -> RemotePrefill:

@@ -26,7 +26,15 @@ import numpy as np
 
 from ..consumer import Consumer
 from ..errors import KvpushError, PeerUnavailable
-from ..layout import DTYPE_SIZES, KVLayout, MemoryKind, Region, tp_routes, tp_shard
+from ..layout import (
+    DTYPE_SIZES,
+    KVLayout,
+    MemoryKind,
+    Region,
+    replica_routes,
+    tp_routes,
+    tp_shard,
+)
 from ..messages import PullTicket
 from ..producer import Producer
 from ..request import Release, ReleaseReason, TransferMode, TransferResult
@@ -146,6 +154,7 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
     views: list[_View] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
     kv_packed = True
+    cache_kind = "kv"
     heads = head_size = tokens = 0
     for name in names:
         t = kv_caches[name]
@@ -156,7 +165,24 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
         if key in seen:  # a layer sharing another layer's cache: moved once
             continue
         seen.add(key)
-        if t.dim() == 4:
+        if t.dim() == 3:
+            # MLA: [blocks, tokens, kv_lora_rank + rope_dim], one latent vector per token.
+            if views and cache_kind != "mla":
+                raise NotImplementedError(f"kvpush: layer {name}: an MLA (3-D) cache beside "
+                                          "K/V caches is not supported")
+            cache_kind = "mla"
+            _, tokens, head_size = (int(x) for x in t.shape)
+            heads = 1
+            views.append(_block_view(t, name))
+            if _axis_order(t, "NL") != "NL":
+                raise NotImplementedError(f"kvpush: layer {name}: an MLA block's latent "
+                                          f"vectors are not innermost (strides "
+                                          f"{tuple(t.stride())})")
+            order = "NL"
+        elif cache_kind == "mla":
+            raise NotImplementedError(f"kvpush: layer {name}: a K/V cache beside MLA (3-D) "
+                                      "caches is not supported")
+        elif t.dim() == 4:
             _, heads, tokens, content = (int(x) for x in t.shape)
             head_size = content // 2
             views.append(_block_view(t, name))
@@ -189,7 +215,8 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
         else:
             raise NotImplementedError(
                 f"kvpush: layer {name}: KV cache of shape {tuple(t.shape)} is not supported "
-                "(expected [blocks, heads, tokens, 2*head] or [2, blocks, tokens, heads, head])")
+                "(expected [blocks, heads, tokens, 2*head], [2, blocks, tokens, heads, head] "
+                "or MLA's [blocks, tokens, latent])")
     num_layers = len(views) // (1 if kv_packed else 2)
     physical = views[0].num_blocks
     per_logical = 1
@@ -231,7 +258,7 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                     dtype=dtype, kv_packed=kv_packed, layers_per_region=layers_per_region,
                     block_bytes=block_bytes, block_stride=stride, block_order=order,
                     kernel_tokens=tokens, identity=facts.identity, head_start=head_start,
-                    total_kv_heads=total)
+                    total_kv_heads=total, cache_kind=cache_kind)
 
 
 def _allow_amx() -> None:
@@ -374,8 +401,8 @@ class KVPushWorker:
         takes KV heads from: connected at start-up, while the engine is idle, instead of
         on the first request."""
         addresses = list(self.config.producers)
-        if not addresses or self.layout is None:
-            return addresses
+        if not addresses or self.layout is None or self.layout.replicated:
+            return addresses  # replicated (MLA): any prefill rank may be a transfer's source
         try:
             ranks = tp_routes(len(addresses), self.coords.tp_size,
                               self.layout.total_kv_heads).producers[self.coords.tp_rank]
@@ -446,12 +473,18 @@ class KVPushWorker:
                       "%.0f s; its blocks go back to vLLM while it may still read them",
                       transfer_id, req_id, self.config.transfer_timeout_s + 5.0)
 
-    def sends_from_here(self, num_prefill_ranks: int | None = None) -> bool:
+    def sends_from_here(self, num_prefill_ranks: int | None = None,
+                        transfer_id: str = "") -> bool:
         """Whether this prefill rank's blocks are taken by anyone: a rank that replicates KV
-        heads another rank sends (TP above the KV head count) sends nothing."""
+        heads another rank sends (TP above the KV head count) sends nothing; of a cache
+        every rank holds whole (MLA), one rank per transfer sends
+        (:func:`kvpush.layout.replica_routes`)."""
         layout = self.layout
         if layout is None:
             return True
+        if layout.replicated:
+            return replica_routes(num_prefill_ranks or self.coords.tp_size, 1,
+                                  transfer_id).sends(self.coords.tp_rank)
         try:
             routes = tp_routes(num_prefill_ranks or self.coords.tp_size, 1,
                                layout.total_kv_heads)
@@ -468,10 +501,10 @@ class KVPushWorker:
             import torch  # the forward may still be running on the GPU
 
             torch.cuda.current_stream().synchronize()
-        sending = self.sends_from_here()
         for send in sends:
             self._issued.add(send.req_id)
-            if not sending:  # nobody comes for a replica's blocks: vLLM may free them
+            # Nobody comes for a replica's blocks: vLLM may free them.
+            if not self.sends_from_here(transfer_id=send.transfer_id):
                 self._released.add(send.req_id)
                 continue
             try:
@@ -589,7 +622,8 @@ class KVPushWorker:
         # (Before registration, in tests: one head per rank.)
         total = self.layout.total_kv_heads if self.layout is not None else self.coords.tp_size
         try:
-            ranks, sharers = remote.route(self.coords.tp_size, self.tp_rank, total)
+            replicated = self.layout is not None and self.layout.replicated
+            ranks, sharers = remote.route(self.coords.tp_size, self.tp_rank, total, replicated)
             pull = remote.mode is TransferMode.PULL
             tickets = [PullTicket.from_bytes(remote.tickets[r]) for r in ranks] if pull else []
         except (ValueError, KvpushError) as exc:
