@@ -21,11 +21,13 @@ from kvpush.layout import replica_routes
 _ids = itertools.count()
 
 
-def test_mla_cache_tensors_make_a_latent_layout() -> None:
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(64, 16, 576,
-                                                               dtype=torch.bfloat16)
+@pytest.mark.parametrize("shape", [(64, 16, 576), (64, 1, 16, 576)])
+def test_mla_cache_tensors_make_a_latent_layout(shape: tuple[int, ...]) -> None:
+    """vLLM 0.32 hands the CPU MLA cache over as [blocks, 1, 16, 576] (its unified
+    [B, H, N, C] view); older shapes are [blocks, 16, 576]."""
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(*shape, dtype=torch.bfloat16)
               for i in range(3)}
-    facts = EngineFacts(attn_backend="CPU_MLA", total_kv_heads=1)
+    facts = EngineFacts(attn_backend="CPU_MLA", total_kv_heads=1, cache_kind="mla")
     for rank in (0, 1):  # every rank holds the whole latent
         lay = layout_from_kv_caches(caches, block_size=16, num_blocks=64, facts=facts,
                                     coords=RankCoords(tp_rank=rank, tp_size=2))

@@ -387,5 +387,6 @@ def _engine_facts(vllm_config: Any, kv_cache_config: Any, config: AdapterConfig,
         vllm_version=vllm_version, cache_kind="mla" if model.use_mla else "kv")
     return EngineFacts(attn_backend=backend, kv_cache_layout=layout,
                        cache_dtype=str(cache.cache_dtype), identity=identity,
+                       cache_kind="mla" if model.use_mla else "kv",
                        # MLA: one latent vector per token, whole on every rank
                        total_kv_heads=1 if model.use_mla else int(model.get_total_num_kv_heads()))

@@ -324,6 +324,10 @@ class EngineFacts:
     total_kv_heads
         The model's KV heads over all tensor-parallel ranks (0: unknown, the tensors hold
         them all).
+    cache_kind
+        ``"mla"`` when the model uses multi-head latent attention (vLLM's ``use_mla``):
+        its caches hold one latent vector per token, whatever shape vLLM gives them
+        (``[blocks, 1, tokens, latent]`` in vLLM 0.32's unified view); else ``"kv"``.
     """
 
     attn_backend: str = ""
@@ -331,6 +335,7 @@ class EngineFacts:
     cache_dtype: str = "auto"
     identity: tuple[tuple[str, str], ...] = ()
     total_kv_heads: int = 0
+    cache_kind: str = "kv"
 
     @property
     def heads_before_tokens(self) -> bool | None:

@@ -165,12 +165,18 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
         if key in seen:  # a layer sharing another layer's cache: moved once
             continue
         seen.add(key)
-        if t.dim() == 3:
-            # MLA: [blocks, tokens, kv_lora_rank + rope_dim], one latent vector per token.
+        latent = t.dim() == 3 or (facts.cache_kind == "mla" and t.dim() == 4
+                                  and t.shape[1] == 1)
+        if latent:
+            # MLA: [blocks, tokens, kv_lora_rank + rope_dim] (vLLM 0.32: [blocks, 1, tokens,
+            # latent], its unified [B, H, N, C] view with one "head"), one latent vector per
+            # token.
             if views and cache_kind != "mla":
-                raise NotImplementedError(f"kvpush: layer {name}: an MLA (3-D) cache beside "
-                                          "K/V caches is not supported")
+                raise NotImplementedError(f"kvpush: layer {name}: an MLA (latent) cache "
+                                          "beside K/V caches is not supported")
             cache_kind = "mla"
+            if t.dim() == 4:
+                t = t[:, 0]
             _, tokens, head_size = (int(x) for x in t.shape)
             heads = 1
             views.append(_block_view(t, name))
@@ -179,9 +185,9 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                                           f"vectors are not innermost (strides "
                                           f"{tuple(t.stride())})")
             order = "NL"
-        elif cache_kind == "mla":
-            raise NotImplementedError(f"kvpush: layer {name}: a K/V cache beside MLA (3-D) "
-                                      "caches is not supported")
+        elif cache_kind == "mla" or facts.cache_kind == "mla":
+            raise NotImplementedError(f"kvpush: layer {name}: a cache of shape "
+                                      f"{tuple(t.shape)} in an MLA model is not supported")
         elif t.dim() == 4:
             _, heads, tokens, content = (int(x) for x in t.shape)
             head_size = content // 2
