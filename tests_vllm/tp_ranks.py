@@ -73,8 +73,20 @@ def _serve(conn: Connection, role: str, tp_rank: int, tp_size: int, total: int,
                 plan, finished = arg
                 worker.handle_preemptions(plan)
                 worker.bind(plan)
+                for name in caches:       # the forward pass, layer by layer
+                    worker.save_layer(name)
                 worker.after_forward()
                 conn.send(worker.get_finished(finished))
+            elif cmd == "forward_layers":  # the first arg[1] layers of a step's forward
+                plan, layers = arg
+                worker.handle_preemptions(plan)
+                worker.bind(plan)
+                for name in list(caches)[:layers]:
+                    worker.save_layer(name)
+                conn.send(None)
+            elif cmd == "end_forward":    # the rest of that step: after_forward
+                worker.after_forward()
+                conn.send(worker.get_finished(arg))
             elif cmd == "errors":
                 conn.send(worker.take_load_errors())
             elif cmd == "poll":
@@ -87,6 +99,11 @@ def _serve(conn: Connection, role: str, tp_rank: int, tp_size: int, total: int,
                             if not torch.equal(head(t, d, h), pattern(i, s, start + h, kind)):
                                 bad.append((i, d, start + h))
                 conn.send(bad)
+            elif cmd == "landed":         # (dst, src, layer): that layer's blocks are right
+                dst, src, layer = arg
+                t = list(caches.values())[layer]
+                conn.send(all(torch.equal(head(t, d, h), pattern(layer, s_, start + h, kind))
+                              for d, s_ in zip(dst, src, strict=True) for h in range(n)))
             elif cmd == "scribble":       # vLLM reused these blocks for another request
                 for t in caches.values():
                     t[list(arg)] = -7.0
@@ -128,7 +145,7 @@ class Rank:
     def call(self, cmd: str, arg: Any = None, timeout: float = 60) -> Any:
         self.conn.send((cmd, arg))
         out = self._recv(timeout)
-        if cmd in ("step", "poll"):
+        if cmd in ("step", "poll", "end_forward"):
             self.reported[0].update(out[0])
             self.reported[1].update(out[1])
         return out

@@ -261,7 +261,10 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        pass  # the producer sends whole requests, from wait_for_save
+        # Layer-wise push (``layerwise``): the layer's KV is written; it travels now.
+        # Otherwise the producer sends whole requests, from wait_for_save.
+        if self._config.layerwise:
+            self._w().save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self._w().after_forward()

@@ -55,6 +55,7 @@ from ..request import TransferMode
 
 __all__ = [
     "PARAM_ID",
+    "PARAM_LAYERWISE",
     "PARAM_MODE",
     "PARAM_NUM_TOKENS",
     "PARAM_PRODUCERS",
@@ -82,6 +83,7 @@ PARAM_MODE = "kvpush_mode"
 PARAM_PRODUCERS = "kvpush_producers"
 PARAM_TICKETS = "kvpush_tickets"
 PARAM_NUM_TOKENS = "kvpush_num_tokens"
+PARAM_LAYERWISE = "kvpush_layerwise"
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,15 @@ class AdapterConfig:
         The model's name in the compatibility identity (default: vLLM's ``--model``, as
         vLLM's NIXL connector does); set it when the two instances load one checkpoint from
         different paths.
+    layerwise
+        Layer-wise push. Prefill side: every layer of a request whose last prefill chunk
+        runs is handed to ``Producer.layer_done`` as soon as vLLM's forward pass has
+        written it (``save_kv_layer``), so layer ``i`` travels while layer ``i + 1``
+        computes; the response says so (``kvpush_layerwise``). Decode side: push requests
+        are registered layer by layer (``Consumer.expect(..., layerwise=True)``; a request's
+        ``kvpush_layerwise`` overrides it). Either side alone is correct with the other
+        side whole-request: a layer-wise registration is completed by ``prefill_done``,
+        and ``layer_done`` calls are ignored by a whole-request registration.
     """
 
     host: str = "127.0.0.1"
@@ -141,6 +152,7 @@ class AdapterConfig:
     auth_key_env: str | None = None
     advertise_host: str | None = None
     model_id: str | None = None
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))
@@ -428,17 +440,22 @@ def prefill_params(transfer_id: str, mode: TransferMode | str) -> dict[str, Any]
             PARAM_MODE: TransferMode(mode).value}
 
 
-def decode_params(transfer_id: str, producers: Sequence[str]) -> dict[str, Any]:
+def decode_params(transfer_id: str, producers: Sequence[str], *,
+                  layerwise: bool | None = None) -> dict[str, Any]:
     """``kv_transfer_params`` a router sends to the decode instance in push mode (in pull
-    mode it forwards the prefill's response instead)."""
-    return {"do_remote_prefill": True, PARAM_ID: transfer_id,
-            PARAM_MODE: TransferMode.PUSH.value, PARAM_PRODUCERS: list(producers)}
+    mode it forwards the prefill's response instead). ``layerwise``: register layer by
+    layer (None: the decode instance's ``layerwise`` setting)."""
+    out = {"do_remote_prefill": True, PARAM_ID: transfer_id,
+           PARAM_MODE: TransferMode.PUSH.value, PARAM_PRODUCERS: list(producers)}
+    if layerwise is not None:
+        out[PARAM_LAYERWISE] = bool(layerwise)
+    return out
 
 
 def response_params(transfer_id: str, mode: TransferMode, producers: Sequence[str],
                     num_tokens: int, tickets: Sequence[bytes] = (), *,
                     request_id: str = "", engine_id: str = "", block_ids: Sequence[int] = (),
-                    ) -> dict[str, Any]:
+                    layerwise: bool = False) -> dict[str, Any]:
     """What the prefill instance returns (vLLM puts it in the response's
     ``kv_transfer_params``): kvpush's keys, and vLLM's NIXL keys naming the same things
     (rank 0's host and port, the block ids, the TP size) for routers that read those."""
@@ -454,6 +471,8 @@ def response_params(transfer_id: str, mode: TransferMode, producers: Sequence[st
         out["remote_host"], out["remote_port"] = host, port
     if tickets:
         out[PARAM_TICKETS] = [_encode_ticket(t) for t in tickets]
+    if layerwise:
+        out[PARAM_LAYERWISE] = True
     return out
 
 
@@ -479,6 +498,8 @@ class RemotePrefill:
     mode: TransferMode
     producers: tuple[str, ...] = ()
     tickets: tuple[bytes, ...] = ()
+    #: register layer by layer (push): the request's ``kvpush_layerwise``, None if absent
+    layerwise: bool | None = None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any], default_mode: TransferMode,
@@ -508,7 +529,10 @@ class RemotePrefill:
         if mode is TransferMode.PULL and not tickets:
             raise ValueError(f"pull needs {PARAM_TICKETS!r} (the prefill's response, as it "
                              "came)")
-        return cls(transfer_id, mode, tuple(producers), tickets)
+        layerwise = params.get(PARAM_LAYERWISE)
+        if layerwise is not None and not isinstance(layerwise, bool):
+            raise ValueError(f"{PARAM_LAYERWISE!r} must be true or false, got {layerwise!r}")
+        return cls(transfer_id, mode, tuple(producers), tickets, layerwise)
 
     @property
     def num_ranks(self) -> int:
@@ -538,8 +562,10 @@ class RemotePrefill:
             raise ValueError(f"the request names {count} producer rank(s); decode rank "
                              f"{tp_rank} has none (prefill and decode TP sizes must match)")
         if self.mode is TransferMode.PULL:
-            return RemotePrefill(self.transfer_id, self.mode, (), (self.tickets[tp_rank],))
-        return RemotePrefill(self.transfer_id, self.mode, (self.producers[tp_rank],), ())
+            return RemotePrefill(self.transfer_id, self.mode, (), (self.tickets[tp_rank],),
+                                 self.layerwise)
+        return RemotePrefill(self.transfer_id, self.mode, (self.producers[tp_rank],), (),
+                             self.layerwise)
 
 
 def _vllm_producers(params: Mapping[str, Any]) -> list[str]:

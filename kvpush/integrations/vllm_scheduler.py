@@ -217,7 +217,8 @@ class KVPushScheduler:
             tickets = [(t if key is None else t.seal(key)).to_bytes() for t in plain]
         return response_params(send.transfer_id, send.mode, producers, send.num_tokens, tickets,
                                request_id=send.req_id, engine_id=self.engine_id,
-                               block_ids=send.src)
+                               block_ids=send.src,
+                               layerwise=self.config.layerwise and send.mode is TransferMode.PUSH)
 
     # -- per step --------------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:

@@ -267,6 +267,22 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                     total_kv_heads=total, cache_kind=cache_kind)
 
 
+def layer_indices(kv_caches: Mapping[str, Any]) -> dict[str, int]:
+    """vLLM's layer names -> the layer index of their cache in the layout
+    :func:`layout_from_kv_caches` builds (the same order). A layer that shares another
+    layer's cache is left out: that cache is reported once, by its owner."""
+    out: dict[str, int] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name in sorted(kv_caches, key=_natural_key):
+        t = kv_caches[name]
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = len(out)
+    return out
+
+
 def _allow_amx() -> None:
     """Let this process use Intel AMX tile registers (Linux ``arch_prctl``).
 
@@ -351,6 +367,10 @@ class KVPushWorker:
         self._quarantined: dict[str, float] = {}
         self._finished: set[str] = set()                       # req ids finished in vLLM
         self._issued: set[str] = set()                         # req ids not yet reported
+        # layer-wise push: vLLM layer name -> layer index, and this step's (transfer id,
+        # source blocks) of the push sends this rank makes
+        self._layers: dict[str, int] = {}
+        self._layer_sends: list[tuple[str, np.ndarray]] = []
 
     # -- set-up ----------------------------------------------------------------------------
     @property
@@ -372,6 +392,13 @@ class KVPushWorker:
         tp_rank = self.tp_rank
         self.layout = layout_from_kv_caches(kv_caches, self.block_size, self.num_blocks, facts,
                                             self.coords)
+        if self.config.layerwise and self.is_producer:
+            if self.layout.layers_per_region != 1:
+                log.warning("kvpush: layerwise is set, but this cache holds %d layers per "
+                            "region (one allocation, layers inside each block): whole "
+                            "requests are pushed", self.layout.layers_per_region)
+            else:
+                self._layers = layer_indices(kv_caches)
         if self.layout.kind is MemoryKind.DRAM:
             _allow_amx()
         key = self.config.auth_key()
@@ -445,6 +472,26 @@ class KVPushWorker:
             for transfer_id in plan.send_aborts:
                 self.producer.abort(transfer_id, "request ended on the prefill instance")
         self._to_send = list(plan.send)
+        self._layer_sends = [
+            (s.transfer_id, np.asarray(s.src, np.int64)) for s in self._to_send
+            if self._layers and s.mode is TransferMode.PUSH and s.src
+            and self.sends_from_here(transfer_id=s.transfer_id)]
+
+    def save_layer(self, layer_name: str) -> None:
+        """Layer-wise push (``layerwise``; from vLLM's ``save_kv_layer``, right after the
+        layer's attention wrote its KV): this step's push sends get that layer written now,
+        while the next layers compute. ``prefill_done`` after the forward still covers every
+        layer (and any not reported)."""
+        if not self._layer_sends or self.producer is None:
+            return
+        layer = self._layers.get(layer_name)
+        if layer is None:
+            return
+        for transfer_id, src in self._layer_sends:
+            try:
+                self.producer.layer_done(transfer_id, src, layer)
+            except (KvpushError, ValueError) as exc:  # prefill_done still sends it whole
+                log.warning("kvpush: layer_done(%r, %d) failed: %s", transfer_id, layer, exc)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the forward pass (vLLM calls this first): requests vLLM preempted after
@@ -501,6 +548,7 @@ class KVPushWorker:
     def after_forward(self) -> None:
         """After the forward pass: this step's finished prefills hand their blocks over."""
         sends, self._to_send = self._to_send, []
+        self._layer_sends = []
         if not sends or self.producer is None:
             return
         if self.producer.layout.kind is MemoryKind.VRAM:
@@ -663,7 +711,10 @@ class KVPushWorker:
         try:
             if not pull:
                 # A decode-side prefix-cache hit needs only the last blocks.
-                self.consumer.expect(tid, dst, names, source_tail=True, sharers=list(sharers))
+                layerwise = self.config.layerwise if remote.layerwise is None \
+                    else remote.layerwise
+                self.consumer.expect(tid, dst, names, source_tail=True, sharers=list(sharers),
+                                     layerwise=layerwise)
             else:
                 self.consumer.pull(tickets, dst, source_tail=True, sharers=list(sharers))
         except (KvpushError, ValueError) as exc:
