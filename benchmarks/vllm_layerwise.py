@@ -8,8 +8,8 @@ behind ``examples/vllm/router.py``. Each request is pushed either registered lay
 long prompts, so both see the same machine. TTFT is the client's send -> first streamed
 token through the router. Tokens of both ways must be equal.
 
-Writes ``vllm_layerwise_ttft_over_whole`` (layer-wise TTFT p50 / whole-request TTFT p50,
-pooled over lengths; lower is better) and a ``vllm_layerwise`` section into
+Writes ``vllm_layerwise_ttft_over_whole`` (layer-wise TTFT p50 / whole-request TTFT p50 per
+prompt length, geometric mean over lengths; lower is better) and a ``vllm_layerwise`` section into
 ``benchmarks/results/vllm_compare.json``, keeping every other key there.
 
 Run: ``.venv-vllm/bin/python benchmarks/vllm_layerwise.py`` (``bash .ci/bootstrap-vllm``
@@ -139,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
         handed = "layer-wise push: layer 0" in prefill.log.read_text()
     finally:
         fleet.stop()
-    pooled = {way: [t for ts in by_len.values() for t in ts] for way, by_len in ttft.items()}
+    # Per length, layer-wise p50 over whole p50; the key is their geometric mean (a median
+    # pooled over lengths would fall between two lengths' clusters).
+    ratios = {str(n): statistics.median(ttft["layerwise"][n]) / statistics.median(ts)
+              for n, ts in ttft["whole"].items()}
     summary: dict[str, Any] = {
-        KEY: round(statistics.median(pooled["layerwise"])
-                   / statistics.median(pooled["whole"]), 3),
+        KEY: round(statistics.geometric_mean(ratios.values()), 3),
+        "ratio_by_length": {n: round(r, 3) for n, r in ratios.items()},
         "ttft_p50_ms": {way: {str(n): p50_ms(ts) for n, ts in by_len.items()}
                         for way, by_len in ttft.items()},
-        "ttft_p50_ms_pooled": {way: p50_ms(ts) for way, ts in pooled.items()},
         "ttft_ms": {way: {str(n): [round(1e3 * t, 1) for t in ts] for n, ts in by_len.items()}
                     for way, by_len in ttft.items()},
         "token_mismatches": mismatched,
