@@ -6,6 +6,11 @@ pair (prefill on core 0, decode on core 1) and stops it by pid.
   (block size forced to 16, no chunked prefill, no prefix caching); the cache is one latent
   tensor per layer (``cache_kind="mla"``). Its prefill instance pushes layer-wise
   (``layerwise``): push requests registered whole and layer by layer, and pulls.
+* sliding window + full attention alternating (``gemma2``, window 64 tokens): kvpush is not
+  ``SupportsHMA`` yet, so vLLM turns its hybrid memory allocator off and serves the model
+  with one KV cache group: every prompt block of every layer moves (the sliding-window
+  layers' too), and the tokens equal a colocated instance's (which runs with the hybrid
+  allocator on).
 """
 
 from __future__ import annotations
@@ -120,3 +125,11 @@ def test_mla_tokens_match_colocated(workdir: Path) -> None:
         assert "CPU_MLA" in log and "block order NL" in log, "not an MLA cache"
         check_tokens(router, decode, want, MODES)
         assert "layer-wise push: layer 0" in prefill.log.read_text()
+
+
+def test_sliding_window_tokens_match_colocated(workdir: Path) -> None:
+    model = model_of("gemma2", workdir)
+    want = reference_of(model, workdir)
+    with disagg(model, workdir, "gemma2") as (router, prefill, decode):
+        assert "Turning off hybrid kv cache manager" in prefill.log.read_text()
+        check_tokens(router, decode, want)

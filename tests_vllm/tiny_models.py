@@ -47,7 +47,8 @@ def _config(kind: str):  # type: ignore[no-untyped-def]
             vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             sliding_window=WINDOW, max_position_embeddings=4096, rms_norm_eps=1e-5,
-            tie_word_embeddings=True,   # vLLM's Gemma2 always ties them bos_token_id=1, eos_token_id=2, pad_token_id=3,
+            tie_word_embeddings=True,   # vLLM's Gemma2 always ties them
+            bos_token_id=1, eos_token_id=2, pad_token_id=3,
             final_logit_softcapping=None, attn_logit_softcapping=None,
             torch_dtype="bfloat16")
     raise ValueError(f"unknown kind {kind!r}")

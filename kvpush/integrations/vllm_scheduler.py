@@ -90,9 +90,16 @@ class KVPushScheduler:
         self.is_consumer: bool = bool(ktc.is_kv_consumer)
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None and len(groups) > 1:
+            # kvpush is not SupportsHMA: vLLM turns its hybrid allocator off for it (one
+            # group), unless told otherwise -- or unless the model cannot run without it.
+            kinds = [type(getattr(g, "kv_cache_spec", g)).__name__ for g in groups]
             raise NotImplementedError(
                 f"kvpush supports models with one KV cache group; this one has {len(groups)} "
-                "(hybrid or sliding-window models)")
+                f"({', '.join(kinds)}): vLLM's hybrid memory allocator gives each group its "
+                "own block ids and memory, which kvpush's layout (one block id space over "
+                "every layer) cannot name; sliding-window models run with "
+                "--disable-hybrid-kv-cache-manager (every block moves), SSM/Mamba state "
+                "transfer is not implemented")
         self._kv_manager: Any = None
         self._ranks: dict[int, RankInfo] = {}
         # prefill side
