@@ -195,7 +195,8 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         elif role == KVConnectorRole.WORKER:
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._worker = KVPushWorker(config, ktc.kv_role, ktc.engine_id,
-                                        vllm_config.cache_config.block_size, num_blocks)
+                                        vllm_config.cache_config.block_size, num_blocks,
+                                        getattr(ktc, "kv_buffer_device", None))
         else:
             raise ValueError(f"kvpush: unknown KVConnectorRole {role!r}")
 

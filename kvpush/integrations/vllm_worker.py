@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ from .vllm_common import (
     packed_order,
     split_address,
 )
+from .vllm_staging import DONE, HostStaging, Readiness, record_event
 
 __all__ = ["KVPushWorker", "layout_from_kv_caches"]
 
@@ -331,11 +333,22 @@ class KVPushWorker:
         vLLM's block size (tokens).
     num_blocks
         vLLM's logical number of KV blocks (``kv_cache_config.num_blocks``), or None.
+    kv_buffer_device
+        vLLM's ``kv_buffer_device``: ``"cpu"`` with CUDA caches stages them through pinned
+        host mirrors (:class:`~kvpush.integrations.vllm_staging.HostStaging`) that kvpush
+        registers instead of the VRAM; anything else registers the caches themselves.
     """
 
     def __init__(self, config: AdapterConfig, role: str, engine_id: str, block_size: int,
-                 num_blocks: int | None) -> None:
+                 num_blocks: int | None, kv_buffer_device: str | None = None) -> None:
         self.config = config
+        self.kv_buffer_device = kv_buffer_device
+        self.device_type = "cpu"                                # of vLLM's cache tensors
+        self.staging: HostStaging | None = None
+        # GPU: hand-overs wait for their own CUDA event, off the engine's thread
+        self._ready = Readiness()
+        self._handover_failed: list[str] = []                  # transfer ids (any thread)
+        self._h2d: list[tuple[Any, str]] = []                  # (copy event, req id) to report
         self.role = role
         self.engine_id = engine_id
         self.block_size = block_size
@@ -391,7 +404,15 @@ class KVPushWorker:
         self.coords = coords or RankCoords(tp_rank=tp_rank, tp_size=tp_rank + 1)
         self.tp_rank = self.coords.tp_rank
         tp_rank = self.tp_rank
-        self.layout = layout_from_kv_caches(kv_caches, self.block_size, self.num_blocks, facts,
+        first = next(iter(kv_caches.values()), None)
+        self.device_type = str(getattr(getattr(first, "device", None), "type", "cpu"))
+        registered = kv_caches
+        if self.kv_buffer_device == "cpu" and self.device_type == "cuda":
+            self.staging = HostStaging(kv_caches)
+            registered = self.staging.host
+            log.info("kvpush: kv_buffer_device cpu: %.1f MiB of pinned host mirrors; blocks "
+                     "are staged on a side stream", self.staging.nbytes / 2**20)
+        self.layout = layout_from_kv_caches(registered, self.block_size, self.num_blocks, facts,
                                             self.coords)
         if self.config.layerwise and self.is_producer:
             if self.layout.layers_per_region != 1:
@@ -488,16 +509,27 @@ class KVPushWorker:
         layer = self._layers.get(layer_name)
         if layer is None:
             return
+        # GPU: the layer's kernels may still be queued; its event says when it is written
+        # (and, staged, copied to the host mirror).
+        computed = record_event(self.device_type)
         for transfer_id, src in self._layer_sends:
-            try:
-                self.producer.layer_done(transfer_id, src, layer)
-            except (KvpushError, ValueError) as exc:  # prefill_done still sends it whole
-                log.warning("kvpush: layer_done(%r, %d) failed: %s", transfer_id, layer, exc)
-            else:
-                if not self._layer_logged:
-                    self._layer_logged = True
-                    log.info("kvpush: layer-wise push: layer %d (%s) of %r handed over "
-                             "during the forward pass", layer, layer_name, transfer_id)
+            ready = computed if self.staging is None else self.staging.to_host(
+                src.tolist(), after=computed, layers=[layer_name])
+            self._ready.when_ready(ready, partial(self._layer_over, transfer_id, src, layer,
+                                                  layer_name))
+
+    def _layer_over(self, transfer_id: str, src: np.ndarray, layer: int,
+                    layer_name: str) -> None:
+        assert self.producer is not None
+        try:
+            self.producer.layer_done(transfer_id, src, layer)
+        except (KvpushError, ValueError) as exc:  # prefill_done still sends it whole
+            log.warning("kvpush: layer_done(%r, %d) failed: %s", transfer_id, layer, exc)
+            return
+        if not self._layer_logged:
+            self._layer_logged = True
+            log.info("kvpush: layer-wise push: layer %d (%s) of %r handed over during the "
+                     "forward pass", layer, layer_name, transfer_id)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the forward pass (vLLM calls this first): requests vLLM preempted after
@@ -557,32 +589,46 @@ class KVPushWorker:
         self._layer_sends = []
         if not sends or self.producer is None:
             return
-        if self.producer.layout.kind is MemoryKind.VRAM:
-            import torch  # the forward may still be running on the GPU
-
-            torch.cuda.current_stream().synchronize()
+        # GPU: the forward may still be running; no stream is synchronised here: each
+        # request is handed over when this step's compute event (and, staged, its blocks'
+        # copy to the host mirror) has completed, off this thread. CPU: at once.
+        computed = record_event(self.device_type)
         for send in sends:
             self._issued.add(send.req_id)
             # Nobody comes for a replica's blocks: vLLM may free them.
             if not self.sends_from_here(transfer_id=send.transfer_id):
                 self._released.add(send.req_id)
                 continue
-            try:
-                self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
-                                           send.mode, sid=send.sid or None)
-            except (KvpushError, ValueError) as exc:
-                log.error("kvpush: prefill_done(%r) failed: %s; its blocks are released",
-                          send.transfer_id, exc)
-                self._released.add(send.req_id)
-                self._stats.data["num_send_failed"].append(1)
-                continue
             self._sending[send.transfer_id] = send.req_id
+            ready = computed if self.staging is None else self.staging.to_host(
+                send.src, after=computed)
+            self._ready.when_ready(ready, partial(self._hand_over, send))
+        self._drain_handover_failures()
+
+    def _hand_over(self, send: Any) -> None:
+        """(Engine or readiness thread.) The request's KV is in memory: kvpush may move it."""
+        assert self.producer is not None
+        try:
+            self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
+                                       send.mode, sid=send.sid or None)
+        except (KvpushError, ValueError) as exc:
+            log.error("kvpush: prefill_done(%r) failed: %s; its blocks are released",
+                      send.transfer_id, exc)
+            self._handover_failed.append(send.transfer_id)   # list.append: atomic
+
+    def _drain_handover_failures(self) -> None:
+        while self._handover_failed:
+            req_id = self._sending.pop(self._handover_failed.pop(), None)
+            if req_id is not None:
+                self._released.add(req_id)
+                self._stats.data["num_send_failed"].append(1)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose source blocks may be freed, requests whose load ended)."""
         self._pump_connections()
         sending: set[str] = set()
         if self.producer is not None:
+            self._drain_handover_failures()
             self._finished |= finished_req_ids & self._issued
             for release in self.producer.get_released():
                 self._on_release(release)
@@ -598,6 +644,14 @@ class KVPushWorker:
         if self.consumer is not None:
             for result in self.consumer.get_finished():
                 self._on_result(result)
+            if self._h2d:  # staged: reported once the copy to the device has completed
+                waiting = []
+                for event, req_id in self._h2d:
+                    if event.query():
+                        self._recv_done.add(req_id)
+                    else:
+                        waiting.append((event, req_id))
+                self._h2d = waiting
         recving, self._recv_done = self._recv_done, set()
         return sending, recving
 
@@ -616,6 +670,7 @@ class KVPushWorker:
         return None if self._stats.is_empty() else self._stats.take()
 
     def shutdown(self) -> None:
+        self._ready.close()
         for endpoint in (self.consumer, self.producer):
             if endpoint is not None:
                 try:
@@ -783,6 +838,12 @@ class KVPushWorker:
                       "blocks %s may still receive bytes after vLLM reuses them", recv.req_id,
                       list(recv.dst)[:16])
         if recv.report:
+            if result.ok and self.staging is not None and recv.dst:
+                # Landed in the host mirror: copy to the device before vLLM reads it.
+                event = self.staging.to_device(recv.dst)
+                if event is not DONE:
+                    self._h2d.append((event, recv.req_id))
+                    return
             self._recv_done.add(recv.req_id)
 
     def _fail(self, recv: RecvPlan, error: Exception) -> None:
