@@ -172,12 +172,14 @@ class _Producer:
 
 @dataclass
 class _Claim:
-    """A pull promised (``Consumer.claim``) and not begun, as the engine's threads see it:
-    the transfer id a pull of the same tickets continues."""
+    """A transfer promised (``Consumer.claim`` / ``claim_push``) and not begun, as the
+    engine's threads see it: the transfer id a pull of the same tickets (an expect from the
+    same producers) continues."""
 
     xid: int
-    sids: dict[str, int]   # producer name -> sid
-    sharers: list[int]     # per ticket
+    sids: dict[str, int]   # producer name -> sid (0: push)
+    sharers: list[int]     # per ticket (per producer)
+    push: bool = False
 
 
 class _AgentLinks:
@@ -298,7 +300,14 @@ class Consumer(Endpoint):
         timeout = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "expect timeout")
         groups = self.layout.num_layers if layerwise else 1
-        handle = TransferHandle(rid, TransferMode.PUSH, new_xid())
+        with self._claims_lock:
+            claim = self._claims.pop(rid, None)
+        if claim is not None and (not claim.push or list(claim.sids) != names):
+            stale = claim  # claimed otherwise (a pull, other producers): give it up
+            self._call_soon(lambda: self._abort_claim(rid, stale, "claim superseded"))
+            claim = None
+        handle = TransferHandle(rid, TransferMode.PUSH,
+                                claim.xid if claim is not None else new_xid())
         self._call_soon(lambda: self._register(handle, ids, names, timeout, groups,
                                                source_tail, shares))
         return handle
@@ -349,7 +358,8 @@ class Consumer(Endpoint):
                                       f"blocks but block_ids has {len(dst)}")
         with self._claims_lock:
             claim = self._claims.pop(rid, None)
-        if claim is not None and claim.sids != {t.producer: t.sid for t in parsed}:
+        if claim is not None and (claim.push or
+                                  claim.sids != {t.producer: t.sid for t in parsed}):
             # Claimed from another source use (an earlier prefill of this id): give it up.
             stale = claim
             self._call_soon(lambda: self._abort_claim(rid, stale, "claim superseded"))
@@ -383,6 +393,32 @@ class Consumer(Endpoint):
                 raise InvalidBlockIds(f"request {rid!r} is already claimed")
             self._claims[rid] = claim
         self._call_soon(lambda: self._claim(parsed, claim))
+        return claim.xid
+
+    def claim_push(self, request_id: str, producers: str | Sequence[str], *,
+                   sharers: int | Sequence[int] = 1) -> int:
+        """Push later: this consumer will :meth:`expect` ``request_id`` from ``producers``
+        (names from :meth:`connect`) but has no blocks for it yet (its engine queues the
+        request). Asks each producer to hold the request's source past its lease while
+        this consumer is connected (its heartbeats keep it so; bounded by the producer's
+        ``max_wait_s``), whether its prefill is done yet or not. A later :meth:`expect` of
+        the same request from the same producers continues the claim; :meth:`abort` gives
+        it up, and so does this consumer's loss or close (the producer then releases the
+        blocks). Returns at once with the claim's transfer id (the expect's ``xid``)."""
+        rid = self._check_request_id(request_id)
+        names = [producers] if isinstance(producers, str) else list(producers)
+        if not names:
+            raise ValueError("claim_push needs at least one producer")
+        shares = sharer_counts(sharers, len(names), "producers")
+        unknown = [n for n in names if n not in self._by_name]
+        if unknown:
+            raise PeerUnavailable(f"not connected to {unknown} (connect first)")
+        claim = _Claim(new_xid(), dict.fromkeys(names, 0), shares, push=True)
+        with self._claims_lock:
+            if rid in self._claims:
+                raise InvalidBlockIds(f"request {rid!r} is already claimed")
+            self._claims[rid] = claim
+        self._call_soon(lambda: self._claim_push(rid, names, claim))
         return claim.xid
 
     def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
@@ -704,6 +740,10 @@ class Consumer(Endpoint):
 
     def _claim(self, tickets: list[m.PullTicket], claim: _Claim) -> None:
         self._core.claim(time.monotonic(), tickets, claim.sharers, claim.xid)
+        self._apply()
+
+    def _claim_push(self, rid: str, names: list[str], claim: _Claim) -> None:
+        self._core.claim_push(time.monotonic(), rid, names, claim.sharers, claim.xid)
         self._apply()
 
     def _abort_claim(self, rid: str, claim: _Claim, reason: str) -> None:

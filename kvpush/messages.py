@@ -207,14 +207,20 @@ class PullBegin(_Msg, tag="pull_begin", frozen=True):
 
 
 class Claim(_Msg, tag="claim", frozen=True):
-    """Consumer -> producer (pull): this consumer will READ source use ``sid`` but cannot
-    yet (e.g. its engine has no free blocks): hold the blocks past the ticket's lease while
-    this consumer is alive and renews it (heartbeats), or until it pulls or gives up."""
+    """Consumer -> producer: this consumer will take a share of ``request_id`` but cannot
+    yet (e.g. its engine has no free blocks): hold the source past its lease while this
+    consumer is alive (its heartbeats keep it so), or until it takes it or gives up.
+
+    Pull (``push`` false): the READ of source use ``sid`` (a ticket's) follows as a
+    ``PullBegin`` with the same ``xid``. Push (``push`` true, ``sid`` 0: the consumer knows
+    no source use yet): a ``Register`` with the same ``xid`` follows, before or after the
+    prefill is done."""
 
     request_id: RequestId
     xid: Id
     sid: Id
     sharers: Sharers = 1
+    push: bool = False
 
 
 class Heartbeat(_Msg, tag="hb", frozen=True):

@@ -405,3 +405,32 @@ def test_random_events_never_break_the_promises(seed: int) -> None:
         collect()
     assert c.pending == 0 and c.next_deadline() is None
     assert set(got) == set(uses), "a use without a result"
+
+
+def test_a_push_claim_becomes_the_registration_or_is_given_up() -> None:
+    """Issue 14: claim_push announces the push (no blocks yet); the expect with its xid
+    continues it; an expect that cannot start gives the held source up at the producer."""
+    c = core()
+    assert c.claim_push(0.0, "p", [P], 2, 21) == 21
+    assert sends(c.drain()) == [m.Claim("p", 21, 0, 2, push=True)]
+    assert c.status("p") == "claimed"
+    c.expect(0.5, "p", np.array([1, 2]), [P], 10.0, sharers=2, xid=21)
+    (register,) = sends(c.drain())
+    assert isinstance(register, m.Register) and register.xid == 21
+    assert c.status("p") == "pushing"
+    # A claim the producer refuses is dropped (its Failed is not a result of anything).
+    c.claim_push(0.0, "q", [P], xid=31)
+    c.drain()
+    c.on_message(0.1, P, m.Failed("q", 31, "lease_expired", "released"))
+    assert c.status("q") == "none" and c.drain() == []
+    # A claimed push whose expect fails at once (producer lost since) gives the claim up.
+    c.claim_push(0.0, "s", [P, Q], xid=41)
+    c.drain()
+    c.peer_lost(0.2, Q, "gone")       # its claim goes with it ...
+    assert c.status("s") == "none"
+    c.claim_push(0.3, "t", [P], xid=51)
+    c.drain()
+    c.expect(0.4, "t", np.array([3]), [P, Q], 10.0, xid=51)   # Q is not connected
+    effects = c.drain()
+    assert sends(effects) == [m.Abort("t", 51, "expect failed")]
+    assert results(effects)[0].state is RequestState.FAILED

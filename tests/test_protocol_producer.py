@@ -366,6 +366,88 @@ def test_a_claimer_lost_gives_its_share_up() -> None:
     assert [r.reason for r in h.releases()] == [ReleaseReason.FAILED]
 
 
+@pytest.mark.parametrize("claim_first", [True, False])
+def test_a_push_claim_holds_the_source_past_its_lease_until_it_registers(
+        claim_first: bool) -> None:
+    """Issue 14 (leases renewed): a decode request queued for blocks claims its push; the
+    source outlives the lease, and the registration with the claim's xid takes it."""
+    h = Harness(lease_s=1.0)
+    claim = m.Claim("r", 4, 0, push=True)
+    if claim_first:                        # claimed while prefill is still running
+        h.core.on_message(h.now, "A", claim)
+        h.prefill("r", [5, 6])
+    else:
+        h.prefill("r", [5, 6])
+        h.core.on_message(h.now, "A", claim)
+    h.advance(5.0)                         # far past the lease
+    assert h.releases() == [] and h.sent(m.Failed) == []
+    assert h.core.held() == 1
+    h.register("A", "r", 4, [1, 2])
+    assert len(h.posts()) == 1             # the WRITE of the claimed source
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+    assert h.core.records() <= 1 and h.core.held() == 0
+
+
+def test_without_a_claim_the_same_wait_loses_the_source() -> None:
+    """The control: a registration after the lease fails fast (the test above is not
+    passing by accident)."""
+    h = Harness(lease_s=1.0)
+    h.prefill("r", [5, 6])
+    h.advance(5.0)
+    assert [r.reason for r in h.releases()] == [ReleaseReason.LEASE_EXPIRED]
+
+
+@pytest.mark.parametrize("how", ["lost", "abort", "max_wait"])
+def test_a_push_claimer_that_goes_releases_the_source(how: str) -> None:
+    """Issue 14: the decode side dies (or gives up, or never comes within max_wait_s): the
+    claimed source is released, once."""
+    h = Harness(lease_s=1.0, max_wait_s=20.0)
+    h.prefill("r", [5, 6])
+    h.core.on_message(h.now, "A", m.Claim("r", 4, 0, push=True))
+    h.advance(5.0)
+    assert h.releases() == []
+    if how == "lost":
+        h.core.peer_lost(h.now, "A", "silent")
+    elif how == "abort":
+        h.core.on_message(h.now, "A", m.Abort("r", 4, "request ended"))
+    else:
+        h.advance(20.0)
+    h.run()
+    (release,) = h.releases()
+    assert release.reason is not ReleaseReason.TRANSFERRED and release.blocks_safe
+    assert h.core.held() == 0
+    if how == "max_wait":
+        assert [f.code for f in h.sent(m.Failed)] == ["timeout"]
+
+
+def test_a_push_claim_of_a_pull_source_or_an_expired_use_is_refused() -> None:
+    h = Harness(lease_s=1.0)
+    h.prefill("p", [1], TransferMode.PULL, sid=6)
+    h.core.on_message(h.now, "A", m.Claim("p", 4, 0, push=True))
+    h.prefill("q", [2])
+    h.advance(1.5)                           # q's lease ends before anyone claims it
+    h.core.on_message(h.now, "A", m.Claim("q", 5, 0, push=True))
+    h.run()
+    assert [(f.request_id, f.code) for f in h.sent(m.Failed)] == [
+        ("p", "mode_conflict"), ("q", "lease_expired")]
+
+
+def test_a_push_claim_and_another_owner_share_one_source() -> None:
+    """Heterogeneous TP: rank A claims (no blocks yet), rank B registers at once; the source
+    waits for A's registration, then goes once both WRITEs ended."""
+    h = Harness(lease_s=1.0)
+    h.core.on_message(h.now, "A", m.Claim("r", 4, 0, sharers=2, push=True))
+    h.register("B", "r", 8, [3, 4], sharers=2)
+    h.prefill("r", [5, 6])
+    h.end_writes()
+    h.advance(5.0)
+    assert h.releases() == []                # A still owns a share
+    h.register("A", "r", 4, [1, 2], sharers=2)
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+
+
 def test_registrations_waiting_per_peer_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpush.protocol import producer as core_module
     monkeypatch.setattr(core_module, "MAX_WAITING_PER_PEER", 3)

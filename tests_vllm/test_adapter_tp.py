@@ -4,8 +4,8 @@ driven by the scheduler halves the way vLLM drives them. Same-size TP (rank r <-
 heterogeneous TP both ways, and MQA (one KV head) where TP exceeds the head count, so the
 prefill ranks replicate it and only one sends; push and pull; every head of every moved
 block checked byte for byte on every decode rank, and every prefill rank's blocks handed
-back to vLLM once. Then the decode side holding a pull past the prefill's lease (claimed),
-a decode side that dies while it holds a claim, and the preemption race (item 7).
+back to vLLM once. Then the decode side holding a pull or a push past the prefill's lease
+(claimed), a decode side that dies while it holds a claim, and the preemption race (item 7).
 """
 
 from __future__ import annotations
@@ -190,6 +190,67 @@ def test_a_dead_claimer_releases_the_prefill_blocks() -> None:
         flow.arrive(tid, out)
         step_all(dec, flow.d.build_plan(SimpleNamespace(num_scheduled_tokens={})))
         time.sleep(3.5)             # past the lease: only the claim holds the blocks
+        assert prefill[0].call("pending") == 1
+        start = time.monotonic()
+        dec[0].kill()
+        wait_reported(prefill, rp.request_id, 0, finished={rp.request_id}, timeout=15)
+        assert prefill[0].call("pending") == 0
+        assert time.monotonic() - start < 10
+
+
+def _announce_push(flow: Flow, tid: str) -> Any:
+    """A push request reaches the decode scheduler with no blocks for it: its claim goes
+    out (the connection completes on a later step's poll, as vLLM's steps go on)."""
+    r = flow.arrive(tid, decode_params(tid, [p.info["address"] for p in flow.prefill]))
+    plan = flow.d.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+    assert [c.req_id for c in plan.claims] == [r.request_id] and not plan.recv
+    step_all(flow.decode, plan)
+    for _ in range(25):
+        for rank in flow.decode:
+            rank.call("poll", set())
+        time.sleep(0.02)
+    return r
+
+
+def test_a_claimed_push_outlives_the_prefill_lease() -> None:
+    """Issue 14, leases renewed (push): the decode request waits for blocks longer than the
+    prefill's lease; it claimed the push when it arrived, so the WRITE still finds the
+    source when its blocks come. The same wait without the claim fails the load."""
+    lease = 1.5
+    with ranks("kv_producer", 1, 2, lease_s=lease) as prefill, \
+            ranks("kv_consumer", 1, 2) as dec:
+        flow = Flow(prefill, dec, lease_s=lease)
+        src, dst = [5, 6, 7, 8], [11, 12, 13, 14]
+        tid = f"claimed-push-{next(_ids)}"
+        r = _announce_push(flow, tid)
+        rp, _ = flow.run_prefill(tid, "push", src)
+        time.sleep(lease * 2.2)     # queued behind others, well past the lease
+        prefill[0].call("poll", {rp.request_id})
+        assert rp.request_id not in prefill[0].reported[0]
+        assert prefill[0].call("pending") == 1
+        flow.allocate(r, dst)
+        assert wait_reported(dec, r.request_id, 1) == {0: set()}
+        flow.check(dst, src)
+        wait_reported(prefill, rp.request_id, 0, finished={rp.request_id})
+        # Without the claim (vLLM had not seen the request), the lease ends the source.
+        tid = f"unclaimed-push-{next(_ids)}"
+        rp, _ = flow.run_prefill(tid, "push", src)
+        time.sleep(lease * 2.2)
+        wait_reported(prefill, rp.request_id, 0, finished={rp.request_id})
+        r = request(f"d-{tid}", decode_params(tid, [prefill[0].info["address"]]), PROMPT)
+        flow.allocate(r, dst)
+        assert wait_reported(dec, r.request_id, 1) == {0: set(dst)}  # a load error
+
+
+def test_a_dead_push_claimer_releases_the_prefill_blocks() -> None:
+    fast = dict(lease_s=1.5, heartbeat_s=0.25, peer_timeout_s=1.5, max_wait_s=600.0)
+    with ranks("kv_producer", 1, 2, **fast) as prefill, \
+            ranks("kv_consumer", 1, 2, heartbeat_s=0.25, peer_timeout_s=1.5) as dec:
+        flow = Flow(prefill, dec, **fast)
+        tid = f"dies-push-{next(_ids)}"
+        _announce_push(flow, tid)
+        rp, _ = flow.run_prefill(tid, "push", [1, 2, 3, 4])
+        time.sleep(2.5)             # past the lease: only the claim holds the blocks
         assert prefill[0].call("pending") == 1
         start = time.monotonic()
         dec[0].kill()

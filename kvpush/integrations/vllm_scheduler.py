@@ -135,11 +135,12 @@ class KVPushScheduler:
         params = request.kv_transfer_params
         if self.is_producer and params and params.get("do_remote_decode"):
             self._candidates[request.request_id] = request
-        # Decode side, pull: claim the prefill's blocks now. The request may wait for free
-        # blocks here longer than the prefill's lease; a claim keeps the source held while
-        # this instance is alive (bounded by the prefill's max_wait_s) until the READ.
+        # Decode side: claim the prefill's blocks now. The request may wait for free blocks
+        # here longer than the prefill's lease; a claim keeps the source held while this
+        # instance is alive (bounded by the prefill's max_wait_s) until the READ (pull) or
+        # the registration (push) starts.
         remote = self._remote_prefill(request)
-        if remote is not None and remote.mode is TransferMode.PULL and self._usable(request):
+        if remote is not None and self._usable(request):
             self._claims_new.append(RecvPlan(request.request_id, remote, [], report=False))
 
     def get_num_new_matched_tokens(self, request: Any,

@@ -729,9 +729,10 @@ class KVPushWorker:
 
     def _start_recv(self, recv: RecvPlan, claim_only: bool = False) -> None:
         """Push: register ``recv.dst`` with the prefill ranks holding this rank's heads;
-        pull: READ them (``claim_only``: claim the READ for later, the request waits for
-        blocks). Each rank computes the same routes (:func:`kvpush.layout.tp_routes`) and
-        says how many decode ranks share each prefill rank's source."""
+        pull: READ them (``claim_only``: claim the registration or the READ for later, the
+        request waits for blocks). Each rank computes the same routes
+        (:func:`kvpush.layout.tp_routes`) and says how many decode ranks share each prefill
+        rank's source."""
         assert self.consumer is not None
         remote = recv.remote
         # (Before registration, in tests: one head per rank.)
@@ -748,8 +749,8 @@ class KVPushWorker:
                 log.warning("kvpush: cannot claim KV of %s: %s", recv.req_id, exc)
             return
         tid = remote.transfer_id
-        if claim_only:
-            if pull and self._pool is not None:
+        if claim_only and pull:
+            if self._pool is not None:
                 # Off the engine's thread: claim() connects first if it must, and the claim
                 # must reach the prefill before its lease ends, not at the next step.
                 self._pool.submit(self._claim, recv.req_id, tid, tickets, list(sharers))
@@ -765,6 +766,12 @@ class KVPushWorker:
                 self._connect(address)
                 return
             names.append(name)
+        if claim_only:  # push: the registration follows once vLLM allocates the blocks
+            try:
+                self.consumer.claim_push(tid, names, sharers=list(sharers))
+            except (KvpushError, ValueError) as exc:
+                log.warning("kvpush: cannot claim KV of %s (%r): %s", recv.req_id, tid, exc)
+            return
         if tid in self._inflight:
             self._fail(recv, KvpushError(f"transfer {tid!r} is already in progress here"))
             return

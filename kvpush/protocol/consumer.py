@@ -242,8 +242,9 @@ class _Request:
 @dataclass
 class _Claim:
     xid: int
-    sids: dict[str, int]
+    sids: dict[str, int]        # producer name -> source use (0: a push claim)
     sharers: dict[str, int]
+    push: bool = False
 
 
 def _per_ticket(tickets: Sequence[m.PullTicket], sharers: int | Sequence[int]) -> dict[str, int]:
@@ -366,6 +367,13 @@ class ConsumerCore:
         names = list(producers)
         xid = self._new_xid() if xid is None else xid
         shares = [sharers] * len(names) if isinstance(sharers, int) else list(sharers)
+        claim = self._claims.get(rid)
+        if claim is not None and claim.push and claim.xid == xid:
+            del self._claims[rid]  # the registration continues the claim
+            if rid in self._requests or any(n not in self._peers for n in names):
+                for name in claim.sids:   # it fails below: the held source goes
+                    if name in self._peers:
+                        self._out.append(Send(name, m.Abort(rid, xid, "expect failed")))
         if rid in self._requests:
             # Its own result, its own xid and blocks: never taken for the live use's.
             self._emit(now, rid, xid, TransferMode.PUSH, ids, RequestState.FAILED,
@@ -398,7 +406,7 @@ class ConsumerCore:
         xid = self._new_xid() if xid is None else xid
         names = [t.producer for t in tickets]
         claim = self._claims.get(rid)
-        if claim is not None and claim.xid == xid:
+        if claim is not None and not claim.push and claim.xid == xid:
             del self._claims[rid]  # the pull continues the claim
         else:
             claim = None
@@ -471,6 +479,23 @@ class ConsumerCore:
         for name, sid in sids.items():
             if name in self._peers:
                 self._out.append(Send(name, m.Claim(rid, xid, sid, counts[name])))
+        return xid
+
+    def claim_push(self, now: float, rid: str, producers: Sequence[str],
+                   sharers: int | Sequence[int] = 1, xid: int | None = None) -> int:
+        """Push later: this consumer will register ``rid`` with each producer but has no
+        blocks yet; asks them to hold its source past the lease meanwhile. Returns the
+        claim's xid, which :meth:`expect` passes to continue it."""
+        names = list(producers)
+        xid = self._new_xid() if xid is None else xid
+        counts = [sharers] * len(names) if isinstance(sharers, int) else list(sharers)
+        if len(counts) != len(names):
+            raise ValueError(f"sharers names {len(counts)} counts for {len(names)} producers")
+        per = dict(zip(names, counts, strict=True))
+        self._claims[rid] = _Claim(xid, dict.fromkeys(names, 0), per, push=True)
+        for name in names:
+            if name in self._peers:
+                self._out.append(Send(name, m.Claim(rid, xid, 0, per[name], push=True)))
         return xid
 
     def abort_claim(self, now: float, rid: str, xid: int, reason: str) -> None:

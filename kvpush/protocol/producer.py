@@ -86,16 +86,18 @@ S, E = State, Event
 #: peer) act on the owner they name and reach the request only through :meth:`_settle`.
 TRANSITIONS: dict[State, frozenset[Event]] = {
     S.WAITING: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.ENGINE_ABORT, E.REGISTER,
-                          E.CONSUMER_ABORT}),
+                          E.CLAIM, E.CONSUMER_ABORT}),
     S.PARTIAL: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.ENGINE_ABORT, E.REGISTER,
-                          E.CONSUMER_ABORT}),
+                          E.CLAIM, E.CONSUMER_ABORT}),
     S.HELD: frozenset({E.ENGINE_ABORT, E.REGISTER, E.CLAIM, E.PULL_BEGIN, E.PULL_DONE,
                        E.CONSUMER_ABORT, E.PREFILL_DONE}),
     S.ENDING: frozenset({E.PULL_DONE, E.CONSUMER_ABORT, E.PREFILL_DONE}),
     S.RELEASED_EARLY: frozenset({E.LAYER_DONE, E.PREFILL_DONE, E.CONSUMER_ABORT,
                                  E.ENGINE_ABORT}),
-    # ENDED: a register is a new use unless the tombstone says late ones must fail fast
-    S.ENDED: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.REGISTER, E.CONSUMER_ABORT}),
+    # ENDED: a register (or a push claim) is a new use unless the tombstone says late ones
+    # must fail fast
+    S.ENDED: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.REGISTER, E.CLAIM,
+                        E.CONSUMER_ABORT}),
     S.ABORTED_EARLY: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.CONSUMER_ABORT}),
 }
 del S, E
@@ -104,7 +106,8 @@ del S, E
 class ShareState(enum.Enum):
     REGISTERED = "registered"  # push: waiting for the source (or its final layers)
     WRITING = "writing"        # push: WRITEs posted, more groups may follow
-    CLAIMED = "claimed"        # pull: announced, READ not begun
+    CLAIMED = "claimed"        # announced, not begun (pull: no READ yet; push: not
+                               # registered yet, the consumer has no blocks for it)
     PULLING = "pulling"        # pull: a READ may be in flight (until PullDone or hold)
     FENCING = "fencing"        # push: a WRITE was abandoned; the consumer was told it is
                                # unfenced, and the blocks stay until it acknowledges (its
@@ -304,6 +307,8 @@ class ProducerCore:
             return "pulling"
         if ShareState.REGISTERED in states:
             return "registered"
+        if req.state is State.WAITING and ShareState.CLAIMED in states:
+            return "claimed"
         if req.state is State.WAITING:
             return "none"   # its owners gave up: remembered for a late prefill_done
         if req.state is State.HELD:
@@ -412,6 +417,8 @@ class ProducerCore:
         elif isinstance(msg, m.Claim):
             self._dispatch(msg.request_id, Event.CLAIM,
                            lambda req: self._on_claim(req, peer, msg),
+                           new=(lambda: self._new(msg.request_id, State.WAITING))
+                           if msg.push else None,
                            refuse=lambda req: self._fail(peer, msg.request_id, msg.xid,
                                                          *self._refusal(req)))
         elif isinstance(msg, m.PullBegin):
@@ -663,6 +670,12 @@ class ProducerCore:
 
     def _on_register(self, req: _Request, peer: str, msg: m.Register) -> None:
         rid = req.rid
+        claimed = req.shares.get((peer, msg.xid))
+        if claimed is not None and claimed.mode is TransferMode.PUSH \
+                and claimed.state is ShareState.CLAIMED:
+            # The registration of a push claim: the claim's place is this registration's.
+            self._share_gone(req, claimed, ReleaseReason.ABORTED, "registered")
+            del req.shares[(peer, msg.xid)]
         if req.state is State.ENDED:
             if req.code:  # a late registration of a use that ended badly
                 self._fail(peer, rid, msg.xid, *self._refusal(req))
@@ -703,6 +716,13 @@ class ProducerCore:
         self._advance(req)
 
     def _on_claim(self, req: _Request, peer: str, msg: m.Claim) -> None:
+        if msg.push:
+            self._on_push_claim(req, peer, msg)
+            return
+        if req.state is not State.HELD:  # a pull claim needs the ticket's source
+            self.stats["refused"] += 1
+            self._fail(peer, req.rid, msg.xid, *self._refusal(req))
+            return
         source = req.source
         if source is None or source.sid != msg.sid or source.mode is not TransferMode.PULL:
             self._fail(peer, req.rid, msg.xid, "not_held",
@@ -716,6 +736,30 @@ class ProducerCore:
         share = _Share(peer, msg.xid, TransferMode.PULL, ShareState.CLAIMED, msg.sharers)
         share.wait = self._after(self.config.max_wait_s,
                                  lambda now: self._wait_expired(req.rid, owner))
+        self._add_share(req, share)
+
+    def _on_push_claim(self, req: _Request, peer: str, msg: m.Claim) -> None:
+        """A consumer will register later (its engine has no blocks yet): an owner that
+        keeps the source past its lease until it registers, gives up, is lost, or
+        ``max_wait_s`` ends; before prefill_done it holds nothing yet."""
+        rid = req.rid
+        if req.state is State.ENDED:
+            if req.code:  # a late claim of a use that ended badly
+                self._fail(peer, rid, msg.xid, *self._refusal(req))
+                return
+            self._reuse(req)
+        if req.source is not None and req.source.mode is TransferMode.PULL:
+            self._fail(peer, rid, msg.xid, "mode_conflict",
+                       "the producer exposed this request for pull")
+            return
+        code = self._admit(req, peer, msg.xid, msg.sharers)
+        if code:
+            self._fail(peer, rid, msg.xid, code, self._ADMIT_REASON[code])
+            return
+        owner = (peer, msg.xid)
+        share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.CLAIMED, msg.sharers)
+        share.wait = self._after(self.config.max_wait_s,
+                                 lambda now: self._wait_expired(rid, owner))
         self._add_share(req, share)
 
     def _on_pull_begin(self, req: _Request, peer: str, msg: m.PullBegin) -> None:
@@ -844,8 +888,9 @@ class ProducerCore:
                            "prefill did not finish in time")
             self._conclude(req, share)
         elif share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
-            self._fail(share.peer, rid, share.xid, "timeout", "prefill did not finish in time"
-                       if share.mode is TransferMode.PUSH else "the claim was not pulled")
+            self._fail(share.peer, rid, share.xid, "timeout",
+                       "prefill did not finish in time" if share.state is ShareState.REGISTERED
+                       else "the claim was not taken within max_wait_s")
             # The owner stopped waiting (its deadline ends with this wait, and its own Abort
             # may come first or not): it gave up, whichever arrives first.
             self._share_gone(req, share, ReleaseReason.ABORTED, "registration expired")

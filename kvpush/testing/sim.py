@@ -112,7 +112,7 @@ class Faults:
     late_p: float = 0.02
     sharers_p: float = 0.05
     skew_s: float = 0.02         # wall clocks differ by up to this (pull tickets' leases)
-    claim_p: float = 0.1         # a pull is claimed first (the engine has no blocks yet)
+    claim_p: float = 0.1         # a pull or push is claimed first (the engine has no blocks)
     slownotif_p: float = 0.02    # a NIXL notification is read late (the target polls late)
     twice_p: float = 0.02        # the engine calls prefill_done twice for one use
 
@@ -367,7 +367,12 @@ class Simulation:
         if mode is TransferMode.PUSH:
             for c in consumers:
                 req.pending += 1
-                self.sched.at(now + rng.uniform(0, t.expect_max_s), self._expect, req, c)
+                at = now + rng.uniform(0, t.expect_max_s)
+                if f.on("claim") and rng.random() < f.claim_p:
+                    self._fault("claim")   # no blocks yet: claim now, expect later
+                    self.sched.at(at, self._claim_push, req, c)
+                else:
+                    self.sched.at(at, self._expect, req, c)
         if f.on("abort") and rng.random() < f.abort_p:
             self._fault("abort")
             self.sched.at(now + rng.uniform(0, prefill + 0.05), self._consumer_abort, req,
@@ -515,16 +520,40 @@ class Simulation:
         self.source_ended(src)
 
     # -- consumer engine calls ---------------------------------------------------------
-    def _expect(self, req: Request, cname: str) -> None:
+    def _expect(self, req: Request, cname: str,
+                claim: tuple[Endpoint, int] | None = None) -> None:
         req.pending -= 1
         ce = self.endpoints[cname]
+        if claim is not None and claim[0] is not ce:
+            claim = None          # claimed by an incarnation that died since
         use = ce.engine.allocate(req) if ce.open else None
         if use is None:
             self.stats["skipped_uses"] += 1
+            if claim is not None:   # the engine gives its claim up
+                ce.run(lambda: ce.core.abort_claim(self.sched.now, req.rid, claim[1],
+                                                   "no blocks"))
             self._maybe_finished(req)
             return
         self._begin_use(req, use)
-        ce.run(self._call_expect, ce, use)
+        ce.run(self._call_expect, ce, use, claim[1] if claim else 0)
+
+    def _claim_push(self, req: Request, cname: str) -> None:
+        """The engine queues the request (no free blocks): claim its push, register (or
+        give up) later -- possibly after the prefill's lease, which the claim extends."""
+        ce = self.endpoints[cname]
+        if not ce.open:
+            req.pending -= 1
+            self._maybe_finished(req)
+            return
+        xid = self.rng.getrandbits(63) | 1
+        producers, shares = self._share(req, cname)
+        self.checker.trace(f"{ce.name} engine claim_push {req.rid} xid={xid:x}")
+        ce.run(lambda: ce.core.claim_push(self.sched.now, req.rid, producers, shares, xid))
+        later = self.rng.uniform(0, self.timings.lease_s * 1.5)
+        if self.rng.random() < 0.2:
+            self.sched.after(later, self._unclaim, req, ce, xid)
+        else:
+            self.sched.after(later, self._expect, req, cname, (ce, xid))
 
     def _pull(self, req: Request, cname: str, ticket: list[m.PullTicket],
               claim: tuple[Endpoint, int] | None = None) -> None:
@@ -596,8 +625,8 @@ class Simulation:
         ce.engine.cancel(use)
         self.consumer_ended(use)
 
-    def _call_expect(self, ce: Endpoint, use: Use) -> None:
-        xid = self.rng.getrandbits(63) | 1     # the facade draws it (new_xid)
+    def _call_expect(self, ce: Endpoint, use: Use, claimed: int = 0) -> None:
+        xid = claimed or self.rng.getrandbits(63) | 1   # the facade draws it (new_xid)
         producers, shares = self._share(use.req, ce.name)
         try:
             xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, producers,
