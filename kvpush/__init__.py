@@ -37,9 +37,13 @@ from .prefix import BlockPool, PrefixIndex, block_hashes, reusable_blocks
 from .producer import Producer, ProducerConfig
 from .progress import ProgressPolicy
 from .request import (
+    ConnectHandle,
+    ConnectResult,
+    OwnerStatus,
     Release,
     ReleaseReason,
     RequestState,
+    RequestStatus,
     TransferHandle,
     TransferMode,
     TransferResult,
@@ -51,6 +55,8 @@ __all__ = [
     "AuthenticationError",
     "BlockPool",
     "ClosedError",
+    "ConnectHandle",
+    "ConnectResult",
     "Consumer",
     "ConsumerConfig",
     "InvalidBlockIds",
@@ -59,6 +65,7 @@ __all__ = [
     "LayoutMismatch",
     "MemoryKind",
     "OutOfBlocks",
+    "OwnerStatus",
     "PeerUnavailable",
     "PrefixIndex",
     "Producer",
@@ -71,6 +78,7 @@ __all__ = [
     "ReleaseReason",
     "RequestAborted",
     "RequestState",
+    "RequestStatus",
     "TransferFailed",
     "TransferHandle",
     "TransferMode",

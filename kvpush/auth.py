@@ -47,6 +47,7 @@ HELLO_MAX_SKEW_S = 120.0
 
 
 def check_key(key: bytes | None, owner: str) -> bytes | None:
+    """Refuse a key that is not bytes of at least 16 (``owner`` names the config)."""
     if key is None:
         return None
     if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
@@ -89,10 +90,12 @@ def decrypt(key: bytes, label: bytes, aad: bytes, blob: bytes) -> bytes:
 
 
 def new_nonce() -> bytes:
+    """16 random bytes."""
     return os.urandom(16)
 
 
 def session_key(key: bytes, consumer_nonce: bytes, producer_nonce: bytes) -> bytes:
+    """The key of one connection, from the shared key and both sides' nonces."""
     return hmac.new(key, b"kvpush session\0" + consumer_nonce + producer_nonce,
                     hashlib.sha256).digest()
 
@@ -175,6 +178,7 @@ class HelloGuard:
         self._seen: dict[bytes, float] = {}
 
     def check(self, nonce: bytes, sent_at: float) -> None:
+        """Refuse a Hello too old, from the future, or seen before (a replay)."""
         now = time.time()
         if abs(now - sent_at) > HELLO_MAX_SKEW_S:
             raise AuthenticationError(f"Hello is {now - sent_at:.0f} s old (clock skew or replay)")

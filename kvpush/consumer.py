@@ -25,8 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,7 @@ import zmq
 
 from . import messages as m
 from .agent import Agent, TransportConfig
+from .aio import DrainQueue, drain_iter
 from .auth import (
     HELLO_MAX_SKEW_S,
     Opener,
@@ -69,7 +69,15 @@ from .layout import KVLayout, check_compatible
 from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.consumer import ConsumerCore, CoreConfig, new_xid
-from .request import RequestState, TransferHandle, TransferMode, TransferResult
+from .request import (
+    ConnectHandle,
+    ConnectResult,
+    RequestState,
+    RequestStatus,
+    TransferHandle,
+    TransferMode,
+    TransferResult,
+)
 
 __all__ = ["Consumer", "ConsumerConfig", "new_xid"]
 
@@ -224,7 +232,9 @@ class Consumer(Endpoint):
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_finished = on_finished
-        self._finished: deque[TransferResult] = deque()
+        self._finished: DrainQueue[TransferResult] = DrainQueue()
+        # called on the loop thread with every result (kvpush.prometheus)
+        self._observers: list[Callable[[TransferResult], None]] = []
         self._producers: dict[str, _Producer] = {}     # by address
         self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
         # Every request's state lives in the core; this facade keeps only the handles the
@@ -233,6 +243,8 @@ class Consumer(Endpoint):
             layout, CoreConfig(config.abort_grace_s, config.verify, config.coalesce),
             _AgentLinks(self._agent, layout), self._stats)
         self._handles: dict[int, TransferHandle] = {}
+        # pulls in their handshake (loop thread): xid -> (handle, dst, started, deadline)
+        self._connecting: dict[int, tuple[TransferHandle, np.ndarray, float, float]] = {}
         # pulls claimed and not begun, by request id: written by the engine's threads
         # (claim, pull, abort) and by the loop (a producer lost), hence the lock
         self._claims: dict[str, _Claim] = {}
@@ -247,28 +259,37 @@ class Consumer(Endpoint):
         its name. Idempotent. Raises :class:`~kvpush.errors.LayoutMismatch` when the layouts
         cannot exchange blocks and :class:`~kvpush.errors.PeerUnavailable` when the producer
         does not answer within ``timeout``. It blocks: calling it from a kvpush callback
-        (on the loop thread that would answer it) raises RuntimeError."""
+        (on a loop thread) raises RuntimeError; :meth:`connect_nowait` does not block."""
         self._no_blocking_on_loop("Consumer.connect()")
+        timeout = self._connect_timeout(timeout)
+        handle = self.connect_nowait(address, timeout)
+        try:
+            return handle.wait(timeout + 5.0)
+        except TransferTimeout:
+            raise PeerUnavailable(f"handshake with {address} did not finish in {timeout} s") \
+                from None
+
+    def connect_nowait(self, address: str, timeout: float | None = None) -> ConnectHandle:
+        """Start the handshake with the producer at ``address`` and return at once (any
+        thread, callbacks included). The :class:`~kvpush.request.ConnectHandle` resolves to
+        the producer's name (``await handle``, ``handle.wait(t)``,
+        ``handle.add_done_callback(fn)``) or to the error :meth:`connect` would raise, at
+        the latest ``timeout`` (default ``connect_timeout_s``) after this call."""
         if not isinstance(address, str) or "://" not in address:
             raise ValueError(f"address must be a ZeroMQ endpoint like tcp://host:port, "
                              f"got {address!r}")
-        timeout = self.config.connect_timeout_s if timeout is None \
-            else check_timeout(timeout, "connect timeout")
-        done: list[tuple[str | None, KvpushError | None]] = []
-        event = threading.Event()
+        timeout = self._connect_timeout(timeout)
+        handle = ConnectHandle(address)
 
         def on_result(name: str | None, error: KvpushError | None) -> None:
-            done.append((name, error))
-            event.set()
+            handle._set(ConnectResult(address, name, error))
 
         self._call_soon(lambda: self._connect(address, timeout, on_result))
-        if not event.wait(timeout + 5.0):
-            raise PeerUnavailable(f"handshake with {address} did not finish in {timeout} s")
-        name, error = done[0]
-        if error is not None:
-            raise error
-        assert name is not None
-        return name
+        return handle
+
+    def _connect_timeout(self, timeout: float | None) -> float:
+        return self.config.connect_timeout_s if timeout is None \
+            else check_timeout(timeout, "connect timeout")
 
     def expect(self, request_id: str, block_ids: Any, producers: str | Sequence[str], *,
                timeout: float | None = None, layerwise: bool = False,
@@ -291,44 +312,122 @@ class Consumer(Endpoint):
         producer holds its source until that many have finished or given up.
 
         The handle's ``xid`` (and its result's) names this use of ``request_id``."""
+        handle, run = self._prepare_expect(request_id, block_ids, producers, timeout,
+                                           layerwise, source_tail, sharers)
+        self._call_soon(run)
+        return handle
+
+    def _prepare_expect(self, request_id: str, block_ids: Any,
+                        producers: str | Sequence[str], timeout: float | None,
+                        layerwise: bool, source_tail: bool, sharers: int | Sequence[int]
+                        ) -> tuple[TransferHandle, Callable[[], None]]:
+        """Validate an expect (caller's thread; raises on bad input) and make the closure
+        that registers it on the loop thread."""
         rid = self._check_request_id(request_id)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
             raise ValueError("expect needs at least one producer")
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"producers must be names (str), got {producers!r}")
         shares = sharer_counts(sharers, len(names), "producers")
-        timeout = self.config.request_timeout_s if timeout is None \
+        seconds = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "expect timeout")
         groups = self.layout.num_layers if layerwise else 1
         with self._claims_lock:
             claim = self._claims.pop(rid, None)
+        stale = None
         if claim is not None and (not claim.push or list(claim.sids) != names):
-            stale = claim  # claimed otherwise (a pull, other producers): give it up
-            self._call_soon(lambda: self._abort_claim(rid, stale, "claim superseded"))
-            claim = None
+            stale, claim = claim, None  # claimed otherwise (a pull, other producers)
         handle = TransferHandle(rid, TransferMode.PUSH,
                                 claim.xid if claim is not None else new_xid())
-        self._call_soon(lambda: self._register(handle, ids, names, timeout, groups,
-                                               source_tail, shares))
-        return handle
+
+        def run() -> None:
+            if stale is not None:  # give the other claim up
+                self._abort_claim(rid, stale, "claim superseded")
+            self._register(handle, ids, names, seconds, groups, source_tail, shares)
+
+        return handle, run
+
+    def expect_many(self, items: Sequence[tuple[str, Any, str | Sequence[str]]], *,
+                    timeout: float | None = None, layerwise: bool = False,
+                    source_tail: bool = False, sharers: int | Sequence[int] = 1
+                    ) -> list[TransferHandle | Exception]:
+        """:meth:`expect` for a batch: ``items`` are ``(request_id, block_ids, producers)``
+        and the keyword options apply to each. Every item is validated on its own; the
+        valid ones reach the loop thread in one hand-off, in order. Returns one entry per
+        item: its :class:`~kvpush.request.TransferHandle`, or the exception a single
+        ``expect`` of it would have raised (a bad item refuses only itself). Never blocks."""
+        out: list[TransferHandle | Exception] = []
+        runs: list[Callable[[], None]] = []
+        for item in items:
+            try:
+                request_id, block_ids, producers = item
+                handle, run = self._prepare_expect(request_id, block_ids, producers, timeout,
+                                                   layerwise, source_tail, sharers)
+            except (KvpushError, ValueError, TypeError) as exc:
+                out.append(exc)
+                continue
+            out.append(handle)
+            runs.append(run)
+        self._run_batch(runs)
+        return out
+
+    def pull_many(self, items: Sequence[tuple[m.PullTicket | bytes
+                                              | Sequence[m.PullTicket | bytes], Any]], *,
+                  timeout: float | None = None, source_tail: bool = False,
+                  sharers: int | Sequence[int] = 1) -> list[TransferHandle | Exception]:
+        """:meth:`pull` for a batch: ``items`` are ``(tickets, block_ids)`` and the keyword
+        options apply to each; validated one by one, the valid ones handed to the loop
+        thread at once, in order. Returns per item its handle or the exception a single
+        ``pull`` would have raised. Never blocks (handshakes are part of each request)."""
+        out: list[TransferHandle | Exception] = []
+        runs: list[Callable[[], None]] = []
+        for item in items:
+            try:
+                tickets, block_ids = item
+                handle, run = self._prepare_pull(tickets, block_ids, timeout, source_tail,
+                                                 sharers)
+            except (KvpushError, ValueError, TypeError) as exc:
+                out.append(exc)
+                continue
+            out.append(handle)
+            runs.append(run)
+        self._run_batch(runs)
+        return out
 
     def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
              block_ids: Any, *, timeout: float | None = None,
              source_tail: bool = False,
              sharers: int | Sequence[int] = 1) -> TransferHandle:
         """Pull: READ the blocks named by a :class:`~kvpush.messages.PullTicket` (or by one
-        ticket per producer rank, for the same request) into ``block_ids``. Connects to a
-        ticket's producer first if needed (blocking, at most ``connect_timeout_s`` and never
-        past the tickets' lease or ``timeout``). ``source_tail``: read only the last
-        ``len(block_ids)`` blocks of each ticket (see :meth:`expect`). ``sharers``: how many
-        consumer endpoints read a share of each ticket's source (one count for all, or one
-        per ticket; see :meth:`expect`).
+        ticket per producer rank, for the same request) into ``block_ids``. Returns at once
+        (any thread, callbacks included): a ticket's producer not connected yet is connected
+        to first, on the loop thread, as part of the request (``status().phase`` is
+        ``connecting``; at most ``connect_timeout_s`` and never past the tickets' lease or
+        ``timeout``); a handshake that fails ends the request FAILED with its error
+        (``PeerUnavailable``, ``LayoutMismatch``, ...), nothing posted.
+
+        ``source_tail``: read only the last ``len(block_ids)`` blocks of each ticket (see
+        :meth:`expect`). ``sharers``: how many consumer endpoints read a share of each
+        ticket's source (one count for all, or one per ticket; see :meth:`expect`).
 
         A pull of the tickets a :meth:`claim` named continues that claim (same ``xid``;
         the producer holds a claimed source past the ticket's lease, so only ``timeout``
         bounds the READ)."""
+        handle, run = self._prepare_pull(tickets, block_ids, timeout, source_tail, sharers)
+        self._call_soon(run)
+        return handle
+
+    def _prepare_pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
+                      block_ids: Any, timeout: float | None, source_tail: bool,
+                      sharers: int | Sequence[int]
+                      ) -> tuple[TransferHandle, Callable[[], None]]:
+        """Validate a pull (caller's thread; raises on bad input, nothing queued) and make
+        the closure that starts it on the loop thread."""
+        started = time.monotonic()
         rid, parsed = self._parse_tickets(tickets, "pull")
-        sharers = sharer_counts(sharers, len(parsed), "tickets")
+        counts = sharer_counts(sharers, len(parsed), "tickets")
         dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         sources = [m.decode_ids(t.block_ids) for t in parsed]
         if source_tail:
@@ -340,35 +439,47 @@ class Consumer(Endpoint):
             sources = [src[k:] for src, k in zip(sources, skip, strict=True)]
             parsed = [msgspec.structs.replace(t, checksums=t.checksums[8 * k:])
                       if t.checksums else t for t, k in zip(parsed, skip, strict=True)]
-        timeout = self.config.request_timeout_s if timeout is None \
+        seconds = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "pull timeout")
-
-        def budget() -> float:  # seconds left to the READ: the timeout and every lease
-            return min(timeout, self._lease_left(parsed))
-
-        with self._claims_lock:
-            claimed = rid in self._claims
-        self._connect_tickets(parsed, budget if not claimed else lambda: timeout)
+        deadline = started + seconds
         for t, src in zip(parsed, sources, strict=True):
-            peer = self._by_name.get(t.producer)
-            same_blocks = peer is None or peer.layout is None or \
-                peer.layout.tokens_per_block == self.layout.tokens_per_block
-            if same_blocks and len(src) != len(dst):
-                raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
-                                      f"blocks but block_ids has {len(dst)}")
+            if t.producer in self._by_name:  # others are checked once connected
+                self._check_pull_length(t, src, dst)
         with self._claims_lock:
             claim = self._claims.pop(rid, None)
+        stale = None
         if claim is not None and (claim.push or
                                   claim.sids != {t.producer: t.sid for t in parsed}):
             # Claimed from another source use (an earlier prefill of this id): give it up.
-            stale = claim
-            self._call_soon(lambda: self._abort_claim(rid, stale, "claim superseded"))
-            claim = None
-        left = timeout if claim is not None else budget()
+            stale, claim = claim, None
+        claimed = claim is not None
+
+        def budget() -> float:
+            """Seconds left to the READ: the timeout, and (unless claimed: the producer
+            holds a claimed source past the lease) every ticket's lease."""
+            left = deadline - time.monotonic()
+            return left if claimed else min(left, self._lease_left(parsed))
+
         handle = TransferHandle(rid, TransferMode.PULL,
                                 claim.xid if claim is not None else new_xid())
-        self._call_soon(lambda: self._read(handle, parsed, sources, dst, left, sharers))
-        return handle
+
+        def run() -> None:
+            if stale is not None:
+                self._abort_claim(rid, stale, "claim superseded")
+            if budget() > 0 and any(t.producer not in self._by_name for t in parsed):
+                self._pull_connecting(handle, parsed, sources, dst, budget, counts, started)
+            else:
+                self._read(handle, parsed, sources, dst, budget(), counts)
+
+        return handle, run
+
+    def _check_pull_length(self, t: m.PullTicket, src: np.ndarray, dst: np.ndarray) -> None:
+        peer = self._by_name.get(t.producer)
+        same_blocks = peer is None or peer.layout is None or \
+            peer.layout.tokens_per_block == self.layout.tokens_per_block
+        if same_blocks and len(src) != len(dst):
+            raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
+                                  f"blocks but block_ids has {len(dst)}")
 
     def claim(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
               sharers: int | Sequence[int] = 1) -> int:
@@ -378,6 +489,7 @@ class Consumer(Endpoint):
         ``max_wait_s``). A later :meth:`pull` of the same tickets continues the claim;
         :meth:`abort` of the request gives it up. Connects first if needed (as
         :meth:`pull`). Returns the claim's transfer id (the pull's ``xid``)."""
+        self._no_blocking_on_loop("Consumer.claim()")
         rid, parsed = self._parse_tickets(tickets, "claim")
         sharers = sharer_counts(sharers, len(parsed), "tickets")
 
@@ -471,18 +583,57 @@ class Consumer(Endpoint):
                                           f"{t.producer!r}")
 
     def get_finished(self) -> list[TransferResult]:
-        """Results since the last call (for engines that poll rather than take callbacks)."""
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        """Results since the last call, oldest first (for engines that poll rather than take
+        callbacks; without ``on_finished`` every result is queued here, whether or not its
+        handle is also awaited). Never blocks; any thread."""
+        return self._finished.take()
+
+    def fileno(self) -> int:
+        """A file descriptor (an eventfd) that is readable when :meth:`get_finished` may
+        have results, and once the Consumer is closed: watch it with a selector, ``epoll``
+        or ``loop.add_reader`` and drain when it fires (draining clears it). Only results
+        queued without an ``on_finished`` callback wake it. Valid for this object's
+        lifetime."""
+        return self._finished.fileno()
+
+    def results(self) -> AsyncIterator[TransferResult]:
+        """``async for result in consumer.results()``: every result as it comes, in order,
+        until the Consumer closes (stock asyncio loop or uvloop; it waits on
+        :meth:`fileno`, no thread). The same queue as :meth:`get_finished`: use one of
+        the two. Raises RuntimeError if the Consumer has an ``on_finished`` callback (then
+        nothing is queued)."""
+        if self._on_finished is not None:
+            raise RuntimeError("Consumer.results(): this Consumer has an on_finished "
+                               "callback, so no result is queued for an iterator")
+        return drain_iter(self._finished)
+
+    def status(self, request_id: str) -> RequestStatus:
+        """A snapshot of ``request_id``'s live use here (:class:`~kvpush.RequestStatus`:
+        phase, mode, xid, parts landed of parts owed, deadline, bytes so far); phase
+        ``none`` once it has its result. Taken on the loop thread: the call waits for the
+        loop briefly (at most 10 s), runs at once inside this Consumer's own callbacks, and
+        raises RuntimeError inside another endpoint's (ClosedError once closed)."""
+        rid = self._check_request_id(request_id)
+
+        def snap() -> RequestStatus:
+            for handle, dst, _, deadline in self._connecting.values():
+                if handle.request_id == rid:
+                    return RequestStatus(rid, "connecting", TransferMode.PULL, handle.xid,
+                                         0, dst, deadline=deadline)
+            status: RequestStatus = self._core.snapshot(rid)
+            return status
+
+        status: RequestStatus = self._call_and_wait(snap, 10.0, "Consumer.status()")
+        return status
 
     def stats(self) -> dict[str, int]:
+        """Counters of what this Consumer has done (:class:`kvpush.metrics.Stats`)."""
         return self._stats.as_dict()
 
     @property
     def pending(self) -> int:
-        return self._core.pending
+        """Requests with no result yet (handshakes of pulls included)."""
+        return self._core.pending + len(self._connecting)
 
     def producers(self) -> list[str]:
         """Names of producers connected now."""
@@ -738,6 +889,52 @@ class Consumer(Endpoint):
         self._core.pull(time.monotonic(), tickets, sources, dst, budget, sharers, handle.xid)
         self._apply()
 
+    def _pull_connecting(self, handle: TransferHandle, tickets: list[m.PullTicket],
+                         sources: list[np.ndarray], dst: np.ndarray,
+                         budget: Callable[[], float], sharers: list[int],
+                         started: float) -> None:
+        """A pull whose producers are not all connected: connect first (within the pull's
+        budget and ``connect_timeout_s``), then READ; a handshake that fails ends the pull
+        FAILED with the handshake's error (nothing was posted: its blocks are safe)."""
+        self._handles[handle.xid] = handle
+        self._connecting[handle.xid] = (handle, dst, started, time.monotonic() + budget())
+        missing = {t.producer: (t, src) for t, src in zip(tickets, sources, strict=True)
+                   if t.producer not in self._by_name}
+        wait = min(self.config.connect_timeout_s, budget())
+
+        def on_result(producer: str, name: str | None, error: KvpushError | None) -> None:
+            if handle.xid not in self._connecting:
+                return  # ended already (aborted, or another handshake failed)
+            t, src = missing.pop(producer)
+            if error is None and name != t.producer:
+                error = PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
+                                        f"{t.producer!r}")
+            if error is None:
+                try:
+                    self._check_pull_length(t, src, dst)
+                except InvalidBlockIds as exc:
+                    error = exc
+            if error is not None:
+                self._end_unstarted(handle.xid, RequestState.FAILED, error)
+            elif not missing:
+                del self._connecting[handle.xid]
+                self._read(handle, tickets, sources, dst, budget(), sharers)
+
+        def waiter(producer: str) -> Callable[[str | None, KvpushError | None], None]:
+            return lambda name, error: on_result(producer, name, error)
+
+        for producer, (t, _) in list(missing.items()):
+            self._connect(t.address, wait, waiter(producer))
+
+    def _end_unstarted(self, xid: int, state: RequestState, error: KvpushError) -> None:
+        """A pull that ends before it began (in its handshake): reported at once."""
+        handle, dst, started, _ = self._connecting.pop(xid)
+        counter = {RequestState.FAILED: "requests_failed",
+                   RequestState.ABORTED: "requests_aborted"}[state]
+        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        self._emit(TransferResult(handle.request_id, state, TransferMode.PULL, error,
+                                  time.monotonic() - started, 0, True, dst, xid))
+
     def _claim(self, tickets: list[m.PullTicket], claim: _Claim) -> None:
         self._core.claim(time.monotonic(), tickets, claim.sharers, claim.xid)
         self._apply()
@@ -751,6 +948,8 @@ class Consumer(Endpoint):
         self._apply()
 
     def _abort(self, rid: str, state: RequestState, error: KvpushError) -> None:
+        for xid in [x for x, entry in self._connecting.items() if entry[0].request_id == rid]:
+            self._end_unstarted(xid, state, error)
         self._core.abort(time.monotonic(), rid, state, error)
         self._apply()
 
@@ -770,10 +969,16 @@ class Consumer(Endpoint):
     def _emit(self, result: Any) -> None:
         assert isinstance(result, TransferResult)
         handle = self._handles.pop(result.xid, None)
+        for observe in self._observers:
+            try:
+                observe(result)
+            except Exception:
+                log.exception("%s: a result observer raised", self.name)
         if handle is not None:
             handle._set(result)
         if self._on_finished is None:
             queue_result(self._finished, result, self.name, "get_finished")
+            self._finished.signal()
             return
         try:
             self._on_finished(result)
@@ -803,3 +1008,4 @@ class Consumer(Endpoint):
         self._apply()
         self._by_name.clear()
         self._producers.clear()
+        self._finished.end()

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from . import messages as m
+from ._loop import enter_loop, loop_name, no_blocking
 from .agent import Agent, TransportConfig, XferState
 from .auth import Opener, Sealer
 from .errors import AuthenticationError, ClosedError, KvpushError, PeerUnavailable, ProtocolError
@@ -174,20 +175,38 @@ class Endpoint:
             self._commands.put(fn)
             os.eventfd_write(self._wake_fd, 1)
 
+    def _run_batch(self, runs: list[Callable[[], None]]) -> None:
+        """Run ``runs`` on the loop thread, in order, in one hand-off (batch calls); one
+        that raises a KvpushError is logged and does not stop the others."""
+        if not runs:
+            return
+
+        def batch() -> None:
+            for run in runs:
+                try:
+                    run()
+                except KvpushError as exc:
+                    log.warning("%s: %s", self.name, exc)
+
+        self._call_soon(batch)
+
     def _on_loop(self) -> bool:
         """True on this endpoint's loop thread (inside a callback)."""
         return threading.current_thread() is self._thread
 
     def _no_blocking_on_loop(self, what: str) -> None:
-        """A blocking call made from a callback would wait for the loop that runs it."""
-        if self._on_loop():
-            raise RuntimeError(f"{what} blocks, and was called on {self.name}'s loop thread "
-                               f"(from a kvpush callback): call it from another thread")
+        """A blocking call made from a callback (on any kvpush loop thread) raises at once:
+        it would stall that loop, or wait for the loop that runs it (:mod:`kvpush._loop`)."""
+        no_blocking(what)
 
-    def _call_and_wait(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run ``fn`` on the loop thread and return its result (or raise its exception)."""
+    def _call_and_wait(self, fn: Callable[[], Any], timeout: float,
+                       what: str = "this call") -> Any:
+        """Run ``fn`` on the loop thread and return its result (or raise its exception).
+        On this endpoint's own loop thread ``fn`` runs at once; on another endpoint's it
+        raises (waiting would stall that loop)."""
         if self._on_loop():
             return fn()
+        no_blocking(what)
         done = threading.Event()
         box: list[Any] = []
 
@@ -403,6 +422,7 @@ class Endpoint:
         return timeout
 
     def _run(self) -> None:
+        enter_loop(self.name)
         try:
             while not self._stop:
                 timeout = self._next_timeout()
@@ -497,6 +517,19 @@ class Endpoint:
                 self._teardown_on_exit = True
             self._stop = True
             return
+        if loop_name() is not None and self._thread.is_alive():
+            # From another endpoint's callback: joining this loop would stall that one, so
+            # this loop is told to stop and tears down on its way out (the wake-up is
+            # written under the lock its exit takes: the fd is still open).
+            with self._exit_lock:
+                exited = self._loop_exited
+                self._teardown_on_exit = not exited
+                if not exited:
+                    self._stop = True
+                    os.eventfd_write(self._wake_fd, 1)
+            if exited:
+                self._teardown()
+            return
         if self._thread.is_alive():
             self._stop = True
             os.eventfd_write(self._wake_fd, 1)
@@ -546,6 +579,7 @@ class Endpoint:
 
     @property
     def closed(self) -> bool:
+        """True once close() began (calls then raise ClosedError)."""
         return self._closed
 
     # -- control frames: delivered, or their loss known -------------------------------------

@@ -346,10 +346,12 @@ class KVLayout:
 
     @property
     def num_regions(self) -> int:
+        """Registered memory regions (one per layer, or per layer and K/V)."""
         return len(self.regions)
 
     @property
     def kind(self) -> MemoryKind:
+        """Where the regions live (host or GPU memory)."""
         return self.regions[0].kind
 
     @property
@@ -433,6 +435,7 @@ class KVLayout:
 
     # -- wire ------------------------------------------------------------------------------
     def to_wire(self) -> LayoutWire:
+        """This layout as the handshake sends it."""
         return LayoutWire(
             regions=[(r.addr, r.length, r.device_id, r.kind.value) for r in self.regions],
             num_layers=self.num_layers,
@@ -455,6 +458,7 @@ class KVLayout:
 
     @classmethod
     def from_wire(cls, wire: LayoutWire) -> KVLayout:
+        """A peer's layout from its handshake (ProtocolError if malformed)."""
         try:
             regions = tuple(Region(a, n, d, MemoryKind(k)) for a, n, d, k in wire.regions)
             return cls(

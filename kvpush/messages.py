@@ -224,10 +224,14 @@ class Claim(_Msg, tag="claim", frozen=True):
 
 
 class Heartbeat(_Msg, tag="hb", frozen=True):
+    """Consumer -> producer: still here (answered by HeartbeatAck)."""
+
     seq: int
 
 
 class HeartbeatAck(_Msg, tag="hb_ack", frozen=True):
+    """Producer -> consumer: the answer to Heartbeat ``seq``."""
+
     seq: int
 
 
@@ -296,6 +300,7 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sealed: bytes = b""       # with auth_key: the fields above, encrypted (see seal)
 
     def to_bytes(self) -> bytes:
+        """The ticket as bytes, for the router to relay."""
         return msgspec.msgpack.encode(self)
 
     def _aad(self) -> bytes:
@@ -327,6 +332,7 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PullTicket:
+        """A ticket from :meth:`to_bytes` (ProtocolError if malformed)."""
         try:
             ticket = msgspec.msgpack.decode(data, type=cls)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -356,6 +362,7 @@ def encode(msg: Message, sealer: Sealer | None = None) -> bytes:
 
 
 def is_sealed(frame: bytes) -> bool:
+    """True if ``frame`` is sealed (authenticated with a key)."""
     return len(frame) >= 2 and frame[1] == 1
 
 

@@ -22,10 +22,12 @@ class LiveCounters:
         self._counts: dict[str, int] = {}
 
     def add(self, name: str, delta: int) -> None:
+        """Add ``delta`` to counter ``name``."""
         with self._lock:
             self._counts[name] = self._counts.get(name, 0) + delta
 
     def snapshot(self) -> dict[str, int]:
+        """The counters that are not zero."""
         with self._lock:
             return {k: v for k, v in self._counts.items() if v}
 
@@ -57,4 +59,5 @@ class Stats:
     events_refused: int = 0        # an event the request's state does not allow
 
     def as_dict(self) -> dict[str, int]:
+        """Every counter by name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

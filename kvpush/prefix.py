@@ -542,6 +542,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
+        """Blocks free now."""
         return len(self._free)
 
     def allocate(self, n: int, index: PrefixIndex | None = None) -> np.ndarray:

@@ -21,8 +21,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +30,7 @@ import zmq
 
 from . import messages as m
 from .agent import TransportConfig
+from .aio import DrainQueue, drain_iter
 from .auth import (
     HelloGuard,
     Opener,
@@ -61,7 +61,7 @@ from .plan import block_checksums, check_request_id, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.effects import Emit
 from .protocol.producer import CoreConfig, ProducerCore
-from .request import Release, TransferMode
+from .request import Release, RequestStatus, TransferMode
 
 __all__ = ["Producer", "ProducerConfig"]
 
@@ -185,7 +185,9 @@ class Producer(Endpoint):
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_release = on_release
-        self._released: deque[Release] = deque()
+        self._released: DrainQueue[Release] = DrainQueue()
+        # called on the loop thread with every release (kvpush.prometheus)
+        self._observers: list[Callable[[Release], None]] = []
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
         self._hello_guard = HelloGuard()
@@ -234,6 +236,14 @@ class Producer(Endpoint):
         that writes its tickets elsewhere (vLLM's scheduler process) passes the one it put
         there (:func:`new_id`).
         """
+        ticket, run = self._prepare_prefill(request_id, block_ids, mode, sid)
+        self._call_soon(run)
+        return ticket
+
+    def _prepare_prefill(self, request_id: str, block_ids: Any, mode: TransferMode,
+                         sid: int | None) -> tuple[m.PullTicket | None, Callable[[], None]]:
+        """Validate a prefill_done (caller's thread; raises on bad input) and make its
+        ticket (pull) and the closure that holds the blocks on the loop thread."""
         called = time.monotonic()
         check_request_id(request_id)
         mode = TransferMode(mode)
@@ -242,8 +252,12 @@ class Producer(Endpoint):
             sid = new_id()
         elif isinstance(sid, bool) or not isinstance(sid, int) or not 0 < sid < 1 << 63:
             raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
-        self._call_soon(lambda: self._event(lambda now: self._core.prefill_done(
-            now, request_id, ids, mode, sid, called)))
+        use = sid
+
+        def run() -> None:
+            self._event(lambda now: self._core.prefill_done(now, request_id, ids, mode, use,
+                                                            called))
+
         if mode is TransferMode.PULL:
             sums = block_checksums(self.layout, ids).astype("<u8").tobytes() \
                 if self.config.verify else b""
@@ -251,8 +265,34 @@ class Producer(Endpoint):
                                   request_id=request_id, block_ids=m.encode_ids(ids),
                                   lease_s=self.config.lease_s, issued_at=time.time(), sid=sid,
                                   checksums=sums)
-            return ticket if self._key is None else ticket.seal(self._key)
-        return None
+            return (ticket if self._key is None else ticket.seal(self._key)), run
+        return None, run
+
+    def prefill_done_many(self, items: Sequence[tuple[str, Any] | tuple[str, Any, TransferMode]],
+                          mode: TransferMode = TransferMode.PUSH
+                          ) -> list[m.PullTicket | Exception | None]:
+        """:meth:`prefill_done` for a batch: ``items`` are ``(request_id, block_ids)`` or
+        ``(request_id, block_ids, mode)`` (``mode`` is the default of the former). Every
+        item is validated on its own; the valid ones reach the loop thread in one
+        hand-off, in order. Returns per item what a single call would: its pull ticket,
+        None (push), or the exception a single call would have raised (that item's blocks
+        are not held: the engine keeps them). Never blocks."""
+        out: list[m.PullTicket | Exception | None] = []
+        runs: list[Callable[[], None]] = []
+        for item in items:
+            try:
+                if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                    raise ValueError(f"each item is (request_id, block_ids[, mode]), got "
+                                     f"{item!r:.80}")
+                ticket, run = self._prepare_prefill(item[0], item[1],
+                                                    item[2] if len(item) == 3 else mode, None)
+            except (KvpushError, ValueError, TypeError) as exc:
+                out.append(exc)
+                continue
+            out.append(ticket)
+            runs.append(run)
+        self._run_batch(runs)
+        return out
 
     def layer_done(self, request_id: str, block_ids: Any, layer: int) -> None:
         """Layer-wise push: layer ``layer``'s KV for ``request_id`` is final in
@@ -281,13 +321,41 @@ class Producer(Endpoint):
             now, request_id, reason)))
 
     def get_released(self) -> list[Release]:
-        """Releases since the last call (for engines that poll rather than take callbacks)."""
-        out = []
-        while self._released:
-            out.append(self._released.popleft())
-        return out
+        """Releases since the last call, oldest first (for engines that poll rather than
+        take callbacks). Never blocks; any thread."""
+        return self._released.take()
+
+    def fileno(self) -> int:
+        """A file descriptor (an eventfd) that is readable when :meth:`get_released` may
+        have releases, and once the Producer is closed: watch it with a selector, ``epoll``
+        or ``loop.add_reader`` and drain when it fires (draining clears it). Only releases
+        queued without an ``on_release`` callback wake it. Valid for this object's
+        lifetime."""
+        return self._released.fileno()
+
+    def releases(self) -> AsyncIterator[Release]:
+        """``async for release in producer.releases()``: every release as it comes, in
+        order, until the Producer closes (stock asyncio loop or uvloop; it waits on
+        :meth:`fileno`, no thread). The same queue as :meth:`get_released`: use one of the
+        two. Raises RuntimeError if the Producer has an ``on_release`` callback."""
+        if self._on_release is not None:
+            raise RuntimeError("Producer.releases(): this Producer has an on_release "
+                               "callback, so no release is queued for an iterator")
+        return drain_iter(self._released)
+
+    def status(self, request_id: str) -> RequestStatus:
+        """A snapshot of ``request_id`` here (:class:`~kvpush.RequestStatus`: phase, mode,
+        sid, source blocks, each owner's xid and state, owners done, lease deadline).
+        Taken on the loop thread: waits for the loop briefly (at most 10 s), runs at once
+        inside this Producer's own callbacks, raises RuntimeError inside another
+        endpoint's (ClosedError once closed)."""
+        check_request_id(request_id)
+        status: RequestStatus = self._call_and_wait(
+            lambda: self._core.snapshot(request_id), 10.0, "Producer.status()")
+        return status
 
     def stats(self) -> dict[str, int]:
+        """Counters of what this Producer has done (:class:`kvpush.metrics.Stats`)."""
         out = self._stats.as_dict()
         for key, value in self._core.stats.items():
             out[key] = out.get(key, 0) + value
@@ -487,8 +555,14 @@ class Producer(Endpoint):
 
     def _emit(self, release: Any) -> None:
         assert isinstance(release, Release)
+        for observe in self._observers:
+            try:
+                observe(release)
+            except Exception:
+                log.exception("%s: a release observer raised", self.name)
         if self._on_release is None:
             queue_result(self._released, release, self.name, "get_released")
+            self._released.signal()
             return
         try:
             self._on_release(release)
@@ -544,3 +618,4 @@ class Producer(Endpoint):
                 self._emit(effect.item)
         self._applied()
         self._consumers.clear()
+        self._released.end()

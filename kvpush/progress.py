@@ -66,10 +66,12 @@ class ProgressPolicy:
 
     @classmethod
     def latency_first(cls) -> ProgressPolicy:
+        """Poll closely (spins up to 1 ms around a predicted landing): lowest latency."""
         return cls(spin_s=1e-3, min_sleep_s=10e-6, max_sleep_s=50e-6, sleep_fraction=0.05)
 
     @classmethod
     def cpu_first(cls) -> ProgressPolicy:
+        """Never spin, sleep longer between polls: least CPU."""
         return cls(spin_s=0.0, min_sleep_s=100e-6, max_sleep_s=2e-3, sleep_fraction=0.25)
 
 

@@ -532,3 +532,20 @@ def test_an_abandoned_write_of_a_use_the_consumer_gave_up_is_not_fenced() -> Non
     h.core.transfer_ended(h.now, abandon.key, XferEnd.ABANDONED)
     h.run()
     assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(ReleaseReason.ABORTED, True)]
+
+
+def test_a_registration_before_prefill_done_is_stamped_in_the_release() -> None:
+    """Release.timings["registered"] is documented as the registration reaching the loop,
+    "often before prefill_done"; it was stamped only when the registration came second (and
+    test_api's timing test failed whenever a loaded host let the Register in first)."""
+    h = Harness()
+    h.register("A", "r", 11, [0, 1])
+    h.advance(0.5)
+    h.prefill("r", [5, 6])
+    h.end_writes()
+    h.run()
+    (release,) = h.releases()
+    assert release.reason is ReleaseReason.TRANSFERRED and release.xids == (11,)
+    assert list(release.timings) == ["prefill_done", "held", "registered", "posted",
+                                     "written", "released"], release.timings
+    assert release.timings["registered"] == 0.0 < release.timings["prefill_done"]

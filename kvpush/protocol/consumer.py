@@ -58,7 +58,7 @@ from ..errors import (
 )
 from ..layout import KVLayout
 from ..metrics import LIVE, Stats
-from ..request import RequestState, TransferMode, TransferResult
+from ..request import RequestState, RequestStatus, TransferMode, TransferResult
 from .effects import Abandon, Effect, Emit, Post, Send, XferEnd
 
 __all__ = ["TRANSITIONS", "ConsumerCore", "CoreConfig", "Event", "Links", "Phase", "Settings",
@@ -306,6 +306,24 @@ class ConsumerCore:
         if req is not None:
             return req.phase.value
         return "claimed" if rid in self._claims else "none"
+
+    def snapshot(self, rid: str) -> RequestStatus:
+        """``rid``'s live use here, as a typed snapshot (see :class:`kvpush.RequestStatus`)."""
+        req = self._requests.get(rid)
+        if req is None:
+            claim = self._claims.get(rid)
+            if claim is None:
+                return RequestStatus(rid, "none")
+            mode = TransferMode.PUSH if claim.push else TransferMode.PULL
+            return RequestStatus(rid, "claimed", mode, claim.xid,
+                                 next(iter(claim.sids.values())) if len(claim.sids) == 1
+                                 else 0, parts=len(claim.sids))
+        closing = req.phase in (Phase.PUSH_CLOSING, Phase.PULL_CLOSING)
+        return RequestStatus(
+            rid, req.phase.value, req.mode, req.xid,
+            next(iter(req.sids.values())) if len(req.sids) == 1 else 0, req.ids, req.parts,
+            len(req.landed), req.grace if closing and req.grace is not None else req.deadline,
+            req.moved)
 
     def xid_of(self, rid: str) -> int | None:
         req = self._requests.get(rid)

@@ -45,7 +45,7 @@ import numpy as np
 from .. import messages as m
 from ..errors import KvpushError, PeerUnavailable
 from ..layout import KVLayout
-from ..request import Release, ReleaseReason, TransferMode
+from ..request import OwnerStatus, Release, ReleaseReason, RequestStatus, TransferMode
 from .effects import Abandon, DropPeer, Effect, Emit, Post, Send, XferEnd
 
 __all__ = ["TRANSITIONS", "CoreConfig", "Event", "Links", "ProducerCore", "ShareState",
@@ -180,6 +180,7 @@ class _Share:
     reason: ReleaseReason = ReleaseReason.TRANSFERRED   # how it ended (DONE/GONE)
     detail: str = ""
     hold: _Timer | None = None                          # pull: blocks held until then
+    registered: float | None = None                     # push: when its Register came
 
 
 @dataclass
@@ -289,6 +290,29 @@ class ProducerCore:
     def status(self, rid: str) -> str:
         req = self._requests.get(rid)
         return "none" if req is None else req.state.value
+
+    def snapshot(self, rid: str) -> RequestStatus:
+        """``rid``'s state here, as a typed snapshot (see :class:`kvpush.RequestStatus`)."""
+        req = self._requests.get(rid)
+        if req is None:
+            return RequestStatus(rid, "none")
+        src = req.source
+        shares = list(req.shares.values())
+        done = {(s.peer, s.xid) for s in shares if s.state is ShareState.DONE}
+        deadline = None
+        if src is not None and src.lease is not None and not src.lease.cancelled:
+            deadline = src.lease.deadline
+        else:
+            waits = [s.wait.deadline for s in shares if s.wait is not None
+                     and not s.wait.cancelled]
+            deadline = min(waits) if waits else None
+        return RequestStatus(
+            rid, req.state.value, src.mode if src is not None else None, 0,
+            src.sid if src is not None else 0,
+            src.ids if src is not None else np.empty(0, dtype=np.int64),
+            max(len(shares), len(done | req.done_owners)), len(done | req.done_owners),
+            deadline, 0, tuple(OwnerStatus(s.peer, s.xid, s.mode, s.state.value)
+                               for s in shares))
 
     def held(self) -> int:
         """Requests whose source blocks are held (not released yet)."""
@@ -557,7 +581,8 @@ class ProducerCore:
                                                self._lease_expired_fn(req))
                 return
             self._out.append(Emit(Release(req.rid, ReleaseReason.ABORTED, ids, req.why,
-                                          {**stamps, "released": self._now}, sid)))
+                                          {**stamps, "released": self._now}, sid,
+                                          mode=mode)))
             self.stats["blocks_released"] += len(ids)
             return
         if state is State.RELEASED_EARLY and (req.use_deadline is None
@@ -581,7 +606,8 @@ class ProducerCore:
             self.stats["refused"] += 1
             if len(extra):
                 self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED, extra,
-                                              "duplicate prefill_done", sid=sid)))
+                                              "duplicate prefill_done", sid=sid,
+                                              mode=mode)))
             return
         if state is State.PARTIAL:
             assert req.source is not None
@@ -592,12 +618,15 @@ class ProducerCore:
                 self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED,
                                               np.setdiff1d(ids, req.source.ids),
                                               "prefill_done does not match layer_done",
-                                              sid=sid)))
+                                              sid=sid, mode=mode)))
                 ids = req.source.ids
             req.source.complete = True
             req.source.stamps.update(stamps)
         else:  # WAITING
             _cancel(req.tomb)
+            came = [s.registered for s in req.live() if s.registered is not None]
+            if came and mode is TransferMode.PUSH:  # registered before prefill_done
+                stamps["registered"] = min(came)
             req.source = _Source(ids, mode, sid, True, stamps=stamps)
             self.gauges["sources_held"] += 1
             if mode is TransferMode.PULL:  # push registrations cannot be served
@@ -707,7 +736,7 @@ class ProducerCore:
             if math.isfinite(msg.wait_s) else self.config.max_wait_s
         share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.REGISTERED, msg.sharers,
                        ids=ids, part=msg.part, groups=msg.groups, verify=msg.verify,
-                       tail=msg.tail)
+                       tail=msg.tail, registered=self._now)
         owner = (peer, msg.xid)
         share.wait = self._after(wait, lambda now: self._wait_expired(rid, owner))
         self._add_share(req, share)
@@ -1135,9 +1164,11 @@ class ProducerCore:
         # Bye behind it (simulator finding F4) -- until the consumer gives this side up.
         hold = max(self.config.transfer_timeout_s, self.config.peer_timeout_s) \
             if req.unsafe else 0.0
+        xids = tuple(sorted({xid for _, xid in req.shares} | {x for _, x in req.done_owners}))
         self._out.append(Emit(Release(req.rid, reason, source.ids, detail,
                                       {**source.stamps, "released": self._now}, source.sid,
-                                      blocks_safe=not req.unsafe, quarantine_s=hold)))
+                                      blocks_safe=not req.unsafe, quarantine_s=hold,
+                                      mode=source.mode, xids=xids)))
         req.unsafe = False
         early = req.state is State.PARTIAL
         if not code and reason is not ReleaseReason.TRANSFERRED:
