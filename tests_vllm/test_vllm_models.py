@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import launch
+import pytest
 from conftest import HERE, MAX_TOKENS, PROMPTS, tokens_of
 
 NAMES = ("len40", "len200", "len650")
@@ -40,7 +41,7 @@ def model_of(kind: str, workdir: Path) -> Path:
 
 def reference_of(model: Path, workdir: Path, names: tuple[str, ...] = NAMES,
                  dtype: str = "bfloat16") -> dict[str, list[int]]:
-    tag = f"{model.name}-{dtype}"
+    tag = f"{model.name}-{dtype}-{len(names)}"
     src, dst = workdir / f"ref-{tag}-in.json", workdir / f"ref-{tag}-out.json"
     if not dst.exists():
         src.write_text(json.dumps({"prompts": [PROMPTS[n] for n in names],
@@ -60,27 +61,31 @@ def reference_of(model: Path, workdir: Path, names: tuple[str, ...] = NAMES,
 
 @contextlib.contextmanager
 def disagg(model: Path, workdir: Path, tag: str, dtype: str = "bfloat16",
-           prefill_extra: dict[str, Any] | None = None, **extra: Any) -> Iterator[Any]:
+           prefill_extra: dict[str, Any] | None = None, prefill_tp: int = 1,
+           **extra: Any) -> Iterator[Any]:
     """A prefill + decode pair with kvpush and the example router; yields (router, prefill,
     decode)."""
     fleet = launch.Fleet()
     logs = workdir / f"logs-{tag}"
     kv_port, p_port, d_port, r_port = (launch.free_port() for _ in range(4))
-    producer = f"tcp://127.0.0.1:{kv_port}"
+    producers = [f"tcp://127.0.0.1:{kv_port + r}" for r in range(prefill_tp)]
     common = ["-O0", "--max-num-seqs", "8", "--dtype", dtype]
+    # TP ranks unbound ("nobind", both cores), as test_vllm_tp.py does (docs/VLLM.md, Limits)
+    p_cores, p_bind = ("0,1", "nobind") if prefill_tp > 1 else ("0", None)
     try:
         start = time.monotonic()
         prefill = fleet.add(launch.start_vllm(
-            model, p_port, name="prefill", cores="0", log_dir=logs, extra_args=common,
+            model, p_port, name="prefill", cores=p_cores, omp_bind=p_bind, log_dir=logs,
+            extra_args=[*common, "--tensor-parallel-size", str(prefill_tp)],
             kv_transfer_config=launch.kvpush_config("kv_producer", kv_port, **extra,
                                                     **(prefill_extra or {}))))
         decode = fleet.add(launch.start_vllm(
             model, d_port, name="decode", cores="1", log_dir=logs, extra_args=common,
-            kv_transfer_config=launch.kvpush_config("kv_consumer", producers=[producer],
+            kv_transfer_config=launch.kvpush_config("kv_consumer", producers=producers,
                                                     **extra)))
         router = fleet.add(launch.start_router(
             r_port, prefill=prefill.url, decode=decode.url, log_dir=logs,
-            args=["--producers", producer]))
+            args=["--producers", *producers]))
         launch.wait_healthy([prefill, decode, router], timeout_s=420)
         print(f"\n{tag}: healthy after {time.monotonic() - start:.0f} s; logs in {logs}")
         yield router, prefill, decode
@@ -133,3 +138,21 @@ def test_sliding_window_tokens_match_colocated(workdir: Path) -> None:
     with disagg(model, workdir, "gemma2") as (router, prefill, decode):
         assert "Turning off hybrid kv cache manager" in prefill.log.read_text()
         check_tokens(router, decode, want)
+
+
+@pytest.mark.skipif(os.environ.get("KVPUSH_VLLM_TP") != "1",
+                    reason="a TP-2 MLA prefill server, minutes on two cores: KVPUSH_VLLM_TP=1")
+def test_mla_tp2_prefill_tokens_match_colocated(workdir: Path) -> None:
+    """P TP2 -> D TP1 with the MLA model: both prefill ranks hold the whole latent, one per
+    transfer sends it (the other hands its blocks back at once)."""
+    model = model_of("deepseek_v2", workdir)
+    want = reference_of(model, workdir, names=("len200", "len650"), dtype="float32")
+    slow = {"transfer_timeout_s": 120.0, "peer_timeout_s": 120.0, "heartbeat_s": 2.0,
+            "request_timeout_s": 300.0, "connect_timeout_s": 120.0}
+    with disagg(model, workdir, "mla-tp2", dtype="float32", prefill_tp=2, **slow) as (
+            router, prefill, decode):
+        check_tokens(router, decode, want)
+        deadline = time.monotonic() + 30
+        while launch.metrics(prefill.url).get("vllm:kv_cache_usage_perc", 1.0) > 0:
+            assert time.monotonic() < deadline, "prefill blocks still held"
+            time.sleep(0.3)
