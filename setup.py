@@ -10,8 +10,13 @@ extension and reads two build flags:
 import os
 from glob import glob
 
+import pybind11
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
+
+# csrc/bindings.cpp uses py::native_enum, new in pybind11 3 (pyproject.toml says so too).
+if int(pybind11.__version__.split(".")[0]) < 3:
+    raise SystemExit(f"kvpush needs pybind11 >= 3 to build, found {pybind11.__version__}")
 
 debug = os.environ.get("KVPUSH_DEBUG") == "1"
 sanitize = os.environ.get("KVPUSH_SANITIZE") == "1"

@@ -15,7 +15,8 @@ from typing import Any
 from . import SCHEMA_VERSION
 from .report import machine, markdown_tables, plot, print_tables, targets, write_json
 
-SUITES = ("desc_prep", "throughput", "critical_path", "cpu", "layerwise", "multiturn")
+SUITES = ("desc_prep", "throughput", "critical_path", "busy_engine", "cpu", "layerwise",
+          "multiturn")
 
 
 def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
@@ -31,6 +32,10 @@ def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
         from . import critical_path
 
         return critical_path.run(quick, progress)
+    if name == "busy_engine":
+        from . import busy_engine
+
+        return busy_engine.run(quick, progress)
     if name == "cpu":
         from . import cpu
 

@@ -27,6 +27,7 @@ phase at the end, because its progress threads keep both cores busy while they e
 
 from __future__ import annotations
 
+import math
 import multiprocessing.connection as mpc
 import threading
 import time
@@ -53,6 +54,17 @@ __all__ = ["Point", "run", "sweep"]
 
 MAX_ITERS = 400
 MIN_ITERS = 9
+
+#: Where a push's time goes (kvpush's Release.timings, stamped on the producer, plus the
+#: benchmark's own stamps around the engine's call), per request.
+PUSH_STAGES = {
+    "engine_call": "the engine's thread inside prefill_done (validation, hand-off queued)",
+    "to_loop": "prefill_done called -> the loop thread took the blocks (hand-off to loop)",
+    "prepare": "-> the WRITE's Post effect made (registration matched, plan, hint sent)",
+    "in_flight": "-> NIXL reported it done (make_prepped_xfer + post + wire + progress)",
+    "release": "-> source released (the on_release callback ran)",
+    "wake_engine": "-> the engine's thread waiting on that callback woke",
+}
 
 
 @dataclass(frozen=True)
@@ -169,6 +181,7 @@ class _Releases:
         self.lock = threading.Lock()
         self.events: dict[str, threading.Event] = {}
         self.reasons: dict[str, str] = {}
+        self.timings: dict[str, dict[str, float]] = {}
 
     def event(self, rid: str) -> threading.Event:
         with self.lock:
@@ -176,6 +189,7 @@ class _Releases:
 
     def __call__(self, release: Any) -> None:
         self.reasons[release.request_id] = release.reason.value
+        self.timings[release.request_id] = dict(release.timings)
         self.event(release.request_id).set()
 
 
@@ -295,16 +309,30 @@ def side_write_interleaved(state: dict[str, Any], conn: mpc.Connection, block_by
     if "nocoalesce" in rids:
         out.update(raw_write_listorder=[], kv_write_nocoalesce=[])
 
+    stages: dict[str, list[float]] = {f"stage_{k}": [] for k in PUSH_STAGES}
+
     def push(key: tuple[int, bool], rid: str) -> float:
         producer, releases = state["kv"][key]
         ev = releases.event(rid)
         t0 = time.perf_counter()
+        called = time.monotonic()
         producer.prefill_done(rid, src)
+        returned = time.monotonic()
         if not ev.wait(30.0):
             raise TimeoutError(f"push {rid}: no release in 30 s")
+        woke = time.monotonic()
         dt = time.perf_counter() - t0
         if releases.reasons.get(rid) != "transferred":
             raise RuntimeError(f"push {rid}: released {releases.reasons.get(rid)}")
+        if key[1]:  # the coalescing endpoint: its Release's stamps, stage by stage
+            st = releases.timings[rid]
+            for name, value in (("engine_call", returned - called),
+                                ("to_loop", st["held"] - st["prefill_done"]),
+                                ("prepare", st["posted"] - st["held"]),
+                                ("in_flight", st["written"] - st["posted"]),
+                                ("release", st["released"] - st["written"]),
+                                ("wake_engine", woke - st["released"])):
+                stages[f"stage_{name}"].append(value)
         return dt
 
     for i in range(count + 1):
@@ -319,6 +347,10 @@ def side_write_interleaved(state: dict[str, Any], conn: mpc.Connection, block_by
         if i:
             for k, v in times.items():
                 out[k].append(v)
+        else:
+            for v in stages.values():
+                v.clear()
+    out.update(stages)
     return out
 
 
@@ -336,10 +368,15 @@ def side_read_interleaved(state: dict[str, Any], conn: mpc.Connection, block_byt
     if "nocoalesce" in tickets:
         out.update(raw_read_listorder=[], kv_read_nocoalesce=[])
 
+    calls: list[float] = []
+
     def pull(key: tuple[int, bool], ticket: bytes) -> float:
         consumer, _ = state["kv"][key]
         t0 = time.perf_counter()
-        result = consumer.pull(ticket, dst).wait(30.0)
+        handle = consumer.pull(ticket, dst)
+        if key[1]:
+            calls.append(time.perf_counter() - t0)
+        result = handle.wait(30.0)
         dt = time.perf_counter() - t0
         if not result.ok:
             raise RuntimeError(f"pull failed: {result.state} {result.error}")
@@ -354,6 +391,7 @@ def side_read_interleaved(state: dict[str, Any], conn: mpc.Connection, block_byt
         if i:
             for k, v in times.items():
                 out[k].append(v)
+    out["stage_pull_call"] = calls[1:]
     return out
 
 
@@ -559,6 +597,9 @@ def _summarize(points: list[Point], results: dict[Point, dict[str, Any]], total:
         row: dict[str, Any] = {"block_bytes": p.block_bytes, "blocks": p.blocks,
                                "order": p.order, "request_bytes": p.nbytes}
         for name, vals in dts.items():
+            if name.startswith("stage_"):  # seconds per stage, not transfers
+                row[f"{name}_us_p50"] = float(np.median(vals)) * 1e6 if vals else math.nan
+                continue
             row[f"{name}_gbps"] = _gbps(p.nbytes, vals)
             row[f"{name}_best_gbps"] = p.nbytes / min(vals) / 1e9 if vals else float("nan")
             row[f"{name}_us_p50"] = float(np.median(vals)) * 1e6
@@ -572,6 +613,10 @@ def _summarize(points: list[Point], results: dict[Point, dict[str, Any]], total:
         row["read_vs_raw_best"] = row["kv_read_best_gbps"] / row["raw_read_best_gbps"]
         row["write_overhead_us"] = row["kv_write_us_p50"] - row["raw_write_us_p50"]
         row["read_overhead_us"] = row["kv_read_us_p50"] - row["raw_read_us_p50"]
+        # in flight beyond the raw transfer: NIXL calls and progress that raw NIXL also
+        # makes are in raw_write's time; what is left is kvpush's polling
+        row["stage_in_flight_extra_us_p50"] = (row.get("stage_in_flight_us_p50", math.nan)
+                                               - row["raw_write_us_p50"])
         if "kv_write_nocoalesce_gbps" in row:
             row["coalesce_gain_write"] = row["kv_write_gbps"] / row["kv_write_nocoalesce_gbps"]
             row["coalesce_gain_read"] = row["kv_read_gbps"] / row["kv_read_nocoalesce_gbps"]
@@ -592,6 +637,8 @@ def _summarize(points: list[Point], results: dict[Point, dict[str, Any]], total:
         return max(cands, key=lambda r: r["request_bytes"]) if cands else None
 
     big = [r for r in rows if r["request_bytes"] >= 16 * MIB]
+    mib_plus = [r for r in rows if r["request_bytes"] >= MIB]
+    small = [r for r in rows if r["request_bytes"] == 64 * KIB]
     summary: dict[str, Any] = {
         "write_vs_raw_nixl": geomean([r["write_vs_raw"] for r in rows]),
         "read_vs_raw_nixl": geomean([r["read_vs_raw"] for r in rows]),
@@ -603,6 +650,17 @@ def _summarize(points: list[Point], results: dict[Point, dict[str, Any]], total:
                                                          for r in rows])),
         "kvpush_overhead_us_p50_read": float(np.median([r["read_overhead_us"] for r in rows])),
     }
+    for name, sel in (("1mib_plus", mib_plus), ("64kib", small)):
+        if sel:
+            summary[f"write_vs_raw_nixl_{name}"] = geomean([r["write_vs_raw"] for r in sel])
+            summary[f"read_vs_raw_nixl_{name}"] = geomean([r["read_vs_raw"] for r in sel])
+    # per stage of a push (PUSH_STAGES), and the engine's pull() call: median over rows
+    for stage in [*PUSH_STAGES, "in_flight_extra", "pull_call"]:
+        vals = [r[f"stage_{stage}_us_p50"] for r in rows
+                if math.isfinite(r.get(f"stage_{stage}_us_p50", math.nan))]
+        if vals:
+            summary[f"push_stage_{stage}_us_p50" if stage != "pull_call"
+                    else "pull_stage_engine_call_us_p50"] = float(np.median(vals))
     if big:
         summary["write_vs_raw_nixl_16mib_plus"] = geomean([r["write_vs_raw"] for r in big])
         summary["read_vs_raw_nixl_16mib_plus"] = geomean([r["read_vs_raw"] for r in big])

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -24,8 +25,15 @@ namespace py = pybind11;
 
 namespace {
 
-// Below this many output entries, dropping and retaking the GIL costs more than it frees.
-constexpr double kReleaseGilEntries = 4096;
+// When to let other Python threads run during compiled work. Dropping the GIL is cheap;
+// taking it back is not: inside an engine whose own threads run Python, a thread that gave
+// the GIL up waits for CPython's switch interval (5 ms by default) to get it back. A 64-layer
+// x 512-block plan (12 us of work) that released the GIL took 5 ms median beside one busy
+// thread. So only work far longer than a hand-off runs without the GIL: plans of at least
+// 4M index entries (0.2-3 ns each here: 1-12 ms; a 32k-token Qwen3-32B request is 4M) and
+// checksums over at least 16 MiB (~12 GB/s here: over 1 ms).
+constexpr double kReleaseGilEntries = double{1 << 22};
+constexpr double kReleaseGilChecksumBytes = double{16 << 20};
 
 [[noreturn]] void raise_invalid_block_ids(const std::string& message) {
     // Imported when needed, not at module load: kvpush.errors is plain Python and the
@@ -73,8 +81,25 @@ std::string describe_non_1d(const py::handle& obj) {
     return std::to_string(arr.ndim()) + "-D array of " + std::string(py::str(arr.dtype()));
 }
 
-// Never converts: a float or 2-D array, or a list, is a caller bug that a silent cast
-// would hide.
+py::handle plain_ndarray_type() {
+    return reinterpret_cast<PyObject*>(py::detail::npy_api::get().PyArray_Type_);
+}
+
+// Only reached for ndarray subclasses; numpy.ma is imported by numpy itself.
+bool is_masked_array(const py::handle& obj) {
+    const py::object cls = py::module_::import("numpy.ma").attr("MaskedArray");
+    return py::isinstance(obj, cls);
+}
+
+// A view at an odd byte offset (np.frombuffer(..., offset=1)) is C-contiguous but reading
+// its elements as int32/int64 is undefined behaviour.
+bool is_aligned(const py::array& arr) {
+    return (py::detail::array_proxy(arr.ptr())->flags &
+            py::detail::npy_api::NPY_ARRAY_ALIGNED_) != 0;
+}
+
+// Never converts: a float or 2-D array, a list, a masked or misaligned array is a caller
+// bug that a silent cast would hide.
 kvpush::BlockIdView block_ids_arg(const py::handle& obj, const char* name) {
     const std::string expected = std::string(name) + " must be a 1-D int32 or int64 array, got ";
     if (!py::isinstance<py::array>(obj) || py::reinterpret_borrow<py::array>(obj).ndim() != 1) {
@@ -85,8 +110,16 @@ kvpush::BlockIdView block_ids_arg(const py::handle& obj, const char* name) {
     if (!is_int32 && !py::isinstance<py::array_t<int64_t>>(obj)) {
         raise_invalid_block_ids(expected + std::string(py::str(arr.dtype())));
     }
+    if (!py::type::handle_of(obj).is(plain_ndarray_type()) && is_masked_array(obj)) {
+        raise_invalid_block_ids(std::string(name) +
+                                " must be a plain array, not a masked array (its mask would "
+                                "be ignored)");
+    }
     if ((arr.flags() & py::array::c_style) == 0) {
         raise_invalid_block_ids(std::string(name) + " must be C-contiguous");
+    }
+    if (!is_aligned(arr)) {
+        raise_invalid_block_ids(std::string(name) + " must be aligned to its dtype's size");
     }
     const auto n = static_cast<std::size_t>(arr.shape(0));
     if (is_int32) return kvpush::BlockIdView::of(static_cast<const int32_t*>(arr.data()), n);
@@ -141,10 +174,15 @@ private:
     std::size_t capacity_ = 0;
 };
 
+// How often compiled work has run without the GIL: _core._gil_releases(), for the tests
+// that hold short work to keeping it.
+std::atomic<uint64_t> gil_releases{0};
+
 // Runs `work` without the GIL when there is enough of it to be worth the switch.
 template <class F>
 void run_maybe_without_gil(bool release, F&& work) {
     if (release) {
+        gil_releases.fetch_add(1, std::memory_order_relaxed);
         const py::gil_scoped_release no_gil;
         work();
     } else {
@@ -163,6 +201,7 @@ struct PyTransferPlan {
     int64_t num_blocks;
     int64_t num_regions;
     int64_t num_runs;
+    int64_t num_descriptors;
 };
 
 static_assert(std::is_standard_layout_v<kvpush::Run> && sizeof(kvpush::Run) == 3 * sizeof(int64_t),
@@ -171,7 +210,7 @@ static_assert(std::is_standard_layout_v<kvpush::Run> && sizeof(kvpush::Run) == 3
 // Writes a core plan's index lists (np.empty-like: write_indices fills every entry, straight
 // into the arrays' buffers) and wraps everything as read-only numpy arrays.
 template <class Plan>
-PyTransferPlan to_python(const Plan& plan, bool release) {
+PyTransferPlan to_python(const Plan& plan, bool release, bool merges) {
     const std::size_t count = plan.num_indices();
     py::array_t<int32_t> local_indices;
     py::array_t<int32_t> remote_indices;
@@ -198,13 +237,14 @@ PyTransferPlan to_python(const Plan& plan, bool release) {
                           read_only(std::move(runs)),
                           plan.num_blocks(),
                           plan.num_regions,
-                          plan.num_runs()};
+                          plan.num_runs(),
+                          plan.num_descriptors(merges)};
 }
 
 PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remote_ids,
                              const py::object& local_num_blocks,
                              const py::object& remote_num_blocks, const py::object& num_regions,
-                             bool coalesce) {
+                             bool coalesce, bool merges) {
     // Arrays are checked before the counts are converted (the documented error order),
     // and viewed only after: a count's __index__ is arbitrary Python that could swap an
     // array's buffer or dtype in between.
@@ -228,7 +268,7 @@ PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remo
     run_maybe_without_gil(release, [&] { status = kvpush::plan_transfer(request, &plan); });
     throw_if_error(status);
 
-    return to_python(plan, release);
+    return to_python(plan, release, merges);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -239,7 +279,7 @@ PyTransferPlan plan_split_transfer(const py::object& local_ids, const py::object
                                    const py::object& remote_num_blocks,
                                    const py::object& num_regions, const py::object& heads,
                                    const py::object& local_split,
-                                   const py::object& remote_split) {
+                                   const py::object& remote_split, bool merges) {
     // Checked, converted, then viewed, for the reasons given in plan_transfer.
     block_ids_arg(local_ids, "local_ids");
     block_ids_arg(remote_ids, "remote_ids");
@@ -265,7 +305,7 @@ PyTransferPlan plan_split_transfer(const py::object& local_ids, const py::object
                           [&] { status = kvpush::plan_split_transfer(request, &plan); });
     throw_if_error(status);
 
-    return to_python(plan, release);
+    return to_python(plan, release, merges);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -288,6 +328,74 @@ py::array_t<int64_t> check_block_ids(const py::object& ids, const py::object& nu
     return read_only(std::move(out));
 }
 
+// ---------------------------------------------------------------------------------------
+// PreparedLink: a link's constants converted and checked once, at handshake; a request
+// then costs one call with its two id arrays.
+
+class PreparedLink {
+public:
+    PreparedLink(const py::object& local_num_blocks, const py::object& remote_num_blocks,
+                 const py::object& num_regions, const py::object& heads,
+                 const py::object& local_split, const py::object& remote_split, bool merges) {
+        shape_.local_num_blocks = to_int64(local_num_blocks);
+        shape_.remote_num_blocks = to_int64(remote_num_blocks);
+        shape_.num_regions = to_int64(num_regions);
+        shape_.heads = to_int64(heads);
+        shape_.local_split = to_int64(local_split);
+        shape_.remote_split = to_int64(remote_split);
+        shape_.merges = merges;
+        const kvpush::Status status = kvpush::check_link(shape_);
+        if (!status.ok()) throw py::value_error(status.message);
+    }
+
+    PyTransferPlan plan(const py::object& local_ids, const py::object& remote_ids,
+                        bool coalesce) const {
+        if (!shape_.split()) {
+            kvpush::PlanRequest request;
+            request.local_ids = block_ids_arg(local_ids, "local_ids");
+            request.remote_ids = block_ids_arg(remote_ids, "remote_ids");
+            request.local_num_blocks = shape_.local_num_blocks;
+            request.remote_num_blocks = shape_.remote_num_blocks;
+            request.num_regions = shape_.num_regions;
+            request.coalesce = coalesce;
+            const bool release = static_cast<double>(request.local_ids.size) *
+                                     static_cast<double>(shape_.num_regions) >=
+                                 kReleaseGilEntries;
+            kvpush::TransferPlan plan;
+            kvpush::Status status;
+            run_maybe_without_gil(release,
+                                  [&] { status = kvpush::plan_transfer(request, &plan); });
+            throw_if_error(status);
+            return to_python(plan, release, shape_.merges);
+        }
+        kvpush::SplitPlanRequest request;
+        request.local_ids = block_ids_arg(local_ids, "local_ids");
+        request.remote_ids = block_ids_arg(remote_ids, "remote_ids");
+        request.local_num_blocks = shape_.local_num_blocks;
+        request.remote_num_blocks = shape_.remote_num_blocks;
+        request.num_regions = shape_.num_regions;
+        request.heads = shape_.heads;
+        request.local_split = shape_.local_split;
+        request.remote_split = shape_.remote_split;
+        const auto n =
+            static_cast<double>(std::max(request.local_ids.size, request.remote_ids.size));
+        const bool release = n * static_cast<double>(shape_.heads) *
+                                 static_cast<double>(shape_.num_regions) >=
+                             kReleaseGilEntries;
+        kvpush::SplitTransferPlan plan;
+        kvpush::Status status;
+        run_maybe_without_gil(release,
+                              [&] { status = kvpush::plan_split_transfer(request, &plan); });
+        throw_if_error(status);
+        return to_python(plan, release, shape_.merges);
+    }
+
+    const kvpush::LinkShape& shape() const { return shape_; }
+
+private:
+    kvpush::LinkShape shape_;
+};
+
 void register_plan(py::module_& m) {
     py::class_<PyTransferPlan>(m, "TransferPlan", py::is_final(),
                                "Descriptor indices for one transfer; see kvpush/_core.pyi.")
@@ -297,17 +405,48 @@ void register_plan(py::module_& m) {
         .def_readonly("num_blocks", &PyTransferPlan::num_blocks)
         .def_readonly("num_regions", &PyTransferPlan::num_regions)
         .def_readonly("num_runs", &PyTransferPlan::num_runs)
-        .def_property_readonly("num_descriptors",
-                               [](const PyTransferPlan& p) { return p.num_runs * p.num_regions; })
+        .def_readonly("num_descriptors", &PyTransferPlan::num_descriptors)
         .def("__repr__", [](const PyTransferPlan& p) {
             return "TransferPlan(num_blocks=" + std::to_string(p.num_blocks) +
                    ", num_regions=" + std::to_string(p.num_regions) +
                    ", num_runs=" + std::to_string(p.num_runs) + ")";
         });
 
+    py::class_<PreparedLink>(m, "PreparedLink", py::is_final(),
+                             "A link's planning constants, checked once; see kvpush/_core.pyi.")
+        .def(py::init<const py::object&, const py::object&, const py::object&,
+                      const py::object&, const py::object&, const py::object&, bool>(),
+             py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
+             py::arg("heads") = 0, py::arg("local_split") = 1, py::arg("remote_split") = 1,
+             py::arg("merges") = true)
+        .def("plan", &PreparedLink::plan, py::arg("local_ids"), py::arg("remote_ids"),
+             py::arg("coalesce") = true)
+        .def_property_readonly("local_num_blocks",
+                               [](const PreparedLink& l) { return l.shape().local_num_blocks; })
+        .def_property_readonly("remote_num_blocks",
+                               [](const PreparedLink& l) { return l.shape().remote_num_blocks; })
+        .def_property_readonly("num_regions",
+                               [](const PreparedLink& l) { return l.shape().num_regions; })
+        .def_property_readonly("heads", [](const PreparedLink& l) { return l.shape().heads; })
+        .def_property_readonly("local_split",
+                               [](const PreparedLink& l) { return l.shape().local_split; })
+        .def_property_readonly("remote_split",
+                               [](const PreparedLink& l) { return l.shape().remote_split; })
+        .def_property_readonly("merges", [](const PreparedLink& l) { return l.shape().merges; })
+        .def("__repr__", [](const PreparedLink& l) {
+            const kvpush::LinkShape& s = l.shape();
+            return "PreparedLink(local_num_blocks=" + std::to_string(s.local_num_blocks) +
+                   ", remote_num_blocks=" + std::to_string(s.remote_num_blocks) +
+                   ", num_regions=" + std::to_string(s.num_regions) +
+                   ", heads=" + std::to_string(s.heads) +
+                   ", local_split=" + std::to_string(s.local_split) +
+                   ", remote_split=" + std::to_string(s.remote_split) +
+                   ", merges=" + (s.merges ? "True" : "False") + ")";
+        });
+
     m.def("plan_transfer", &plan_transfer, py::arg("local_ids"), py::arg("remote_ids"),
           py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
-          py::arg("coalesce") = true,
+          py::arg("coalesce") = true, py::kw_only(), py::arg("merges") = true,
           "Map and coalesce block-id pairs into NIXL descriptor indices; see kvpush/_core.pyi.");
 
     m.def("check_block_ids", &check_block_ids, py::arg("ids"), py::arg("num_blocks"),
@@ -317,7 +456,8 @@ void register_plan(py::module_& m) {
 
     m.def("plan_split_transfer", &plan_split_transfer, py::arg("local_ids"), py::arg("remote_ids"),
           py::arg("local_num_blocks"), py::arg("remote_num_blocks"), py::arg("num_regions"),
-          py::arg("heads"), py::arg("local_split"), py::arg("remote_split"),
+          py::arg("heads"), py::arg("local_split"), py::arg("remote_split"), py::kw_only(),
+          py::arg("merges") = true,
           "Map fine blocks to per-head slots of coarse blocks as NIXL descriptor indices; "
           "see kvpush/_core.pyi.");
 }
@@ -404,6 +544,9 @@ const uint64_t* base_addresses_arg(const py::handle& obj, std::size_t* num_regio
     if ((arr.flags() & py::array::c_style) == 0) {
         raise_invalid_block_ids("base_addresses must be C-contiguous");
     }
+    if (!is_aligned(arr)) {
+        raise_invalid_block_ids("base_addresses must be aligned to its dtype's size");
+    }
     *num_regions = static_cast<std::size_t>(arr.shape(0));
     return static_cast<const uint64_t*>(arr.data());
 }
@@ -425,10 +568,12 @@ py::array_t<uint64_t> block_checksums(const py::object& base_addresses,
     py::array_t<uint64_t> out(static_cast<py::ssize_t>(request.block_ids.size));
     uint64_t* out_data = out.mutable_data();
     kvpush::Status status;
-    {
-        const py::gil_scoped_release release;  // hashing reads megabytes; let others run
-        status = kvpush::block_checksums(request, out_data);
-    }
+    // Doubles: nothing is validated yet, and the product may not fit an integer.
+    const double bytes = static_cast<double>(request.block_ids.size) *
+                         static_cast<double>(request.num_regions) *
+                         static_cast<double>(std::max<int64_t>(request.block_bytes, 0));
+    run_maybe_without_gil(bytes >= kReleaseGilChecksumBytes,
+                          [&] { status = kvpush::block_checksums(request, out_data); });
     throw_if_error(status);
     return out;
 }
@@ -452,4 +597,6 @@ PYBIND11_MODULE(_core, m) {
     register_plan(m);
     register_completion(m);
     register_checksum(m);
+    m.def("_gil_releases", [] { return gil_releases.load(std::memory_order_relaxed); },
+          "How many compiled calls have let go of the GIL (a test hook).");
 }

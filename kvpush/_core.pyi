@@ -60,7 +60,10 @@ class TransferPlan:
 
     @property
     def num_descriptors(self) -> int:
-        """``num_runs * num_regions``: what NIXL moves after merging adjacent descriptors."""
+        """Descriptors NIXL moves: ``num_runs * num_regions`` where it merges each run into
+        one (``merges=True``), else every index, ``len(local_indices)`` (a head shard of
+        each block, padded blocks, or a split plan whose coarse slots hold several heads:
+        no two index-adjacent descriptors are adjacent bytes there)."""
 
 def plan_transfer(
     local_ids: _BlockIds,
@@ -69,16 +72,21 @@ def plan_transfer(
     remote_num_blocks: int,
     num_regions: int,
     coalesce: bool = True,
+    *,
+    merges: bool = True,
 ) -> TransferPlan:
     """Map block-id pairs to NIXL descriptor indices, optionally coalescing runs.
 
     Each side's descriptor list is region-major: (region ``r``, block ``b``) is descriptor
-    ``r * side_num_blocks + b``. The GIL is released for large requests.
+    ``r * side_num_blocks + b``. The GIL is held, except for plans of at least 2**22
+    index entries: winning it back beside a busy Python thread can take a whole switch
+    interval, far longer than the work (see ``csrc/bindings.cpp``).
 
     Parameters
     ----------
     local_ids, remote_ids : NDArray[np.int32] | NDArray[np.int64]
-        1-D, C-contiguous, native byte order, same length (the two dtypes may differ);
+        1-D, C-contiguous, aligned, native byte order, not masked, same length (the two
+        dtypes may differ);
         pair ``i`` moves local block ``local_ids[i]`` to remote block ``remote_ids[i]``
         in every region. No id may repeat on one side. Never converted: a list, a float
         or a 2-D array is rejected.
@@ -90,6 +98,9 @@ def plan_transfer(
     coalesce : bool, default True
         Sort pairs by local id, so blocks adjacent on both sides get adjacent descriptor
         indices, which NIXL merges into one transfer. Otherwise keep the given order.
+    merges : bool, default True
+        Whether adjacent descriptor indices are adjacent bytes on both sides (whole,
+        unpadded blocks), so that NIXL merges runs; only sets ``num_descriptors``.
 
     Returns
     -------
@@ -98,8 +109,8 @@ def plan_transfer(
     Raises
     ------
     kvpush.errors.InvalidBlockIds
-        For the first failed check, in this order: dtype/shape/contiguity of
-        ``local_ids`` then ``remote_ids``; length mismatch; ``num_regions``,
+        For the first failed check, in this order: shape/dtype/mask/contiguity/alignment
+        of ``local_ids`` then ``remote_ids``; length mismatch; ``num_regions``,
         ``local_num_blocks``, ``remote_num_blocks`` >= 1; local then remote index space
         fits int32; local ids in range; remote ids in range; no repeated local id; no
         repeated remote id (reported at its first repeat, with both positions).
@@ -111,10 +122,11 @@ def check_block_ids(ids: _BlockIds, num_blocks: int, name: str = "block_ids") ->
     """Validate one side's block ids on their own and return a read-only int64 copy.
 
     What :func:`plan_transfer` checks of one side, before its pairing is known: ``ids``
-    1-D, C-contiguous, int32 or int64 (never converted); ``num_blocks`` >= 1; every id in
-    ``[0, num_blocks)``; no id repeated. Messages name the array ``name``, and are
-    otherwise those of :func:`plan_transfer`. The copy is read once from ``ids``, so the
-    caller may reuse its array at once. The GIL is released for large arrays.
+    1-D, C-contiguous, aligned, not masked, int32 or int64 (never converted);
+    ``num_blocks`` >= 1; every id in ``[0, num_blocks)``; no id repeated. Messages name the
+    array ``name``, and are otherwise those of :func:`plan_transfer`. The copy is read once
+    from ``ids``, so the caller may reuse its array at once. The GIL is held, except for
+    at least 2**22 ids (as in :func:`plan_transfer`).
 
     Raises
     ------
@@ -133,6 +145,8 @@ def plan_split_transfer(
     heads: int,
     local_split: int,
     remote_split: int,
+    *,
+    merges: bool = True,
 ) -> TransferPlan:
     """Map fine blocks to per-head slots of coarse blocks as NIXL descriptor indices.
 
@@ -145,7 +159,7 @@ def plan_split_transfer(
     (region ``r``, block ``b``, slot ``s``, head ``h``) is descriptor
     ``((r * side_num_blocks + b) * side_split + s) * heads + h``. Nothing is sorted or
     coalesced: slots must stay with their coarse block, so pairs keep the given order.
-    The GIL is released for large requests.
+    The GIL is held, except for at least 2**22 index entries (as in :func:`plan_transfer`).
 
     Parameters
     ----------
@@ -180,14 +194,16 @@ def plan_split_transfer(
         ``r * side_num_blocks * side_split * heads``; stretches never span regions. With
         ``heads == 1`` and both splits 1, this is exactly :func:`plan_transfer` with
         ``coalesce=False``.
-        ``num_blocks``: ``n``. ``num_runs``: runs per region. ``num_descriptors``:
+        ``num_blocks``: ``n``. ``num_runs``: runs per region. ``num_descriptors``
+        (``merges`` as for :func:`plan_transfer`; ``len(local_indices)`` when
+        ``heads > 1`` and a split above 1, since a coarse slot's heads lie apart), else:
         ``num_runs * num_regions``.
 
     Raises
     ------
     kvpush.errors.InvalidBlockIds
-        For the first failed check, in this order: dtype/shape/contiguity of
-        ``local_ids`` then ``remote_ids``; ``num_regions``, ``local_num_blocks``,
+        For the first failed check, in this order: shape/dtype/mask/contiguity/alignment
+        of ``local_ids`` then ``remote_ids``; ``num_regions``, ``local_num_blocks``,
         ``remote_num_blocks``, ``heads``, ``local_split``, ``remote_split`` >= 1; not both
         splits above 1; coarse side length ``ceil(n / k)``; local then remote index space
         fits int32; local ids in range; remote ids in range; no repeated local id; no
@@ -195,6 +211,46 @@ def plan_split_transfer(
     TypeError
         If a count is not an integer.
     """
+
+@final
+class PreparedLink:
+    """The constants of every request over one link (this side's cache and one peer's),
+    converted and checked once, at handshake: :meth:`plan` then takes only the ids.
+
+    ``heads == 0``: :meth:`plan` is :func:`plan_transfer`; above 0, it is
+    :func:`plan_split_transfer` with these heads and splits (and ``coalesce`` is ignored:
+    split plans keep the given order). ``merges`` as for :func:`plan_transfer`.
+
+    Raises
+    ------
+    ValueError
+        For constants no request could use (the plan functions' checks of them, messages
+        as theirs; a link without heads has splits 1).
+    TypeError
+        If a count is not an integer.
+    """
+
+    def __init__(self, local_num_blocks: int, remote_num_blocks: int, num_regions: int,
+                 heads: int = 0, local_split: int = 1, remote_split: int = 1,
+                 merges: bool = True) -> None: ...
+    def plan(self, local_ids: _BlockIds, remote_ids: _BlockIds,
+             coalesce: bool = True) -> TransferPlan:
+        """Plan one request over the link; raises as the plan functions do."""
+
+    @property
+    def local_num_blocks(self) -> int: ...
+    @property
+    def remote_num_blocks(self) -> int: ...
+    @property
+    def num_regions(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def local_split(self) -> int: ...
+    @property
+    def remote_split(self) -> int: ...
+    @property
+    def merges(self) -> bool: ...
 
 class Arrival(enum.Enum):
     """What one :meth:`CompletionTable.arrive` call did."""
@@ -253,7 +309,8 @@ def block_checksums(
 ) -> NDArray[np.uint64]:
     """One 64-bit checksum per block id, over that block in every region.
 
-    Reads raw memory without the GIL; the caller guarantees every addressed block is
+    Reads raw memory, without the GIL from 16 MiB hashed on (less is over before a hand-off
+    of the GIL would be); the caller guarantees every addressed block is
     readable host memory. The hash is defined in ``csrc/kvpush/checksum.hpp``.
 
     Parameters
@@ -265,7 +322,8 @@ def block_checksums(
     block_bytes : int
         Bytes hashed per block per region; at least 1.
     block_ids : NDArray[np.int32] | NDArray[np.int64]
-        1-D, C-contiguous; ids in ``[0, num_blocks)``, repeats allowed.
+        1-D, C-contiguous, aligned, not masked; ids in ``[0, num_blocks)``, repeats
+        allowed.
     num_blocks : int
         Blocks per region.
 

@@ -37,6 +37,7 @@ __all__ = [
     "DEBUG",
     "Arrival",
     "CompletionTable",
+    "PreparedLink",
     "TransferPlan",
     "__version__",
     "block_checksums",
@@ -85,8 +86,13 @@ def _block_ids(ids: object, name: str) -> NDArray[np.int64]:
     # dtype equality includes byte order, as the bindings' check does.
     if ids.dtype != np.dtype(np.int32) and ids.dtype != np.dtype(np.int64):
         raise InvalidBlockIds(expected + str(ids.dtype))
+    if isinstance(ids, np.ma.MaskedArray):
+        raise InvalidBlockIds(f"{name} must be a plain array, not a masked array (its mask "
+                              "would be ignored)")
     if not ids.flags.c_contiguous:
         raise InvalidBlockIds(f"{name} must be C-contiguous")
+    if not ids.flags.aligned:
+        raise InvalidBlockIds(f"{name} must be aligned to its dtype's size")
     return ids.astype(np.int64)
 
 
@@ -137,6 +143,10 @@ class TransferPlan:
         Regions each pair is moved in.
     num_runs : int
         Runs per region.
+    num_descriptors : int
+        Descriptors NIXL moves: ``num_runs * num_regions`` where it merges each run into
+        one, else every index (``merges=False``, or a split plan whose coarse slots hold
+        several heads).
     """
 
     local_indices: NDArray[np.int32]
@@ -145,11 +155,7 @@ class TransferPlan:
     num_blocks: int
     num_regions: int
     num_runs: int
-
-    @property
-    def num_descriptors(self) -> int:
-        """Descriptors NIXL ends up moving after merging adjacent ones: runs x regions."""
-        return self.num_runs * self.num_regions
+    num_descriptors: int
 
     def __repr__(self) -> str:
         return (
@@ -169,6 +175,8 @@ def plan_transfer(
     remote_num_blocks: int,
     num_regions: int,
     coalesce: bool = True,
+    *,
+    merges: bool = True,
 ) -> TransferPlan:
     """Map block-id pairs to NIXL descriptor indices, optionally coalescing runs.
 
@@ -186,6 +194,9 @@ def plan_transfer(
         Sort pairs by local id so blocks adjacent on both sides get adjacent
         descriptor indices, which NIXL merges into one transfer. Otherwise keep the
         given order.
+    merges : bool, default True
+        Whether adjacent descriptor indices are adjacent bytes on both sides (whole,
+        unpadded blocks); only then does NIXL merge runs (see ``num_descriptors``).
 
     Returns
     -------
@@ -244,6 +255,7 @@ def plan_transfer(
         num_blocks=n,
         num_regions=regions,
         num_runs=len(runs),
+        num_descriptors=len(runs) * regions if merges else n * regions,
     )
 
 
@@ -269,6 +281,8 @@ def plan_split_transfer(
     heads: int,
     local_split: int,
     remote_split: int,
+    *,
+    merges: bool = True,
 ) -> TransferPlan:
     """Map fine blocks to per-head slots of coarse blocks as NIXL descriptor indices.
 
@@ -371,7 +385,76 @@ def plan_split_transfer(
         num_blocks=n,
         num_regions=regions,
         num_runs=len(runs),
+        # A coarse slot's heads lie apart when there are several of both: nothing merges.
+        num_descriptors=len(runs) * regions if merges and not (k > 1 and head_count > 1)
+        else int(local_indices.size),
     )
+
+
+class PreparedLink:
+    """A link's planning constants, checked once (see ``kvpush/_core.pyi``)."""
+
+    def __init__(self, local_num_blocks: int, remote_num_blocks: int, num_regions: int,
+                 heads: int = 0, local_split: int = 1, remote_split: int = 1,
+                 merges: bool = True) -> None:
+        self.local_num_blocks = _index(local_num_blocks)
+        self.remote_num_blocks = _index(remote_num_blocks)
+        self.num_regions = _index(num_regions)
+        self.heads = _index(heads)
+        self.local_split = _index(local_split)
+        self.remote_split = _index(remote_split)
+        self.merges = bool(merges)
+        try:
+            self._check()
+        except InvalidBlockIds as exc:
+            raise ValueError(str(exc)) from None
+
+    def _check(self) -> None:
+        _require_positive("num_regions", self.num_regions)
+        _require_positive("local_num_blocks", self.local_num_blocks)
+        _require_positive("remote_num_blocks", self.remote_num_blocks)
+        splits = (self.local_split, self.remote_split)
+        if self.heads <= 0:
+            if self.heads < 0:
+                raise InvalidBlockIds(f"heads must be >= 0, got {self.heads}")
+            if splits != (1, 1):
+                raise InvalidBlockIds(f"a link without heads has splits 1, got {splits[0]} "
+                                      f"and {splits[1]}")
+            for name, blocks in (("local_num_blocks", self.local_num_blocks),
+                                 ("remote_num_blocks", self.remote_num_blocks)):
+                if blocks > _INT32_MAX // self.num_regions:
+                    raise InvalidBlockIds(f"num_regions * {name} = {self.num_regions} * "
+                                          f"{blocks} does not fit in int32 descriptor indices")
+            return
+        _require_positive("local_split", splits[0])
+        _require_positive("remote_split", splits[1])
+        if splits[0] > 1 and splits[1] > 1:
+            raise InvalidBlockIds("local_split and remote_split cannot both exceed 1, "
+                                  f"got {splits[0]} and {splits[1]}")
+        for side, blocks, split in (("local", self.local_num_blocks, splits[0]),
+                                    ("remote", self.remote_num_blocks, splits[1])):
+            if self.num_regions * blocks * split * self.heads > _INT32_MAX:
+                raise InvalidBlockIds(
+                    f"num_regions * {side}_num_blocks * {side}_split * heads = "
+                    f"{self.num_regions} * {blocks} * {split} * {self.heads} "
+                    "does not fit in int32 descriptor indices")
+
+    def plan(self, local_ids: NDArray[np.int32] | NDArray[np.int64],
+             remote_ids: NDArray[np.int32] | NDArray[np.int64],
+             coalesce: bool = True) -> TransferPlan:
+        if self.heads:
+            return plan_split_transfer(local_ids, remote_ids, self.local_num_blocks,
+                                       self.remote_num_blocks, self.num_regions, self.heads,
+                                       self.local_split, self.remote_split, merges=self.merges)
+        return plan_transfer(local_ids, remote_ids, self.local_num_blocks,
+                             self.remote_num_blocks, self.num_regions, coalesce,
+                             merges=self.merges)
+
+    def __repr__(self) -> str:
+        return (f"PreparedLink(local_num_blocks={self.local_num_blocks}, "
+                f"remote_num_blocks={self.remote_num_blocks}, num_regions={self.num_regions}, "
+                f"heads={self.heads}, local_split={self.local_split}, "
+                f"remote_split={self.remote_split}, merges={self.merges})")
 
 
 class Arrival(enum.Enum):
@@ -481,6 +564,8 @@ def _base_addresses(obj: object) -> NDArray[np.uint64]:
         raise InvalidBlockIds(expected + str(obj.dtype))
     if not obj.flags.c_contiguous:
         raise InvalidBlockIds("base_addresses must be C-contiguous")
+    if not obj.flags.aligned:
+        raise InvalidBlockIds("base_addresses must be aligned to its dtype's size")
     return obj.astype(np.uint64)
 
 

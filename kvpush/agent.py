@@ -18,11 +18,12 @@ from __future__ import annotations
 import enum
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ._core import PreparedLink
 from .errors import PeerUnavailable, TransferFailed
 from .layout import KVLayout, head_overlap
 from .plan import plan_split_transfer, plan_transfer
@@ -67,7 +68,10 @@ class Link:
     Same tokens per block: one descriptor per (region, block), over the byte range of the
     KV heads both sides hold. Different tokens per block (one a multiple ``k`` of the
     other): one descriptor per (region, block, slot, head); the coarse side has ``k``
-    slots per block (``local_split`` / ``remote_split``).
+    slots per block (``local_split`` / ``remote_split``). ``merges``: on both sides every
+    descriptor ends where the next index's begins (within a region), so NIXL merges a run
+    of indices into one transfer; false for a head shard of each block or padded blocks,
+    and plans then count every index as a descriptor.
     """
 
     remote_num_blocks: int
@@ -75,16 +79,40 @@ class Link:
     heads: int = 0             # > 0: per-head descriptors (split blocks)
     local_split: int = 1
     remote_split: int = 1
+    merges: bool = True
+    # This side's blocks per region and regions; with them the link's planning constants
+    # are converted and checked once, here, and each request is one compiled call.
+    local_num_blocks: int = 0
+    num_regions: int = 0
+    prepared: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.local_num_blocks and self.num_regions:
+            object.__setattr__(self, "prepared", PreparedLink(
+                self.local_num_blocks, self.remote_num_blocks, self.num_regions, self.heads,
+                self.local_split, self.remote_split, self.merges))
 
     def plan(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_blocks: int,
              num_regions: int, coalesce: bool) -> Any:
-        """The request's descriptor index arrays (compiled; raises InvalidBlockIds)."""
+        """The request's descriptor index arrays (compiled; raises InvalidBlockIds).
+        ``num_blocks`` and ``num_regions`` are this side's layout's."""
+        prepared = self.prepared
+        if prepared is not None and (num_blocks, num_regions) == (self.local_num_blocks,
+                                                                   self.num_regions):
+            return prepared.plan(local_ids, remote_ids, coalesce)
         if self.heads:
             return plan_split_transfer(local_ids, remote_ids, num_blocks,
                                        self.remote_num_blocks, num_regions, self.heads,
-                                       self.local_split, self.remote_split)
+                                       self.local_split, self.remote_split, merges=self.merges)
         return plan_transfer(local_ids, remote_ids, num_blocks, self.remote_num_blocks,
-                             num_regions, coalesce)
+                             num_regions, coalesce, merges=self.merges)
+
+
+def _adjacent_in_order(table: np.ndarray, num_regions: int) -> bool:
+    """Whether, within each region, every descriptor of ``table`` (rows of address,
+    length, device) ends exactly where the next one begins."""
+    rows = table.reshape(num_regions, -1, 3)
+    return bool(np.array_equal(rows[:, :-1, 0] + rows[:, :-1, 1], rows[:, 1:, 0]))
 
 
 class XferState(enum.Enum):
@@ -164,8 +192,10 @@ class Agent:
             heads = local.token_units or 0
             local_table = local.split_table(local_split)
             remote_table = remote.split_table(remote_split)
+            merges = _adjacent_in_order(local_table, local.num_regions) and \
+                _adjacent_in_order(remote_table, remote.num_regions)
             link = Link(remote.num_blocks, int(local_table[0, 1]), heads, local_split,
-                        remote_split)
+                        remote_split, merges, local.num_blocks, local.num_regions)
         else:
             overlap = head_overlap(local, remote)
             if overlap is None:
@@ -174,7 +204,10 @@ class Agent:
             remote_table = remote.descriptor_table(remote_offset, length)
             local_table = None if (local_offset, length) == (0, local.block_bytes) else \
                 local.descriptor_table(local_offset, length)
-            link = Link(remote.num_blocks, length)
+            # Whole unpadded blocks on both sides: index-adjacent is byte-adjacent.
+            merges = length == local.block_stride and length == remote.block_stride
+            link = Link(remote.num_blocks, length, merges=merges,
+                        local_num_blocks=local.num_blocks, num_regions=local.num_regions)
         try:
             name: str = self._agent.add_remote_agent(metadata)
             if isinstance(name, bytes):

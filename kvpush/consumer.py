@@ -66,7 +66,7 @@ from .errors import (
     TransferTimeout,
 )
 from .layout import KVLayout, check_compatible
-from .plan import block_checksums, check_request_id, validate_block_ids
+from .plan import block_checksums, check_request_id, require_host_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.consumer import ConsumerCore, CoreConfig, new_xid
 from .request import (
@@ -228,6 +228,8 @@ class Consumer(Endpoint):
     def __init__(self, layout: KVLayout, config: ConsumerConfig | None = None, *,
                  on_finished: Callable[[TransferResult], None] | None = None) -> None:
         config = config or ConsumerConfig()
+        if config.verify:  # before anything is registered
+            require_host_checksums(layout, "ConsumerConfig.verify")
         super().__init__(layout, name=config.name, transport=config.transport,
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -102,6 +103,22 @@ def queue_result(queue: deque[Any], item: Any, owner: str, drain: str) -> None:
         log.warning("%s: %s() not drained: %d waiting (none is dropped)", owner, drain, n)
 
 
+def _precise_sleeps() -> None:
+    """Make this thread's short sleeps last what they ask: Linux lets a sleep overrun by the
+    thread's timer slack, 50 us by default, so the progress policy's 20 us sleeps took 85 us
+    here. 1 us of slack for the loop thread alone (``PR_SET_TIMERSLACK``); elsewhere, or if
+    refused, sleeps stay as they were."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, nanoseconds
+    except (OSError, AttributeError):
+        pass
+
+
 class Timer:
     """A one-shot callback at a monotonic deadline; :meth:`cancel` makes it a no-op."""
 
@@ -161,6 +178,8 @@ class Endpoint:
         self._flush_delay = 1e-3
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
         self._stop = False
+        self._waiting = True  # the loop may be blocked in poll: callers must wake it
+        self._emitted = False  # a result or release went to the engine this iteration
         self._loop_error: BaseException | None = None
 
     def _start(self) -> None:
@@ -173,7 +192,11 @@ class Endpoint:
             if self._closed:
                 raise ClosedError(f"{self._role} {self.name} is closed")
             self._commands.put(fn)
-            os.eventfd_write(self._wake_fd, 1)
+            # Only a loop blocked in poll needs waking; otherwise it drains the queue on
+            # its next iteration. Saves the engine's thread a syscall that lets go of the
+            # GIL (see _run for why no command is missed).
+            if self._waiting:
+                os.eventfd_write(self._wake_fd, 1)
 
     def _run_batch(self, runs: list[Callable[[], None]]) -> None:
         """Run ``runs`` on the loop thread, in order, in one hand-off (batch calls); one
@@ -268,6 +291,7 @@ class Endpoint:
                     self._abandon(effect.key)
                 elif isinstance(effect, Emit):
                     self._emit(effect.item)
+                    self._emitted = True
                 elif isinstance(effect, DropPeer):
                     self._forget(effect.peer, effect.why)
         self._applied()
@@ -422,21 +446,55 @@ class Endpoint:
         return timeout
 
     def _run(self) -> None:
+        wake_pending = False  # the eventfd was seen readable and not read yet
+        _precise_sleeps()
         enter_loop(self.name)
         try:
             while not self._stop:
                 timeout = self._next_timeout()
+                if timeout == 0.0 and not self._emitted:
+                    # Spinning: poll without giving up the GIL. A zero-timeout zmq poll
+                    # or an eventfd read drops it, and with a busy Python thread in the
+                    # engine taking it back can wait a whole switch interval (5 ms).
+                    # Not right after a result or release went to the engine, though: a
+                    # thread of the engine woken by it must get the GIL now, not after
+                    # the spin (the zero-timeout poll below lets it).
+                    self._hot_iteration()
+                    continue
+                self._emitted = False
+                if timeout and self._xfers and self._backoff.keep_polling():
+                    # Bytes in flight: keep NIXL progressed, every min_sleep_s rather than
+                    # at growing intervals. A real sleep, not a zero-timeout poll: an
+                    # engine thread waiting for the GIL needs more than a release and an
+                    # immediate retake to win it (it would wait out a switch interval).
+                    timeout = min(timeout, self._progress_policy.min_sleep_s)
                 if timeout is not None and 0 < timeout < 1e-3:
                     # zmq's poll counts whole milliseconds; short waits sleep instead.
                     time.sleep(timeout)
                     timeout = 0.0
-                events = dict(self._poller.poll(None if timeout is None
-                                                else int(timeout * 1e3)))
-                if events.pop(self._wake_fd, 0):
+                # Callers wake a waiting loop through the eventfd. The flag is raised
+                # before the queue is checked: a command queued after the check sees it
+                # raised and writes the eventfd; one queued before it is found here.
+                self._waiting = True
+                if not self._commands.empty():
+                    timeout = 0.0
+                if wake_pending and timeout != 0.0:
+                    # Reset the eventfd only now, about to block: the read lets go of the
+                    # GIL, which right after a wake-up would put the engine's threads
+                    # between the wake-up and the command it brought.
+                    wake_pending = False
                     try:
                         os.eventfd_read(self._wake_fd)
                     except BlockingIOError:
                         pass
+                    if not self._commands.empty():
+                        timeout = 0.0
+                events = dict(self._poller.poll(None if timeout is None
+                                                else int(timeout * 1e3)))
+                self._waiting = False
+                self._stats.loop_wakeups += 1
+                if events.pop(self._wake_fd, 0):
+                    wake_pending = True
                 self._drain_commands()
                 for sock in list(events):
                     handler = self._sockets.get(sock)
@@ -461,6 +519,19 @@ class Endpoint:
                 late = self._teardown_on_exit
             if late:  # close() could not wait for this thread
                 self._teardown()
+
+    def _hot_iteration(self) -> None:
+        """One loop iteration that never releases the GIL: commands straight from the queue
+        (the eventfd stays set and is read by the next blocking poll), sockets by their
+        ``EVENTS`` option, then NIXL and the timers, as :meth:`_run` does."""
+        self._stats.hot_polls += 1
+        self._drain_commands()
+        for sock, handler in list(self._sockets.items()):
+            if sock in self._sockets and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                handler(sock)
+        if self._busy() and self._poll_transfers():
+            self._backoff.progressed()
+        self._run_timers()
 
     def _drain_commands(self) -> None:
         # Called on every receive and poll (see _recv_all): an empty queue costs one

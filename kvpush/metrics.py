@@ -57,6 +57,8 @@ class Stats:
     frames_queued: int = 0         # control frames ZeroMQ could not take at once (retried)
     stale_messages: int = 0        # about a use (request id, xid) that is not live here
     events_refused: int = 0        # an event the request's state does not allow
+    loop_wakeups: int = 0          # the loop thread came back from a blocking wait
+    hot_polls: int = 0             # loop iterations spun without releasing the GIL
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name."""

@@ -15,22 +15,23 @@ import numpy as np
 
 from . import _core
 from .errors import InvalidBlockIds
-from .layout import KVLayout
+from .layout import KVLayout, MemoryKind
 
 __all__ = ["as_block_ids", "block_checksums", "check_request_id", "plan_split_transfer",
-           "plan_transfer", "validate_block_ids"]
+           "plan_transfer", "require_host_checksums", "validate_block_ids"]
 
 plan_transfer = _core.plan_transfer
 
 
 def plan_split_transfer(local_ids: Any, remote_ids: Any, local_num_blocks: int,
                         remote_num_blocks: int, num_regions: int, heads: int,
-                        local_split: int, remote_split: int) -> _core.TransferPlan:
+                        local_split: int, remote_split: int, *,
+                        merges: bool = True) -> _core.TransferPlan:
     """Plan a request between sides whose blocks hold different token counts (one a
     multiple of the other): per (region, block, slot, head) descriptors, in C++."""
     return _core.plan_split_transfer(local_ids, remote_ids, local_num_blocks,
                                      remote_num_blocks, num_regions, heads, local_split,
-                                     remote_split)
+                                     remote_split, merges=merges)
 
 
 def as_block_ids(ids: Any, name: str) -> np.ndarray:
@@ -69,9 +70,21 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
+def require_host_checksums(layout: KVLayout, what: str) -> None:
+    """Checksums are computed on the host, reading the blocks' bytes: a layout with device
+    memory (VRAM) cannot have them. Raises ValueError naming ``what`` (the setting)."""
+    device = [i for i, r in enumerate(layout.regions) if r.kind is not MemoryKind.DRAM]
+    if device:
+        raise ValueError(f"{what} needs host (DRAM) memory: per-block checksums read the "
+                         f"blocks on the CPU, and region {device[0]} of this layout is "
+                         f"{layout.regions[device[0]].kind.value}")
+
+
 def block_checksums(layout: KVLayout, ids: np.ndarray) -> np.ndarray:
     """One 64-bit checksum per block id (over the block in every region), in ``ids`` order,
-    computed in C++ without the GIL."""
+    computed in C++ (without the GIL from 16 MiB on). Refuses (ValueError) a layout with
+    device memory, which the host cannot read."""
+    require_host_checksums(layout, "block_checksums")
     bases = np.array([r.addr for r in layout.regions], dtype=np.uint64)
     sums: np.ndarray = _core.block_checksums(bases, layout.block_stride, layout.block_bytes,
                                              ids, layout.num_blocks)

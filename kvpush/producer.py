@@ -57,7 +57,7 @@ from .errors import (
 from .layout import KVLayout, check_compatible
 from .messages import new_id
 from .metrics import LIVE
-from .plan import block_checksums, check_request_id, validate_block_ids
+from .plan import block_checksums, check_request_id, require_host_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.effects import Emit
 from .protocol.producer import CoreConfig, ProducerCore
@@ -181,6 +181,8 @@ class Producer(Endpoint):
     def __init__(self, layout: KVLayout, config: ProducerConfig | None = None, *,
                  on_release: Callable[[Release], None] | None = None) -> None:
         config = config or ProducerConfig()
+        if config.verify:  # before anything is registered
+            require_host_checksums(layout, "ProducerConfig.verify")
         super().__init__(layout, name=config.name, transport=config.transport,
                          progress=config.progress, auth_key=config.auth_key)
         self.config = config

@@ -6,7 +6,12 @@ kvpush turns it off and drives progress from its one loop thread:
 * nothing in flight: the loop blocks in ``zmq.Poller.poll`` on its sockets and a wake-up
   eventfd -- no polling at all, 0 % CPU;
 * right after something moved (a post, a completion, a message): poll back-to-back for
-  ``spin_s`` (lowest latency for the next completion);
+  ``spin_s`` (lowest latency for the next completion), without letting go of the GIL;
+* while a transfer this side posted is in flight (its bytes may need this side's progress
+  to move: UCX drives a large transfer from the initiator's progress calls), keep polling
+  NIXL every ``min_sleep_s`` for up to ``inflight_s`` since the last progress, instead of
+  backing off (real sleeps: an engine thread that wants the GIL gets it in between; the
+  loop thread's timer slack is 1 us, so a 20 us sleep lasts about that);
 * then back off in proportion: sleep ``sleep_fraction`` of the time since the last
   progress, between ``min_sleep_s`` and ``max_sleep_s``. A completion is then noticed at
   most that fraction late (about 12 % by default), however long the transfer, while a long
@@ -43,12 +48,16 @@ class ProgressPolicy:
         Longest sleep; bounds the latency added to a completion.
     sleep_fraction
         Each sleep is this fraction of the time since the last progress (clamped).
+    inflight_s
+        While a transfer this side posted is in flight, seconds since the last progress
+        during which NIXL is polled every ``min_sleep_s`` (0: back off as above instead).
     """
 
     spin_s: float = 100e-6
     min_sleep_s: float = 20e-6
     max_sleep_s: float = 500e-6
     sleep_fraction: float = 0.125
+    inflight_s: float = 0.05
 
     def __post_init__(self) -> None:
         if not 0 <= self.spin_s <= 1.0:
@@ -63,16 +72,22 @@ class ProgressPolicy:
         if not 0 < self.sleep_fraction <= 1:
             raise ValueError("ProgressPolicy.sleep_fraction must be in (0, 1], got "
                              f"{self.sleep_fraction}")
+        if not 0 <= self.inflight_s <= 1.0:
+            raise ValueError(f"ProgressPolicy.inflight_s must be in [0, 1] s, got "
+                             f"{self.inflight_s}")
 
     @classmethod
     def latency_first(cls) -> ProgressPolicy:
         """Poll closely (spins up to 1 ms around a predicted landing): lowest latency."""
-        return cls(spin_s=1e-3, min_sleep_s=10e-6, max_sleep_s=50e-6, sleep_fraction=0.05)
+        return cls(spin_s=1e-3, min_sleep_s=10e-6, max_sleep_s=50e-6, sleep_fraction=0.05,
+                   inflight_s=0.2)
 
     @classmethod
     def cpu_first(cls) -> ProgressPolicy:
-        """Never spin, sleep longer between polls: least CPU."""
-        return cls(spin_s=0.0, min_sleep_s=100e-6, max_sleep_s=2e-3, sleep_fraction=0.25)
+        """Never spin, sleep longer between polls, none while in flight either: least
+        CPU."""
+        return cls(spin_s=0.0, min_sleep_s=100e-6, max_sleep_s=2e-3, sleep_fraction=0.25,
+                   inflight_s=0.0)
 
 
 class Backoff:
@@ -87,6 +102,11 @@ class Backoff:
     def progressed(self) -> None:
         """Something moved: spin again."""
         self._last_progress = time.monotonic()
+
+    def keep_polling(self) -> bool:
+        """While a transfer this side posted is in flight: poll NIXL again after
+        ``min_sleep_s`` rather than back off."""
+        return time.monotonic() - self._last_progress < self._policy.inflight_s
 
     def next_delay(self, window: tuple[float, float] | None = None) -> float:
         """Seconds to wait before the next poll (0.0 while spinning). ``window``: a

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
 
-from benchmarks import cpu, critical_path, desc_prep, report, throughput  # noqa: E402
+from benchmarks import busy_engine, cpu, critical_path, desc_prep, report, throughput  # noqa: E402
 from benchmarks._common import KIB, MIB  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,9 +37,11 @@ def results() -> dict[str, dict[str, object]]:
 
 def test_desc_prep(results: dict[str, dict[str, object]]) -> None:
     r = desc_prep.run(quick=True, progress=False, min_time=0.002, prompts=[1024, 8192])
-    _finite(r["summary"], "desc_prep_speedup_vs_numpy")
-    row = r["rows"][0]
-    assert row["descriptors_after_runs"] < row["descriptors_before_runs"]
+    _finite(r["summary"], "desc_prep_speedup_vs_numpy", "nixl_prepped_qwen3_32b_512_us",
+            "nixl_explicit_over_prepped_in_order_64")
+    runs = next(row for row in r["rows"] if row["order"] == "runs")
+    assert runs["descriptors_after"] < runs["descriptors_before"]
+    assert all(row["nixl_prepped_us"] > 0 and row["nixl_explicit_us"] > 0 for row in r["rows"])
     results["desc_prep"] = r
 
 
@@ -49,7 +51,9 @@ def test_throughput(results: dict[str, dict[str, object]]) -> None:
     r = throughput.run(quick=True, progress=False, points=points, total_bytes=8 * MIB,
                        min_time=0.002)
     _finite(r["summary"], "write_vs_raw_nixl", "read_vs_raw_nixl", "write_vs_memcpy_1mib",
-            "coalesced_vs_uncoalesced_write")
+            "coalesced_vs_uncoalesced_write", "write_vs_raw_nixl_1mib_plus",
+            "read_vs_raw_nixl_1mib_plus", "pull_stage_engine_call_us_p50",
+            *(f"push_stage_{stage}_us_p50" for stage in throughput.PUSH_STAGES))
     assert all(row["kv_write_gbps"] > 0 and row["raw_default_read_gbps"] > 0
                for row in r["rows"])
     results["throughput"] = r
@@ -67,6 +71,14 @@ def test_critical_path(results: dict[str, dict[str, object]]) -> None:
     stages = next(run for run in r["runs"] if run["mode"] == "push")["push_stages_p50_us"]
     assert all(us >= 0 for stage, us in stages.items() if stage != "write_extra"), stages
     results["critical_path"] = r
+
+
+def test_busy_engine() -> None:
+    r = busy_engine.run(quick=True, progress=False, rounds=1, per_round=2)
+    _finite(r["summary"], "handover_busy_engine_over_idle",
+            "handover_busy_numpy_engine_over_idle", "handover_p50_idle_push_us",
+            "handover_p50_python_pull_us", "handover_busy_engine_over_idle_switch_0_5ms")
+    assert [row["requests"] for row in r["rows"]] == [2, 2]
 
 
 def test_cpu(results: dict[str, dict[str, object]]) -> None:
@@ -103,7 +115,7 @@ def test_entry_point(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["desc_prep_speedup_vs_numpy"] > 0
-    assert "| preset | tokens |" in (tmp_path / "tables.md").read_text()
+    assert "| preset | blocks | order |" in (tmp_path / "tables.md").read_text()
     assert data["meta"]["machine"]["nproc"] >= 1
 
 

@@ -66,3 +66,23 @@ def test_ratio_with_wrong_block_count_fails_cleanly() -> None:
         result = handle.wait(10)
         assert result.state is RequestState.FAILED
         assert isinstance(result.error, kvpush.TransferFailed)
+
+
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_split_descriptors_counted_as_posted(mode: TransferMode) -> None:
+    """Coarse blocks of 2 slots x 2 heads: a slot's two heads lie apart, so NIXL merges
+    nothing even where the blocks run on both sides: every index is a descriptor."""
+    src = make_cache(num_blocks=16, tokens_per_block=4, kv_packed=False)
+    dst = make_cache(num_blocks=16, tokens_per_block=8, kv_packed=False)
+    src_ids, dst_ids = np.array([0, 1, 2, 3]), np.array([4, 5])
+    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        name = c.connect(p.address)
+        if mode is TransferMode.PUSH:
+            handle = c.expect("r", dst_ids, name)
+            p.prefill_done("r", src_ids)
+        else:
+            handle = c.pull(p.prefill_done("r", src_ids, mode), dst_ids)
+        assert handle.wait(10).state is RequestState.READY
+        poster = p if mode is TransferMode.PUSH else c
+        heads = src.layout.num_kv_heads
+        assert poster.stats()["descriptors_posted"] == 4 * heads * src.layout.num_regions

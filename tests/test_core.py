@@ -154,6 +154,9 @@ def test_plan_example(impl: ModuleType) -> None:
     assert plan.runs.tolist() == [[1, 8, 3], [7, 0, 1]]
     assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (4, 2, 2, 4)
     assert repr(plan) == "TransferPlan(num_blocks=4, num_regions=2, num_runs=2)"
+    # Where adjacent indices are not adjacent bytes (a head shard), NIXL merges nothing.
+    plan = impl.plan_transfer(local, remote, 8, 16, 2, merges=False)
+    assert (plan.num_runs, plan.num_descriptors) == (2, 8)
 
     plan = impl.plan_transfer(local, remote, 8, 16, 2, coalesce=False)
     assert plan.local_indices.tolist() == [3, 1, 2, 7, 11, 9, 10, 15]
@@ -212,18 +215,41 @@ def test_plan_reuses_large_index_buffers_safely() -> None:
 
 
 def test_plan_from_threads() -> None:
-    # Large enough that the GIL is released inside; results must not depend on timing.
+    # Short plans keep the GIL, long ones (2**22 entries: 16384 x 256) let it go inside;
+    # results must not depend on timing either way.
     rng = np.random.default_rng(1)
     cases = [
-        (rng.choice(5000, 300, replace=False), rng.choice(6000, 300, replace=False))
-        for _ in range(8)
-    ]
-    want = [_reference.plan_transfer(lo, re, 5000, 6000, 32) for lo, re in cases]
+        (rng.choice(5000, 300, replace=False), rng.choice(6000, 300, replace=False), 32)
+        for _ in range(6)
+    ] + [(rng.choice(20000, 16384, replace=False), rng.choice(20000, 16384, replace=False),
+          256) for _ in range(2)]
+    want = [_reference.plan_transfer(lo, re, 20000, 20000, r) for lo, re, r in cases]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        for _ in range(5):
-            got = list(pool.map(lambda c: _core.plan_transfer(c[0], c[1], 5000, 6000, 32), cases))
+        for _ in range(2):
+            got = list(pool.map(lambda c: _core.plan_transfer(c[0], c[1], 20000, 20000, c[2]),
+                                cases))
             for g, w in zip(got, want, strict=True):
                 assert_same_plan(g, w)
+
+
+def test_short_compiled_work_keeps_the_gil() -> None:
+    """Taking the GIL back beside a busy Python thread can cost a whole switch interval
+    (5 ms), so work of microseconds must never let go of it: a Qwen3-32B-shaped plan of 512
+    blocks (65,536 entries, ~12 us), its split twin, the ids check, and a 1 MiB checksum.
+    Only long work does (4M entries, 16 MiB hashed)."""
+    rng = np.random.default_rng(3)
+    ids = (rng.choice(32768, 512, replace=False), rng.choice(32768, 512, replace=False))
+    buffers, bases = make_cache(rng, 1, 64, 16384)
+    before = _core._gil_releases()
+    _core.plan_transfer(*ids, 32768, 32768, 128)
+    _core.plan_split_transfer(ids[0], ids[1][:256], 32768, 32768, 64, 2, 1, 2)
+    _core.check_block_ids(rng.choice(1 << 20, 4096, replace=False), 1 << 20)
+    _core.block_checksums(bases, 16384, 16384, np.arange(64), 64)  # 1 MiB
+    assert _core._gil_releases() == before
+    big = (rng.choice(32768, 16384, replace=False), rng.choice(32768, 16384, replace=False))
+    _core.plan_transfer(*big, 32768, 32768, 256)
+    assert _core._gil_releases() == before + 2  # validation, then the index lists
+    del buffers
 
 
 GOOD = np.arange(3, dtype=np.int64)
@@ -242,6 +268,11 @@ BAD_ARRAYS = [
     pytest.param(np.ones(3, dtype=bool), "got bool", id="bool"),
     pytest.param(np.arange(3, dtype=">i8"), "got >i8", id="big-endian"),
     pytest.param(np.arange(6)[::2], "C-contiguous", id="strided"),
+    # An int64 view one byte into a buffer: reading it as int64 is undefined behaviour.
+    pytest.param(np.frombuffer(bytes(25), dtype=np.int64, offset=1), "aligned to its dtype's size",
+                 id="misaligned"),
+    pytest.param(np.ma.masked_array(np.arange(3), mask=[False, True, False]),
+                 "not a masked array (its mask would be ignored)", id="masked"),
 ]
 
 
@@ -518,8 +549,14 @@ def test_split_plan_example(impl: ModuleType) -> None:
     assert plan.remote_indices.tolist() == region0 + [i + 16 for i in region0]
     # Units 5,6 -> 6,7 advance together: one run of 2 pairs x 2 heads; then 7 -> 0, 2 -> 1.
     assert plan.runs.tolist() == [[10, 12, 4], [14, 0, 2], [4, 2, 2]]
-    assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (4, 2, 3, 6)
+    # 2 heads and a split of 2: a coarse slot's heads lie apart, so the index runs do not
+    # merge and every one of the 16 indices is a descriptor.
+    assert (plan.num_blocks, plan.num_regions, plan.num_runs, plan.num_descriptors) == (4, 2, 3, 16)
     assert repr(plan) == "TransferPlan(num_blocks=4, num_regions=2, num_runs=3)"
+    one_head = impl.plan_split_transfer(local, remote, 8, 4, 2, 1, 1, 2)
+    assert (one_head.num_runs, one_head.num_descriptors) == (3, 6)  # slots are adjacent
+    assert impl.plan_split_transfer(local, remote, 8, 4, 2, 1, 1, 2,
+                                    merges=False).num_descriptors == 8
 
     # The mirror image: the coarse side local, an odd count leaving slot 1 of block 0 unused.
     plan = impl.plan_split_transfer(remote, local[:3], 4, 8, 1, 1, 2, 1)
@@ -963,6 +1000,10 @@ CHECKSUM_ERRORS = [
         (np.zeros(4, np.uint64)[::2], 16, 16, [0], 4), "base_addresses must be C-contiguous"
     ),
     pytest.param(
+        (np.frombuffer(bytes(17), np.uint64, offset=1), 16, 16, [0], 4),
+        "base_addresses must be aligned to its dtype's size",
+    ),
+    pytest.param(
         (None, 16, 16, [0.5], 4),
         "base_addresses must be a 1-D uint64 array, got <class 'NoneType'>",
     ),
@@ -1047,6 +1088,7 @@ def test_stub_matches_module(impl: ModuleType) -> None:
         "TransferPlan": impl.plan_transfer(GOOD, GOOD, 8, 8, 1),
         "CompletionTable": impl.CompletionTable(),
         "Arrival": impl.Arrival,
+        "PreparedLink": impl.PreparedLink(8, 8, 1),
     }
     assert set(instances) == set(members)
     for cls, declared in members.items():
@@ -1065,3 +1107,64 @@ def test_cpp_core_under_sanitizers() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout
+
+
+def test_pybind11_bound_matches_the_bindings() -> None:
+    """The bindings use pybind11 3 (py::native_enum); a build requirement that admits
+    pybind11 2 would fail to compile with a confusing error."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    # tomllib is 3.11+; the build-system table's requires line is simple enough to read.
+    requires = re.search(r"^requires\s*=\s*\[(.*)\]", (root / "pyproject.toml").read_text(),
+                         re.MULTILINE)
+    assert requires
+    needs = re.findall(r'"pybind11\s*>=\s*(\d+)[^"]*"', requires.group(1))
+    assert len(needs) == 1, requires.group(1)
+    if "py::native_enum" in (root / "csrc" / "bindings.cpp").read_text():
+        assert int(needs[0]) >= 3, requires.group(1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prepared_link_is_the_plan_functions(impl: ModuleType) -> None:
+    """A link's constants checked once at handshake; each request is one call with its ids,
+    and gives exactly what the plan functions give with the same constants."""
+    rng = np.random.default_rng(11)
+    local, remote = rng.choice(500, 40, replace=False), rng.choice(600, 40, replace=False)
+    link = impl.PreparedLink(500, 600, 6)
+    for coalesce in (True, False):
+        assert_same_plan(link.plan(local, remote, coalesce),
+                         impl.plan_transfer(local, remote, 500, 600, 6, coalesce))
+    shard = impl.PreparedLink(500, 600, 6, merges=False)
+    assert shard.plan(local, remote).num_descriptors == 40 * 6
+    split = impl.PreparedLink(500, 600, 6, 4, 1, 2)
+    assert (split.heads, split.local_split, split.remote_split, split.merges) == (4, 1, 2, True)
+    want = impl.plan_split_transfer(local, remote[:20], 500, 600, 6, 4, 1, 2)
+    got = split.plan(local, remote[:20])
+    assert_same_plan(got, want)
+    assert got.num_descriptors == want.num_descriptors == 40 * 4 * 6  # heads lie apart
+    with pytest.raises(InvalidBlockIds, match="local_ids has duplicate block id"):
+        link.plan(np.array([1, 1]), np.array([2, 3]))
+    with pytest.raises(InvalidBlockIds, match=r"remote_ids\[0\] = 600 is out of range"):
+        link.plan(np.array([1]), np.array([600]))
+    assert repr(split) == ("PreparedLink(local_num_blocks=500, remote_num_blocks=600, "
+                           "num_regions=6, heads=4, local_split=1, remote_split=2, merges=True)")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((0, 8, 1), "local_num_blocks must be >= 1, got 0"),
+    ((8, 8, 0), "num_regions must be >= 1, got 0"),
+    ((8, 8, 1, 0, 2, 1), "a link without heads has splits 1, got 2 and 1"),
+    ((8, 8, 1, -1), "heads must be >= 0, got -1"),
+    ((8, 8, 1, 2, 2, 2), "local_split and remote_split cannot both exceed 1, got 2 and 2"),
+    ((2**30, 8, 4), "num_regions * local_num_blocks = 4 * 1073741824 does not fit in int32 "
+                    "descriptor indices"),
+    ((8, 2**28, 4, 2, 1, 2), "num_regions * remote_num_blocks * remote_split * heads = "
+                             "4 * 268435456 * 2 * 2 does not fit in int32 descriptor indices"),
+])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prepared_link_refuses_bad_constants(impl: ModuleType, args: tuple[int, ...],
+                                             message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        impl.PreparedLink(*args)
+    assert str(info.value) == message

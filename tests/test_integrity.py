@@ -3,7 +3,10 @@ checked on the consumer; a mismatch fails the request, never silently."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 from harness import check_blocks, fill, make_cache
 
 import kvpush
@@ -58,3 +61,30 @@ def test_verify_needs_checksums_in_the_ticket() -> None:
         assert "carries no per-block checksums" in str(result.error)
         assert c.stats()["transfers_posted"] == 0
         p.abort("nosums")
+
+
+def _device_layout() -> tuple[kvpush.KVLayout, object]:
+    """A layout that declares its regions VRAM. No GPU here: the regions lie over host
+    buffers, so a checksum that read them on the host would *succeed* (and on a real GPU
+    dereference device pointers): the refusal is what the test sees."""
+    host = make_cache(num_blocks=8)
+    lay = host.layout
+    regions = tuple(kvpush.Region(r.addr, r.length, 0, kvpush.MemoryKind.VRAM)
+                    for r in lay.regions)
+    return dataclasses.replace(lay, regions=regions), host
+
+
+def test_verify_on_device_memory_is_refused_at_construction() -> None:
+    lay, _host = _device_layout()
+    with pytest.raises(ValueError, match=r"ProducerConfig.verify needs host \(DRAM\) memory"):
+        kvpush.Producer(lay, kvpush.ProducerConfig(verify=True))
+    with pytest.raises(ValueError, match=r"ConsumerConfig.verify needs host \(DRAM\) memory"):
+        kvpush.Consumer(lay, kvpush.ConsumerConfig(verify=True))
+
+
+def test_block_checksums_never_read_device_memory() -> None:
+    from kvpush.plan import block_checksums
+
+    lay, _host = _device_layout()
+    with pytest.raises(ValueError, match="region 0 of this layout is VRAM"):
+        block_checksums(lay, np.array([0, 1]))

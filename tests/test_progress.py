@@ -38,3 +38,39 @@ def test_predicted_window_only_shortens_sleeps() -> None:
     # a window far ahead or already over changes nothing
     assert backoff.next_delay((now + 10.0, now + 11.0)) == pytest.approx(POLICY.max_sleep_s)
     assert backoff.next_delay((now - 2.0, now - 1.0)) == pytest.approx(POLICY.max_sleep_s)
+
+
+def test_keep_polling_while_in_flight_then_back_off() -> None:
+    backoff = Backoff(ProgressPolicy(inflight_s=0.01))
+    assert backoff.keep_polling()  # just progressed: poll NIXL again at once
+    _waited(backoff, 0.02)
+    assert not backoff.keep_polling()  # past inflight_s: the sleeps above take over
+    assert not Backoff(ProgressPolicy(inflight_s=0.0)).keep_polling()
+    assert ProgressPolicy.cpu_first().inflight_s == 0.0
+    with pytest.raises(ValueError, match="inflight_s must be in"):
+        ProgressPolicy(inflight_s=2.0)
+
+
+def test_idle_endpoints_do_no_work_per_engine_step() -> None:
+    """What an engine calls every step (results, releases, stats) must not wake kvpush's
+    loop thread while nothing is in flight: the loop stays blocked in poll (heartbeats
+    apart), spins nothing, and a step is only the engine's own few attribute reads."""
+    from harness import make_cache
+
+    import kvpush
+
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
+    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        c.connect(p.address)
+        time.sleep(0.2)  # let the handshake's messages settle
+        before = (c.stats(), p.stats())
+        t0 = time.monotonic()
+        for _ in range(2000):  # 2000 engine steps
+            assert c.get_finished() == [] and p.get_released() == []
+            c.pending, p.pending  # noqa: B018
+        elapsed = time.monotonic() - t0
+        after = (c.stats(), p.stats())
+    for b, a in zip(before, after, strict=True):
+        assert a["hot_polls"] == b["hot_polls"]
+        # a heartbeat per second (consumer) and the peers' answers; never one per step
+        assert a["loop_wakeups"] - b["loop_wakeups"] <= 6 + 4 * elapsed

@@ -127,3 +127,22 @@ def test_covering_producers_picks_each_head_once() -> None:
     assert covering_producers(consumer, producers) == ["r4", "r0", "r2"]
     with pytest.raises(ValueError, match="no producer holds KV heads"):
         covering_producers(consumer, {"r0": lay(0, 1)})
+
+
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_head_shard_descriptors_counted_as_posted(mode: TransferMode) -> None:
+    """A head shard of each block is not adjacent to the next block's shard, so NIXL merges
+    nothing: descriptors_posted counts every (region, block), not one per run of blocks."""
+    src = make_cache(num_blocks=16, num_kv_heads=4, total_kv_heads=4)
+    dst = make_cache(num_blocks=16, num_kv_heads=2, head_start=0, total_kv_heads=4)
+    src_ids, dst_ids = np.array([3, 4, 5]), np.array([6, 7, 8])  # one run on both sides
+    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        name = c.connect(p.address)
+        if mode is TransferMode.PUSH:
+            handle = c.expect("r", dst_ids, name)
+            p.prefill_done("r", src_ids)
+        else:
+            handle = c.pull(p.prefill_done("r", src_ids, mode), dst_ids)
+        assert handle.wait(10).state is RequestState.READY
+        poster = p if mode is TransferMode.PUSH else c
+        assert poster.stats()["descriptors_posted"] == 3 * src.layout.num_regions

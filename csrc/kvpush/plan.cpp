@@ -410,6 +410,7 @@ Status plan_split_transfer(const SplitPlanRequest& req, SplitTransferPlan* out,
     out->remote_units_per_region = req.remote_num_blocks * req.remote_split;
     out->num_regions = req.num_regions;
     out->heads = req.heads;
+    out->heads_apart = k > 1 && req.heads > 1;
     return Status::Ok();
 }
 
@@ -433,6 +434,49 @@ Status check_block_ids(const BlockIdView& ids, const char* name, int64_t num_blo
     const std::size_t repeat = first_repeat(out, ids.size, method, num_blocks);
     if (repeat != kNoRepeat) return duplicate_error(name, out, repeat);
     return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------
+// check_link
+
+Status check_link(const LinkShape& shape) {
+    Status s = require_positive("num_regions", shape.num_regions);
+    if (s.ok()) s = require_positive("local_num_blocks", shape.local_num_blocks);
+    if (s.ok()) s = require_positive("remote_num_blocks", shape.remote_num_blocks);
+    if (!s.ok()) return s;
+    if (!shape.split()) {
+        if (shape.heads < 0) {
+            return Status::InvalidArgument("heads must be >= 0, got " +
+                                           std::to_string(shape.heads));
+        }
+        if (shape.local_split != 1 || shape.remote_split != 1) {
+            return Status::InvalidArgument("a link without heads has splits 1, got " +
+                                           std::to_string(shape.local_split) + " and " +
+                                           std::to_string(shape.remote_split));
+        }
+        s = require_index_fit(shape.num_regions, "local_num_blocks", shape.local_num_blocks);
+        if (s.ok()) {
+            s = require_index_fit(shape.num_regions, "remote_num_blocks",
+                                  shape.remote_num_blocks);
+        }
+        return s;
+    }
+    s = require_positive("local_split", shape.local_split);
+    if (s.ok()) s = require_positive("remote_split", shape.remote_split);
+    if (!s.ok()) return s;
+    if (shape.local_split > 1 && shape.remote_split > 1) {
+        return Status::InvalidArgument("local_split and remote_split cannot both exceed 1, got " +
+                                       std::to_string(shape.local_split) + " and " +
+                                       std::to_string(shape.remote_split));
+    }
+    s = require_split_index_fit(shape.num_regions, "local_num_blocks", shape.local_num_blocks,
+                                "local_split", shape.local_split, shape.heads);
+    if (s.ok()) {
+        s = require_split_index_fit(shape.num_regions, "remote_num_blocks",
+                                    shape.remote_num_blocks, "remote_split", shape.remote_split,
+                                    shape.heads);
+    }
+    return s;
 }
 
 }  // namespace kvpush

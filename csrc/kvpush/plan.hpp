@@ -64,7 +64,12 @@ struct TransferPlan {
 
     int64_t num_blocks() const { return static_cast<int64_t>(local_blocks.size()); }
     int64_t num_runs() const { return static_cast<int64_t>(runs.size()); }
-    int64_t num_descriptors() const { return num_runs() * num_regions; }
+    // Descriptors NIXL moves. `merges`: adjacent descriptor indices are adjacent bytes on
+    // both sides (whole blocks, no padding), so NIXL merges each run into one; otherwise
+    // (a head shard of each block, padded blocks) every index is a descriptor of its own.
+    int64_t num_descriptors(bool merges) const {
+        return merges ? num_runs() * num_regions : static_cast<int64_t>(num_indices());
+    }
     // Length of each descriptor index list: n * num_regions (<= INT32_MAX once validated).
     std::size_t num_indices() const {
         return local_blocks.size() * static_cast<std::size_t>(num_regions);
@@ -136,9 +141,18 @@ struct SplitTransferPlan {
     int64_t num_regions = 0;
     int64_t heads = 0;
 
+    // True when the coarse side holds several slots and several heads per block: a slot's
+    // heads then lie a head's worth of slots apart, so no two index-adjacent descriptors
+    // are adjacent bytes there and NIXL merges nothing, whatever the runs say.
+    bool heads_apart = false;
+
     int64_t num_blocks() const { return static_cast<int64_t>(local_units.size()); }
     int64_t num_runs() const { return static_cast<int64_t>(runs.size()); }
-    int64_t num_descriptors() const { return num_runs() * num_regions; }
+    // As TransferPlan::num_descriptors; never merged where heads_apart.
+    int64_t num_descriptors(bool merges) const {
+        return merges && !heads_apart ? num_runs() * num_regions
+                                      : static_cast<int64_t>(num_indices());
+    }
     // Length of each descriptor index list: n * heads * num_regions (<= INT32_MAX once
     // validated: the fine side's n distinct ids fit its index space).
     std::size_t num_indices() const {
@@ -160,5 +174,29 @@ struct SplitTransferPlan {
 // unspecified.
 Status plan_split_transfer(const SplitPlanRequest& request, SplitTransferPlan* out,
                            IdSetMethod method = IdSetMethod::Auto);
+
+// ---------------------------------------------------------------------------------------
+// A link: the constants of every request between this side's cache and one peer's, fixed
+// when the two sides shake hands. Planning a request over a link then takes only the ids.
+
+struct LinkShape {
+    int64_t local_num_blocks = 0;
+    int64_t remote_num_blocks = 0;
+    int64_t num_regions = 0;
+    // 0: one descriptor per (region, block), plan_transfer. Above 0: per (region, block,
+    // slot, head) descriptors, plan_split_transfer with these heads and splits.
+    int64_t heads = 0;
+    int64_t local_split = 1;
+    int64_t remote_split = 1;
+    // Adjacent descriptor indices are adjacent bytes on both sides (see num_descriptors).
+    bool merges = true;
+
+    bool split() const { return heads > 0; }
+};
+
+// Checks a link's constants once, as the plan functions would on every request: counts
+// >= 1 (heads >= 0), not both splits above 1, splits 1 without heads, and each side's
+// index space within int32. Messages are the plan functions' own.
+Status check_link(const LinkShape& shape);
 
 }  // namespace kvpush

@@ -47,7 +47,9 @@ void check_eq(const A& a, const B& b, const char* expr_a, const char* expr_b, co
 using kvpush::Arrival;
 using kvpush::BlockIdView;
 using kvpush::CompletionTable;
+using kvpush::check_link;
 using kvpush::IdSetMethod;
+using kvpush::LinkShape;
 using kvpush::PlanRequest;
 using kvpush::Status;
 using kvpush::StatusCode;
@@ -136,7 +138,8 @@ void check_against_naive(const std::vector<int64_t>& local, const std::vector<in
                   p.plan.runs[i].length == runs[i].length;
     }
     CHECK(runs_ok);
-    CHECK_EQ(p.plan.num_descriptors(), static_cast<int64_t>(runs.size()) * regions);
+    CHECK_EQ(p.plan.num_descriptors(true), static_cast<int64_t>(runs.size()) * regions);
+    CHECK_EQ(p.plan.num_descriptors(false), static_cast<int64_t>(p.plan.num_indices()));
 }
 
 void test_plan_small_examples() {
@@ -151,7 +154,8 @@ void test_plan_small_examples() {
     CHECK_EQ(p.plan.runs[0].local_start, 1);
     CHECK_EQ(p.plan.runs[0].remote_start, 8);
     CHECK_EQ(p.plan.runs[0].length, 3);
-    CHECK_EQ(p.plan.num_descriptors(), 4);
+    CHECK_EQ(p.plan.num_descriptors(true), 4);
+    CHECK_EQ(p.plan.num_descriptors(false), 8);  // a head shard: nothing merges
 
     // Without coalescing the given order stays; (1,8) (2,9) is still a run in that order.
     p = make_plan(local, remote, 8, 16, 2, false);
@@ -379,7 +383,12 @@ void check_split_against_naive(const std::vector<int64_t>& local,
                   p.plan.runs[i].length == runs[i].length;
     }
     CHECK(runs_ok);
-    CHECK_EQ(p.plan.num_descriptors(), static_cast<int64_t>(runs.size()) * sh.regions);
+    // Runs merge only where a coarse slot's heads are adjacent bytes (one head or no split).
+    const bool heads_apart = std::max(sh.local_split, sh.remote_split) > 1 && sh.heads > 1;
+    CHECK_EQ(p.plan.heads_apart, heads_apart);
+    CHECK_EQ(p.plan.num_descriptors(true),
+             heads_apart ? static_cast<int64_t>(p.plan.num_indices())
+                         : static_cast<int64_t>(runs.size()) * sh.regions);
 }
 
 void check_split_error(const SplitPlan& p, StatusCode code, const std::string& message) {
@@ -403,7 +412,9 @@ void test_split_plan() {
     CHECK_EQ(p.plan.runs[0].local_start, 10);
     CHECK_EQ(p.plan.runs[0].remote_start, 12);
     CHECK_EQ(p.plan.runs[0].length, 4);
-    CHECK_EQ(p.plan.num_descriptors(), 6);
+    // 2 heads, split 2: a slot's heads are not adjacent on the coarse side, so all 16
+    // indices are descriptors of their own, though the index runs number 3 per region.
+    CHECK_EQ(p.plan.num_descriptors(true), 16);
 
     // Mirrored, coarse side local, slot 1 of its block 0 unused.
     p = make_split_plan(remote, V{5, 6, 7}, SplitShape{4, 8, 1, 1, 2, 1});
@@ -777,8 +788,42 @@ void test_buffer_pool() {
     pool.release(g, cap_g);
 }
 
+void test_check_link() {
+    // A link's constants, checked once at handshake, with the plan functions' messages.
+    LinkShape shape;
+    shape.local_num_blocks = 8;
+    shape.remote_num_blocks = 16;
+    shape.num_regions = 4;
+    CHECK(check_link(shape).ok());
+    shape.heads = 2;
+    shape.remote_split = 2;
+    CHECK(shape.split());
+    CHECK(check_link(shape).ok());
+    shape.local_split = 2;
+    Status s = check_link(shape);
+    CHECK_EQ(code_name(s.code), code_name(StatusCode::InvalidArgument));
+    CHECK_EQ(s.message, std::string("local_split and remote_split cannot both exceed 1, got 2 "
+                                    "and 2"));
+    shape = LinkShape{};
+    shape.local_num_blocks = 8;
+    shape.remote_num_blocks = 8;
+    shape.num_regions = 1;
+    shape.local_split = 3;  // splits without heads
+    s = check_link(shape);
+    CHECK_EQ(s.message, std::string("a link without heads has splits 1, got 3 and 1"));
+    shape.local_split = 1;
+    shape.num_regions = 4;
+    shape.local_num_blocks = int64_t{1} << 30;  // 4 * 2^30 indices do not fit int32
+    s = check_link(shape);
+    CHECK_EQ(s.message, std::string("num_regions * local_num_blocks = 4 * 1073741824 does not "
+                                    "fit in int32 descriptor indices"));
+    shape.local_num_blocks = 0;
+    CHECK_EQ(check_link(shape).message, std::string("local_num_blocks must be >= 1, got 0"));
+}
+
 int main() {
     test_buffer_pool();
+    test_check_link();
     test_plan_small_examples();
     test_plan_errors();
     test_check_block_ids();

@@ -1,0 +1,276 @@
+"""Handover inside a busy engine: the same push and pull requests with and without a busy
+Python thread in each engine process.
+
+An engine's worker process is never only kvpush: its own threads run Python (the model
+runner, a scheduler, tokenizers). kvpush's loop thread must win the GIL back every time it
+wakes (a command, a message, a poll of NIXL), and a thread that runs Python without pause
+gives it up only when CPython's switch interval (``sys.getswitchinterval()``, 5 ms by
+default) forces it. So every GIL hand-off on kvpush's path can cost up to a switch interval
+once the engine is busy, where it costs microseconds when it is idle.
+
+Two processes (a prefill engine with a :class:`kvpush.Producer`, a decode engine with a
+:class:`kvpush.Consumer`), each optionally running one *busy thread*: a pure-Python loop
+that never blocks (the worst case: it releases the GIL only when forced). Conditions take
+turns round by round (idle, busy, idle, busy, ...) so a loaded host slows both alike.
+
+* **push** handover: ``prefill_done`` called (prefill process) -> READY reported by the
+  consumer (its ``on_finished`` callback), one monotonic clock for both processes; the
+  consumer registered the request beforehand (``expect``);
+* **pull** handover: ``Consumer.pull`` called -> READY (callback), on a ticket issued
+  beforehand.
+
+Three conditions take turns: ``idle``; ``python`` (the busy thread runs bytecode without
+pause: the worst case); ``numpy`` (the busy thread runs small matrix products back to back,
+as a thread running tensor ops does, letting go of the GIL inside each). Reported: p50 / p90
+per mode and condition, ``handover_busy_engine_over_idle`` (python busy p50 over idle p50,
+push and pull together as a geometric mean) and ``handover_busy_numpy_engine_over_idle``;
+then the same again with a 0.5 ms switch interval in both engines (``..._switch_0_5ms``):
+an engine may set ``sys.setswitchinterval`` for itself; kvpush never changes it.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing.connection as mpc
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ._common import Progress, geomean, pct
+from ._procs import Worker, stop_all
+
+__all__ = ["run"]
+
+_M = "benchmarks.busy_engine:"
+REQUEST_BLOCKS = 16      # blocks per request: 16 x 16 regions x 4 KiB = 1 MiB
+GAP_S = 0.002            # idle between requests, as between an engine's requests
+SHORT_SWITCH_S = 5e-4    # the second pass's switch interval
+
+
+def _cache(num_blocks: int) -> tuple[list[np.ndarray], Any]:
+    from .critical_path import _make_cache
+
+    return _make_cache(num_blocks)
+
+
+def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_blocks: int,
+               address: str = "", switch_interval_s: float | None = None) -> str:
+    import kvpush
+
+    if switch_interval_s is not None:  # what an engine process may set for itself
+        sys.setswitchinterval(switch_interval_s)
+
+    buffers, layout = _cache(num_blocks)
+    state.update(buffers=buffers, layout=layout)
+    if role == "prefill":
+        released: dict[str, threading.Event] = {}
+        lock = threading.Lock()
+
+        def event(rid: str) -> threading.Event:
+            with lock:
+                return released.setdefault(rid, threading.Event())
+
+        def on_release(release: kvpush.Release) -> None:
+            event(release.request_id).set()
+
+        state["released"] = event
+        producer = kvpush.Producer(layout, on_release=on_release)
+        state["endpoint"] = producer
+        state["cleanup"].append(producer.close)
+        return producer.address
+    ready: dict[str, float] = {}
+    done: dict[str, threading.Event] = {}
+
+    def on_finished(result: kvpush.TransferResult) -> None:
+        ready[result.request_id] = time.monotonic()
+        done.setdefault(result.request_id, threading.Event()).set()
+
+    state.update(ready=ready, done=done)
+    consumer = kvpush.Consumer(layout, on_finished=on_finished)
+    state["endpoint"] = consumer
+    state["cleanup"].append(consumer.close)
+    name: str = consumer.connect(address, timeout=30)
+    state["producer"] = name
+    return name
+
+
+def side_busy(state: dict[str, Any], conn: mpc.Connection, on: bool, kind: str = "python"
+              ) -> None:
+    """Start (or stop) this process's busy thread. ``python``: bytecode without pause
+    (gives the GIL up only when forced); ``numpy``: small matrix products back to back (as
+    a thread running tensor ops: it lets go of the GIL inside each)."""
+    if on and "busy" not in state:
+        stop = threading.Event()
+
+        def spin() -> None:
+            x = 0
+            m = np.ones((96, 96))
+            while not stop.is_set():
+                if kind == "numpy":
+                    m = m @ m
+                    m /= m.max()
+                    continue
+                for _ in range(1000):
+                    x += 1
+
+        thread = threading.Thread(target=spin, name="busy-engine", daemon=True)
+        thread.start()
+        state["busy"] = (stop, thread)
+
+        def halt() -> None:
+            stop.set()
+            thread.join(10)
+
+        state["cleanup"].append(halt)
+    elif not on and "busy" in state:
+        stop, thread = state.pop("busy")
+        stop.set()
+        thread.join(10)
+
+
+def side_expect(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
+                ids: np.ndarray) -> None:
+    consumer = state["endpoint"]
+    for rid in rids:
+        state["done"].setdefault(rid, threading.Event())
+        consumer.expect(rid, ids, state["producer"], timeout=60)
+
+
+def side_push(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
+              ids: np.ndarray) -> list[float]:
+    """prefill_done each request in turn; returns when each was called (monotonic)."""
+    producer = state["endpoint"]
+    called = []
+    for rid in rids:
+        ev = state["released"](rid)
+        time.sleep(GAP_S)
+        called.append(time.monotonic())
+        producer.prefill_done(rid, ids)
+        if not ev.wait(30):
+            raise TimeoutError(f"{rid}: not released in 30 s")
+    return called
+
+
+def side_tickets(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
+                 ids: np.ndarray) -> list[bytes]:
+    import kvpush
+
+    producer = state["endpoint"]
+    return [producer.prefill_done(rid, ids, kvpush.TransferMode.PULL).to_bytes()
+            for rid in rids]
+
+
+def side_pull(state: dict[str, Any], conn: mpc.Connection, tickets: list[bytes],
+              ids: np.ndarray) -> list[float]:
+    """Pull each ticket in turn; returns the handover of each (pull called -> READY)."""
+    consumer = state["endpoint"]
+    out = []
+    for ticket in tickets:
+        time.sleep(GAP_S)
+        t0 = time.monotonic()
+        handle = consumer.pull(ticket, ids, timeout=60)
+        result = handle.wait(30)
+        if not result.ok:
+            raise RuntimeError(f"pull failed: {result.state} {result.error}")
+        rid = result.request_id
+        if not state["done"].setdefault(rid, threading.Event()).wait(30):
+            raise TimeoutError(f"{rid}: no callback")
+        out.append(state["ready"][rid] - t0)
+    return out
+
+
+def side_ready(state: dict[str, Any], conn: mpc.Connection, rids: list[str]) -> list[float]:
+    out = []
+    for rid in rids:
+        if not state["done"][rid].wait(30):
+            raise TimeoutError(f"{rid}: not READY in 30 s")
+        out.append(state["ready"][rid])
+    return out
+
+
+CONDITIONS = ("idle", "python", "numpy")
+
+
+def run(quick: bool, progress: bool = True, rounds: int | None = None,
+        per_round: int | None = None, switch_interval_s: float | None = None,
+        short_switch: bool = True) -> dict[str, Any]:
+    """``switch_interval_s``: set CPython's switch interval in both engine processes (None:
+    leave the default, 5 ms; then, with ``short_switch``, everything again at 0.5 ms)."""
+    rounds = rounds or (3 if quick else 8)
+    per_round = per_round or (10 if quick else 25)
+    num_blocks = 1024
+    bar = Progress("busy-engine", 1 + rounds * len(CONDITIONS), progress)
+    prefill, decode = Worker("be-prefill"), Worker("be-decode")
+    samples: dict[tuple[str, str], list[float]] = {}
+    try:
+        address = prefill.call(_M + "side_setup", role="prefill", num_blocks=num_blocks,
+                               switch_interval_s=switch_interval_s)
+        decode.call(_M + "side_setup", role="decode", num_blocks=num_blocks,
+                    address=address, switch_interval_s=switch_interval_s, timeout=60)
+        rng = np.random.default_rng(0)
+        src = rng.choice(num_blocks, REQUEST_BLOCKS, replace=False)
+        dst = rng.choice(num_blocks, REQUEST_BLOCKS, replace=False)
+        bar.step("engines up")
+        n = 0
+        for r in range(rounds):
+            for cond in CONDITIONS:
+                for w in (prefill, decode):
+                    w.call(_M + "side_busy", on=False)
+                    w.call(_M + "side_busy", on=cond != "idle", kind=cond)
+                rids = [f"push-{n + i}" for i in range(per_round + 1)]
+                decode.call(_M + "side_expect", rids=rids, ids=dst)
+                called = prefill.call(_M + "side_push", rids=rids, ids=src, timeout=300)
+                ready = decode.call(_M + "side_ready", rids=rids, timeout=300)
+                # request 0 of each batch warms (connection state, first wake-up)
+                samples.setdefault(("push", cond), []).extend(
+                    b - a for a, b in list(zip(called, ready, strict=True))[1:])
+                prids = [f"pull-{n + i}" for i in range(per_round + 1)]
+                tickets = prefill.call(_M + "side_tickets", rids=prids, ids=src)
+                pulls = decode.call(_M + "side_pull", tickets=tickets, ids=dst, timeout=300)
+                samples.setdefault(("pull", cond), []).extend(pulls[1:])
+                n += per_round + 1
+                bar.step(f"round {r + 1} {cond}")
+        for w in (prefill, decode):
+            w.call(_M + "side_busy", on=False)
+    finally:
+        stop_all([decode, prefill])
+        bar.finish()
+    rows = []
+    for mode in ("push", "pull"):
+        idle = samples[(mode, "idle")]
+        row: dict[str, Any] = {"mode": mode, "requests": len(idle)}
+        for cond in CONDITIONS:
+            vals = samples[(mode, cond)]
+            row[f"{cond}_p50_us"] = pct(vals, 50) * 1e6
+            row[f"{cond}_p90_us"] = pct(vals, 90) * 1e6
+            if cond != "idle":
+                row[f"{cond}_over_idle"] = pct(vals, 50) / pct(idle, 50)
+        rows.append(row)
+    summary: dict[str, Any] = {}
+    for cond, key in (("python", "handover_busy_engine_over_idle"),
+                      ("numpy", "handover_busy_numpy_engine_over_idle")):
+        ratio = geomean([r[f"{cond}_over_idle"] for r in rows])
+        summary[key] = ratio if math.isfinite(ratio) else math.nan
+        for r in rows:
+            summary[f"{key}_{r['mode']}"] = r[f"{cond}_over_idle"]
+    for r in rows:
+        for cond in CONDITIONS:
+            summary[f"handover_p50_{cond}_{r['mode']}_us"] = r[f"{cond}_p50_us"]
+    out: dict[str, Any] = {
+        "request_bytes": REQUEST_BLOCKS * 16 * 4096,
+        "switch_interval_s": (sys.getswitchinterval() if switch_interval_s is None
+                              else switch_interval_s),
+        "rows": rows,
+        "summary": summary,
+    }
+    if switch_interval_s is None and short_switch:
+        # The same with a 0.5 ms switch interval in both engines: how much of the busy
+        # engine's cost is the interval kvpush's loop thread waits to win the GIL back.
+        short = run(quick, progress, rounds, per_round, switch_interval_s=SHORT_SWITCH_S)
+        out["short_switch"] = short
+        for key in ("handover_busy_engine_over_idle", "handover_busy_numpy_engine_over_idle"):
+            summary[f"{key}_switch_0_5ms"] = short["summary"][key]
+    return out
