@@ -16,7 +16,7 @@ from . import SCHEMA_VERSION
 from .report import machine, markdown_tables, plot, print_tables, targets, write_json
 
 SUITES = ("desc_prep", "throughput", "critical_path", "busy_engine", "cpu", "layerwise",
-          "multiturn")
+          "multiturn", "containment")
 
 
 def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
@@ -48,6 +48,10 @@ def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
         from . import multiturn
 
         return multiturn.run(quick, progress)
+    if name == "containment":
+        from . import containment
+
+        return containment.run(quick, progress)
     raise ValueError(name)
 
 

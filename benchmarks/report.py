@@ -202,6 +202,14 @@ def tables(results: dict[str, Any], md: bool = False) -> str:
             parts.append(table(["req/s", *stages],
                                 [[x["rate"], *(x["push_stages_p50_us"][k] for k in stages)]
                                  for x in push_rows]))
+    if "containment" in results:
+        r = results["containment"]
+        parts.append("Contained data plane (TransportConfig.data_plane='child') beside "
+                     "in-process, one host, side by side")
+        parts.append(table(["mode", "push handover p50 us", "pull handover p50 us",
+                            "WRITE GB/s", "READ GB/s"],
+                           [[x["mode"], x["push_handover_p50_us"], x["pull_handover_p50_us"],
+                             x["write_gbps"], x["read_gbps"]] for x in r["rows"]]))
     if "cpu" in results:
         r = results["cpu"]
         parts.append("CPU and progress policy")

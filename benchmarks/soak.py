@@ -76,6 +76,9 @@ GLOBAL_FAULTS = ["kill_producer", "kill_consumer", "link_cut", "freeze_consumer"
 #: node calls slower than this go into the report's timeline (the driver is one thread: a
 #: slow call delays fault ends, polls and retirement alike)
 SLOW_CALL_S = 1.0
+#: a request that failed with no fault seen is called unexpected only this much later
+#: (health checks, which notice data-plane restarts, run every 0.5 s)
+UNEXPECTED_WAIT = 1.5
 TIMELINE_MAX = 2000
 
 
@@ -99,6 +102,7 @@ class Request:
     release: str | None = None
     consumer_died: bool = False
     producer_died: bool = False
+    failed_at: float = 0.0            # when it settled not READY with no fault seen (yet)
 
     def settled(self) -> bool:
         if self.waiting:
@@ -115,6 +119,7 @@ class Soak:
     window: int
     progress: bool
     error_mode: str = "none"      # TransportConfig.ucx_error_mode of every node
+    data_plane: str = "inprocess"  # TransportConfig.data_plane of every node
     nodes: dict[str, Node] = field(default_factory=dict)
     incarnation: Counter[str] = field(default_factory=Counter)
     seeds: dict[str, int] = field(default_factory=dict)
@@ -140,6 +145,7 @@ class Soak:
     quarantine_seen: Counter[str] = field(default_factory=Counter)
     after_quarantine_seen: Counter[str] = field(default_factory=Counter)
     mismatches_seen: Counter[str] = field(default_factory=Counter)
+    restarts_seen: Counter[str] = field(default_factory=Counter)  # data-plane restarts
     seq: itertools.count[int] = field(default_factory=itertools.count)
     crashes: list[dict[str, Any]] = field(default_factory=list)
     t_start: float = field(default_factory=time.monotonic)
@@ -158,19 +164,21 @@ class Soak:
         ns, dev = (self.link.a_ns, self.link.a_dev) if role == "producer" else \
             (self.link.b_ns, self.link.b_dev)
         node = Node(label, ns, dev)
+        transport = {"ucx_error_mode": self.error_mode, "data_plane": self.data_plane}
+        # a contained data plane maps the KV cache: it must be shared memory
+        cache = dict(CACHE, shared=self.data_plane == "child")
         try:
             if role == "producer":
                 self.seeds[label] = 1000 * (1 + int(label[1:])) + self.incarnation[label]
                 config = dict(PRODUCER, host=self.link.a_ip, port=self.ports.get(label, 0),
-                              transport={"ucx_error_mode": self.error_mode},
-                              name=f"soak-{label}")
-                node.start(role, CACHE, config, seed=self.seeds[label], scrub_on_release=True)
+                              transport=transport, name=f"soak-{label}")
+                node.start(role, cache, config, seed=self.seeds[label], scrub_on_release=True)
                 self.ports[label] = int(node.address.rsplit(":", 1)[1])
                 self.src_free[label] = list(range(CACHE["num_blocks"]))
             else:
                 config = dict(CONSUMER, name=f"soak-{label}", verify=label == "c1",
-                              transport={"ucx_error_mode": self.error_mode})
-                node.start(role, CACHE, config, scrub_on_result=True)
+                              transport=transport)
+                node.start(role, cache, config, scrub_on_result=True)
                 self.dst_free[label] = list(range(CACHE["num_blocks"]))
         except BaseException:
             node.close()
@@ -389,11 +397,25 @@ class Soak:
         self.mark_hit(time.monotonic() + RECOVERY)
 
     def health(self) -> None:
-        """A node whose kvpush loop thread died still answers its pipe: look for that."""
+        """A node whose kvpush loop thread died still answers its pipe: look for that. A
+        data-plane restart (data_plane="child") is a fault too: the requests about then
+        are hit by it."""
         for label in ("p0", "p1", "c0", "c1"):
             info = self._call(label, "info")
             if info is not None and f"{self.nodes[label].name}-loop" not in info["threads"]:
                 self.crashed(label, "kvpush loop thread crashed")
+            if self.data_plane == "child":
+                stats = self._call(label, "stats")
+                key = f"{label}#{self.incarnation[label]}"
+                if stats and stats["data_plane_restarts"] > self.restarts_seen[key]:
+                    self.restarts_seen[key] = stats["data_plane_restarts"]
+                    # why: the dead child's last words (UCX's fatal) are in the node's log
+                    tail = self.nodes[label].log_tail(80).splitlines()
+                    why = next((ln for ln in reversed(tail) if "Fatal" in ln),
+                               next((ln for ln in reversed(tail) if "data plane lost" in ln),
+                                    ""))
+                    self.event(f"{label} data plane restarted: {why.strip()[-200:]}")
+                    self.mark_hit(time.monotonic() + RECOVERY)
 
     def died(self, label: str) -> None:
         for req in self.active.values():
@@ -514,6 +536,12 @@ class Soak:
                                         f"{req.result and req.result['corrupted']} bytes")
             elif req.fault != "none" or req.hit:
                 outcome = "failed_by_design"
+            elif not final and (not req.failed_at or now - req.failed_at < UNEXPECTED_WAIT):
+                # a fault noticed late (a data-plane restart, seen at the next health
+                # check) may explain it: wait that long before calling it unexpected
+                req.failed_at = req.failed_at or now
+                self.active[rid] = req
+                continue
             else:
                 outcome = "failed_unexpected"
                 self._note("unexpected", f"{rid} ({req.mode}, {req.producer}->{req.consumer}):"
@@ -598,6 +626,7 @@ class Soak:
             self.quarantine_seen[key] = stats["quarantine_bytes"]
             self.after_quarantine_seen[key] = stats["late_bytes_after_quarantine"]
             self.mismatches_seen[key] = stats["checksum_mismatches"]
+            self.restarts_seen[key] = stats.get("data_plane_restarts", 0)
 
     def info(self, label: str) -> dict[str, Any]:
         got: dict[str, Any] | None = self._call(label, "info")
@@ -628,7 +657,8 @@ def _self_usage() -> dict[str, int]:
 def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 1500,
         warmup: int | None = None, progress: bool = True, out: str | None = None,
         all_faults: bool = False, max_seconds: float | None = None,
-        error_mode: str = "none", faults: list[str] | None = None) -> dict[str, Any]:
+        error_mode: str = "none", faults: list[str] | None = None,
+        data_plane: str = "inprocess") -> dict[str, Any]:
     """Run the soak for ``requests`` requests; returns (and writes to ``out``) the figures.
 
     ``fault_every``: mean number of requests between global faults. ``all_faults``: inject
@@ -637,6 +667,9 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
     then says how many were run). ``error_mode``: UCX error-handling mode of every node.
     ``faults``: the kinds of global fault to draw from (default: all of GLOBAL_FAULTS);
     ``["link_cut", "kill_consumer"]`` reproduces bug 12 in most short runs.
+    ``data_plane``: ``TransportConfig.data_plane`` of every node (``"child"``: each node's
+    NIXL agent in a data-plane child, its KV cache in shared memory; the report's
+    ``data_plane_restarts`` counts the children lost, ``crashes`` the nodes).
     """
     kinds = list(GLOBAL_FAULTS if faults is None else faults)
     if not kinds or set(kinds) - set(GLOBAL_FAULTS):
@@ -649,7 +682,7 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
     warmup = min(2000, requests // 10) if warmup is None else warmup
     t_start = time.monotonic()
     link = Link()
-    soak = Soak(link, rng, window, progress, error_mode)
+    soak = Soak(link, rng, window, progress, error_mode, data_plane)
     report: dict[str, Any] = {}
     try:
         for label in ("p0", "p1", "c0", "c1"):
@@ -771,11 +804,17 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
             # nodes that died without being killed (e.g. a fatal UCX error), with log tails;
             # a crashed p0/c0 restarts, and its RSS/fd figures then cover the new process
             "crashes": soak.crashes,
+            # data-plane children lost and restarted (data_plane="child"), per node, over
+            # its incarnations (a killed node's count as sampled just before the kill)
+            "data_plane_restarts": {
+                label: sum(n for k, n in soak.restarts_seen.items()
+                           if k.split("#")[0] == label)
+                for label in ("p0", "p1", "c0", "c1")},
             "examples": soak.examples,
             "timeline": soak.timeline,
             "config": {"producer": PRODUCER, "consumer": CONSUMER, "cache": CACHE,
                        "global_fault_kinds": kinds,
-                       "ucx_error_mode": error_mode,
+                       "ucx_error_mode": error_mode, "data_plane": data_plane,
                        "request_faults": REQUEST_FAULTS, "fault_every": fault_every},
         }
     finally:
@@ -799,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop beginning requests after this long")
     ap.add_argument("--ucx-error-mode", choices=["none", "peer"], default="none")
+    ap.add_argument("--data-plane", choices=["inprocess", "child"], default="inprocess",
+                    help="TransportConfig.data_plane of every node")
     ap.add_argument("--faults", default=",".join(GLOBAL_FAULTS),
                     help="comma-separated kinds of global fault to draw from")
     ap.add_argument("--quiet", action="store_true")
@@ -806,11 +847,12 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args.requests, seed=args.seed, window=args.window,
                  fault_every=args.fault_every, progress=not args.quiet, out=args.out,
                  all_faults=True, max_seconds=args.max_seconds,
-                 error_mode=args.ucx_error_mode, faults=args.faults.split(","))
+                 error_mode=args.ucx_error_mode, faults=args.faults.split(","),
+                 data_plane=args.data_plane)
     keys = ["requests", "seconds", "completed", "failed_by_design", "failed_unexpected",
             "lost", "corrupted_bytes", "late_landing_bytes", "bytes_landed_in_quarantine",
             "bytes_landed_after_quarantine", "results_unsafe", "blocks_leaked", "rss_kb",
-            "rss_growth_pct", "fds", "global_faults", "crashes"]
+            "rss_growth_pct", "fds", "global_faults", "crashes", "data_plane_restarts"]
     print(json.dumps({k: report[k] for k in keys}, indent=1)[:4000])
     ok = report["lost"] == 0 and report["corrupted_bytes"] == 0 and \
         report["late_landing_bytes"] == 0 and report["blocks_leaked"] == 0

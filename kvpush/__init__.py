@@ -18,6 +18,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the build state
 
 from .agent import TransportConfig
 from .consumer import Consumer, ConsumerConfig
+from .dataplane import shared_array, shared_tensor
 from .errors import (
     AuthenticationError,
     ClosedError,
@@ -88,4 +89,6 @@ __all__ = [
     "block_hashes",
     "check_compatible",
     "reusable_blocks",
+    "shared_array",
+    "shared_tensor",
 ]

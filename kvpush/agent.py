@@ -9,6 +9,14 @@
   ``nixlRemoteDisconnectError``), which the fault tests check.
 * Descriptor lists are prepared once per (layout, peer), region-major, and every request
   names descriptors by index (``make_prepped_xfer``).
+* A dropped peer's NIXL metadata (its UCX endpoint) is **kept** (at most
+  :data:`DORMANT_MAX` such peers, and until the agent closes): NIXL's
+  ``remove_remote_agent`` closes the endpoint in flush mode, and a flush-mode close of a
+  connection a link cut left behind is what UCX aborted the process on in the soak (bug 12
+  of ``docs/RELIABILITY.md``). The same incarnation coming back (after a cut) gets its
+  endpoint back, never closed; a new incarnation of the name (new metadata, which NIXL
+  refuses while the old is loaded) has the old removed first, with UCX progressed just
+  before and after the removal.
 
 Only the loop thread touches an agent after construction (NIXL's sync mode is NONE).
 """
@@ -32,7 +40,12 @@ __all__ = ["Agent", "Link", "TransportConfig", "XferState"]
 
 log = logging.getLogger("kvpush.agent")
 
+#: Dropped peers whose NIXL metadata is kept (see the module's docstring); past it the
+#: oldest is removed.
+DORMANT_MAX = 64
+
 _ERROR_MODES = ("none", "peer")
+_DATA_PLANES = ("inprocess", "child")
 
 
 @dataclass(frozen=True)
@@ -46,16 +59,28 @@ class TransportConfig:
     ucx_error_mode
         ``"none"`` (default: shared memory on a host, kvpush-level liveness) or ``"peer"``
         (UCX detects dead peers itself; TCP on a host, target must progress).
+    data_plane
+        ``"inprocess"`` (default: the NIXL agent runs in the engine's process) or
+        ``"child"`` (a data-plane child process per endpoint, so a fatal abort inside
+        UCX costs that endpoint's requests and a restart, not the engine; the KV cache
+        must then come from :func:`kvpush.shared_array` / :func:`kvpush.shared_tensor`).
+        See :mod:`kvpush.dataplane`.
     """
 
     backend: str = "UCX"
     ucx_error_mode: str = "none"
+    data_plane: str = "inprocess"
 
     def __post_init__(self) -> None:
         if self.ucx_error_mode not in _ERROR_MODES:
             raise ValueError(
                 f"TransportConfig.ucx_error_mode must be one of {_ERROR_MODES}, "
                 f"got {self.ucx_error_mode!r}"
+            )
+        if self.data_plane not in _DATA_PLANES:
+            raise ValueError(
+                f"TransportConfig.data_plane must be one of {_DATA_PLANES}, "
+                f"got {self.data_plane!r}"
             )
         if not self.backend:
             raise ValueError("TransportConfig.backend must be a backend name")
@@ -91,6 +116,13 @@ class Link:
             object.__setattr__(self, "prepared", PreparedLink(
                 self.local_num_blocks, self.remote_num_blocks, self.num_regions, self.heads,
                 self.local_split, self.remote_split, self.merges))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The compiled constants do not pickle (a contained data plane sends its Links to
+        # the engine's process): rebuilt from the fields on the other side.
+        return (Link, (self.remote_num_blocks, self.desc_bytes, self.heads, self.local_split,
+                       self.remote_split, self.merges, self.local_num_blocks,
+                       self.num_regions))
 
     def plan(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_blocks: int,
              num_regions: int, coalesce: bool) -> Any:
@@ -170,6 +202,9 @@ class Agent:
         # Peers sharing only some heads, or with other block sizes, get lists of their own.
         self._local_dlists: dict[str, Any] = {}
         self._links: dict[str, Link] = {}
+        self._dormant: dict[str, None] = {}  # dropped peers still loaded in NIXL, oldest first
+        # Notifications read while progressing UCX around a removal, for notifications()
+        self._stash: dict[str, list[bytes]] = {}
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
@@ -177,9 +212,10 @@ class Agent:
         data: bytes = self._agent.get_agent_metadata()
         return data
 
-    def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
+    def add_peer(self, metadata: bytes, layout: KVLayout, name: str = "") -> str:
         """Load a peer's metadata and prepare its descriptor lists (over the KV heads both
-        sides hold, per head when block sizes differ); returns its agent name."""
+        sides hold, per head when block sizes differ); returns its agent name. ``name``:
+        the name the peer gave (a kept predecessor NIXL refuses to replace goes first)."""
         local, remote = self.layout, layout
         local_table: np.ndarray | None  # None: the shared whole-block list serves
         if local.tokens_per_block != remote.tokens_per_block:
@@ -209,9 +245,22 @@ class Agent:
             link = Link(remote.num_blocks, length, merges=merges,
                         local_num_blocks=local.num_blocks, num_regions=local.num_regions)
         try:
-            name: str = self._agent.add_remote_agent(metadata)
+            try:
+                # The same incarnation back (after a cut): NIXL takes its metadata again and
+                # the kept endpoint serves on, never closed.
+                name = self._agent.add_remote_agent(metadata)
+            except Exception:
+                # A new incarnation: NIXL refuses its metadata while the old is loaded; the
+                # old goes first (all kept ones, when the caller did not say who it is).
+                stale = [name] if name in self._dormant else list(self._dormant)
+                if not stale:
+                    raise
+                for old in stale:
+                    self._remove_remote(old)
+                name = self._agent.add_remote_agent(metadata)
             if isinstance(name, bytes):
                 name = name.decode()
+            self._dormant.pop(name, None)
             self._release_remote(name)
             self._remote_dlists[name] = self._agent.prep_xfer_dlist(
                 name, remote_table, remote.kind.value)
@@ -231,12 +280,40 @@ class Agent:
         return link
 
     def remove_peer(self, name: str) -> None:
-        """Drop a peer's prepared list and metadata (after it died or left)."""
+        """Drop a peer (after it died or left): its prepared lists at once; its NIXL
+        metadata is kept (see the module's docstring)."""
         self._release_remote(name)
+        if self._closed:
+            self._remove_remote(name)
+            return
+        self._dormant.pop(name, None)
+        self._dormant[name] = None
+        while len(self._dormant) > DORMANT_MAX:
+            self._remove_remote(next(iter(self._dormant)))
+
+    def _remove_remote(self, name: str) -> None:
+        """NIXL's removal, with UCX progressed just before and after it (what it finds
+        about the peer's connection is handled then, not in the next post)."""
+        self._dormant.pop(name, None)
+        self._progress()
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # already gone: nothing to undo
             log.debug("remove_remote_agent(%s): %s", name, exc)
+        self._progress()
+
+    def _progress(self) -> None:
+        """Progress UCX (NIXL's Python API does it through get_new_notifs); what comes is
+        kept for :meth:`notifications`."""
+        if self._agent is None:
+            return
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as exc:
+            log.warning("get_new_notifs: %s", exc)
+            return
+        for sender, notes in notifs.items():
+            self._stash.setdefault(sender, []).extend(notes)
 
     def _release_remote(self, name: str) -> None:
         self._links.pop(name, None)
@@ -302,7 +379,12 @@ class Agent:
             notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
         except Exception as exc:
             log.warning("get_new_notifs: %s", exc)
-            return {}
+            notifs = {}
+        if self._stash:  # read while progressing around a removal: those came first
+            stash, self._stash = self._stash, {}
+            for sender, notes in notifs.items():
+                stash.setdefault(sender, []).extend(notes)
+            return stash
         return notifs
 
     def send_notification(self, peer: str, message: bytes) -> None:
@@ -322,7 +404,7 @@ class Agent:
         if self._closed:
             return
         self._closed = True
-        for name in list(self._remote_dlists):
+        for name in [*self._remote_dlists, *self._dormant]:
             self.remove_peer(name)
         try:
             self._local_dlist.release()

@@ -46,6 +46,7 @@ from .auth import (
     new_nonce,
     session_key,
 )
+from .dataplane import ChildAgent
 from .endpoint import (
     Endpoint,
     Timer,
@@ -193,7 +194,7 @@ class _Claim:
 class _AgentLinks:
     """:class:`kvpush.protocol.consumer.Links` over this side's NIXL agent."""
 
-    def __init__(self, agent: Agent, layout: KVLayout) -> None:
+    def __init__(self, agent: Agent | ChildAgent, layout: KVLayout) -> None:
         self._agent = agent
         self._layout = layout
 
@@ -251,6 +252,7 @@ class Consumer(Endpoint):
         # (claim, pull, abort) and by the loop (a producer lost), hence the lock
         self._claims: dict[str, _Claim] = {}
         self._claims_lock = threading.Lock()
+        self._rejoin_after: list[str] = []  # producers to handshake with again
         self._after(config.heartbeat_s, self._heartbeat)
         self._finalized = False
         self._start()
@@ -690,14 +692,14 @@ class Consumer(Endpoint):
         if peer.hello is None or now - peer.hello_made > HELLO_MAX_SKEW_S / 2:
             peer.hello_made = now
             if self._key is None:
-                peer.hello = m.Hello(self.name, self._agent.metadata(), self.layout.to_wire(),
-                                     to=peer.address)
+                peer.hello = m.Hello(self.name, self._agent.metadata(),
+                                     self._agent.layout.to_wire(), to=peer.address)
             else:  # the NIXL metadata (this side's memory keys) travels encrypted
                 nonce = new_nonce()
                 peer.hello = m.Hello(self.name, encrypt(self._key, b"hello-metadata",
                                                         nonce + self.name.encode(),
                                                         self._agent.metadata()),
-                                     self.layout.to_wire(), nonce, time.time(), peer.address)
+                                     self._agent.layout.to_wire(), nonce, time.time(), peer.address)
         # A fresh Sealer each time: counter 1 again, so a retransmit is the same frame.
         self._send(peer.socket, peer.hello,
                    sealer=None if self._key is None else Sealer(self._key, b"hello"))
@@ -757,7 +759,11 @@ class Consumer(Endpoint):
             elif isinstance(msg, m.HeartbeatAck):
                 pass
             elif isinstance(msg, m.Bye):
-                self._lose_producer(peer, "producer closed")
+                if msg.rejoin:  # its data plane restarted: its NIXL metadata is new
+                    self._lose_producer(peer, "producer's data plane restarted")
+                    self._rejoin([peer.address])
+                else:
+                    self._lose_producer(peer, "producer closed")
                 return
             else:
                 self._stats.messages_rejected += 1
@@ -821,7 +827,7 @@ class Consumer(Endpoint):
             if self._key is not None:
                 metadata = decrypt(session_key(self._key, msg.echo, msg.nonce),
                                    b"ack-metadata", msg.nonce + msg.echo, metadata)
-            name = self._agent.add_peer(metadata, remote)
+            name = self._agent.add_peer(metadata, remote, msg.name)
         except KvpushError as exc:
             self._connect_failed(peer, exc)
             return
@@ -875,6 +881,29 @@ class Consumer(Endpoint):
             self._core.peer_lost(time.monotonic(), name, why)
             self._apply()
             self._agent.remove_peer(name)
+
+    # -- loop: a contained data plane restarted (Endpoint._data_plane_lost) -----------------
+    def _data_plane_peers_lost(self, why: str) -> None:
+        self._rejoin_after = list(self._producers)
+        for peer in list(self._producers.values()):
+            if peer.agent_name:
+                self._lose_producer(peer, why)
+            else:  # its Hello carried the lost data plane's metadata
+                self._connect_failed(peer, PeerUnavailable(why))
+
+    def _data_plane_restarted(self) -> None:
+        addresses, self._rejoin_after = self._rejoin_after, []
+        self._rejoin(addresses)
+
+    def _rejoin(self, addresses: list[str]) -> None:
+        """Handshake again with producers this side had (nobody waits for the answer)."""
+        def result(name: str | None, error: KvpushError | None) -> None:
+            if error is not None:
+                log.warning("%s: reconnecting after a data-plane restart: %s", self.name,
+                            error)
+
+        for address in addresses:
+            self._connect(address, self.config.connect_timeout_s, result)
 
     # -- loop: engine calls ----------------------------------------------------------------
     def _register(self, handle: TransferHandle, ids: np.ndarray, names: list[str],

@@ -31,6 +31,7 @@ from . import messages as m
 from ._loop import enter_loop, loop_name, no_blocking
 from .agent import Agent, TransportConfig, XferState
 from .auth import Opener, Sealer
+from .dataplane import ChildAgent, make_agent
 from .errors import AuthenticationError, ClosedError, KvpushError, PeerUnavailable, ProtocolError
 from .layout import KVLayout
 from .metrics import LIVE, Stats
@@ -161,7 +162,7 @@ class Endpoint:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._timers: list[tuple[float, int, Timer]] = []
         self._timer_seq = itertools.count()
-        self._agent = Agent(self.name, layout, transport)
+        self._agent: Agent | ChildAgent = make_agent(self.name, layout, transport)
         self._core: Any = None                  # the role's protocol core (subclass sets it)
         self._xfers: dict[int, Any] = {}        # core transfer key -> NIXL handle
         LIVE.add("registrations", 1)
@@ -169,6 +170,9 @@ class Endpoint:
         self._poller = zmq.Poller()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
+        # A data-plane child's channel is readable only once the child has gone.
+        self._plane_fd: int | None = None
+        self._watch_data_plane()
         self._sockets: dict[zmq.Socket[Any], Callable[[zmq.Socket[Any]], None]] = {}
         # Frames ZeroMQ could not take yet, per (socket, identity), in order; retried
         # from a timer that backs off (nothing spins while a peer cannot take them).
@@ -495,6 +499,8 @@ class Endpoint:
                 self._stats.loop_wakeups += 1
                 if events.pop(self._wake_fd, 0):
                     wake_pending = True
+                if self._plane_fd is not None and events.pop(self._plane_fd, 0):
+                    self._check_data_plane()
                 self._drain_commands()
                 for sock in list(events):
                     handler = self._sockets.get(sock)
@@ -532,6 +538,58 @@ class Endpoint:
         if self._busy() and self._poll_transfers():
             self._backoff.progressed()
         self._run_timers()
+
+    # -- a contained data plane (TransportConfig.data_plane="child") ------------------------
+    def _watch_data_plane(self) -> None:
+        fd = self._agent.fileno() if isinstance(self._agent, ChildAgent) else -1
+        if self._plane_fd is not None:
+            self._poller.unregister(self._plane_fd)
+            self._plane_fd = None
+        if fd >= 0:
+            self._plane_fd = fd
+            self._poller.register(fd, zmq.POLLIN)
+
+    def _check_data_plane(self) -> None:
+        why = self._agent.check() if isinstance(self._agent, ChildAgent) else None
+        if why is not None:
+            self._data_plane_lost(why)
+
+    def _data_plane_lost(self, why: str) -> None:
+        """The data-plane child is gone: every peer's requests fail (transfers in flight
+        as not fenced), a new child registers the memory again, and the handshakes are
+        made again (:meth:`_data_plane_peers_lost`, :meth:`_data_plane_restarted`)."""
+        self._stats.data_plane_restarts += 1
+        log.warning("%s: data plane lost (%s): failing its requests and restarting it",
+                    self.name, why)
+        if self._plane_fd is not None:
+            self._poller.unregister(self._plane_fd)
+            self._plane_fd = None
+        self._data_plane_peers_lost(f"data plane lost: {why}")
+        for key in list(self._xfers):  # any the core has not given up: not fenced
+            self._end_xfer(key, XferEnd.ABANDONED)
+        self._apply()
+        self._restart_data_plane(0.05)
+
+    def _restart_data_plane(self, delay: float) -> None:
+        if self._stop or not isinstance(self._agent, ChildAgent):
+            return
+        try:
+            self._agent.restart()
+        except Exception as exc:
+            log.error("%s: data plane did not restart (%s); retrying in %.2f s", self.name,
+                      exc, delay)
+            self._after(delay, lambda: self._restart_data_plane(min(delay * 2, 5.0)))
+            return
+        log.warning("%s: data plane restarted (pid %s)", self.name, self._agent.pid)
+        self._watch_data_plane()
+        self._data_plane_restarted()
+
+    def _data_plane_peers_lost(self, why: str) -> None:
+        """The role: give up every peer (their requests fail)."""
+        raise NotImplementedError
+
+    def _data_plane_restarted(self) -> None:
+        """The role: handshake with the peers again."""
 
     def _drain_commands(self) -> None:
         # Called on every receive and poll (see _recv_all): an empty queue costs one

@@ -236,9 +236,11 @@ class HeartbeatAck(_Msg, tag="hb_ack", frozen=True):
 
 
 class Bye(_Msg, tag="bye", frozen=True):
-    """Either direction: the sender is closing; drop its state."""
+    """Either direction: the sender is closing; drop its state. ``rejoin`` (producer to
+    consumer): the producer's data plane restarted (new NIXL metadata): connect again."""
 
     name: str
+    rejoin: bool = False
 
 
 # -- carried as NIXL notifications (delivered after the data has landed) -----------------

@@ -192,6 +192,8 @@ class Producer(Endpoint):
         self._observers: list[Callable[[Release], None]] = []
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
+        # connections dropped by a data-plane restart (answered Bye(rejoin=True)); bounded
+        self._rejoiners: set[bytes] = set()
         self._hello_guard = HelloGuard()
         self._core: ProducerCore = ProducerCore(layout, CoreConfig(
             lease_s=config.lease_s, max_wait_s=config.max_wait_s,
@@ -433,7 +435,10 @@ class Producer(Endpoint):
                                               "no handshake from this consumer"), identity,
                                best_effort=True)
                 elif isinstance(msg, m.Heartbeat):  # we dropped it; it should know
-                    self._send(sock, m.Bye(self.name), identity, best_effort=True)
+                    # (dropped by a data-plane restart: it should connect again)
+                    rejoin = identity in self._rejoiners
+                    self._send(sock, m.Bye(self.name, rejoin=rejoin), identity,
+                               best_effort=True)
             elif isinstance(msg, m.Heartbeat):
                 self._tell(peer, m.HeartbeatAck(msg.seq))
             elif isinstance(msg, m.Bye):
@@ -519,7 +524,7 @@ class Producer(Endpoint):
                                  abandon=True)
             self._apply()
         try:
-            agent_name = self._agent.add_peer(metadata, remote)
+            agent_name = self._agent.add_peer(metadata, remote, msg.name)
         except PeerUnavailable as exc:
             self._send(self._router, m.HelloReject(str(exc)), identity, best_effort=True)
             return
@@ -530,7 +535,7 @@ class Producer(Endpoint):
                 identity, best_effort=True)
             return
         peer = _Consumer(identity, agent_name, remote, time.monotonic())
-        ack = m.HelloAck(self.name, self._agent.metadata(), self.layout.to_wire())
+        ack = m.HelloAck(self.name, self._agent.metadata(), self._agent.layout.to_wire())
         ack_sealer = None
         if self._key is not None:
             nonce = new_nonce()
@@ -542,7 +547,7 @@ class Producer(Endpoint):
             peer.notif_opener = Opener(session, b"c2p-notif", accept_old=True)
             ack = m.HelloAck(self.name, encrypt(session, b"ack-metadata", nonce + msg.nonce,
                                                 self._agent.metadata()),
-                             self.layout.to_wire(), nonce=nonce, echo=msg.nonce)
+                             self._agent.layout.to_wire(), nonce=nonce, echo=msg.nonce)
             ack_sealer = Sealer(self._key, b"hello-ack")
         peer.hello_nonce, peer.hello_metadata = msg.nonce, msg.agent_metadata
         peer.ack_frame = m.encode(ack, ack_sealer)
@@ -603,6 +608,16 @@ class Producer(Endpoint):
             del self._by_agent[agent_name]
         if peer is None or peer.identity not in self._consumers:
             self._agent.remove_peer(agent_name)
+
+    def _data_plane_peers_lost(self, why: str) -> None:
+        """The data plane restarted: every consumer's requests fail, and each is told to
+        connect again (it needs the new NIXL metadata)."""
+        for peer in list(self._consumers.values()):
+            self._tell(peer, m.Bye(self.name, rejoin=True))
+            if len(self._rejoiners) >= 4096:
+                self._rejoiners.clear()
+            self._rejoiners.add(peer.identity)  # in case this Bye is lost
+            self._drop_consumer(peer, why, abandon=True)
 
     def _debug_state(self, rid: str) -> str:
         """Where ``rid`` is (loop thread; for tests): writing, registered, held-push,

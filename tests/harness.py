@@ -36,7 +36,10 @@ class Cache:
 
 def make_cache(num_blocks: int = 64, num_layers: int = 2, kv_packed: bool = True,
                tokens_per_block: int = 4, num_kv_heads: int = 2, head_size: int = 16,
-               dtype: str = "float16", head_start: int = 0, total_kv_heads: int = 0) -> Cache:
+               dtype: str = "float16", head_start: int = 0, total_kv_heads: int = 0,
+               shared: bool = False) -> Cache:
+    """``shared``: in shared memory (``kvpush.shared_array``), as a contained data plane
+    (``TransportConfig(data_plane="child")``) needs."""
     probe = KVLayout(
         regions=tuple(kvpush.Region(1 << 20, 1 << 40) for _ in range(
             num_layers * (1 if kv_packed else 2))),
@@ -44,7 +47,8 @@ def make_cache(num_blocks: int = 64, num_layers: int = 2, kv_packed: bool = True
         num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype, kv_packed=kv_packed,
         head_start=head_start, total_kv_heads=total_kv_heads)
     bb = probe.block_bytes
-    buffers = [np.zeros((num_blocks, bb), dtype=np.uint8) for _ in range(probe.num_regions)]
+    alloc = kvpush.shared_array if shared else np.zeros
+    buffers = [alloc((num_blocks, bb), np.uint8) for _ in range(probe.num_regions)]
     layout = KVLayout.from_buffers(buffers, num_layers=num_layers, num_blocks=num_blocks,
                                    tokens_per_block=tokens_per_block, num_kv_heads=num_kv_heads,
                                    head_size=head_size, dtype=dtype, kv_packed=kv_packed,

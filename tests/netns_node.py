@@ -89,7 +89,7 @@ class NodeState:
         cache for a leak."""
         ref = self.refs.pop(seed, None)
         if ref is None:
-            ref = make_cache(**self.cache_kwargs)
+            ref = make_cache(**{**self.cache_kwargs, "shared": False})  # never registered
             fill(ref, seed)
         self.refs[seed] = ref  # most recently used last
         while len(self.refs) > 4:

@@ -172,3 +172,13 @@ def test_multiturn_quick() -> None:
     out = multiturn.run(quick=True, progress=False)
     _finite(out["summary"], "multiturn_ttft_speedup")
     assert out["summary"]["multiturn_ttft_speedup"] > 1  # reuse never slower than none
+
+
+def test_containment() -> None:
+    from benchmarks import containment
+
+    r = containment.run(quick=True, progress=False, small_reps=2, big_reps=1)
+    _finite(r["summary"], "contained_handover_over_inprocess",
+            "contained_write_vs_inprocess", "contained_read_vs_inprocess",
+            "contained_pull_handover_over_inprocess")
+    assert [row["mode"] for row in r["rows"]] == ["inprocess", "child"]

@@ -669,11 +669,10 @@ def test_control_connection_of_a_vanished_consumer_is_closed(fx: Pair) -> None:
              PEER_TIMEOUT + 3 + 3.0, every=0.1)
 
 
-@pytest.mark.xfail(strict=True, reason="NIXL 1.5.1: remove_remote_agent leaves UCX's TCP "
-                   "connection to the removed agent open (one socket per side per cut; the "
-                   "ZeroMQ part is fixed, see the test above); closing it needs an endpoint "
-                   "close in NIXL's UCX backend")
 def test_link_cut_leaves_no_sockets_behind(fx: Pair) -> None:
+    """Bug 10, UCX part: NIXL's remove_remote_agent left each cut's UCX TCP connection open
+    (one socket per side per cut). The agent now keeps a dropped peer's endpoint, and the
+    same peer back after the cut gets it again: nothing new is opened, nothing leaks."""
     fx.smoke("before-leak")
     before = (sockets(fx.p), sockets(fx.c))
     cut_and_reconnect_twice(fx)
@@ -783,13 +782,20 @@ def test_consumer_stalled_past_peer_timeout(fx: Pair, mode: str) -> None:
     assert time.monotonic() - t0 < WRITE_HOLD + 0.5
     fx.c.cont()
     res = fx.result(rid, 3.0)  # on waking, the consumer finds its producer silent too
-    assert res["state"] in ("failed", "timed_out"), res
+    # ... or, pull, finds its READ done first: the producer, whose NIXL keeps a dropped
+    # peer's endpoint (bug 12), served it from the source it still holds, inside the hold
+    # its PullHeld promised; then the bytes must be exact.
+    ready = mode == "pull" and res["state"] == "ready"
+    assert ready or res["state"] in ("failed", "timed_out"), str(res)
+    if ready:
+        assert res["corrupted"] == 0 and res["safe"], str(res)
     wait_for("reconnect", fx._try_connect, 10.0, every=0.2)
     fx.link.unshape()
     fx.shaped = False
     fx.smoke("after-freeze")
-    if mode == "pull":  # released when the puller was declared lost
-        assert fx.release(rid, PULL_HOLD + 1.5) == "failed"
+    if mode == "pull":  # released when the puller was declared lost (or its READ ended)
+        assert fx.release(rid, PULL_HOLD + 1.5) in (("failed", "transferred") if ready
+                                                     else ("failed",))
 
 
 # -- a peer restarted under the same name ----------------------------------------------------
