@@ -9,7 +9,10 @@ covers the common engines:
   ``kv_packed=True``;
 * separate K and V regions per layer (vLLM's GPU backends), ``kv_packed=False``;
 * a single region for a whole cache whose blocks are outermost, ``num_layers`` layers packed
-  inside each block (``kv_packed=True``, one region, ``layers_per_region=num_layers``).
+  inside each block (``kv_packed=True``, one region, ``layers_per_region=num_layers``);
+* one latent tensor per layer and no K/V split (multi-head latent attention, DeepSeek-style
+  MLA: ``[blocks, tokens, kv_lora_rank + rope_dim]``), ``cache_kind="mla"``: one "head" of
+  ``head_size`` latent elements per token, the same on every tensor-parallel rank.
 
 How the bytes *inside* a block are ordered is part of the layout, never guessed from
 sizes: ``block_order`` names the axes of one block from outermost to innermost (``H`` KV
@@ -27,6 +30,7 @@ that is neither.
 from __future__ import annotations
 
 import enum
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +40,9 @@ import numpy as np
 
 from .errors import LayoutMismatch
 
-__all__ = ["BLOCK_ORDERS", "DTYPE_SIZES", "KVLayout", "MemoryKind", "Region", "TPRoutes",
-           "check_compatible", "covering_producers", "head_overlap", "tp_routes", "tp_shard"]
+__all__ = ["BLOCK_ORDERS", "CACHE_KINDS", "DTYPE_SIZES", "KVLayout", "MemoryKind", "Region",
+           "TPRoutes", "check_compatible", "covering_producers", "head_overlap",
+           "replica_routes", "tp_routes", "tp_shard"]
 
 #: Element sizes of the dtypes a layout may name (KV caches in use today).
 DTYPE_SIZES = {
@@ -67,6 +72,12 @@ BLOCK_ORDERS = {
     False: _orders("HND"),
     True: _orders("HNKD") | _orders("HNC"),
 }
+
+#: What a cache holds per token, and the block orders each kind may have: ``kv`` (K and V
+#: of ``num_kv_heads`` heads; :data:`BLOCK_ORDERS`) or ``mla`` (one latent vector per token,
+#: ``L`` its ``head_size`` elements, tokens outermost: ``NL``; no K/V split, no heads to
+#: shard -- every tensor-parallel rank holds all of it).
+CACHE_KINDS = {"kv": None, "mla": frozenset({"NL"})}
 
 
 class MemoryKind(str, enum.Enum):
@@ -149,6 +160,7 @@ class LayoutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_order: str = ""
     kernel_tokens: int = 0
     identity: tuple[tuple[str, str], ...] = ()
+    cache_kind: str = "kv"
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,11 @@ class KVLayout:
     identity
         ``(key, value)`` pairs naming the engine (model, cache dtype, attention backend,
         versions, ...); two sides' identities must be equal (see :func:`check_compatible`).
+    cache_kind
+        What a block holds per token (:data:`CACHE_KINDS`): ``"kv"`` (default) or
+        ``"mla"``, one latent vector of ``head_size`` elements per token (``num_kv_heads``
+        1, ``kv_packed`` True, ``block_order`` ``NL``; replicated, never sharded, across
+        tensor-parallel ranks).
     """
 
     regions: tuple[Region, ...]
@@ -214,12 +231,19 @@ class KVLayout:
     block_order: str = ""
     kernel_tokens: int = 0
     identity: tuple[tuple[str, str], ...] = ()
+    cache_kind: str = "kv"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", tuple(self.regions))
-        if not self.block_order:
+        if self.cache_kind not in CACHE_KINDS:
+            raise ValueError(f"KVLayout.cache_kind must be one of {sorted(CACHE_KINDS)}, got "
+                             f"{self.cache_kind!r}")
+        latent = self.cache_kind == "mla"
+        if latent:
+            self._check_latent()
+        elif not self.block_order:
             object.__setattr__(self, "block_order", "HNKD" if self.kv_packed else "HND")
-        if self.block_order not in BLOCK_ORDERS[bool(self.kv_packed)]:
+        if not latent and self.block_order not in BLOCK_ORDERS[bool(self.kv_packed)]:
             kv = "K+V packed" if self.kv_packed else "K and V separate"
             raise ValueError(
                 f"KVLayout.block_order {self.block_order!r} is not an order of a {kv} block "
@@ -267,16 +291,17 @@ class KVLayout:
         kinds = {r.kind for r in self.regions}
         if len(kinds) != 1:
             raise ValueError("KVLayout.regions must all be of one memory kind")
+        pair = 2 if self.kv_packed and not latent else 1
         natural = (
             self.tokens_per_block * self.num_kv_heads * self.head_size
-            * DTYPE_SIZES[self.dtype] * (2 if self.kv_packed else 1) * self.layers_per_region
+            * DTYPE_SIZES[self.dtype] * pair * self.layers_per_region
         )
         if self.block_bytes == 0:
             object.__setattr__(self, "block_bytes", natural)
         elif self.block_bytes != natural:
             raise ValueError(
                 f"KVLayout.block_bytes ({self.block_bytes}) != tokens_per_block * num_kv_heads "
-                f"* head_size * itemsize{' * 2' if self.kv_packed else ''} * layers_per_region "
+                f"* head_size * itemsize{' * 2' if pair == 2 else ''} * layers_per_region "
                 f"({natural})"
             )
         if self.block_stride == 0:
@@ -294,7 +319,31 @@ class KVLayout:
                     f"blocks of {self.block_bytes} bytes at stride {self.block_stride} need {need}"
                 )
 
+    def _check_latent(self) -> None:
+        """An MLA cache: one latent vector per token, one region per layer, no heads."""
+        if not self.block_order:
+            object.__setattr__(self, "block_order", "NL")
+        orders = CACHE_KINDS["mla"]
+        assert orders is not None
+        if self.block_order not in orders:
+            raise ValueError(f"KVLayout.block_order {self.block_order!r} is not an order of an "
+                             f"MLA (latent) block: {sorted(orders)}")
+        if not self.kv_packed:
+            raise ValueError("KVLayout: an MLA cache has no K/V split: kv_packed must be True")
+        total = self.total_kv_heads or 1
+        if (self.num_kv_heads, self.head_start, total) != (1, 0, 1):
+            raise ValueError("KVLayout: an MLA cache holds one latent vector per token, "
+                             "replicated across TP ranks: num_kv_heads=1, head_start=0, "
+                             f"total_kv_heads=1 (got {self.num_kv_heads}, {self.head_start}, "
+                             f"{self.total_kv_heads})")
+
     # -- derived ---------------------------------------------------------------------------
+    @property
+    def replicated(self) -> bool:
+        """True when every tensor-parallel rank holds the whole cache (MLA's latent): any
+        one rank's copy serves any peer rank."""
+        return self.cache_kind == "mla"
+
     @property
     def num_regions(self) -> int:
         """Registered memory regions (one per layer, or per layer and K/V)."""
@@ -404,6 +453,7 @@ class KVLayout:
             block_order=self.block_order,
             kernel_tokens=self.kernel_tokens,
             identity=self.identity,
+            cache_kind=self.cache_kind,
         )
 
     @classmethod
@@ -428,6 +478,7 @@ class KVLayout:
                 block_order=wire.block_order,
                 kernel_tokens=wire.kernel_tokens,
                 identity=wire.identity,
+                cache_kind=wire.cache_kind,
             )
         except (ValueError, TypeError) as exc:
             from .errors import ProtocolError
@@ -452,6 +503,7 @@ class KVLayout:
         block_order: str = "",
         kernel_tokens: int = 0,
         identity: Sequence[tuple[str, str]] = (),
+        cache_kind: str = "kv",
     ) -> KVLayout:
         """A layout over numpy arrays or torch tensors (one per region), each holding
         ``num_blocks`` contiguous blocks."""
@@ -470,11 +522,13 @@ class KVLayout:
             block_order=block_order,
             kernel_tokens=kernel_tokens,
             identity=tuple(identity),
+            cache_kind=cache_kind,
         )
 
 
 #: Fields that decide how a block's bytes are read; they must match exactly.
 _MATCHING_FIELDS = (
+    "cache_kind",
     "num_layers",
     "kv_packed",
     "layers_per_region",
@@ -639,3 +693,22 @@ def tp_routes(producer_tp: int, consumer_tp: int, total_kv_heads: int) -> TPRout
         producers.append(mine)
     return TPRoutes(producer_tp, consumer_tp, total_kv_heads, tuple(producers),
                     tuple(sharers))
+
+
+def replica_routes(producer_tp: int, consumer_tp: int, transfer_id: str) -> TPRoutes:
+    """The routes of a cache every rank of both sides holds whole (MLA's latent: one vector
+    per token, replicated across tensor-parallel ranks, nothing to shard).
+
+    Every consumer rank takes its copy from one producer rank -- the same one for every
+    consumer rank of a transfer, so no other producer rank sends a byte of it -- chosen by
+    a stable hash of ``transfer_id``: transfers spread evenly over the producer ranks. Both
+    sides compute it from the transfer id and the producer TP size alone, so a producer
+    rank knows without talking whether anyone comes for its blocks
+    (:meth:`TPRoutes.sends`); each consumer rank still needs its own copy in its own memory.
+    """
+    for name, value in (("producer_tp", producer_tp), ("consumer_tp", consumer_tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    sender = zlib.crc32(transfer_id.encode()) % producer_tp
+    sharers = tuple(consumer_tp if p == sender else 0 for p in range(producer_tp))
+    return TPRoutes(producer_tp, consumer_tp, 1, ((sender,),) * consumer_tp, sharers)

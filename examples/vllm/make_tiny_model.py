@@ -94,7 +94,7 @@ def make_model(out: Path, seed: int, layers: int, vocab_size: int, lm_head_scale
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--layers", type=int, default=4, choices=[2, 3, 4])
+    parser.add_argument("--layers", type=int, default=4, choices=[2, 3, 4, 8, 16])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--lm-head-scale", type=float, default=24.0)

@@ -8,7 +8,9 @@ instance and a decode instance, and the decode instance's answer is streamed bac
   (``kv_transfer_params``), which goes to the decode instance, which READs the KV.
 
 The mode is per request: ``"kvpush_mode": "push" | "pull"`` in the body or an
-``X-KVPush-Mode`` header (default: ``--mode``). ``--protocol nixl`` speaks vLLM's own
+``X-KVPush-Mode`` header (default: ``--mode``); ``"kvpush_layerwise": true | false`` in the
+body asks the decode instance to register a push layer by layer (or not), whatever its
+``layerwise`` setting. ``--protocol nixl`` speaks vLLM's own
 ``NixlConnector`` (pull) / ``NixlPushConnector`` (push) instead, for comparisons.
 
 Usage::
@@ -112,7 +114,10 @@ class Router:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
         path = request.path
+        layerwise = body.pop("kvpush_layerwise", None)
         prefill_params, decode_params = self._params(mode, rid)
+        if layerwise is not None and decode_params is not None and self.protocol == "kvpush":
+            decode_params["kvpush_layerwise"] = bool(layerwise)  # register layer by layer
         prefill_body = self._prefill_body(body, prefill_params)
         decode_body = dict(body)
         if mode == "push":

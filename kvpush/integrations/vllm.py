@@ -195,7 +195,8 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         elif role == KVConnectorRole.WORKER:
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._worker = KVPushWorker(config, ktc.kv_role, ktc.engine_id,
-                                        vllm_config.cache_config.block_size, num_blocks)
+                                        vllm_config.cache_config.block_size, num_blocks,
+                                        getattr(ktc, "kv_buffer_device", None))
         else:
             raise ValueError(f"kvpush: unknown KVConnectorRole {role!r}")
 
@@ -261,7 +262,10 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        pass  # the producer sends whole requests, from wait_for_save
+        # Layer-wise push (``layerwise``): the layer's KV is written; it travels now.
+        # Otherwise the producer sends whole requests, from wait_for_save.
+        if self._config.layerwise:
+            self._w().save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self._w().after_forward()
@@ -384,7 +388,9 @@ def _engine_facts(vllm_config: Any, kv_cache_config: Any, config: AdapterConfig,
         dtype=str(model.dtype), num_layers=model.get_total_num_hidden_layers(),
         num_kv_heads=model.get_total_num_kv_heads(), head_size=model.get_head_size(),
         cache_dtype=str(cache.cache_dtype), attn_backend=backend, protocol=PROTOCOL_VERSION,
-        vllm_version=vllm_version)
+        vllm_version=vllm_version, cache_kind="mla" if model.use_mla else "kv")
     return EngineFacts(attn_backend=backend, kv_cache_layout=layout,
                        cache_dtype=str(cache.cache_dtype), identity=identity,
-                       total_kv_heads=int(model.get_total_num_kv_heads()))
+                       cache_kind="mla" if model.use_mla else "kv",
+                       # MLA: one latent vector per token, whole on every rank
+                       total_kv_heads=1 if model.use_mla else int(model.get_total_num_kv_heads()))

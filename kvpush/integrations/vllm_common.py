@@ -49,12 +49,13 @@ from typing import Any
 
 from ..agent import TransportConfig
 from ..consumer import ConsumerConfig
-from ..layout import tp_routes
+from ..layout import replica_routes, tp_routes
 from ..producer import ProducerConfig
 from ..request import TransferMode
 
 __all__ = [
     "PARAM_ID",
+    "PARAM_LAYERWISE",
     "PARAM_MODE",
     "PARAM_NUM_TOKENS",
     "PARAM_PRODUCERS",
@@ -82,6 +83,7 @@ PARAM_MODE = "kvpush_mode"
 PARAM_PRODUCERS = "kvpush_producers"
 PARAM_TICKETS = "kvpush_tickets"
 PARAM_NUM_TOKENS = "kvpush_num_tokens"
+PARAM_LAYERWISE = "kvpush_layerwise"
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,15 @@ class AdapterConfig:
         The model's name in the compatibility identity (default: vLLM's ``--model``, as
         vLLM's NIXL connector does); set it when the two instances load one checkpoint from
         different paths.
+    layerwise
+        Layer-wise push. Prefill side: every layer of a request whose last prefill chunk
+        runs is handed to ``Producer.layer_done`` as soon as vLLM's forward pass has
+        written it (``save_kv_layer``), so layer ``i`` travels while layer ``i + 1``
+        computes; the response says so (``kvpush_layerwise``). Decode side: push requests
+        are registered layer by layer (``Consumer.expect(..., layerwise=True)``; a request's
+        ``kvpush_layerwise`` overrides it). Either side alone is correct with the other
+        side whole-request: a layer-wise registration is completed by ``prefill_done``,
+        and ``layer_done`` calls are ignored by a whole-request registration.
     """
 
     host: str = "127.0.0.1"
@@ -141,6 +152,7 @@ class AdapterConfig:
     auth_key_env: str | None = None
     advertise_host: str | None = None
     model_id: str | None = None
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))
@@ -324,6 +336,10 @@ class EngineFacts:
     total_kv_heads
         The model's KV heads over all tensor-parallel ranks (0: unknown, the tensors hold
         them all).
+    cache_kind
+        ``"mla"`` when the model uses multi-head latent attention (vLLM's ``use_mla``):
+        its caches hold one latent vector per token, whatever shape vLLM gives them
+        (``[blocks, 1, tokens, latent]`` in vLLM 0.32's unified view); else ``"kv"``.
     """
 
     attn_backend: str = ""
@@ -331,6 +347,7 @@ class EngineFacts:
     cache_dtype: str = "auto"
     identity: tuple[tuple[str, str], ...] = ()
     total_kv_heads: int = 0
+    cache_kind: str = "kv"
 
     @property
     def heads_before_tokens(self) -> bool | None:
@@ -362,11 +379,14 @@ def packed_order(attn_backend: str, heads_first: bool) -> str:
 
 def engine_identity(*, model: str, revision: str | None, dtype: str, num_layers: int,
                     num_kv_heads: int, head_size: int, cache_dtype: str, attn_backend: str,
-                    protocol: int, vllm_version: tuple[int, int]) -> tuple[tuple[str, str], ...]:
+                    protocol: int, vllm_version: tuple[int, int], cache_kind: str = "kv"
+                    ) -> tuple[tuple[str, str], ...]:
     """The compatibility identity two instances must share to exchange KV: the model
-    (name or path, revision, dtype, layers, KV heads, head size), the cache dtype, the
-    attention backend, kvpush's protocol version and vLLM's (major, minor) version."""
+    (name or path, revision, dtype, layers, KV heads, head size), what its cache holds
+    (``cache_kind``: ``kv``, or ``mla``'s latent vectors), the cache dtype, the attention
+    backend, kvpush's protocol version and vLLM's (major, minor) version."""
     return tuple(sorted({
+        "cache_kind": cache_kind,
         "model": model,
         "revision": revision or "",
         "model_dtype": dtype.removeprefix("torch."),
@@ -420,17 +440,22 @@ def prefill_params(transfer_id: str, mode: TransferMode | str) -> dict[str, Any]
             PARAM_MODE: TransferMode(mode).value}
 
 
-def decode_params(transfer_id: str, producers: Sequence[str]) -> dict[str, Any]:
+def decode_params(transfer_id: str, producers: Sequence[str], *,
+                  layerwise: bool | None = None) -> dict[str, Any]:
     """``kv_transfer_params`` a router sends to the decode instance in push mode (in pull
-    mode it forwards the prefill's response instead)."""
-    return {"do_remote_prefill": True, PARAM_ID: transfer_id,
-            PARAM_MODE: TransferMode.PUSH.value, PARAM_PRODUCERS: list(producers)}
+    mode it forwards the prefill's response instead). ``layerwise``: register layer by
+    layer (None: the decode instance's ``layerwise`` setting)."""
+    out = {"do_remote_prefill": True, PARAM_ID: transfer_id,
+           PARAM_MODE: TransferMode.PUSH.value, PARAM_PRODUCERS: list(producers)}
+    if layerwise is not None:
+        out[PARAM_LAYERWISE] = bool(layerwise)
+    return out
 
 
 def response_params(transfer_id: str, mode: TransferMode, producers: Sequence[str],
                     num_tokens: int, tickets: Sequence[bytes] = (), *,
                     request_id: str = "", engine_id: str = "", block_ids: Sequence[int] = (),
-                    ) -> dict[str, Any]:
+                    layerwise: bool = False) -> dict[str, Any]:
     """What the prefill instance returns (vLLM puts it in the response's
     ``kv_transfer_params``): kvpush's keys, and vLLM's NIXL keys naming the same things
     (rank 0's host and port, the block ids, the TP size) for routers that read those."""
@@ -446,6 +471,8 @@ def response_params(transfer_id: str, mode: TransferMode, producers: Sequence[st
         out["remote_host"], out["remote_port"] = host, port
     if tickets:
         out[PARAM_TICKETS] = [_encode_ticket(t) for t in tickets]
+    if layerwise:
+        out[PARAM_LAYERWISE] = True
     return out
 
 
@@ -471,6 +498,8 @@ class RemotePrefill:
     mode: TransferMode
     producers: tuple[str, ...] = ()
     tickets: tuple[bytes, ...] = ()
+    #: register layer by layer (push): the request's ``kvpush_layerwise``, None if absent
+    layerwise: bool | None = None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any], default_mode: TransferMode,
@@ -500,7 +529,10 @@ class RemotePrefill:
         if mode is TransferMode.PULL and not tickets:
             raise ValueError(f"pull needs {PARAM_TICKETS!r} (the prefill's response, as it "
                              "came)")
-        return cls(transfer_id, mode, tuple(producers), tickets)
+        layerwise = params.get(PARAM_LAYERWISE)
+        if layerwise is not None and not isinstance(layerwise, bool):
+            raise ValueError(f"{PARAM_LAYERWISE!r} must be true or false, got {layerwise!r}")
+        return cls(transfer_id, mode, tuple(producers), tickets, layerwise)
 
     @property
     def num_ranks(self) -> int:
@@ -508,13 +540,18 @@ class RemotePrefill:
         per rank."""
         return len(self.tickets if self.mode is TransferMode.PULL else self.producers)
 
-    def route(self, tp_size: int, tp_rank: int, total_kv_heads: int
+    def route(self, tp_size: int, tp_rank: int, total_kv_heads: int, replicated: bool = False
               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(prefill ranks, their sharer counts) that decode rank ``tp_rank`` of ``tp_size``
         takes its KV heads from (:func:`kvpush.layout.tp_routes`; ValueError if the two
-        TP sizes cannot share ``total_kv_heads`` heads)."""
+        TP sizes cannot share ``total_kv_heads`` heads). ``replicated`` (an MLA cache, whole
+        on every rank): one prefill rank per transfer
+        (:func:`kvpush.layout.replica_routes`)."""
         if not self.num_ranks:
             raise ValueError("the request names no prefill rank")
+        if replicated:
+            return replica_routes(self.num_ranks, tp_size,
+                                  self.transfer_id).of_consumer(tp_rank)
         return tp_routes(self.num_ranks, tp_size, total_kv_heads).of_consumer(tp_rank)
 
     def for_rank(self, tp_rank: int) -> RemotePrefill:
@@ -525,8 +562,10 @@ class RemotePrefill:
             raise ValueError(f"the request names {count} producer rank(s); decode rank "
                              f"{tp_rank} has none (prefill and decode TP sizes must match)")
         if self.mode is TransferMode.PULL:
-            return RemotePrefill(self.transfer_id, self.mode, (), (self.tickets[tp_rank],))
-        return RemotePrefill(self.transfer_id, self.mode, (self.producers[tp_rank],), ())
+            return RemotePrefill(self.transfer_id, self.mode, (), (self.tickets[tp_rank],),
+                                 self.layerwise)
+        return RemotePrefill(self.transfer_id, self.mode, (self.producers[tp_rank],), (),
+                             self.layerwise)
 
 
 def _vllm_producers(params: Mapping[str, Any]) -> list[str]:

@@ -90,9 +90,16 @@ class KVPushScheduler:
         self.is_consumer: bool = bool(ktc.is_kv_consumer)
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None and len(groups) > 1:
+            # kvpush is not SupportsHMA: vLLM turns its hybrid allocator off for it (one
+            # group), unless told otherwise -- or unless the model cannot run without it.
+            kinds = [type(getattr(g, "kv_cache_spec", g)).__name__ for g in groups]
             raise NotImplementedError(
                 f"kvpush supports models with one KV cache group; this one has {len(groups)} "
-                "(hybrid or sliding-window models)")
+                f"({', '.join(kinds)}): vLLM's hybrid memory allocator gives each group its "
+                "own block ids and memory, which kvpush's layout (one block id space over "
+                "every layer) cannot name; sliding-window models run with "
+                "--disable-hybrid-kv-cache-manager (every block moves), SSM/Mamba state "
+                "transfer is not implemented")
         self._kv_manager: Any = None
         self._ranks: dict[int, RankInfo] = {}
         # prefill side
@@ -218,7 +225,8 @@ class KVPushScheduler:
             tickets = [(t if key is None else t.seal(key)).to_bytes() for t in plain]
         return response_params(send.transfer_id, send.mode, producers, send.num_tokens, tickets,
                                request_id=send.req_id, engine_id=self.engine_id,
-                               block_ids=send.src)
+                               block_ids=send.src,
+                               layerwise=self.config.layerwise and send.mode is TransferMode.PUSH)
 
     # -- per step --------------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:

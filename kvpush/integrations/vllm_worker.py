@@ -20,13 +20,22 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from ..consumer import Consumer
 from ..errors import KvpushError, PeerUnavailable
-from ..layout import DTYPE_SIZES, KVLayout, MemoryKind, Region, tp_routes, tp_shard
+from ..layout import (
+    DTYPE_SIZES,
+    KVLayout,
+    MemoryKind,
+    Region,
+    replica_routes,
+    tp_routes,
+    tp_shard,
+)
 from ..messages import PullTicket
 from ..producer import Producer
 from ..request import Release, ReleaseReason, TransferMode, TransferResult
@@ -42,6 +51,7 @@ from .vllm_common import (
     packed_order,
     split_address,
 )
+from .vllm_staging import DONE, HostStaging, Readiness, record_event
 
 __all__ = ["KVPushWorker", "layout_from_kv_caches"]
 
@@ -146,6 +156,7 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
     views: list[_View] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
     kv_packed = True
+    cache_kind = "kv"
     heads = head_size = tokens = 0
     for name in names:
         t = kv_caches[name]
@@ -156,7 +167,30 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
         if key in seen:  # a layer sharing another layer's cache: moved once
             continue
         seen.add(key)
-        if t.dim() == 4:
+        latent = t.dim() == 3 or (facts.cache_kind == "mla" and t.dim() == 4
+                                  and t.shape[1] == 1)
+        if latent:
+            # MLA: [blocks, tokens, kv_lora_rank + rope_dim] (vLLM 0.32: [blocks, 1, tokens,
+            # latent], its unified [B, H, N, C] view with one "head"), one latent vector per
+            # token.
+            if views and cache_kind != "mla":
+                raise NotImplementedError(f"kvpush: layer {name}: an MLA (latent) cache "
+                                          "beside K/V caches is not supported")
+            cache_kind = "mla"
+            if t.dim() == 4:
+                t = t[:, 0]
+            _, tokens, head_size = (int(x) for x in t.shape)
+            heads = 1
+            views.append(_block_view(t, name))
+            if _axis_order(t, "NL") != "NL":
+                raise NotImplementedError(f"kvpush: layer {name}: an MLA block's latent "
+                                          f"vectors are not innermost (strides "
+                                          f"{tuple(t.stride())})")
+            order = "NL"
+        elif cache_kind == "mla" or facts.cache_kind == "mla":
+            raise NotImplementedError(f"kvpush: layer {name}: a cache of shape "
+                                      f"{tuple(t.shape)} in an MLA model is not supported")
+        elif t.dim() == 4:
             _, heads, tokens, content = (int(x) for x in t.shape)
             head_size = content // 2
             views.append(_block_view(t, name))
@@ -189,7 +223,8 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
         else:
             raise NotImplementedError(
                 f"kvpush: layer {name}: KV cache of shape {tuple(t.shape)} is not supported "
-                "(expected [blocks, heads, tokens, 2*head] or [2, blocks, tokens, heads, head])")
+                "(expected [blocks, heads, tokens, 2*head], [2, blocks, tokens, heads, head] "
+                "or MLA's [blocks, tokens, latent])")
     num_layers = len(views) // (1 if kv_packed else 2)
     physical = views[0].num_blocks
     per_logical = 1
@@ -231,7 +266,23 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                     dtype=dtype, kv_packed=kv_packed, layers_per_region=layers_per_region,
                     block_bytes=block_bytes, block_stride=stride, block_order=order,
                     kernel_tokens=tokens, identity=facts.identity, head_start=head_start,
-                    total_kv_heads=total)
+                    total_kv_heads=total, cache_kind=cache_kind)
+
+
+def layer_indices(kv_caches: Mapping[str, Any]) -> dict[str, int]:
+    """vLLM's layer names -> the layer index of their cache in the layout
+    :func:`layout_from_kv_caches` builds (the same order). A layer that shares another
+    layer's cache is left out: that cache is reported once, by its owner."""
+    out: dict[str, int] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name in sorted(kv_caches, key=_natural_key):
+        t = kv_caches[name]
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = len(out)
+    return out
 
 
 def _allow_amx() -> None:
@@ -282,11 +333,22 @@ class KVPushWorker:
         vLLM's block size (tokens).
     num_blocks
         vLLM's logical number of KV blocks (``kv_cache_config.num_blocks``), or None.
+    kv_buffer_device
+        vLLM's ``kv_buffer_device``: ``"cpu"`` with CUDA caches stages them through pinned
+        host mirrors (:class:`~kvpush.integrations.vllm_staging.HostStaging`) that kvpush
+        registers instead of the VRAM; anything else registers the caches themselves.
     """
 
     def __init__(self, config: AdapterConfig, role: str, engine_id: str, block_size: int,
-                 num_blocks: int | None) -> None:
+                 num_blocks: int | None, kv_buffer_device: str | None = None) -> None:
         self.config = config
+        self.kv_buffer_device = kv_buffer_device
+        self.device_type = "cpu"                                # of vLLM's cache tensors
+        self.staging: HostStaging | None = None
+        # GPU: hand-overs wait for their own CUDA event, off the engine's thread
+        self._ready = Readiness()
+        self._handover_failed: list[str] = []                  # transfer ids (any thread)
+        self._h2d: list[tuple[Any, str]] = []                  # (copy event, req id) to report
         self.role = role
         self.engine_id = engine_id
         self.block_size = block_size
@@ -318,6 +380,11 @@ class KVPushWorker:
         self._quarantined: dict[str, float] = {}
         self._finished: set[str] = set()                       # req ids finished in vLLM
         self._issued: set[str] = set()                         # req ids not yet reported
+        # layer-wise push: vLLM layer name -> layer index, and this step's (transfer id,
+        # source blocks) of the push sends this rank makes
+        self._layers: dict[str, int] = {}
+        self._layer_sends: list[tuple[str, np.ndarray]] = []
+        self._layer_logged = False
 
     # -- set-up ----------------------------------------------------------------------------
     @property
@@ -337,8 +404,23 @@ class KVPushWorker:
         self.coords = coords or RankCoords(tp_rank=tp_rank, tp_size=tp_rank + 1)
         self.tp_rank = self.coords.tp_rank
         tp_rank = self.tp_rank
-        self.layout = layout_from_kv_caches(kv_caches, self.block_size, self.num_blocks, facts,
+        first = next(iter(kv_caches.values()), None)
+        self.device_type = str(getattr(getattr(first, "device", None), "type", "cpu"))
+        registered = kv_caches
+        if self.kv_buffer_device == "cpu" and self.device_type == "cuda":
+            self.staging = HostStaging(kv_caches)
+            registered = self.staging.host
+            log.info("kvpush: kv_buffer_device cpu: %.1f MiB of pinned host mirrors; blocks "
+                     "are staged on a side stream", self.staging.nbytes / 2**20)
+        self.layout = layout_from_kv_caches(registered, self.block_size, self.num_blocks, facts,
                                             self.coords)
+        if self.config.layerwise and self.is_producer:
+            if self.layout.layers_per_region != 1:
+                log.warning("kvpush: layerwise is set, but this cache holds %d layers per "
+                            "region (one allocation, layers inside each block): whole "
+                            "requests are pushed", self.layout.layers_per_region)
+            else:
+                self._layers = layer_indices(kv_caches)
         if self.layout.kind is MemoryKind.DRAM:
             _allow_amx()
         key = self.config.auth_key()
@@ -374,8 +456,8 @@ class KVPushWorker:
         takes KV heads from: connected at start-up, while the engine is idle, instead of
         on the first request."""
         addresses = list(self.config.producers)
-        if not addresses or self.layout is None:
-            return addresses
+        if not addresses or self.layout is None or self.layout.replicated:
+            return addresses  # replicated (MLA): any prefill rank may be a transfer's source
         try:
             ranks = tp_routes(len(addresses), self.coords.tp_size,
                               self.layout.total_kv_heads).producers[self.coords.tp_rank]
@@ -412,6 +494,42 @@ class KVPushWorker:
             for transfer_id in plan.send_aborts:
                 self.producer.abort(transfer_id, "request ended on the prefill instance")
         self._to_send = list(plan.send)
+        self._layer_sends = [
+            (s.transfer_id, np.asarray(s.src, np.int64)) for s in self._to_send
+            if self._layers and s.mode is TransferMode.PUSH and s.src
+            and self.sends_from_here(transfer_id=s.transfer_id)]
+
+    def save_layer(self, layer_name: str) -> None:
+        """Layer-wise push (``layerwise``; from vLLM's ``save_kv_layer``, right after the
+        layer's attention wrote its KV): this step's push sends get that layer written now,
+        while the next layers compute. ``prefill_done`` after the forward still covers every
+        layer (and any not reported)."""
+        if not self._layer_sends or self.producer is None:
+            return
+        layer = self._layers.get(layer_name)
+        if layer is None:
+            return
+        # GPU: the layer's kernels may still be queued; its event says when it is written
+        # (and, staged, copied to the host mirror).
+        computed = record_event(self.device_type)
+        for transfer_id, src in self._layer_sends:
+            ready = computed if self.staging is None else self.staging.to_host(
+                src.tolist(), after=computed, layers=[layer_name])
+            self._ready.when_ready(ready, partial(self._layer_over, transfer_id, src, layer,
+                                                  layer_name))
+
+    def _layer_over(self, transfer_id: str, src: np.ndarray, layer: int,
+                    layer_name: str) -> None:
+        assert self.producer is not None
+        try:
+            self.producer.layer_done(transfer_id, src, layer)
+        except (KvpushError, ValueError) as exc:  # prefill_done still sends it whole
+            log.warning("kvpush: layer_done(%r, %d) failed: %s", transfer_id, layer, exc)
+            return
+        if not self._layer_logged:
+            self._layer_logged = True
+            log.info("kvpush: layer-wise push: layer %d (%s) of %r handed over during the "
+                     "forward pass", layer, layer_name, transfer_id)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the forward pass (vLLM calls this first): requests vLLM preempted after
@@ -446,12 +564,18 @@ class KVPushWorker:
                       "%.0f s; its blocks go back to vLLM while it may still read them",
                       transfer_id, req_id, self.config.transfer_timeout_s + 5.0)
 
-    def sends_from_here(self, num_prefill_ranks: int | None = None) -> bool:
+    def sends_from_here(self, num_prefill_ranks: int | None = None,
+                        transfer_id: str = "") -> bool:
         """Whether this prefill rank's blocks are taken by anyone: a rank that replicates KV
-        heads another rank sends (TP above the KV head count) sends nothing."""
+        heads another rank sends (TP above the KV head count) sends nothing; of a cache
+        every rank holds whole (MLA), one rank per transfer sends
+        (:func:`kvpush.layout.replica_routes`)."""
         layout = self.layout
         if layout is None:
             return True
+        if layout.replicated:
+            return replica_routes(num_prefill_ranks or self.coords.tp_size, 1,
+                                  transfer_id).sends(self.coords.tp_rank)
         try:
             routes = tp_routes(num_prefill_ranks or self.coords.tp_size, 1,
                                layout.total_kv_heads)
@@ -462,34 +586,49 @@ class KVPushWorker:
     def after_forward(self) -> None:
         """After the forward pass: this step's finished prefills hand their blocks over."""
         sends, self._to_send = self._to_send, []
+        self._layer_sends = []
         if not sends or self.producer is None:
             return
-        if self.producer.layout.kind is MemoryKind.VRAM:
-            import torch  # the forward may still be running on the GPU
-
-            torch.cuda.current_stream().synchronize()
-        sending = self.sends_from_here()
+        # GPU: the forward may still be running; no stream is synchronised here: each
+        # request is handed over when this step's compute event (and, staged, its blocks'
+        # copy to the host mirror) has completed, off this thread. CPU: at once.
+        computed = record_event(self.device_type)
         for send in sends:
             self._issued.add(send.req_id)
-            if not sending:  # nobody comes for a replica's blocks: vLLM may free them
+            # Nobody comes for a replica's blocks: vLLM may free them.
+            if not self.sends_from_here(transfer_id=send.transfer_id):
                 self._released.add(send.req_id)
-                continue
-            try:
-                self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
-                                           send.mode, sid=send.sid or None)
-            except (KvpushError, ValueError) as exc:
-                log.error("kvpush: prefill_done(%r) failed: %s; its blocks are released",
-                          send.transfer_id, exc)
-                self._released.add(send.req_id)
-                self._stats.data["num_send_failed"].append(1)
                 continue
             self._sending[send.transfer_id] = send.req_id
+            ready = computed if self.staging is None else self.staging.to_host(
+                send.src, after=computed)
+            self._ready.when_ready(ready, partial(self._hand_over, send))
+        self._drain_handover_failures()
+
+    def _hand_over(self, send: Any) -> None:
+        """(Engine or readiness thread.) The request's KV is in memory: kvpush may move it."""
+        assert self.producer is not None
+        try:
+            self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
+                                       send.mode, sid=send.sid or None)
+        except (KvpushError, ValueError) as exc:
+            log.error("kvpush: prefill_done(%r) failed: %s; its blocks are released",
+                      send.transfer_id, exc)
+            self._handover_failed.append(send.transfer_id)   # list.append: atomic
+
+    def _drain_handover_failures(self) -> None:
+        while self._handover_failed:
+            req_id = self._sending.pop(self._handover_failed.pop(), None)
+            if req_id is not None:
+                self._released.add(req_id)
+                self._stats.data["num_send_failed"].append(1)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose source blocks may be freed, requests whose load ended)."""
         self._pump_connections()
         sending: set[str] = set()
         if self.producer is not None:
+            self._drain_handover_failures()
             self._finished |= finished_req_ids & self._issued
             for release in self.producer.get_released():
                 self._on_release(release)
@@ -505,6 +644,14 @@ class KVPushWorker:
         if self.consumer is not None:
             for result in self.consumer.get_finished():
                 self._on_result(result)
+            if self._h2d:  # staged: reported once the copy to the device has completed
+                waiting = []
+                for event, req_id in self._h2d:
+                    if event.query():
+                        self._recv_done.add(req_id)
+                    else:
+                        waiting.append((event, req_id))
+                self._h2d = waiting
         recving, self._recv_done = self._recv_done, set()
         return sending, recving
 
@@ -523,6 +670,7 @@ class KVPushWorker:
         return None if self._stats.is_empty() else self._stats.take()
 
     def shutdown(self) -> None:
+        self._ready.close()
         for endpoint in (self.consumer, self.producer):
             if endpoint is not None:
                 try:
@@ -590,7 +738,8 @@ class KVPushWorker:
         # (Before registration, in tests: one head per rank.)
         total = self.layout.total_kv_heads if self.layout is not None else self.coords.tp_size
         try:
-            ranks, sharers = remote.route(self.coords.tp_size, self.tp_rank, total)
+            replicated = self.layout is not None and self.layout.replicated
+            ranks, sharers = remote.route(self.coords.tp_size, self.tp_rank, total, replicated)
             pull = remote.mode is TransferMode.PULL
             tickets = [PullTicket.from_bytes(remote.tickets[r]) for r in ranks] if pull else []
         except (ValueError, KvpushError) as exc:
@@ -630,7 +779,10 @@ class KVPushWorker:
         try:
             if not pull:
                 # A decode-side prefix-cache hit needs only the last blocks.
-                self.consumer.expect(tid, dst, names, source_tail=True, sharers=list(sharers))
+                layerwise = self.config.layerwise if remote.layerwise is None \
+                    else remote.layerwise
+                self.consumer.expect(tid, dst, names, source_tail=True, sharers=list(sharers),
+                                     layerwise=layerwise)
             else:
                 self.consumer.pull(tickets, dst, source_tail=True, sharers=list(sharers))
         except (KvpushError, ValueError) as exc:
@@ -693,6 +845,12 @@ class KVPushWorker:
                       "blocks %s may still receive bytes after vLLM reuses them", recv.req_id,
                       list(recv.dst)[:16])
         if recv.report:
+            if result.ok and self.staging is not None and recv.dst:
+                # Landed in the host mirror: copy to the device before vLLM reads it.
+                event = self.staging.to_device(recv.dst)
+                if event is not DONE:
+                    self._h2d.append((event, recv.req_id))
+                    return
             self._recv_done.add(recv.req_id)
 
     def _fail(self, recv: RecvPlan, error: Exception) -> None:
