@@ -241,6 +241,35 @@ PyTransferPlan to_python(const Plan& plan, bool release, bool merges) {
                           plan.num_descriptors(merges)};
 }
 
+// Plans a converted request, without the GIL when its output is large enough to be worth
+// the switch. The ids stay alive without the GIL (the caller's arguments hold them), and the
+// core reads each once into its own copy, so a thread writing to them cannot break the plan.
+PyTransferPlan run_plan(const kvpush::PlanRequest& request, bool merges) {
+    const bool release = static_cast<double>(request.local_ids.size) *
+                             static_cast<double>(request.num_regions) >=
+                         kReleaseGilEntries;
+    kvpush::TransferPlan plan;
+    kvpush::Status status;
+    run_maybe_without_gil(release, [&] { status = kvpush::plan_transfer(request, &plan); });
+    throw_if_error(status);
+    return to_python(plan, release, merges);
+}
+
+PyTransferPlan run_split_plan(const kvpush::SplitPlanRequest& request, bool merges) {
+    // Output size, n * heads * num_regions, with n the longer (fine) side; doubles, since
+    // nothing is validated yet and the product may not fit an integer.
+    const auto n = static_cast<double>(std::max(request.local_ids.size, request.remote_ids.size));
+    const bool release = n * static_cast<double>(request.heads) *
+                             static_cast<double>(request.num_regions) >=
+                         kReleaseGilEntries;
+    kvpush::SplitTransferPlan plan;
+    kvpush::Status status;
+    run_maybe_without_gil(release,
+                          [&] { status = kvpush::plan_split_transfer(request, &plan); });
+    throw_if_error(status);
+    return to_python(plan, release, merges);
+}
+
 PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remote_ids,
                              const py::object& local_num_blocks,
                              const py::object& remote_num_blocks, const py::object& num_regions,
@@ -257,18 +286,7 @@ PyTransferPlan plan_transfer(const py::object& local_ids, const py::object& remo
     request.coalesce = coalesce;
     request.local_ids = block_ids_arg(local_ids, "local_ids");
     request.remote_ids = block_ids_arg(remote_ids, "remote_ids");
-
-    // The ids stay alive without the GIL (the caller's arguments hold them), and the core
-    // reads each once into its own copy, so a thread writing to them cannot break the plan.
-    const bool release = static_cast<double>(request.local_ids.size) *
-                             static_cast<double>(request.num_regions) >=
-                         kReleaseGilEntries;
-    kvpush::TransferPlan plan;
-    kvpush::Status status;
-    run_maybe_without_gil(release, [&] { status = kvpush::plan_transfer(request, &plan); });
-    throw_if_error(status);
-
-    return to_python(plan, release, merges);
+    return run_plan(request, merges);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -292,20 +310,7 @@ PyTransferPlan plan_split_transfer(const py::object& local_ids, const py::object
     request.remote_split = to_int64(remote_split);
     request.local_ids = block_ids_arg(local_ids, "local_ids");
     request.remote_ids = block_ids_arg(remote_ids, "remote_ids");
-
-    // Output size, n * heads * num_regions, with n the longer (fine) side; doubles, since
-    // nothing is validated yet and the product may not fit an integer.
-    const auto n = static_cast<double>(std::max(request.local_ids.size, request.remote_ids.size));
-    const bool release = n * static_cast<double>(request.heads) *
-                             static_cast<double>(request.num_regions) >=
-                         kReleaseGilEntries;
-    kvpush::SplitTransferPlan plan;
-    kvpush::Status status;
-    run_maybe_without_gil(release,
-                          [&] { status = kvpush::plan_split_transfer(request, &plan); });
-    throw_if_error(status);
-
-    return to_python(plan, release, merges);
+    return run_split_plan(request, merges);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -358,15 +363,7 @@ public:
             request.remote_num_blocks = shape_.remote_num_blocks;
             request.num_regions = shape_.num_regions;
             request.coalesce = coalesce;
-            const bool release = static_cast<double>(request.local_ids.size) *
-                                     static_cast<double>(shape_.num_regions) >=
-                                 kReleaseGilEntries;
-            kvpush::TransferPlan plan;
-            kvpush::Status status;
-            run_maybe_without_gil(release,
-                                  [&] { status = kvpush::plan_transfer(request, &plan); });
-            throw_if_error(status);
-            return to_python(plan, release, shape_.merges);
+            return run_plan(request, shape_.merges);
         }
         kvpush::SplitPlanRequest request;
         request.local_ids = block_ids_arg(local_ids, "local_ids");
@@ -377,17 +374,7 @@ public:
         request.heads = shape_.heads;
         request.local_split = shape_.local_split;
         request.remote_split = shape_.remote_split;
-        const auto n =
-            static_cast<double>(std::max(request.local_ids.size, request.remote_ids.size));
-        const bool release = n * static_cast<double>(shape_.heads) *
-                                 static_cast<double>(shape_.num_regions) >=
-                             kReleaseGilEntries;
-        kvpush::SplitTransferPlan plan;
-        kvpush::Status status;
-        run_maybe_without_gil(release,
-                              [&] { status = kvpush::plan_split_transfer(request, &plan); });
-        throw_if_error(status);
-        return to_python(plan, release, shape_.merges);
+        return run_split_plan(request, shape_.merges);
     }
 
     const kvpush::LinkShape& shape() const { return shape_; }
