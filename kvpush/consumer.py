@@ -362,20 +362,12 @@ class Consumer(Endpoint):
         valid ones reach the loop thread in one hand-off, in order. Returns one entry per
         item: its :class:`~kvpush.request.TransferHandle`, or the exception a single
         ``expect`` of it would have raised (a bad item refuses only itself). Never blocks."""
-        out: list[TransferHandle | Exception] = []
-        runs: list[Callable[[], None]] = []
-        for item in items:
-            try:
-                request_id, block_ids, producers = item
-                handle, run = self._prepare_expect(request_id, block_ids, producers, timeout,
-                                                   layerwise, source_tail, sharers)
-            except (KvpushError, ValueError, TypeError) as exc:
-                out.append(exc)
-                continue
-            out.append(handle)
-            runs.append(run)
-        self._run_batch(runs)
-        return out
+        def prepare(item: Any) -> tuple[TransferHandle, Callable[[], None]]:
+            request_id, block_ids, producers = item
+            return self._prepare_expect(request_id, block_ids, producers, timeout, layerwise,
+                                        source_tail, sharers)
+
+        return self._batch(items, prepare)
 
     def pull_many(self, items: Sequence[tuple[m.PullTicket | bytes
                                               | Sequence[m.PullTicket | bytes], Any]], *,
@@ -385,20 +377,11 @@ class Consumer(Endpoint):
         options apply to each; validated one by one, the valid ones handed to the loop
         thread at once, in order. Returns per item its handle or the exception a single
         ``pull`` would have raised. Never blocks (handshakes are part of each request)."""
-        out: list[TransferHandle | Exception] = []
-        runs: list[Callable[[], None]] = []
-        for item in items:
-            try:
-                tickets, block_ids = item
-                handle, run = self._prepare_pull(tickets, block_ids, timeout, source_tail,
-                                                 sharers)
-            except (KvpushError, ValueError, TypeError) as exc:
-                out.append(exc)
-                continue
-            out.append(handle)
-            runs.append(run)
-        self._run_batch(runs)
-        return out
+        def prepare(item: Any) -> tuple[TransferHandle, Callable[[], None]]:
+            tickets, block_ids = item
+            return self._prepare_pull(tickets, block_ids, timeout, source_tail, sharers)
+
+        return self._batch(items, prepare)
 
     def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
              block_ids: Any, *, timeout: float | None = None,

@@ -22,7 +22,7 @@ import time
 import uuid
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -201,6 +201,25 @@ class Endpoint:
             # GIL (see _run for why no command is missed).
             if self._waiting:
                 os.eventfd_write(self._wake_fd, 1)
+
+    def _batch(self, items: Sequence[Any],
+               prepare: Callable[[Any], tuple[Any, Callable[[], None]]]) -> list[Any]:
+        """A batch call: ``prepare`` validates one item on the caller's thread and returns
+        (what the caller gets for it, the loop's work for it). An item it refuses with
+        KvpushError, ValueError or TypeError gets that exception in its place; the others'
+        work reaches the loop thread in one hand-off, in order (:meth:`_run_batch`)."""
+        out: list[Any] = []
+        runs: list[Callable[[], None]] = []
+        for item in items:
+            try:
+                answer, run = prepare(item)
+            except (KvpushError, ValueError, TypeError) as exc:
+                out.append(exc)
+                continue
+            out.append(answer)
+            runs.append(run)
+        self._run_batch(runs)
+        return out
 
     def _run_batch(self, runs: list[Callable[[], None]]) -> None:
         """Run ``runs`` on the loop thread, in order, in one hand-off (batch calls); one

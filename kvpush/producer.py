@@ -281,22 +281,14 @@ class Producer(Endpoint):
         hand-off, in order. Returns per item what a single call would: its pull ticket,
         None (push), or the exception a single call would have raised (that item's blocks
         are not held: the engine keeps them). Never blocks."""
-        out: list[m.PullTicket | Exception | None] = []
-        runs: list[Callable[[], None]] = []
-        for item in items:
-            try:
-                if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
-                    raise ValueError(f"each item is (request_id, block_ids[, mode]), got "
-                                     f"{item!r:.80}")
-                ticket, run = self._prepare_prefill(item[0], item[1],
-                                                    item[2] if len(item) == 3 else mode, None)
-            except (KvpushError, ValueError, TypeError) as exc:
-                out.append(exc)
-                continue
-            out.append(ticket)
-            runs.append(run)
-        self._run_batch(runs)
-        return out
+        def prepare(item: Any) -> tuple[m.PullTicket | None, Callable[[], None]]:
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                raise ValueError(f"each item is (request_id, block_ids[, mode]), got "
+                                 f"{item!r:.80}")
+            return self._prepare_prefill(item[0], item[1],
+                                         item[2] if len(item) == 3 else mode, None)
+
+        return self._batch(items, prepare)
 
     def layer_done(self, request_id: str, block_ids: Any, layer: int) -> None:
         """Layer-wise push: layer ``layer``'s KV for ``request_id`` is final in
