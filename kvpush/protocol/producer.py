@@ -701,6 +701,25 @@ class ProducerCore:
         "too_many": "too many requests waiting from this consumer",
     }
 
+    def _push_owner(self, req: _Request, peer: str, xid: int, sharers: int) -> bool:
+        """Whether (peer, xid) may become a push owner of ``req`` (a registration or a push
+        claim); if not, the consumer is told why. An ended use that went well makes way for
+        a new one; one that ended badly answers its code."""
+        if req.state is State.ENDED:
+            if req.code:  # late: a use that ended badly
+                self._fail(peer, req.rid, xid, *self._refusal(req))
+                return False
+            self._reuse(req)
+        if req.source is not None and req.source.mode is TransferMode.PULL:
+            self._fail(peer, req.rid, xid, "mode_conflict",
+                       "the producer exposed this request for pull")
+            return False
+        code = self._admit(req, peer, xid, sharers)
+        if code:
+            self._fail(peer, req.rid, xid, code, self._ADMIT_REASON[code])
+            return False
+        return True
+
     def _on_register(self, req: _Request, peer: str, msg: m.Register) -> None:
         rid = req.rid
         claimed = req.shares.get((peer, msg.xid))
@@ -709,18 +728,7 @@ class ProducerCore:
             # The registration of a push claim: the claim's place is this registration's.
             self._share_gone(req, claimed, ReleaseReason.ABORTED, "registered")
             del req.shares[(peer, msg.xid)]
-        if req.state is State.ENDED:
-            if req.code:  # a late registration of a use that ended badly
-                self._fail(peer, rid, msg.xid, *self._refusal(req))
-                return
-            self._reuse(req)
-        if req.source is not None and req.source.mode is TransferMode.PULL:
-            self._fail(peer, rid, msg.xid, "mode_conflict",
-                       "the producer exposed this request for pull")
-            return
-        code = self._admit(req, peer, msg.xid, msg.sharers)
-        if code:
-            self._fail(peer, rid, msg.xid, code, self._ADMIT_REASON[code])
+        if not self._push_owner(req, peer, msg.xid, msg.sharers):
             return
         layers = self.layout.num_layers
         if msg.groups != 1 and (msg.groups != layers or self.layout.layers_per_region != 1):
@@ -776,18 +784,7 @@ class ProducerCore:
         keeps the source past its lease until it registers, gives up, is lost, or
         ``max_wait_s`` ends; before prefill_done it holds nothing yet."""
         rid = req.rid
-        if req.state is State.ENDED:
-            if req.code:  # a late claim of a use that ended badly
-                self._fail(peer, rid, msg.xid, *self._refusal(req))
-                return
-            self._reuse(req)
-        if req.source is not None and req.source.mode is TransferMode.PULL:
-            self._fail(peer, rid, msg.xid, "mode_conflict",
-                       "the producer exposed this request for pull")
-            return
-        code = self._admit(req, peer, msg.xid, msg.sharers)
-        if code:
-            self._fail(peer, rid, msg.xid, code, self._ADMIT_REASON[code])
+        if not self._push_owner(req, peer, msg.xid, msg.sharers):
             return
         owner = (peer, msg.xid)
         share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.CLAIMED, msg.sharers)
