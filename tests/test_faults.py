@@ -793,9 +793,13 @@ def test_consumer_stalled_past_peer_timeout(fx: Pair, mode: str) -> None:
     fx.link.unshape()
     fx.shaped = False
     fx.smoke("after-freeze")
-    if mode == "pull":  # released when the puller was declared lost (or its READ ended)
-        assert fx.release(rid, PULL_HOLD + 1.5) in (("failed", "transferred") if ready
-                                                     else ("failed",))
+    if mode == "pull":
+        # Released when the puller was declared lost, or when its READ ended: on waking, the
+        # consumer's loop may declare its producer lost (and fail the pull) before it polls
+        # NIXL, whose progress then still completes the READ the producer's kept endpoint
+        # served and delivers its PullDone: TRANSFERRED with the consumer's result FAILED
+        # (seen once in a fresh-clone CI run). Released exactly once either way.
+        assert fx.release(rid, PULL_HOLD + 1.5) in ("failed", "transferred")
 
 
 # -- a peer restarted under the same name ----------------------------------------------------
