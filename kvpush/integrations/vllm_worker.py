@@ -269,19 +269,30 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                     total_kv_heads=total, cache_kind=cache_kind)
 
 
-def layer_indices(kv_caches: Mapping[str, Any]) -> dict[str, int]:
+def layer_indices(kv_caches: Mapping[str, Any], overlaid: bool = False) -> dict[str, int]:
     """vLLM's layer names -> the layer index of their cache in the layout
     :func:`layout_from_kv_caches` builds (the same order). A layer that shares another
-    layer's cache is left out: that cache is reported once, by its owner."""
+    layer's cache is left out: that cache is reported once, by its owner.
+
+    ``overlaid`` (vLLM's hybrid allocator, several KV cache groups): layers of different
+    groups share one region (the groups overlay one allocation, each writing its own
+    blocks), so the region is reported by the *last* of them in model order -- the one
+    whose forward finishes the region's blocks of every group."""
     out: dict[str, int] = {}
-    seen: set[tuple[int, tuple[int, ...]]] = set()
+    index: dict[tuple[int, tuple[int, ...]], int] = {}
+    owner: dict[int, str] = {}
     for name in sorted(kv_caches, key=_natural_key):
         t = kv_caches[name]
         key = (t.data_ptr(), tuple(t.shape))
-        if key in seen:
+        if key in index:
+            if overlaid:
+                out.pop(owner[index[key]])
+                owner[index[key]] = name
+                out[name] = index[key]
             continue
-        seen.add(key)
-        out[name] = len(out)
+        index[key] = len(index)
+        owner[index[key]] = name
+        out[name] = index[key]
     return out
 
 
@@ -420,7 +431,8 @@ class KVPushWorker:
                             "region (one allocation, layers inside each block): whole "
                             "requests are pushed", self.layout.layers_per_region)
             else:
-                self._layers = layer_indices(kv_caches)
+                self._layers = layer_indices(kv_caches,
+                                             overlaid=len((facts or EngineFacts()).groups) > 1)
         if self.layout.kind is MemoryKind.DRAM:
             _allow_amx()
         key = self.config.auth_key()
