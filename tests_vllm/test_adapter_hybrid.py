@@ -29,10 +29,12 @@ from kvpush.integrations.vllm_common import (
 )
 from kvpush.integrations.vllm_hybrid import (
     FULL,
+    MAMBA,
     SLIDING,
     CacheGroup,
     cache_groups_of,
     group_identity,
+    state_backoff,
     transfer_blocks,
 )
 from kvpush.integrations.vllm_scheduler import KVPushScheduler, RankInfo
@@ -56,7 +58,10 @@ class SlidingWindowSpec:
 
 
 class MambaSpec:
-    block_size = BLOCK
+    block_size = 4096
+
+    def __init__(self, mode: str = "none", spec_blocks: int = 0) -> None:
+        self.mamba_cache_mode, self.num_speculative_blocks = mode, spec_blocks
 
 
 class ChunkedLocalAttentionSpec:
@@ -121,10 +126,13 @@ def test_a_needed_null_block_is_an_error_not_a_transfer() -> None:
 
 
 # -- groups at start-up and in the identity --------------------------------------------------
-def test_mamba_and_other_kinds_are_refused_at_start_up_naming_the_group() -> None:
+def test_kinds_kvpush_cannot_move_are_refused_at_start_up_naming_the_group() -> None:
     with pytest.raises(NotImplementedError,
-                       match=r"group 1 \(MambaSpec.*Mamba / SSM / linear-attention state"):
-        cache_groups_of(kv_cache_config(FullAttentionSpec(), MambaSpec()), BLOCK)
+                       match=r"group 1 \(MambaSpec.*mamba_cache_mode 'align'.*"
+                             r"--no-enable-prefix-caching"):
+        cache_groups_of(kv_cache_config(FullAttentionSpec(), MambaSpec("align")), BLOCK)
+    with pytest.raises(NotImplementedError, match="speculative-decoding state slots"):
+        cache_groups_of(kv_cache_config(FullAttentionSpec(), MambaSpec(spec_blocks=1)), BLOCK)
     with pytest.raises(NotImplementedError, match="group 1 is ChunkedLocalAttentionSpec"):
         cache_groups_of(kv_cache_config(FullAttentionSpec(), ChunkedLocalAttentionSpec()),
                         BLOCK)
@@ -136,11 +144,54 @@ def test_mamba_and_other_kinds_are_refused_at_start_up_naming_the_group() -> Non
     ktc = SimpleNamespace(engine_id="e1", is_kv_producer=True, is_kv_consumer=False)
     cfg = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=32))
     with pytest.raises(NotImplementedError, match="MambaSpec"):
-        KVPushScheduler(cfg, kv_cache_config(FullAttentionSpec(), MambaSpec()),
+        KVPushScheduler(cfg, kv_cache_config(FullAttentionSpec(), MambaSpec("align")),
                         AdapterConfig())
     # one group of any kind is what it was before hybrid support: not classified
-    (one,) = cache_groups_of(kv_cache_config(MambaSpec()), BLOCK)
-    assert one.kind == "MambaSpec"
+    (one,) = cache_groups_of(kv_cache_config(ChunkedLocalAttentionSpec()), BLOCK)
+    assert one.kind == "ChunkedLocalAttentionSpec"
+
+
+MAMBA_GROUPS = cache_groups_of(kv_cache_config(FullAttentionSpec(), MambaSpec()), BLOCK)
+
+
+def test_mamba_state_moves_once_after_the_attention_blocks() -> None:
+    assert [g.kind for g in MAMBA_GROUPS] == [FULL, MAMBA]
+    assert state_backoff(MAMBA_GROUPS) == 1 and state_backoff(GROUPS) == 0
+    # 199 tokens computed by the prefill (200 less the backoff): 7 blocks, then the state
+    assert transfer_blocks(MAMBA_GROUPS, (list(range(1, 8)), [9]), 199) == [1, 2, 3, 4, 5,
+                                                                             6, 7, 9]
+    # a decode-side prefix hit shortens the attention part only: still a suffix
+    assert transfer_blocks(MAMBA_GROUPS, (list(range(11, 18)), [19]), 199, 5) == [16, 17, 19]
+    with pytest.raises(ValueError, match="2 state slots"):
+        transfer_blocks(MAMBA_GROUPS, (list(range(1, 8)), [9, 10]), 199)
+    with pytest.raises(ValueError, match="0 state slots"):
+        transfer_blocks(MAMBA_GROUPS, (list(range(1, 8)), [NULL]), 199, 0, NULL)
+
+
+def test_with_mamba_state_the_prefill_stops_one_token_short() -> None:
+    s = hybrid_scheduler("kv_producer", MambaSpec())
+    ids = list(range(7, 207))
+    r = request("p1", prefill_params("t1", "pull"), 200)
+    r.prompt_token_ids, r._all_token_ids = list(ids), list(ids)
+    s.on_new_request(r)
+    assert (r.num_prompt_tokens, r.prompt_token_ids, r._all_token_ids) == \
+        (199, ids[:-1], ids[:-1])
+    s.on_new_request(r)                                     # not twice
+    assert r.num_prompt_tokens == 199
+    s._kv_manager.tables["p1"] = (list(range(1, 8)), [20])
+    (send,) = s.build_plan(SimpleNamespace(num_scheduled_tokens={"p1": 199})).send
+    assert send.src == [1, 2, 3, 4, 5, 6, 7, 20]
+    r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    _, params = s.request_finished(r, [])
+    assert params is not None and params["kvpush_num_tokens"] == 200   # the whole prompt
+    # the decode side claims all but the last token, and loads the state
+    d = hybrid_scheduler("kv_consumer", MambaSpec())
+    dr = request("d1", {**decode_params("t1", ["tcp://127.0.0.1:1"]), "kvpush_num_tokens": 200},
+                 200)
+    assert d.get_num_new_matched_tokens(dr, 0) == (199, True)
+    d.update_state_after_alloc(dr, HybridBlocks(list(range(31, 38)), [40]), 199)
+    (recv,) = d.build_plan(SimpleNamespace(num_scheduled_tokens={})).recv
+    assert recv.dst == [31, 32, 33, 34, 35, 36, 37, 40]
 
 
 def ident(groups: tuple[CacheGroup, ...]) -> tuple[tuple[str, str], ...]:
@@ -230,11 +281,12 @@ class HybridBlocks:
         return self.ids
 
 
-def hybrid_scheduler(role: str) -> KVPushScheduler:
+def hybrid_scheduler(role: str, other: Any = None) -> KVPushScheduler:
     ktc = SimpleNamespace(engine_id="e1", is_kv_producer=role == "kv_producer",
                           is_kv_consumer=role == "kv_consumer")
     cfg = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=32))
-    s = KVPushScheduler(cfg, kv_cache_config(FullAttentionSpec(), SlidingWindowSpec()),
+    s = KVPushScheduler(cfg, kv_cache_config(FullAttentionSpec(),
+                                             other or SlidingWindowSpec()),
                         AdapterConfig())
     s.bind_kv_cache_manager(HybridManager())
     return s
@@ -338,6 +390,90 @@ def test_worker_halves_move_full_blocks_and_only_the_window(mode: str) -> None:
                 assert torch.equal(s_slot[s_block], d_slot[d_block])
         untouched = sorted(set(range(blocks)) - set(recv.dst))
         assert all(not d_slot[untouched].any() for d_slot in dst_slots)
+        wait_finished(prefill, True, "p1")
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def mamba_caches(num_blocks: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's hybrid cache for one Mamba layer (0) and one attention layer (1): one
+    backing allocation of attention pages; the Mamba layer's state is an int8
+    ``[blocks, 1, 1, state]`` view of the same pages (the state padded to the page)."""
+    page = 2 * BLOCK * 128 * 2                                 # bytes
+    buf = torch.zeros(num_blocks * page, dtype=torch.int8)
+    if seed is not None:
+        buf.copy_(torch.randint(-128, 127, (buf.numel(),), dtype=torch.int8,
+                                generator=torch.Generator().manual_seed(seed)))
+    attn = buf.view(torch.bfloat16).view(num_blocks, 2, BLOCK, 128)
+    state = torch.as_strided(buf, (num_blocks, 1, 1, page - 1000), (page, page, page, 1))
+    return {"model.layers.0.mixer": state, "model.layers.1.self_attn.attn": attn}
+
+
+MAMBA_FACT_GROUPS = (CacheGroup(MAMBA, ("model.layers.0.mixer",), 4096),
+                     CacheGroup(FULL, ("model.layers.1.self_attn.attn",), BLOCK))
+
+
+def test_mamba_state_must_lie_in_the_attention_pages() -> None:
+    caches = mamba_caches(8)
+    layout = layout_from_kv_caches(caches, BLOCK, 8, EngineFacts(groups=MAMBA_FACT_GROUPS))
+    assert layout.num_regions == 1 and layout.num_layers == 1
+    apart = dict(caches)
+    apart["model.layers.0.mixer"] = torch.zeros(8, 1, 1, 100, dtype=torch.int8)
+    with pytest.raises(NotImplementedError, match="does not lie in an attention layer"):
+        layout_from_kv_caches(apart, BLOCK, 8, EngineFacts(groups=MAMBA_FACT_GROUPS))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_worker_halves_move_the_mamba_state_once(mode: str) -> None:
+    blocks, tokens = 16, 200                    # the prefill computes 199: 7 blocks + state
+    src_caches, dst_caches = mamba_caches(blocks, seed=3), mamba_caches(blocks)
+    facts = EngineFacts(attn_backend="CPU_ATTN", kv_cache_layout="LBHNC",
+                        identity=ident(MAMBA_FACT_GROUPS), groups=MAMBA_FACT_GROUPS)
+    prefill = KVPushWorker(AdapterConfig(), "kv_producer", "p", BLOCK, blocks)
+    decode = KVPushWorker(AdapterConfig(), "kv_consumer", "d", BLOCK, blocks)
+    try:
+        prefill.register_kv_caches(src_caches, facts=facts)
+        decode.register_kv_caches(dst_caches, facts=facts)
+        p_sched = hybrid_scheduler("kv_producer", MambaSpec())
+        info = prefill.handshake()
+        assert info is not None
+        p_sched.set_handshake({0: RankInfo(**info)})
+        r = request("p1", prefill_params("t1", mode), tokens)
+        r.prompt_token_ids, r._all_token_ids = list(range(tokens)), list(range(tokens))
+        p_sched.on_new_request(r)
+        p_sched._kv_manager.tables["p1"] = (list(range(1, 8)), [12])
+        (send,) = p_sched.build_plan(
+            SimpleNamespace(num_scheduled_tokens={"p1": tokens - 1})).send
+        prefill.bind(StepPlan(send=[send]))
+        prefill.after_forward()
+        r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+        _, params = p_sched.request_finished(r, [])
+        assert params is not None
+        remote = RemotePrefill.parse(params, kvpush.TransferMode.PUSH)
+        d_sched = hybrid_scheduler("kv_consumer", MambaSpec())
+        dr = request("d1", {**decode_params("t1", [prefill.address]),
+                            "kvpush_num_tokens": tokens}, tokens)
+        assert d_sched.get_num_new_matched_tokens(dr, 0) == (tokens - 1, True)
+        d_sched.update_state_after_alloc(dr, HybridBlocks(list(range(8, 15)), [3]),
+                                         tokens - 1)
+        (recv,) = d_sched.build_plan(SimpleNamespace(num_scheduled_tokens={})).recv
+        assert (send.src, recv.dst) == ([1, 2, 3, 4, 5, 6, 7, 12],
+                                        [8, 9, 10, 11, 12, 13, 14, 3])
+        decode.bind(StepPlan(recv=[RecvPlan("d1", remote, recv.dst, report=True)]))
+        wait_finished(decode, False, "d1")
+        assert not decode.take_failed_recving({"d1"})
+        stats = decode.take_stats()
+        assert stats is not None
+        assert stats["bytes"] == [8 * 2 * BLOCK * 128 * 2]    # 7 attention blocks, 1 state
+        s_state, d_state = src_caches["model.layers.0.mixer"], dst_caches["model.layers.0.mixer"]
+        assert torch.equal(s_state[12], d_state[3])           # the state, whole
+        s_attn = src_caches["model.layers.1.self_attn.attn"]
+        d_attn = dst_caches["model.layers.1.self_attn.attn"]
+        for s_block, d_block in zip(send.src[:-1], recv.dst[:-1], strict=True):
+            assert torch.equal(s_attn[s_block].view(torch.int16),  # (random bits: NaNs)
+                               d_attn[d_block].view(torch.int16))
+        assert not d_attn[[0, 1, 2, 15]].view(torch.int16).any()
         wait_finished(prefill, True, "p1")
     finally:
         decode.shutdown()

@@ -180,9 +180,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
     request. See the module docstring.
 
     ``SupportsHMA``: vLLM keeps its hybrid memory allocator on for hybrid models (several
-    KV cache groups: full and sliding-window attention); each request's transfer moves the
-    blocks every group needs (:mod:`kvpush.integrations.vllm_hybrid`). Mamba/SSM groups
-    are refused at start-up."""
+    KV cache groups: full and sliding-window attention, Mamba state); each request's
+    transfer moves the blocks every group needs (:mod:`kvpush.integrations.vllm_hybrid`):
+    only the window's for sliding-window groups, the state slot once for Mamba groups
+    (prefix caching off). Other kinds are refused at start-up."""
 
     # vLLM's prefix-cache metrics count loaded tokens by source: ours come from a peer.
     _cache_hit_source = CacheHitSource.P2P

@@ -25,8 +25,14 @@ holds unchanged. Both sides' groups (kind, layers, block size, window) are in th
 compatibility identity (:func:`group_identity`): two instances that group differently are
 refused at the handshake, naming the field.
 
-Mamba / SSM / linear-attention groups (``MambaSpec``) are refused at start-up: their
-per-request state is not a block-per-token cache and its transfer is not implemented here.
+Mamba / SSM / linear-attention groups (``MambaSpec``) hold one state slot per request (with
+vLLM's ``mamba_cache_mode`` ``"none"``, i.e. prefix caching off; other modes are refused at
+start-up). The slot is a block of the same pool, overlaid on the attention layers' pages
+(vLLM pads the state to the attention page size), so it moves as one more entry of the
+flat list, once, at its end. The state must be the one *before* the last prompt token (the
+decode side computes that token itself, from the state; recomputing it from the state
+after the whole prompt would apply it twice), so the prefill instance computes the prompt
+less its last token (:func:`state_backoff`), as vLLM's NixlConnector does.
 
 No vLLM import: vLLM's objects are read through the attributes named here.
 """
@@ -37,11 +43,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FULL", "SLIDING", "CacheGroup", "cache_groups_of", "group_identity",
-           "transfer_blocks", "window_start"]
+__all__ = ["FULL", "MAMBA", "SLIDING", "CacheGroup", "cache_groups_of", "group_identity",
+           "state_backoff", "transfer_blocks", "window_start"]
 
 FULL = "full_attention"
 SLIDING = "sliding_window"
+MAMBA = "mamba"
 
 #: vLLM's spec classes -> the kind kvpush moves them as.
 _KINDS = {
@@ -76,9 +83,10 @@ class CacheGroup:
 
 def cache_groups_of(kv_cache_config: Any, block_size: int) -> tuple[CacheGroup, ...]:
     """vLLM's ``kv_cache_config.kv_cache_groups`` as :class:`CacheGroup` s. Raises
-    ``NotImplementedError`` naming the group for a kind kvpush cannot move (Mamba/SSM state,
-    chunked local attention, ...) or a group whose block size is not ``block_size`` (one
-    kvpush block is one vLLM block of every group)."""
+    ``NotImplementedError`` naming the group for a kind kvpush cannot move (chunked local
+    attention, Mamba state kept per block position or with speculative slots, ...) or an
+    attention group whose block size is not ``block_size`` (one kvpush block is one vLLM
+    block of every attention group). One group is returned as it is, unclassified."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     out: list[CacheGroup] = []
     for i, group in enumerate(groups):
@@ -86,6 +94,9 @@ def cache_groups_of(kv_cache_config: Any, block_size: int) -> tuple[CacheGroup, 
         name = type(spec).__name__
         kind = _KINDS.get(name)
         layers = tuple(str(n) for n in (getattr(group, "layer_names", None) or ()))
+        if name == "MambaSpec" and len(groups) > 1:
+            out.append(_mamba_group(i, spec, layers))
+            continue
         if len(groups) == 1:
             # One group: every block id is the request's, as before hybrid support (what
             # the layout makes of the tensors decides what is served).
@@ -93,18 +104,11 @@ def cache_groups_of(kv_cache_config: Any, block_size: int) -> tuple[CacheGroup, 
         if kind is None:
             all_kinds = ", ".join(type(getattr(g, "kv_cache_spec", g)).__name__
                                   for g in groups)
-            if name == "MambaSpec":
-                raise NotImplementedError(
-                    f"kvpush: KV cache group {i} ({name}, layers {', '.join(layers) or '?'}) "
-                    "holds Mamba / SSM / linear-attention state; moving per-request state "
-                    "is not implemented in kvpush's vLLM adapter (groups: "
-                    f"{all_kinds}). Serve this model colocated, or with a connector that "
-                    "moves SSM state")
             raise NotImplementedError(
                 f"kvpush: KV cache group {i} is {name} (groups: {all_kinds}); kvpush moves "
                 "full-attention and sliding-window groups only")
         size = int(getattr(spec, "block_size", block_size))
-        if size != block_size:
+        if size != block_size and len(groups) > 1:
             raise NotImplementedError(
                 f"kvpush: KV cache group {i} ({name}) has blocks of {size} tokens, the cache "
                 f"{block_size}: kvpush moves groups of one block size")
@@ -113,6 +117,31 @@ def cache_groups_of(kv_cache_config: Any, block_size: int) -> tuple[CacheGroup, 
             raise NotImplementedError(f"kvpush: KV cache group {i} ({name}) names no window")
         out.append(CacheGroup(kind, layers, size, window))
     return tuple(out)
+
+
+def _mamba_group(i: int, spec: Any, layers: tuple[str, ...]) -> CacheGroup:
+    """A Mamba / SSM / linear-attention group: one state slot per request (vLLM's
+    ``mamba_cache_mode`` ``"none"``, no speculative slots), else refused."""
+    mode = str(getattr(spec, "mamba_cache_mode", "none"))
+    where = f"KV cache group {i} (MambaSpec, layers {', '.join(layers) or '?'})"
+    if mode != "none":
+        raise NotImplementedError(
+            f"kvpush: {where} keeps Mamba state per block position (vLLM's mamba_cache_mode "
+            f"{mode!r}, set when prefix caching is on); kvpush moves one state per request: "
+            "start both instances with --no-enable-prefix-caching")
+    if int(getattr(spec, "num_speculative_blocks", 0) or 0):
+        raise NotImplementedError(
+            f"kvpush: {where} has speculative-decoding state slots; moving them is not "
+            "implemented")
+    return CacheGroup(MAMBA, layers, int(getattr(spec, "block_size", 0) or 0))
+
+
+def state_backoff(groups: Sequence[CacheGroup]) -> int:
+    """Prompt tokens the prefill side leaves for the decode side to compute: 1 with a Mamba
+    group (the decode side computes the last prompt token from the state after the ones
+    before it -- recomputing it from the state after the whole prompt would apply it
+    twice), else 0 (the decode side recomputes the last token over moved KV)."""
+    return 1 if any(g.kind == MAMBA for g in groups) else 0
 
 
 def group_identity(groups: Sequence[CacheGroup]) -> dict[str, str]:
@@ -148,7 +177,8 @@ def transfer_blocks(groups: Sequence[CacheGroup], block_ids: Sequence[Sequence[i
                     sliding_only: bool = False) -> list[int]:
     """The flat block list one request moves: for each block position ``p`` from
     ``first_block`` to the prompt's last block, the block of every group that needs
-    position ``p`` (:func:`window_start`), in group order. Both instances compute it from
+    position ``p`` (:func:`window_start`), in group order; then each Mamba group's state
+    slot (one per request). Both instances compute it from
     their own block tables; a decode-side prefix hit of ``h`` blocks gives the suffix
     starting at position ``h`` of the prefill's list.
 
@@ -159,15 +189,17 @@ def transfer_blocks(groups: Sequence[CacheGroup], block_ids: Sequence[Sequence[i
     if len(block_ids) != len(groups):
         raise ValueError(f"kvpush: {len(block_ids)} block lists for {len(groups)} KV cache "
                          "groups")
-    if not groups:
+    attention = [g for g in groups if g.kind != MAMBA]
+    if not attention:
         return []
-    size = groups[0].block_size
+    size = attention[0].block_size
     last = -(-num_tokens // size)
     starts = [window_start(g, num_tokens) for g in groups]
     out: list[int] = []
     for p in range(first_block, last):
         for g, (group, ids) in enumerate(zip(groups, block_ids, strict=True)):
-            if p < starts[g] or (sliding_only and group.kind != SLIDING):
+            if (group.kind == MAMBA or p < starts[g]
+                    or (sliding_only and group.kind != SLIDING)):
                 continue
             if p >= len(ids):
                 raise ValueError(f"kvpush: KV cache group {g} ({group.kind}) holds "
@@ -179,4 +211,14 @@ def transfer_blocks(groups: Sequence[CacheGroup], block_ids: Sequence[Sequence[i
                                  f"null block at position {p}, inside what the decode side "
                                  "needs")
             out.append(block)
+    # Mamba groups: the request's state slot, once, after every block (a decode-side
+    # prefix hit shortens the attention part, never this one)
+    for g, (group, ids) in enumerate(zip(groups, block_ids, strict=True)):
+        if group.kind != MAMBA or sliding_only:
+            continue
+        slots = [int(b) for b in ids if int(b) != null_block]
+        if len(slots) != 1:
+            raise ValueError(f"kvpush: KV cache group {g} (mamba) holds {len(slots)} state "
+                             f"slots for one request ({list(ids)}), not one")
+        out.append(slots[0])
     return out

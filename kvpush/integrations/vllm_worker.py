@@ -143,7 +143,13 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
     facts = facts or EngineFacts()
     if not kv_caches:
         raise ValueError("kvpush: no KV cache tensors to register")
-    names = sorted(kv_caches, key=_natural_key)
+    # Mamba state layers (a hybrid's MambaSpec group): their state slots are blocks of the
+    # same pool, overlaid on the attention layers' pages (checked below), so the attention
+    # regions carry them.
+    states = {n for g in facts.groups if getattr(g, "kind", "") == "mamba" for n in g.layers}
+    names = [n for n in sorted(kv_caches, key=_natural_key) if n not in states]
+    if not names:
+        raise NotImplementedError("kvpush: no attention KV cache beside the Mamba state")
     first = kv_caches[names[0]]
     dtype = kv_dtype(facts.cache_dtype, str(first.dtype).removeprefix("torch."))
     if dtype not in DTYPE_SIZES:
@@ -225,6 +231,8 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                 f"kvpush: layer {name}: KV cache of shape {tuple(t.shape)} is not supported "
                 "(expected [blocks, heads, tokens, 2*head], [2, blocks, tokens, heads, head] "
                 "or MLA's [blocks, tokens, latent])")
+    for name in sorted(states & set(kv_caches), key=_natural_key):
+        _check_overlaid_state(name, kv_caches[name], views)
     num_layers = len(views) // (1 if kv_packed else 2)
     physical = views[0].num_blocks
     per_logical = 1
@@ -267,6 +275,22 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                     block_bytes=block_bytes, block_stride=stride, block_order=order,
                     kernel_tokens=tokens, identity=facts.identity, head_start=head_start,
                     total_kv_heads=total, cache_kind=cache_kind)
+
+
+def _check_overlaid_state(name: str, t: Any, views: list[_View]) -> None:
+    """A Mamba state layer must be a view of one attention region's pages: same first
+    address, same block stride, its state within a block."""
+    parts = list(t) if isinstance(t, (list, tuple)) else [t]
+    for part in parts:
+        addr, stride = part.data_ptr(), part.stride(0) * part.element_size()
+        size = int(np.prod(part.shape[1:])) * part.element_size()
+        owner = next((v for v in views
+                      if v.addr <= addr < v.addr + v.stride and v.stride == stride), None)
+        if owner is None or addr - owner.addr + size > owner.stride:
+            raise NotImplementedError(
+                f"kvpush: Mamba state layer {name} (shape {tuple(part.shape)}, strides "
+                f"{tuple(part.stride())}) does not lie in an attention layer's pages; kvpush "
+                "moves hybrid state only where vLLM overlays it on the attention cache")
 
 
 def layer_indices(kv_caches: Mapping[str, Any], overlaid: bool = False) -> dict[str, int]:
@@ -426,7 +450,10 @@ class KVPushWorker:
         self.layout = layout_from_kv_caches(registered, self.block_size, self.num_blocks, facts,
                                             self.coords)
         if self.config.layerwise and self.is_producer:
-            if self.layout.layers_per_region != 1:
+            if any(getattr(g, "kind", "") == "mamba" for g in (facts or EngineFacts()).groups):
+                log.warning("kvpush: layerwise is set, but this model keeps Mamba state in "
+                            "its attention pages: whole requests are pushed")
+            elif self.layout.layers_per_region != 1:
                 log.warning("kvpush: layerwise is set, but this cache holds %d layers per "
                             "region (one allocation, layers inside each block): whole "
                             "requests are pushed", self.layout.layers_per_region)
