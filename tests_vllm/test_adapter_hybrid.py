@@ -20,6 +20,7 @@ from kvpush import LayoutMismatch, check_compatible
 from kvpush.integrations.vllm_common import (
     AdapterConfig,
     EngineFacts,
+    RankCoords,
     RecvPlan,
     RemotePrefill,
     StepPlan,
@@ -422,6 +423,9 @@ def test_mamba_state_must_lie_in_the_attention_pages() -> None:
     apart["model.layers.0.mixer"] = torch.zeros(8, 1, 1, 100, dtype=torch.int8)
     with pytest.raises(NotImplementedError, match="does not lie in an attention layer"):
         layout_from_kv_caches(apart, BLOCK, 8, EngineFacts(groups=MAMBA_FACT_GROUPS))
+    with pytest.raises(NotImplementedError, match="Mamba state under tensor parallelism"):
+        layout_from_kv_caches(caches, BLOCK, 8, EngineFacts(groups=MAMBA_FACT_GROUPS),
+                              RankCoords(tp_rank=0, tp_size=2))
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

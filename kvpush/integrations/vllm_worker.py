@@ -150,6 +150,11 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
     names = [n for n in sorted(kv_caches, key=_natural_key) if n not in states]
     if not names:
         raise NotImplementedError("kvpush: no attention KV cache beside the Mamba state")
+    if states and coords is not None and coords.tp_size > 1:
+        # vLLM shards the state over TP ranks inside the page; kvpush splits pages by KV
+        # head when two TP sizes meet, which would cut the state apart: not served.
+        raise NotImplementedError("kvpush: Mamba state under tensor parallelism "
+                                  f"(TP {coords.tp_size}) is not supported")
     first = kv_caches[names[0]]
     dtype = kv_dtype(facts.cache_dtype, str(first.dtype).removeprefix("torch."))
     if dtype not in DTYPE_SIZES:
