@@ -330,6 +330,30 @@ def test_decode_registers_the_needed_blocks() -> None:
     assert recv.dst == [23, 24, 25, 35, 26, 36, 27, 37] and recv.report
 
 
+def test_a_failed_hybrid_load_is_reported_by_request_not_by_block() -> None:
+    """vLLM 0.32 stops the engine on block-level load errors with several KV cache groups
+    ("Connectors must report failed requests via KVConnectorTransferResults.failed_recving
+    instead"): the request goes in failed_recving, no block id is reported."""
+    vllm_mod = pytest.importorskip("vllm")
+    del vllm_mod
+    from kvpush.integrations.vllm import KVPushConnector
+
+    worker = KVPushWorker(AdapterConfig(), "kv_consumer", "d", BLOCK, 8)
+    try:
+        worker.register_kv_caches(overlaid_caches(8), facts=EngineFacts(
+            attn_backend="CPU_ATTN", kv_cache_layout="LBHNC", identity=ident(GROUPS),
+            groups=GROUPS))
+        bad = RemotePrefill("t1", kvpush.TransferMode.PULL, (), (b"not a ticket",))
+        worker._start_recv(RecvPlan("req-1", bad, [4, 5], report=True))
+        connector = object.__new__(KVPushConnector)
+        connector._worker = worker
+        results = connector.get_transfer_results(set())
+        assert results.finished_recving == {"req-1"} and results.failed_recving == {"req-1"}
+        assert connector.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()
+
+
 # -- two worker halves, real endpoints: only the window moves -------------------------------
 def wait_finished(worker: KVPushWorker, sending: bool, req: str) -> None:
     deadline = time.monotonic() + 10

@@ -411,6 +411,7 @@ class KVPushWorker:
         self._recv_done: set[str] = set()                      # req ids to report
         self._recv_failed: set[str] = set()                    # ... of which failed
         self._load_errors: set[int] = set()
+        self.num_groups = 1                                    # vLLM's KV cache groups
         # prefill side
         self._to_send: list[Any] = []                          # SendPlans of this step
         self._sending: dict[str, str] = {}                     # transfer id -> req id
@@ -454,6 +455,7 @@ class KVPushWorker:
                      "are staged on a side stream", self.staging.nbytes / 2**20)
         self.layout = layout_from_kv_caches(registered, self.block_size, self.num_blocks, facts,
                                             self.coords)
+        self.num_groups = max(1, len((facts or EngineFacts()).groups))
         if self.config.layerwise and self.is_producer:
             if any(getattr(g, "kind", "") == "mamba" for g in (facts or EngineFacts()).groups):
                 log.warning("kvpush: layerwise is set, but this model keeps Mamba state in "
@@ -707,8 +709,12 @@ class KVPushWorker:
         return failed
 
     def take_load_errors(self) -> set[int]:
+        """Destination blocks of failed loads, for vLLM's ``get_block_ids_with_load_errors``.
+        With several KV cache groups vLLM 0.32 takes none (its block ids do not say their
+        group; a non-empty set stops the engine): failed loads are reported by request
+        only, in ``failed_recving`` (:meth:`take_failed_recving`)."""
         errors, self._load_errors = self._load_errors, set()
-        return errors
+        return set() if self.num_groups > 1 else errors
 
     def take_stats(self) -> dict[str, list[float]] | None:
         return None if self._stats.is_empty() else self._stats.take()
