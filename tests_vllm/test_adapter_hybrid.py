@@ -506,3 +506,29 @@ def test_worker_halves_move_the_mamba_state_once(mode: str) -> None:
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+def test_instances_that_group_differently_are_refused_at_the_handshake(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Real endpoints: a decode instance whose sliding window differs from the prefill's
+    is refused at the handshake, the field named, and its load fails (by request)."""
+    theirs = cache_groups_of(kv_cache_config(FullAttentionSpec(), SlidingWindowSpec(128)),
+                             BLOCK)
+    prefill = KVPushWorker(AdapterConfig(), "kv_producer", "p", BLOCK, 8)
+    decode = KVPushWorker(AdapterConfig(connect_timeout_s=5.0), "kv_consumer", "d", BLOCK, 8)
+    try:
+        prefill.register_kv_caches(overlaid_caches(8), facts=EngineFacts(
+            attn_backend="CPU_ATTN", kv_cache_layout="LBHNC", identity=ident(GROUPS),
+            groups=GROUPS))
+        decode.register_kv_caches(overlaid_caches(8), facts=EngineFacts(
+            attn_backend="CPU_ATTN", kv_cache_layout="LBHNC", identity=ident(theirs),
+            groups=theirs))
+        remote = RemotePrefill("t1", kvpush.TransferMode.PUSH, (prefill.address,), ())
+        decode.bind(StepPlan(recv=[RecvPlan("req-1", remote, [1, 2], report=True)]))
+        wait_finished(decode, False, "req-1")
+        assert decode.take_failed_recving({"req-1"}) == {"req-1"}
+        assert decode.take_load_errors() == set()
+        assert "identity.kv_cache_group.1.window" in caplog.text
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
