@@ -141,9 +141,12 @@ GEMMA2_BLOCK_LAYER_BYTES = 2 * 32 * 2 * 64 * 2
 GEMMA2_LAYERS = 4          # alternating sliding-window (0, 2) and full attention (1, 3)
 
 
-def ask(router: Any, name: str, mode: str, tokens: list[int]) -> None:
+def ask(router: Any, name: str, mode: str, tokens: list[int],
+        layerwise: bool | None = None) -> None:
     body = {"model": "tiny", "prompt": PROMPTS[name], "max_tokens": MAX_TOKENS,
             "temperature": 0, "return_token_ids": True, "kvpush_mode": mode}
+    if layerwise is not None:
+        body["kvpush_layerwise"] = layerwise
     status, out = launch.http_json(router.url + "/v1/completions", body, timeout=180)
     assert status == 200, (mode, name, out)
     assert tokens_of(out) == tokens, f"{mode}, {name}"
@@ -190,9 +193,10 @@ def test_sliding_window_hma_moves_only_the_window(workdir: Path) -> None:
     groups): that request fails and the decode instance serves on."""
     model = model_of("gemma2", workdir)
     PROMPTS.setdefault("hma-p3", PROMPTS["push-p1"][:288] + PROMPTS["len40"][:10])
-    names = (*NAMES, "push-p1", "push-p2", "hma-p3")
+    names = (*NAMES, "push-p1", "push-p2", "hma-p3", "push-a")
     want = reference_of(model, workdir, names=names)
-    with disagg(model, workdir, "gemma2-hma") as (router, prefill, decode):
+    with disagg(model, workdir, "gemma2-hma", prefill_extra={"layerwise": True}) as (
+            router, prefill, decode):
         log = prefill.log.read_text()
         assert "Turning off hybrid kv cache manager" not in log
         assert "kv_cache_group.1.kind" in log, "not two KV cache groups"
@@ -224,6 +228,10 @@ def test_sliding_window_hma_moves_only_the_window(workdir: Path) -> None:
         assert status != 200, out
         assert "invalid pull ticket" in decode.log.read_text()
         ask(router, "len40", "pull", want["len40"])
+        # layer-wise push: each overlaid layer slot is handed over after its last layer
+        # (the slot holds a sliding and a full layer's blocks)
+        ask(router, "push-a", "push", want["push-a"], layerwise=True)
+        assert "layer-wise push: layer 0 (model.layers.1." in prefill.log.read_text()
         whole = sum(whole_blocks(n) for n in base) * GEMMA2_LAYERS * GEMMA2_BLOCK_LAYER_BYTES
         print(f"\nsliding window, HMA on: {pushed:.0f} B pushed for {len(base)} prompts, "
               f"{pushed / whole:.3f} of the whole sequence ({whole} B)")
