@@ -25,6 +25,7 @@ from benchmarks import (  # noqa: E402
     desc_prep,
     engine_share,
     report,
+    spinning_engine,
     throughput,
 )
 from benchmarks._common import KIB, MIB  # noqa: E402
@@ -96,6 +97,13 @@ def test_engine_share() -> None:
     rows = {(x["side"], x["mode"]): x for x in r["rows"]}
     assert len(rows) == 6 and all(x["steps"] > 10 for x in rows.values()), rows
     assert rows[("prefill", "push")]["requests"] > 0 and rows[("decode", "pull")]["requests"] > 0
+
+
+def test_spinning_engine() -> None:
+    r = spinning_engine.run(quick=True, requests=2)
+    _finite(r["summary"], "spinning_engine_p90_yield_over_spin_push",
+            "spinning_engine_p90_yield_over_spin_pull")
+    assert [row["requests"] for row in r["rows"]] == [2, 2]
 
 
 def test_cpu(results: dict[str, dict[str, object]]) -> None:
