@@ -15,8 +15,8 @@ from typing import Any
 from . import SCHEMA_VERSION
 from .report import machine, markdown_tables, plot, print_tables, targets, write_json
 
-SUITES = ("desc_prep", "throughput", "critical_path", "busy_engine", "cpu", "layerwise",
-          "multiturn", "containment")
+SUITES = ("desc_prep", "throughput", "critical_path", "busy_engine", "engine_share", "cpu",
+          "layerwise", "multiturn", "containment")
 
 
 def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
@@ -36,6 +36,10 @@ def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
         from . import busy_engine
 
         return busy_engine.run(quick, progress)
+    if name == "engine_share":
+        from . import engine_share
+
+        return engine_share.run(quick, progress)
     if name == "cpu":
         from . import cpu
 

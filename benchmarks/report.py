@@ -173,6 +173,17 @@ def tables(results: dict[str, Any], md: bool = False) -> str:
                   x["python_p90_us"], x["python_over_idle"], x["numpy_p50_us"],
                   x["numpy_p90_us"], x["numpy_over_idle"]]
                  for x in r["short_switch"]["rows"]]))
+    if "engine_share" in results:
+        r = results["engine_share"]
+        parts.append("The engine's model thread beside kvpush: step ms while requests of "
+                     f"{fmt_bytes(r['request_bytes'])} move (one every {r['every_steps']} "
+                     "steps) and in quiet rounds; CPU outside the model thread")
+        parts.append(table(
+            ["side", "mode", "steps", "mean", "p50", "p90", "x quiet", "other CPU ms/s",
+             "other CPU us/request"],
+            [[x["side"], x["mode"], x["steps"], x["step_mean_ms"], x["step_p50_ms"],
+              x["step_p90_ms"], x.get("mean_over_quiet", math.nan), x["other_cpu_ms_per_s"],
+              x.get("other_cpu_us_per_request", math.nan)] for x in r["rows"]]))
     if "critical_path" in results:
         r = results["critical_path"]
         parts.append("Critical path, 1 prefill + 1 decode (TTFT = arrival -> first token "

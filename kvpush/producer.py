@@ -18,6 +18,7 @@ for a registration.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import time
@@ -195,6 +196,10 @@ class Producer(Endpoint):
         self._by_agent: dict[str, _Consumer] = {}
         # connections dropped by a data-plane restart (answered Bye(rejoin=True)); bounded
         self._rejoiners: set[bytes] = set()
+        # each consumer name's last NIXL metadata (a digest; bounded): a Hello under a known
+        # name with other metadata is a new incarnation of that consumer, even once the old
+        # one was dropped and forgotten
+        self._incarnations: dict[str, bytes] = {}
         self._hello_guard = HelloGuard()
         self._core: ProducerCore = ProducerCore(layout, CoreConfig(
             lease_s=config.lease_s, max_wait_s=config.max_wait_s,
@@ -509,11 +514,16 @@ class Producer(Endpoint):
         for stale in (old, self._by_agent.get(msg.name)):
             if stale is not None and self._consumers.get(stale.identity) is stale:
                 self._drop_consumer(stale, "consumer reconnected", abandon=True)
-        if msg.name in self._by_agent:
+        digest = hashlib.blake2b(metadata, digest_size=16).digest()
+        restarted = self._incarnations.get(msg.name, digest) != digest
+        if msg.name in self._by_agent or restarted:
             # Dropped already (silent), its WRITEs left to end: NIXL cannot take the new
             # metadata while it holds the old, so they are given up now (what they may
-            # still write lands in blocks that consumer reported unsafe).
-            self._core.peer_lost(time.monotonic(), msg.name, "consumer reconnected",
+            # still write lands in blocks that consumer reported unsafe). A new incarnation
+            # whose predecessor was dropped and forgotten: that one's READs, whose sources
+            # a silent puller keeps held until their hold ends, died with it.
+            self._core.peer_lost(time.monotonic(), msg.name,
+                                 "consumer restarted" if restarted else "consumer reconnected",
                                  abandon=True)
             self._apply()
         try:
@@ -527,6 +537,9 @@ class Producer(Endpoint):
                 f"Hello from {msg.name!r} carries the NIXL metadata of {agent_name!r}"),
                 identity, best_effort=True)
             return
+        if msg.name not in self._incarnations and len(self._incarnations) >= 4096:
+            del self._incarnations[next(iter(self._incarnations))]
+        self._incarnations[msg.name] = digest
         peer = _Consumer(identity, agent_name, remote, time.monotonic())
         ack = m.HelloAck(self.name, self._agent.metadata(), self._agent.layout.to_wire())
         ack_sealer = None

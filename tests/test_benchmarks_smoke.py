@@ -18,7 +18,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
 
-from benchmarks import busy_engine, cpu, critical_path, desc_prep, report, throughput  # noqa: E402
+from benchmarks import (  # noqa: E402
+    busy_engine,
+    cpu,
+    critical_path,
+    desc_prep,
+    engine_share,
+    report,
+    throughput,
+)
 from benchmarks._common import KIB, MIB  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,6 +87,15 @@ def test_busy_engine() -> None:
             "handover_busy_numpy_engine_over_idle", "handover_p50_idle_push_us",
             "handover_p50_python_pull_us", "handover_busy_engine_over_idle_switch_0_5ms")
     assert [row["requests"] for row in r["rows"]] == [2, 2]
+
+
+def test_engine_share() -> None:
+    r = engine_share.run(quick=True, progress=False, rounds=1, seconds=0.3)
+    _finite(r["summary"], "engine_step_over_quiet", "engine_step_prefill_push_over_quiet",
+            "engine_step_decode_pull_over_quiet")
+    rows = {(x["side"], x["mode"]): x for x in r["rows"]}
+    assert len(rows) == 6 and all(x["steps"] > 10 for x in rows.values()), rows
+    assert rows[("prefill", "push")]["requests"] > 0 and rows[("decode", "pull")]["requests"] > 0
 
 
 def test_cpu(results: dict[str, dict[str, object]]) -> None:

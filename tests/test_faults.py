@@ -840,6 +840,27 @@ def test_consumer_restarted_same_name(fx: Pair, mode: str) -> None:
     fx.smoke("after-crestart")
 
 
+def test_puller_restarted_after_its_loss_noticed(fx: Pair) -> None:
+    """Back under the same name only after the producer dropped it as silent and forgot it:
+    its predecessor's pull source is released at the new incarnation's handshake, not left
+    held until a silent puller's hold ends (seen in a fresh-clone CI run: a slow restart made
+    the test above wait for the hold). (A WRITE to a killed consumer fails at once.)"""
+    lost = fx.stats(fx.p)["peers_lost"]
+    old = fx.c
+    rid = fx.big("pull", "crestart-late")
+    old.kill()
+    old.close()
+    wait_for("the old incarnation dropped as silent",
+             lambda: fx.stats(fx.p)["peers_lost"] > lost, DETECT)
+    assert fx.no_release(rid)  # a silent puller's READ: held
+    fx.consumer = fx.start_consumer(name=old.name)
+    fx.link.unshape()
+    fx.shaped = False
+    fx.connect()
+    assert fx.release(rid, 1.0) == "failed"  # at the handshake, well inside the hold
+    fx.smoke("after-crestart-late")
+
+
 def test_producer_restarted_elsewhere_before_loss_noticed(fx: Pair) -> None:
     old = fx.p
     new = fx.start_producer(name=old.name)  # e.g. rescheduled on another port
