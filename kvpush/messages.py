@@ -132,9 +132,8 @@ class Register(_Msg, tag="register", frozen=True):
 
 class Posted(_Msg, tag="posted", frozen=True):
     """Producer -> consumer: the WRITE of one part of a request is being posted (poll for
-    its landing). Sent right after the post (where the post returns before the bytes have
-    moved, its trip overlaps theirs); if NIXL refused the post, the ``Failed`` that follows
-    names the part in ``errored``."""
+    its landing). Sent just before the post, so its trip overlaps the bytes'; if NIXL then
+    refuses the post, the ``Failed`` that follows names the part in ``errored``."""
 
     request_id: RequestId
     xid: Id

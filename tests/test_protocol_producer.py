@@ -107,17 +107,6 @@ def test_push_releases_once_after_the_write() -> None:
     assert h.core.held() == 0 and h.core.in_flight() == 0
 
 
-def test_the_posted_hint_follows_its_write() -> None:
-    """The Posted hint is sent after the WRITE's post, not before: its send (and the
-    consumer waking to it) delayed the post and competed with the bytes (issue 17)."""
-    h = Harness()
-    h.register("A", "r", 11, [1, 2])
-    h.prefill("r", [5, 6])
-    order = [type(e).__name__ if not isinstance(e, Send) else type(e.msg).__name__
-             for e in h.effects if isinstance(e, (Send, Post))]
-    assert order == ["Post", "Posted"]
-
-
 def test_bug1_a_tombstone_expires_and_the_id_is_usable_again() -> None:
     """Issue 13, bug 1: a reuse after the tombstone's expiry got its prefill_done swallowed
     (blocks never released) and its registration failed indefinitely."""

@@ -1024,17 +1024,13 @@ class ProducerCore:
                                    lambda now: self._write_expired(rid, owner, key)))
         share.writes[group] = write
         self._writes[key] = (rid, owner)
+        # The hint goes out before the WRITE: the consumer starts polling for the Landed
+        # notification while the bytes move, instead of waking after them.
+        self._send(peer, m.Posted(rid, share.xid, part))
         self._out.append(Post(key, "WRITE", peer, plan.local_indices[lo * n:hi * n],
                               plan.remote_indices[lo * n:hi * n],
                               m.Landed(rid, share.xid, part, sums, nbytes), nbytes,
                               plan.num_descriptors // lay.num_regions * (hi - lo)))
-        # The hint goes out right after the post (the consumer polls for the Landed
-        # notification from then on). Not before it: its send, and the consumer waking to
-        # it, delayed the post by 50-100 us and competed with the bytes for the CPU (UCX
-        # over shared memory moves them inside the post); where the post returns at once
-        # (RDMA) it still arrives while the bytes move. A post NIXL refuses is followed by
-        # the Failed that names the part (its end is fed back after these effects).
-        self._send(peer, m.Posted(rid, share.xid, part))
 
     def _end_push(self, req: _Request, share: _Share, message: str, reason: ReleaseReason,
                   detail: str) -> None:
