@@ -44,15 +44,23 @@ _M = "benchmarks.hot_path:"
 NUM_BLOCKS = 1024
 GAP_S = 0.002
 SIZES = (1, 16, 256)         # blocks per request (x 16 regions x 4 KiB: 64 KiB, 1, 16 MiB)
-PRODUCER_STAGES = ("queued", "woke", "command", "post", "posted", "xfer_end", "release",
-                   "engine")
-CONSUMER_STAGES = ("message", "notif", "result", "engine")
+PRODUCER_STAGES = ("queued", "woke", "command", "post", "posted", "xfer_end", "release")
+CONSUMER_STAGES = ("message", "notif", "result")
+
+
+def _trace() -> Any:
+    """kvpush's stage stamps, or None for a kvpush without them (an older tree run for a
+    before/after comparison: then only the benchmark's own stamps are reported)."""
+    try:
+        from kvpush import _trace as trace
+    except ImportError:
+        return None
+    return trace
 
 
 def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
                address: str = "") -> dict[str, Any]:
     import kvpush
-    from kvpush import _trace
 
     from .critical_path import _make_cache
 
@@ -77,17 +85,21 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
         out["address"] = producer.address
     else:
         done: dict[str, threading.Event] = {}
+        finished: dict[str, int] = {}
 
         def on_finished(result: kvpush.TransferResult) -> None:
+            finished[result.request_id] = time.monotonic_ns()
             done.setdefault(result.request_id, threading.Event()).set()
 
-        state["done"] = done
+        state.update(done=done, finished=finished)
         consumer = kvpush.Consumer(layout, on_finished=on_finished)
         state["endpoint"] = consumer
         state["cleanup"].append(consumer.close)
         state["producer"] = consumer.connect(address, timeout=30)
-    _trace.enable()
-    state["cleanup"].append(lambda: _trace.enable(False))
+    trace = _trace()
+    if trace is not None:
+        trace.enable()
+        state["cleanup"].append(lambda: trace.enable(False))
     return out
 
 
@@ -115,8 +127,6 @@ def side_expect(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
 def side_push(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
               ids: np.ndarray) -> list[tuple[int, int]]:
     """prefill_done each request in turn, GAP_S apart; (called, engine woke) ns each."""
-    from kvpush import _trace
-
     producer = state["endpoint"]
     out = []
     for rid in rids:
@@ -126,27 +136,25 @@ def side_push(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
         producer.prefill_done(rid, ids)
         if not ev.wait(30):
             raise TimeoutError(f"{rid}: not released in 30 s")
-        if _trace.ON:
-            _trace.stamp("engine")
         out.append((called, time.monotonic_ns()))
     return out
 
 
-def side_wait_results(state: dict[str, Any], conn: mpc.Connection, rids: list[str]) -> None:
-    """A decode-engine thread waiting for each request's result in turn (stamps ``engine``
-    as it wakes)."""
-    from kvpush import _trace
-
+def side_wait_results(state: dict[str, Any], conn: mpc.Connection, rids: list[str]
+                      ) -> list[tuple[int, int]]:
+    """A decode-engine thread waiting for each request's result in turn; (on_finished ran,
+    this thread woke) ns each."""
+    out = []
     for rid in rids:
         if not state["done"].setdefault(rid, threading.Event()).wait(60):
             raise TimeoutError(f"{rid}: no result in 60 s")
-        _trace.stamp("engine")
+        out.append((state["finished"][rid], time.monotonic_ns()))
+    return out
 
 
 def side_take(state: dict[str, Any], conn: mpc.Connection) -> list[tuple[str, int]]:
-    from kvpush import _trace
-
-    return _trace.take()
+    trace = _trace()
+    return [] if trace is None else list(trace.take())
 
 
 def side_raw_listen(state: dict[str, Any], conn: mpc.Connection, count: int
@@ -218,7 +226,7 @@ def run(requests: int = 40, busy: str = "") -> dict[str, Any]:
             decode.call(_M + "side_take")
             decode.send_call(_M + "side_wait_results", rids=rids)
             times = prefill.call(_M + "side_push", rids=rids, ids=src, timeout=300)
-            decode.result(120)
+            results = decode.result(120)
             pst = prefill.call(_M + "side_take")
             cst = decode.call(_M + "side_take")
             # raw NIXL, same descriptors kvpush posts (region-major, by local id)
@@ -232,9 +240,12 @@ def run(requests: int = 40, busy: str = "") -> dict[str, Any]:
             heard = decode.result(120)
             per: dict[str, list[float]] = {}
             polls: list[float] = []
-            for i, (called, _woke) in enumerate(times):
+            for i, (called, woke) in enumerate(times):
                 if i == 0:
                     continue  # warms
+                per.setdefault("p_engine", []).append((woke - called) / 1e3)
+                per.setdefault("c_finished", []).append((results[i][0] - called) / 1e3)
+                per.setdefault("c_engine", []).append((results[i][1] - called) / 1e3)
                 end = times[i + 1][0] if i + 1 < len(times) else called + 10**12
                 for k, v in _firsts(pst, called, end, PRODUCER_STAGES).items():
                     per.setdefault(f"p_{k}", []).append(v)
@@ -246,8 +257,8 @@ def run(requests: int = 40, busy: str = "") -> dict[str, Any]:
                     polls.append(sum(1 for nm, t in cst if nm == "poll" and lo <= t <= hi))
             row: dict[str, Any] = {"blocks": blocks, "bytes": blocks * regions * 4096,
                                    "requests": requests}
-            for k, v in per.items():
-                row[k] = pct(v, 50)
+            for k, vals in per.items():
+                row[k] = pct(vals, 50)
             row["c_polls"] = pct(polls, 50) if polls else float("nan")
             row["raw_done"] = pct([(d - p) / 1e3 for p, d in raw[1:]], 50)
             row["raw_notif"] = pct([(h - p) / 1e3 for (p, _), h in zip(raw[1:], heard[1:],
@@ -259,8 +270,9 @@ def run(requests: int = 40, busy: str = "") -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = ([f"p_{s}" for s in PRODUCER_STAGES] + [f"c_{s}" for s in CONSUMER_STAGES]
-            + ["c_polls", "raw_done", "raw_notif"])
+    cols = ([f"p_{s}" for s in PRODUCER_STAGES] + ["p_engine"]
+            + [f"c_{s}" for s in CONSUMER_STAGES] + ["c_finished", "c_engine", "c_polls",
+                                                      "raw_done", "raw_notif"])
     head = "| bytes | " + " | ".join(cols) + " |"
     lines = [head, "|" + "---|" * (len(cols) + 1)]
     for r in rows:
