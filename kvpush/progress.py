@@ -5,10 +5,8 @@ kvpush turns it off and drives progress from its one loop thread:
 
 * nothing in flight: the loop blocks in ``zmq.Poller.poll`` on its sockets and a wake-up
   eventfd -- no polling at all, 0 % CPU;
-* right after something moved (a post, a completion, a command): poll back-to-back for
+* right after something moved (a post, a completion, a message): poll back-to-back for
   ``spin_s`` (lowest latency for the next completion), without letting go of the GIL;
-* right after a control message (e.g. the ``Posted`` hint that a WRITE is on its way):
-  back off from that moment, ``min_sleep_s`` first, without the spin (real sleeps);
 * while a transfer this side posted is in flight (its bytes may need this side's progress
   to move: UCX drives a large transfer from the initiator's progress calls), keep polling
   NIXL every ``min_sleep_s`` for up to ``inflight_s`` since the last progress, instead of
@@ -104,13 +102,6 @@ class Backoff:
     def progressed(self) -> None:
         """Something moved: spin again."""
         self._last_progress = time.monotonic()
-
-    def heard(self) -> None:
-        """A control message came (a hint that something is on its way): poll again soon,
-        ``min_sleep_s`` first, backing off from now -- but without the spin, which holds
-        the GIL the engine's threads may want."""
-        self._last_progress = max(self._last_progress,
-                                  time.monotonic() - self._policy.spin_s)
 
     def keep_polling(self) -> bool:
         """While a transfer this side posted is in flight: poll NIXL again after
