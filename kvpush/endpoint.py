@@ -542,7 +542,6 @@ class Endpoint:
                         if _trace.ON:
                             _trace.stamp("message")
                         handler(sock)
-                        self._backoff.progressed()
                 if self._busy() and self._poll_transfers():
                     self._backoff.progressed()
                 self._run_timers()
@@ -574,7 +573,6 @@ class Endpoint:
                 if _trace.ON:
                     _trace.stamp("message")
                 handler(sock)
-                self._backoff.progressed()
         if self._busy() and self._poll_transfers():
             self._backoff.progressed()
         self._run_timers()

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import numpy as np
 import pytest
 
 from kvpush.progress import Backoff, ProgressPolicy
@@ -76,47 +74,3 @@ def test_idle_endpoints_do_no_work_per_engine_step() -> None:
         assert a["hot_polls"] == b["hot_polls"]
         # a heartbeat per second (consumer) and the peers' answers; never one per step
         assert a["loop_wakeups"] - b["loop_wakeups"] <= 6 + 4 * elapsed
-
-
-def test_a_message_counts_as_progress() -> None:
-    """A control message handled by the loop is progress (as the policy says): a consumer
-    told by the Posted hint that a WRITE is on its way polls for it at once, instead of
-    sleeping by the back-off of the previous landing (up to ``max_sleep_s``; issue 17)."""
-    from harness import make_cache
-
-    import kvpush
-    from kvpush.progress import ProgressPolicy
-
-    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
-    seen: list[str] = []
-    with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
-        name = c.connect(p.address)
-
-        class Recording(Backoff):
-            def progressed(self) -> None:
-                seen.append("progressed")
-                super().progressed()
-
-        def instrument() -> None:
-            c._backoff = Recording(ProgressPolicy())
-            for sock, handler in list(c._sockets.items()):
-                def wrapped(s: Any, handler: Any = handler) -> None:
-                    seen.append("message")
-                    handler(s)
-                c._sockets[sock] = wrapped
-            poll = c._poll_transfers
-
-            def polled() -> bool:
-                seen.append("poll")
-                return poll()
-            c._poll_transfers = polled  # type: ignore[method-assign]
-
-        c._call_and_wait(instrument, 5.0)
-        handle = c.expect("r", np.arange(4), name, timeout=10)
-        p.prefill_done("r", np.arange(4))
-        assert handle.wait(10).ok
-        c._call_and_wait(lambda: None, 5.0)
-    assert "message" in seen and "poll" in seen
-    for i, what in enumerate(seen[:-1]):
-        if what == "message":  # the back-off restarts before the next poll
-            assert seen[i + 1] == "progressed", seen
