@@ -26,6 +26,7 @@ from benchmarks import (  # noqa: E402
     engine_share,
     hot_path,
     report,
+    spinning_engine,
     throughput,
 )
 from benchmarks._common import KIB, MIB  # noqa: E402
@@ -107,6 +108,13 @@ def test_hot_path() -> None:
         assert 0 <= row["p_command"] <= row["p_post"] <= row["p_xfer_end"] <= row["p_engine"]
         assert row["c_message"] <= row["c_notif"] <= row["c_finished"] <= row["c_engine"]
         assert math.isfinite(row["raw_done"]) and math.isfinite(row["raw_notif"])
+
+
+def test_spinning_engine() -> None:
+    r = spinning_engine.run(quick=True, requests=2)
+    _finite(r["summary"], "spinning_engine_p90_yield_over_spin_push",
+            "spinning_engine_p90_yield_over_spin_pull")
+    assert [row["requests"] for row in r["rows"]] == [2, 2]
 
 
 def test_cpu(results: dict[str, dict[str, object]]) -> None:

@@ -135,6 +135,12 @@ class AdapterConfig:
         ``kvpush_layerwise`` overrides it). Either side alone is correct with the other
         side whole-request: a layer-wise registration is completed by ``prefill_done``,
         and ``layer_done`` calls are ignored by a whole-request registration.
+    idle_yield_s
+        In an engine step that runs no forward pass (vLLM steps without pause while a
+        request waits for its KV, running only Python), the worker sleeps this long when
+        kvpush has transfers pending on this side, so kvpush's loop thread wins the GIL
+        at once instead of after CPython's switch interval (5 ms) each time it wakes.
+        0 turns it off.
     """
 
     host: str = "127.0.0.1"
@@ -153,9 +159,13 @@ class AdapterConfig:
     advertise_host: str | None = None
     model_id: str | None = None
     layerwise: bool = False
+    idle_yield_s: float = 50e-6
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))
+        if not 0 <= self.idle_yield_s <= 0.01:
+            raise ValueError(f"kvpush: idle_yield_s must be in [0, 0.01] s, got "
+                             f"{self.idle_yield_s}")
         TransferMode(self.mode)  # raises ValueError naming the bad value
         if not 0 <= self.port <= 65535:
             raise ValueError(f"kvpush: port must be in [0, 65535], got {self.port}")
@@ -625,6 +635,8 @@ class StepPlan:
     #: prefill side: (vLLM request id, transfer id) of sends whose request vLLM preempted
     #: (its blocks are freed): the worker ends them before this step's forward
     send_preempted: list[tuple[str, str]] = field(default_factory=list)
+    #: vLLM schedules no tokens in this step: it runs no forward pass (see idle_yield_s)
+    idle: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.recv or self.recv_aborts or self.send or self.send_aborts

@@ -234,7 +234,8 @@ class KVPushScheduler:
         starting = {r.req_id for r in self._recv_new}
         claims = [c for c in self._claims_new if c.req_id not in starting]
         plan = StepPlan(recv=self._recv_new, recv_aborts=self._recv_aborts,
-                        send_aborts=self._send_aborts, claims=claims)
+                        send_aborts=self._send_aborts, claims=claims,
+                        idle=_scheduled_tokens(scheduler_output) == 0)
         self._recv_new, self._recv_aborts, self._send_aborts = [], [], []
         self._claims_new = []
         if self.is_producer:
@@ -343,3 +344,12 @@ class KVPushScheduler:
 
 def _as_ids(ids: list[int]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
+
+
+def _scheduled_tokens(scheduler_output: Any) -> int | None:
+    """Tokens vLLM runs in this step (None: not said)."""
+    total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    if total is not None:
+        return int(total)
+    per_request = getattr(scheduler_output, "num_scheduled_tokens", None)
+    return sum(per_request.values()) if isinstance(per_request, Mapping) else None

@@ -55,6 +55,8 @@ from .vllm_staging import DONE, HostStaging, Readiness, record_event
 
 __all__ = ["KVPushWorker", "layout_from_kv_caches"]
 
+_sleep = time.sleep  # (tests replace it)
+
 log = logging.getLogger("kvpush.vllm")
 
 
@@ -385,6 +387,7 @@ class KVPushWorker:
         self._layers: dict[str, int] = {}
         self._layer_sends: list[tuple[str, np.ndarray]] = []
         self._layer_logged = False
+        self._idle_step = False                                # this step runs no forward
 
     # -- set-up ----------------------------------------------------------------------------
     @property
@@ -494,6 +497,7 @@ class KVPushWorker:
             for transfer_id in plan.send_aborts:
                 self.producer.abort(transfer_id, "request ended on the prefill instance")
         self._to_send = list(plan.send)
+        self._idle_step = plan.idle
         self._layer_sends = [
             (s.transfer_id, np.asarray(s.src, np.int64)) for s in self._to_send
             if self._layers and s.mode is TransferMode.PUSH and s.src
@@ -623,8 +627,24 @@ class KVPushWorker:
                 self._released.add(req_id)
                 self._stats.data["num_send_failed"].append(1)
 
+    def _yield_to_kvpush(self) -> None:
+        """An engine step with no forward pass (vLLM steps without pause while a request
+        waits for its KV) runs only Python and holds the GIL throughout: kvpush's loop
+        thread, woken by a notification or a timer, would win it only when CPython's
+        switch interval (5 ms) forces a hand-off -- on every wake-up of a transfer. While
+        something is pending on this side (a handshake, a request), such a step sleeps
+        ``idle_yield_s`` here so the loop takes the GIL at once
+        (``benchmarks/spinning_engine.py``)."""
+        wait = self.config.idle_yield_s
+        if not (wait and self._idle_step):
+            return
+        if self._connecting or (self.consumer is not None and self.consumer.pending) or \
+                (self.producer is not None and self.producer.pending):
+            _sleep(wait)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose source blocks may be freed, requests whose load ended)."""
+        self._yield_to_kvpush()
         self._pump_connections()
         sending: set[str] = set()
         if self.producer is not None:
