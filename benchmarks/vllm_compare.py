@@ -322,7 +322,11 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
     """Run ``group``'s configurations over ``workloads``; returns the reference tokens when
     the group makes them (a colocated instance)."""
     fleet = launch.Fleet()
-    common = ["-O0", "--max-num-seqs", "32"]
+    # No prefix caching: every configuration sends the same prompts, and the colocated
+    # reference pass computes them all first. With it on, whatever ran second found its
+    # prompts cached (on a prefill and on a decode instance alike) and measured a cached
+    # prefill against a computed one -- pull after push, colocated after its reference.
+    common = ["-O0", "--max-num-seqs", "32", "--no-enable-prefix-caching"]
     if group in ("tp2", "colocated_fp32"):
         common += ["--dtype", "float32"]
     try:

@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from . import _trace
 from . import messages as m
 from .agent import Agent, TransportConfig
 from .aio import DrainQueue, drain_iter
@@ -982,6 +983,8 @@ class Consumer(Endpoint):
 
     def _emit(self, result: Any) -> None:
         assert isinstance(result, TransferResult)
+        if _trace.ON:
+            _trace.stamp("result")
         handle = self._handles.pop(result.xid, None)
         for observe in self._observers:
             try:

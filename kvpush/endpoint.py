@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from . import _trace
 from . import messages as m
 from ._loop import enter_loop, loop_name, no_blocking
 from .agent import Agent, TransportConfig, XferState
@@ -201,6 +202,8 @@ class Endpoint:
             # GIL (see _run for why no command is missed).
             if self._waiting:
                 os.eventfd_write(self._wake_fd, 1)
+        if _trace.ON:
+            _trace.stamp("queued")
 
     def _batch(self, items: Sequence[Any],
                prepare: Callable[[Any], tuple[Any, Callable[[], None]]]) -> list[Any]:
@@ -342,6 +345,8 @@ class Endpoint:
         """NIXL says ``peer`` is disconnected (a post failed with PeerUnavailable)."""
 
     def _post(self, effect: Post) -> None:
+        if _trace.ON:
+            _trace.stamp("post")
         now = time.monotonic()
         known, sealer = self._notif_sealer(effect.peer)
         if not known:
@@ -357,6 +362,8 @@ class Endpoint:
             if lost:
                 self._unreachable(effect.peer, exc)
             return
+        if _trace.ON:
+            _trace.stamp("posted")
         self._xfers[effect.key] = handle
         LIVE.add("transfers_in_flight", 1)
         self._stats.transfers_posted += 1
@@ -368,6 +375,8 @@ class Endpoint:
         state = self._agent.state(handle)
         if state is XferState.IN_PROGRESS:
             return False
+        if _trace.ON:
+            _trace.stamp("xfer_end")
         self._agent.release(handle)
         self._end_xfer(key, XferEnd.DONE if state is XferState.DONE else XferEnd.ERROR)
         return True
@@ -411,11 +420,15 @@ class Endpoint:
 
     def _poll_transfers(self) -> bool:
         """Poll NIXL (transfer states, notifications); True when anything moved."""
+        if _trace.ON:
+            _trace.stamp("poll")
         moved = False
         for key, handle in list(self._xfers.items()):
             moved |= self._check_xfer(key, handle)
         if self._wants_notifications():
             for sender, msg in self._notifications():
+                if _trace.ON:
+                    _trace.stamp("notif")
                 moved = True
                 self._core.on_notification(time.monotonic(), sender, msg)
         if moved:
@@ -516,6 +529,8 @@ class Endpoint:
                                                 else int(timeout * 1e3)))
                 self._waiting = False
                 self._stats.loop_wakeups += 1
+                if _trace.ON:
+                    _trace.stamp("woke")
                 if events.pop(self._wake_fd, 0):
                     wake_pending = True
                 if self._plane_fd is not None and events.pop(self._plane_fd, 0):
@@ -524,6 +539,8 @@ class Endpoint:
                 for sock in list(events):
                     handler = self._sockets.get(sock)
                     if handler is not None:
+                        if _trace.ON:
+                            _trace.stamp("message")
                         handler(sock)
                 if self._busy() and self._poll_transfers():
                     self._backoff.progressed()
@@ -553,6 +570,8 @@ class Endpoint:
         self._drain_commands()
         for sock, handler in list(self._sockets.items()):
             if sock in self._sockets and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                if _trace.ON:
+                    _trace.stamp("message")
                 handler(sock)
         if self._busy() and self._poll_transfers():
             self._backoff.progressed()
@@ -615,6 +634,8 @@ class Endpoint:
         # empty() (~50 ns), not a raised queue.Empty (~700 ns). Only this thread takes.
         while not self._commands.empty():
             fn = self._commands.get_nowait()
+            if _trace.ON:
+                _trace.stamp("command")
             try:
                 fn()
             except KvpushError as exc:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from . import _trace
 from . import messages as m
 from .agent import TransportConfig
 from .aio import DrainQueue, drain_iter
@@ -567,6 +568,8 @@ class Producer(Endpoint):
 
     def _emit(self, release: Any) -> None:
         assert isinstance(release, Release)
+        if _trace.ON:
+            _trace.stamp("release")
         for observe in self._observers:
             try:
                 observe(release)

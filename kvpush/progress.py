@@ -5,8 +5,9 @@ kvpush turns it off and drives progress from its one loop thread:
 
 * nothing in flight: the loop blocks in ``zmq.Poller.poll`` on its sockets and a wake-up
   eventfd -- no polling at all, 0 % CPU;
-* right after something moved (a post, a completion, a message): poll back-to-back for
-  ``spin_s`` (lowest latency for the next completion), without letting go of the GIL;
+* right after something moved (a command from the engine, a transfer's end, a
+  notification; not a control message): poll back-to-back for ``spin_s`` (lowest latency
+  for the next completion), without letting go of the GIL;
 * while a transfer this side posted is in flight (its bytes may need this side's progress
   to move: UCX drives a large transfer from the initiator's progress calls), keep polling
   NIXL every ``min_sleep_s`` for up to ``inflight_s`` since the last progress, instead of

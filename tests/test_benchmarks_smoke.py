@@ -24,6 +24,7 @@ from benchmarks import (  # noqa: E402
     critical_path,
     desc_prep,
     engine_share,
+    hot_path,
     report,
     spinning_engine,
     throughput,
@@ -97,6 +98,16 @@ def test_engine_share() -> None:
     rows = {(x["side"], x["mode"]): x for x in r["rows"]}
     assert len(rows) == 6 and all(x["steps"] > 10 for x in rows.values()), rows
     assert rows[("prefill", "push")]["requests"] > 0 and rows[("decode", "pull")]["requests"] > 0
+
+
+def test_hot_path() -> None:
+    r = hot_path.run(requests=2)
+    assert [row["blocks"] for row in r["rows"]] == list(hot_path.SIZES)
+    for row in r["rows"]:
+        # kvpush's own stamps line up with the benchmark's, in the order of the hot path
+        assert 0 <= row["p_command"] <= row["p_post"] <= row["p_xfer_end"] <= row["p_engine"]
+        assert row["c_message"] <= row["c_notif"] <= row["c_finished"] <= row["c_engine"]
+        assert math.isfinite(row["raw_done"]) and math.isfinite(row["raw_notif"])
 
 
 def test_spinning_engine() -> None:
