@@ -1,9 +1,11 @@
 """Colocated reference: one vLLM engine (no connector) generates greedily for each prompt,
 one prompt at a time, with the servers' settings. Run as a script:
 
-    python tests_vllm/reference.py MODEL_DIR IN.json OUT.json [DTYPE]
+    python tests_vllm/reference.py MODEL_DIR IN.json OUT.json [DTYPE [PREFIX_CACHING]]
 
 IN.json: {"prompts": [[token ids], ...], "max_tokens": N}; OUT.json: [[token ids], ...].
+PREFIX_CACHING: ``on`` (default) or ``off`` (as a server started with
+``--no-enable-prefix-caching``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ def main() -> None:
 
     job = json.loads(Path(src).read_text())
     extra = {"dtype": sys.argv[4]} if len(sys.argv) > 4 else {}
+    caching = len(sys.argv) <= 5 or sys.argv[5] != "off"
     llm = LLM(model=model, block_size=32, max_model_len=4096, optimization_level=0,
-              seed=0, enable_prefix_caching=True, **extra)
+              seed=0, enable_prefix_caching=caching, **extra)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     out = []
     for ids in job["prompts"]:

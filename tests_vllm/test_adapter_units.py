@@ -209,20 +209,3 @@ def test_tail_alignment_for_partial_and_full_prefix_hits() -> None:
             time.sleep(0.01)
         assert sorted((r.request_id, r.reason) for r in released) == \
             [("r1", kvpush.ReleaseReason.TRANSFERRED), ("r2", kvpush.ReleaseReason.TRANSFERRED)]
-
-
-def test_several_kv_cache_groups_are_refused_naming_their_kinds() -> None:
-    """vLLM's hybrid allocator gives each group its own block ids and memory; the adapter
-    refuses at start-up, saying what each group is and what to do."""
-    class MambaSpec:
-        pass
-
-    class FullAttentionSpec:
-        pass
-
-    ktc = SimpleNamespace(engine_id="e1", is_kv_producer=True, is_kv_consumer=False)
-    cfg = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=32))
-    groups = [SimpleNamespace(kv_cache_spec=FullAttentionSpec()),
-              SimpleNamespace(kv_cache_spec=MambaSpec())]
-    with pytest.raises(NotImplementedError, match=r"FullAttentionSpec, MambaSpec.*SSM"):
-        KVPushScheduler(cfg, SimpleNamespace(kv_cache_groups=groups), AdapterConfig())

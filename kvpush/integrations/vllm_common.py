@@ -350,6 +350,9 @@ class EngineFacts:
         ``"mla"`` when the model uses multi-head latent attention (vLLM's ``use_mla``):
         its caches hold one latent vector per token, whatever shape vLLM gives them
         (``[blocks, 1, tokens, latent]`` in vLLM 0.32's unified view); else ``"kv"``.
+    groups
+        vLLM's KV cache groups (:class:`~kvpush.integrations.vllm_hybrid.CacheGroup`);
+        more than one under vLLM's hybrid allocator, whose groups overlay one allocation.
     """
 
     attn_backend: str = ""
@@ -358,6 +361,7 @@ class EngineFacts:
     identity: tuple[tuple[str, str], ...] = ()
     total_kv_heads: int = 0
     cache_kind: str = "kv"
+    groups: tuple[Any, ...] = ()
 
     @property
     def heads_before_tokens(self) -> bool | None:
@@ -389,12 +393,14 @@ def packed_order(attn_backend: str, heads_first: bool) -> str:
 
 def engine_identity(*, model: str, revision: str | None, dtype: str, num_layers: int,
                     num_kv_heads: int, head_size: int, cache_dtype: str, attn_backend: str,
-                    protocol: int, vllm_version: tuple[int, int], cache_kind: str = "kv"
-                    ) -> tuple[tuple[str, str], ...]:
+                    protocol: int, vllm_version: tuple[int, int], cache_kind: str = "kv",
+                    extra: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:
     """The compatibility identity two instances must share to exchange KV: the model
     (name or path, revision, dtype, layers, KV heads, head size), what its cache holds
     (``cache_kind``: ``kv``, or ``mla``'s latent vectors), the cache dtype, the attention
-    backend, kvpush's protocol version and vLLM's (major, minor) version."""
+    backend, kvpush's protocol version and vLLM's (major, minor) version. ``extra``: more
+    entries (a hybrid model's KV cache groups, :func:`~kvpush.integrations.vllm_hybrid.
+    group_identity`; none for one group, whose identity stays as it was)."""
     return tuple(sorted({
         "cache_kind": cache_kind,
         "model": model,
@@ -407,6 +413,7 @@ def engine_identity(*, model: str, revision: str | None, dtype: str, num_layers:
         "attn_backend": attn_backend,
         "kvpush_protocol": str(protocol),
         "vllm": f"{vllm_version[0]}.{vllm_version[1]}",
+        **(extra or {}),
     }.items()))
 
 

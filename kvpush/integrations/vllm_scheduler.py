@@ -44,6 +44,7 @@ from .vllm_common import (
     response_params,
     transfer_id_of,
 )
+from .vllm_hybrid import cache_groups_of, state_backoff, transfer_blocks
 
 __all__ = ["KVPushScheduler", "RankInfo"]
 
@@ -88,18 +89,17 @@ class KVPushScheduler:
         self.block_size: int = vllm_config.cache_config.block_size
         self.is_producer: bool = bool(ktc.is_kv_producer)
         self.is_consumer: bool = bool(ktc.is_kv_consumer)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) > 1:
-            # kvpush is not SupportsHMA: vLLM turns its hybrid allocator off for it (one
-            # group), unless told otherwise -- or unless the model cannot run without it.
-            kinds = [type(getattr(g, "kv_cache_spec", g)).__name__ for g in groups]
-            raise NotImplementedError(
-                f"kvpush supports models with one KV cache group; this one has {len(groups)} "
-                f"({', '.join(kinds)}): vLLM's hybrid memory allocator gives each group its "
-                "own block ids and memory, which kvpush's layout (one block id space over "
-                "every layer) cannot name; sliding-window models run with "
-                "--disable-hybrid-kv-cache-manager (every block moves), SSM/Mamba state "
-                "transfer is not implemented")
+        # Several groups (vLLM's hybrid allocator): full-attention, sliding-window and Mamba
+        # state groups are moved as one flat block list per request
+        # (kvpush.integrations.vllm_hybrid); other kinds are refused here, naming the group.
+        self.groups = cache_groups_of(kv_cache_config, self.block_size)
+        self.hybrid = len(self.groups) > 1
+        # Mamba state: the prefill stops one token short, the decode computes that token
+        self.backoff = state_backoff(self.groups)
+        self._full_tokens: dict[str, int] = {}   # prefill req id -> prompt before backoff
+        # prefill side, hybrid: sliding-window blocks vLLM frees as they leave the window
+        # (at the request's finish already) that a transfer still reads, held by kvpush
+        self._pins: dict[str, list[Any]] = {}
         self._kv_manager: Any = None
         self._ranks: dict[int, RankInfo] = {}
         # prefill side
@@ -135,6 +135,8 @@ class KVPushScheduler:
         params = request.kv_transfer_params
         if self.is_producer and params and params.get("do_remote_decode"):
             self._candidates[request.request_id] = request
+            if self.backoff:
+                self._truncate(request)
         # Decode side: claim the prefill's blocks now. The request may wait for free blocks
         # here longer than the prefill's lease; a claim keeps the source held while this
         # instance is alive (bounded by the prefill's max_wait_s) until the READ (pull) or
@@ -148,7 +150,7 @@ class KVPushScheduler:
         remote = self._remote_prefill(request)
         if remote is None or not self._usable(request):
             return 0, False
-        count = int(request.num_prompt_tokens) - num_computed_tokens
+        count = int(request.num_prompt_tokens) - self.backoff - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
@@ -164,9 +166,18 @@ class KVPushScheduler:
             self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
             return
         num_prompt = int(request.num_prompt_tokens)
-        local_blocks = (num_prompt - num_external_tokens) // self.block_size
-        (block_ids,) = blocks.get_block_ids()
-        dst = [int(b) for b in block_ids[local_blocks:prompt_blocks(num_prompt, self.block_size)]]
+        if self.hybrid:
+            # vLLM allocates every group a block per prompt position here (the null blocks
+            # of a sliding window come later, once the load is in): a ValueError is a bug.
+            loaded = num_prompt - self.backoff
+            dst = transfer_blocks(self.groups, blocks.get_block_ids(), loaded,
+                                  (loaded - num_external_tokens) // self.block_size,
+                                  self._null_block())
+        else:
+            local_blocks = (num_prompt - num_external_tokens) // self.block_size
+            (block_ids,) = blocks.get_block_ids()
+            dst = [int(b) for b in
+                   block_ids[local_blocks:prompt_blocks(num_prompt, self.block_size)]]
         self._recving[req_id] = remote.transfer_id
         self._recv_new.append(RecvPlan(req_id, remote, dst, report=True))
 
@@ -175,6 +186,7 @@ class KVPushScheduler:
         req_id = request.request_id
         params = request.kv_transfer_params or {}
         self._candidates.pop(req_id, None)
+        self._full_tokens.pop(req_id, None)
         # Decode side: a load may still be writing into the blocks.
         if req_id in self._recving:
             self._recv_aborts.append(req_id)
@@ -250,6 +262,9 @@ class KVPushScheduler:
                 log.warning("kvpush: %s preempted after its prefill; ending transfer %r before "
                             "its blocks are reused", req_id, send.transfer_id)
                 self._send_running.discard(req_id)
+                # the worker ends the transfer in this step, before any later schedule can
+                # hand these blocks out again
+                self._unpin(req_id)
                 plan.send_preempted.append((req_id, send.transfer_id))
                 request = self._sent_requests.pop(req_id, None)
                 if request is not None:
@@ -286,10 +301,26 @@ class KVPushScheduler:
                         params.get(PARAM_MODE) or params.get("transfer_mode"),
                         self.config.mode)
             mode = self.config.default_mode
-        (block_ids,) = self._kv_manager.get_block_ids(req_id)
-        src = [int(b) for b in block_ids[:prompt_blocks(num_prompt, self.block_size)]]
+        if self.hybrid:
+            per_group = self._kv_manager.get_block_ids(req_id)
+            try:
+                src = transfer_blocks(self.groups, per_group, num_prompt, 0,
+                                      self._null_block())
+            except ValueError as exc:
+                log.error("kvpush: request %s: %s; its KV stays here", req_id, exc)
+                return None
+            # vLLM frees sliding-window blocks as they leave the window, at this request's
+            # finish already (before request_finished_all_groups): hold the ones the
+            # transfer reads until kvpush hands the source back.
+            self._pin(req_id, transfer_blocks(self.groups, per_group, num_prompt, 0,
+                                              self._null_block(), sliding_only=True))
+        else:
+            (block_ids,) = self._kv_manager.get_block_ids(req_id)
+            src = [int(b) for b in block_ids[:prompt_blocks(num_prompt, self.block_size)]]
         sid = new_id()
-        self._sends[req_id] = _Send(req_id, transfer_id, mode, src, num_prompt, time.time(),
+        # the decode instance checks the prompt's length: the whole one, before any backoff
+        self._sends[req_id] = _Send(req_id, transfer_id, mode, src,
+                                    self._full_tokens.pop(req_id, num_prompt), time.time(),
                                     sid)
         self._send_running.add(req_id)
         self._sent_requests[req_id] = request
@@ -298,6 +329,7 @@ class KVPushScheduler:
     def update_connector_output(self, output: Any) -> None:
         for req_id in getattr(output, "finished_sending", None) or ():
             self._sends.pop(req_id, None)
+            self._unpin(req_id)
         for req_id in getattr(output, "finished_recving", None) or ():
             self._recving.pop(req_id, None)
 
@@ -316,6 +348,45 @@ class KVPushScheduler:
         return bool(self._send_running)
 
     # -- helpers ---------------------------------------------------------------------------
+    def _truncate(self, request: Any) -> None:
+        """Prefill side with Mamba state: compute the prompt less its last token (vLLM's
+        request fields, as its NixlConnector trims them), so the state handed over is the
+        one the decode side continues from."""
+        params = request.kv_transfer_params
+        n = int(request.num_prompt_tokens)
+        if n <= self.backoff or params.get("_kvpush_backoff"):
+            return
+        ids = getattr(request, "prompt_token_ids", None)
+        if not isinstance(ids, list):
+            log.warning("kvpush: request %s has no prompt token list to stop short of; its "
+                        "state is not exported", request.request_id)
+            self._candidates.pop(request.request_id, None)
+            return
+        del ids[-self.backoff:]
+        del request._all_token_ids[-self.backoff:]
+        request.num_prompt_tokens = n - self.backoff
+        params["_kvpush_backoff"] = True
+        self._full_tokens[request.request_id] = n
+
+    def _null_block(self) -> int:
+        """vLLM's null block id (the placeholder of freed out-of-window blocks)."""
+        pool = getattr(self._kv_manager, "block_pool", None)
+        null = getattr(pool, "null_block", None)
+        return int(getattr(null, "block_id", 0))
+
+    def _pin(self, req_id: str, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        pool = self._kv_manager.block_pool
+        blocks = [pool.blocks[b] for b in block_ids]
+        pool.touch(blocks)
+        self._pins[req_id] = blocks
+
+    def _unpin(self, req_id: str) -> None:
+        blocks = self._pins.pop(req_id, None)
+        if blocks:
+            self._kv_manager.block_pool.free_blocks(blocks)
+
     def _remote_prefill(self, request: Any) -> RemotePrefill | None:
         params = request.kv_transfer_params
         if not self.is_consumer or not params or not params.get("do_remote_prefill"):

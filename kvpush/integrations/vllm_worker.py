@@ -145,7 +145,18 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
     facts = facts or EngineFacts()
     if not kv_caches:
         raise ValueError("kvpush: no KV cache tensors to register")
-    names = sorted(kv_caches, key=_natural_key)
+    # Mamba state layers (a hybrid's MambaSpec group): their state slots are blocks of the
+    # same pool, overlaid on the attention layers' pages (checked below), so the attention
+    # regions carry them.
+    states = {n for g in facts.groups if getattr(g, "kind", "") == "mamba" for n in g.layers}
+    names = [n for n in sorted(kv_caches, key=_natural_key) if n not in states]
+    if not names:
+        raise NotImplementedError("kvpush: no attention KV cache beside the Mamba state")
+    if states and coords is not None and coords.tp_size > 1:
+        # vLLM shards the state over TP ranks inside the page; kvpush splits pages by KV
+        # head when two TP sizes meet, which would cut the state apart: not served.
+        raise NotImplementedError("kvpush: Mamba state under tensor parallelism "
+                                  f"(TP {coords.tp_size}) is not supported")
     first = kv_caches[names[0]]
     dtype = kv_dtype(facts.cache_dtype, str(first.dtype).removeprefix("torch."))
     if dtype not in DTYPE_SIZES:
@@ -227,6 +238,8 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                 f"kvpush: layer {name}: KV cache of shape {tuple(t.shape)} is not supported "
                 "(expected [blocks, heads, tokens, 2*head], [2, blocks, tokens, heads, head] "
                 "or MLA's [blocks, tokens, latent])")
+    for name in sorted(states & set(kv_caches), key=_natural_key):
+        _check_overlaid_state(name, kv_caches[name], views)
     num_layers = len(views) // (1 if kv_packed else 2)
     physical = views[0].num_blocks
     per_logical = 1
@@ -271,19 +284,46 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int,
                     total_kv_heads=total, cache_kind=cache_kind)
 
 
-def layer_indices(kv_caches: Mapping[str, Any]) -> dict[str, int]:
+def _check_overlaid_state(name: str, t: Any, views: list[_View]) -> None:
+    """A Mamba state layer must be a view of one attention region's pages: same first
+    address, same block stride, its state within a block."""
+    parts = list(t) if isinstance(t, (list, tuple)) else [t]
+    for part in parts:
+        addr, stride = part.data_ptr(), part.stride(0) * part.element_size()
+        size = int(np.prod(part.shape[1:])) * part.element_size()
+        owner = next((v for v in views
+                      if v.addr <= addr < v.addr + v.stride and v.stride == stride), None)
+        if owner is None or addr - owner.addr + size > owner.stride:
+            raise NotImplementedError(
+                f"kvpush: Mamba state layer {name} (shape {tuple(part.shape)}, strides "
+                f"{tuple(part.stride())}) does not lie in an attention layer's pages; kvpush "
+                "moves hybrid state only where vLLM overlays it on the attention cache")
+
+
+def layer_indices(kv_caches: Mapping[str, Any], overlaid: bool = False) -> dict[str, int]:
     """vLLM's layer names -> the layer index of their cache in the layout
     :func:`layout_from_kv_caches` builds (the same order). A layer that shares another
-    layer's cache is left out: that cache is reported once, by its owner."""
+    layer's cache is left out: that cache is reported once, by its owner.
+
+    ``overlaid`` (vLLM's hybrid allocator, several KV cache groups): layers of different
+    groups share one region (the groups overlay one allocation, each writing its own
+    blocks), so the region is reported by the *last* of them in model order -- the one
+    whose forward finishes the region's blocks of every group."""
     out: dict[str, int] = {}
-    seen: set[tuple[int, tuple[int, ...]]] = set()
+    index: dict[tuple[int, tuple[int, ...]], int] = {}
+    owner: dict[int, str] = {}
     for name in sorted(kv_caches, key=_natural_key):
         t = kv_caches[name]
         key = (t.data_ptr(), tuple(t.shape))
-        if key in seen:
+        if key in index:
+            if overlaid:
+                out.pop(owner[index[key]])
+                owner[index[key]] = name
+                out[name] = index[key]
             continue
-        seen.add(key)
-        out[name] = len(out)
+        index[key] = len(index)
+        owner[index[key]] = name
+        out[name] = index[key]
     return out
 
 
@@ -373,6 +413,7 @@ class KVPushWorker:
         self._recv_done: set[str] = set()                      # req ids to report
         self._recv_failed: set[str] = set()                    # ... of which failed
         self._load_errors: set[int] = set()
+        self.num_groups = 1                                    # vLLM's KV cache groups
         # prefill side
         self._to_send: list[Any] = []                          # SendPlans of this step
         self._sending: dict[str, str] = {}                     # transfer id -> req id
@@ -417,13 +458,18 @@ class KVPushWorker:
                      "are staged on a side stream", self.staging.nbytes / 2**20)
         self.layout = layout_from_kv_caches(registered, self.block_size, self.num_blocks, facts,
                                             self.coords)
+        self.num_groups = max(1, len((facts or EngineFacts()).groups))
         if self.config.layerwise and self.is_producer:
-            if self.layout.layers_per_region != 1:
+            if any(getattr(g, "kind", "") == "mamba" for g in (facts or EngineFacts()).groups):
+                log.warning("kvpush: layerwise is set, but this model keeps Mamba state in "
+                            "its attention pages: whole requests are pushed")
+            elif self.layout.layers_per_region != 1:
                 log.warning("kvpush: layerwise is set, but this cache holds %d layers per "
                             "region (one allocation, layers inside each block): whole "
                             "requests are pushed", self.layout.layers_per_region)
             else:
-                self._layers = layer_indices(kv_caches)
+                self._layers = layer_indices(kv_caches,
+                                             overlaid=len((facts or EngineFacts()).groups) > 1)
         if self.layout.kind is MemoryKind.DRAM:
             _allow_amx()
         key = self.config.auth_key()
@@ -683,8 +729,12 @@ class KVPushWorker:
         return failed
 
     def take_load_errors(self) -> set[int]:
+        """Destination blocks of failed loads, for vLLM's ``get_block_ids_with_load_errors``.
+        With several KV cache groups vLLM 0.32 takes none (its block ids do not say their
+        group; a non-empty set stops the engine): failed loads are reported by request
+        only, in ``failed_recving`` (:meth:`take_failed_recving`)."""
         errors, self._load_errors = self._load_errors, set()
-        return errors
+        return set() if self.num_groups > 1 else errors
 
     def take_stats(self) -> dict[str, list[float]] | None:
         return None if self._stats.is_empty() else self._stats.take()
