@@ -213,6 +213,11 @@ class StandinConsumerCore:
             self._finish(now, use, RequestState.FAILED, PeerUnavailable(why))
 
     def on_message(self, now: float, peer: str, msg: Any) -> None:
+        if isinstance(msg, m.Failed) and msg.unfenced:
+            # docs/PROTOCOL.md: the producer fences the source of an abandoned WRITE until
+            # this side's Abort for the xid acknowledges it (a stale one too).
+            self._out.append(Send(peer, m.Abort(msg.request_id, msg.xid,
+                                                "unfenced write acknowledged")))
         use = self._uses.get(getattr(msg, "xid", 0))
         if use is None or use.peer != peer:
             return
