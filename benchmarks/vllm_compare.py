@@ -29,7 +29,9 @@ decoding of ``--output-tokens`` tokens, streamed. Reported per configuration and
 per prompt length): TTFT and TPOT p50/p90, TTFT p50 over the colocated instance's,
 throughput; and whether every request's tokens equal the colocated instance's (run one
 request at a time). Writes ``benchmarks/results/vllm_compare.json`` (keys of other
-benchmarks in it are kept) and the tables in ``docs/VLLM.md``. Top-level keys:
+benchmarks in it are kept, and so is a key of this one that a run with fewer ``--configs``
+cannot compute, named in ``meta["keys_kept"]``) and the tables in ``docs/VLLM.md``.
+Top-level keys:
 ``vllm_ttft_overhead_push_over_best_vllm`` (the worst rate's kvpush push TTFT p50 overhead
 over colocated divided by the smallest such overhead of vLLM's four connector set-ups),
 ``vllm_tpot_p50_kvpush_minus_noop_ms`` (the worst rate's kvpush decode TPOT p50 minus the
@@ -389,6 +391,18 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
         fleet.stop()
 
 
+def merge_results(kept: dict[str, Any], keys: dict[str, Any], meta: dict[str, Any],
+                  results: dict[str, Any]) -> dict[str, Any]:
+    """The results file after this run: its keys, results and meta; the keys of other
+    benchmarks (vllm_layerwise.py) kept; and a key this run could not compute (its groups
+    were not run: None) keeps an earlier run's value, named in ``meta["keys_kept"]``."""
+    out = dict(kept)
+    earlier = {k: kept[k] for k, v in keys.items() if v is None and kept.get(k) is not None}
+    out.update({**keys, **earlier, "meta": {**meta, "keys_kept": sorted(earlier)},
+                "results": results})
+    return out
+
+
 def pooled_p50(results: dict[str, Any], name: str) -> float | None:
     values = [t for s in results.get(name, {}).values() for t in s["ttft_ms"]]
     return float(np.percentile(values, 50)) if values else None
@@ -561,10 +575,8 @@ def main(argv: list[str] | None = None) -> int:
             "tp2_requests": args.tp2_requests, "keys": keys, "idle_cpu_cores": idle,
             "wall_s": round(time.monotonic() - started)}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    # Other benchmarks (vllm_layerwise.py) keep their keys in this file too.
     kept = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    kept.update({**keys, "meta": meta, "results": results})
-    RESULTS.write_text(json.dumps(kept, indent=1))
+    RESULTS.write_text(json.dumps(merge_results(kept, keys, meta, results), indent=1))
     table = markdown(results, meta)
     print(table)
     if not args.no_doc and not args.quick:

@@ -76,3 +76,17 @@ def test_one_token_off_or_an_error_in_tp2_is_no_match() -> None:
     r = results()
     del r["kvpush_push_tp2"], r["kvpush_pull_tp2"]
     assert vc.headline(r)["vllm_tp2_tokens_match"] is None           # not run
+
+
+def test_a_partial_run_keeps_the_keys_it_could_not_compute() -> None:
+    kept = {"vllm_tp2_tokens_match": True, "vllm_layerwise_ttft_over_whole": 0.98,
+            "vllm_ttft_overhead_push_over_best_vllm": 0.9, "meta": {"old": 1}}
+    keys = {"vllm_tp2_tokens_match": None, "vllm_ttft_overhead_push_over_best_vllm": 0.5}
+    out = vc.merge_results(kept, keys, {"command": "new"}, {"colocated": {}})
+    assert out["vllm_ttft_overhead_push_over_best_vllm"] == 0.5       # this run's
+    assert out["vllm_tp2_tokens_match"] is True                       # not run: kept
+    assert out["vllm_layerwise_ttft_over_whole"] == 0.98              # another benchmark's
+    assert out["meta"] == {"command": "new", "keys_kept": ["vllm_tp2_tokens_match"]}
+    assert out["results"] == {"colocated": {}}
+    fresh = vc.merge_results({}, keys, {}, {})
+    assert fresh["vllm_tp2_tokens_match"] is None and fresh["meta"]["keys_kept"] == []
