@@ -24,6 +24,7 @@ __all__ = [
     "descriptor_table",
     "fmt_bytes",
     "geomean",
+    "open_endpoint",
     "pct",
     "single_region_layout",
 ]
@@ -70,6 +71,24 @@ class Progress:
 
 
 # -- statistics -----------------------------------------------------------------------------
+def open_endpoint(state: dict[str, Any], role: str, layout: Any, address: str = "",
+                  **kwargs: Any) -> str:
+    """A benchmark worker's kvpush endpoint, kept in its ``state`` (``"endpoint"``, closed by
+    its cleanup): ``prefill`` makes a Producer and returns its address; any other role a
+    Consumer connected to ``address``, and returns the producer's name (also
+    ``state["producer"]``). ``kwargs`` go to the endpoint (config, callbacks)."""
+    import kvpush
+
+    endpoint: Any = (kvpush.Producer if role == "prefill" else kvpush.Consumer)(layout, **kwargs)
+    state["endpoint"] = endpoint
+    state["cleanup"].append(endpoint.close)
+    if role == "prefill":
+        return str(endpoint.address)
+    name: str = endpoint.connect(address, timeout=30)
+    state["producer"] = name
+    return name
+
+
 def pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else math.nan
 

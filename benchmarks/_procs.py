@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RemoteError", "Worker", "clock_ticks", "cpu_seconds"]
+__all__ = ["RemoteError", "Worker", "clock_ticks", "cpu_seconds", "thread_cpu_seconds"]
 
 
 class RemoteError(RuntimeError):
@@ -34,7 +34,16 @@ def clock_ticks() -> int:
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of process ``pid`` (all its threads), in seconds, from /proc."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+
+
+def thread_cpu_seconds(tid: int) -> float:
+    """utime + stime of thread ``tid`` (a native id) of this process, in seconds."""
+    return _stat_cpu_seconds(f"/proc/self/task/{tid}/stat")
+
+
+def _stat_cpu_seconds(path: str) -> float:
+    with open(path, "rb") as f:
         data = f.read()
     # The command name may hold spaces and parentheses: fields start after the last ')'.
     fields = data[data.rindex(b")") + 2:].split()

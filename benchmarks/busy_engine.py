@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import Progress, geomean, pct
+from ._common import Progress, geomean, open_endpoint, pct
 from ._procs import Worker, stop_all
 
 __all__ = ["run"]
@@ -77,10 +77,7 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
             event(release.request_id).set()
 
         state["released"] = event
-        producer = kvpush.Producer(layout, on_release=on_release)
-        state["endpoint"] = producer
-        state["cleanup"].append(producer.close)
-        return producer.address
+        return open_endpoint(state, role, layout, on_release=on_release)
     ready: dict[str, float] = {}
     done: dict[str, threading.Event] = {}
 
@@ -89,12 +86,7 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
         done.setdefault(result.request_id, threading.Event()).set()
 
     state.update(ready=ready, done=done)
-    consumer = kvpush.Consumer(layout, on_finished=on_finished)
-    state["endpoint"] = consumer
-    state["cleanup"].append(consumer.close)
-    name: str = consumer.connect(address, timeout=30)
-    state["producer"] = name
-    return name
+    return open_endpoint(state, role, layout, address, on_finished=on_finished)
 
 
 def side_busy(state: dict[str, Any], conn: mpc.Connection, on: bool, kind: str = "python"

@@ -110,7 +110,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import Progress, RawAgent, descriptor_table, pct, sorted_pairs
+from ._common import Progress, RawAgent, descriptor_table, open_endpoint, pct, sorted_pairs
 from ._procs import Worker, stop_all
 
 __all__ = ["CPConfig", "background_batch", "prefill_seconds", "run", "step_seconds"]
@@ -264,10 +264,7 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
                 (release.request_id, release.reason.value, time.monotonic(),
                  dict(release.timings)))
 
-        producer = kvpush.Producer(layout, on_release=on_release)
-        state["endpoint"] = producer
-        state["cleanup"].append(producer.close)
-        out["address"] = producer.address
+        out["address"] = open_endpoint(state, role, layout, on_release=on_release)
     else:
         # The callback stamps the moment kvpush reports a request; the engine's step loop
         # collects the results at its next step boundary (with a callback, kvpush does not
@@ -290,11 +287,8 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
         state["cleanup"].append(close_pipe)
         state["wake"] = wake_r
 
-        consumer = kvpush.Consumer(layout, on_finished=on_finished)
-        state["endpoint"] = consumer
         state["finished"] = finished
-        state["cleanup"].append(consumer.close)
-        out["producer"] = state["producer"] = consumer.connect(address, timeout=30)
+        out["producer"] = open_endpoint(state, role, layout, address, on_finished=on_finished)
     return out
 
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ._common import Progress, geomean, pct
-from ._procs import Worker, stop_all
+from ._common import Progress, geomean, open_endpoint, pct
+from ._procs import Worker, stop_all, thread_cpu_seconds
 
 __all__ = ["run"]
 
@@ -71,26 +71,8 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
         took.append(time.perf_counter() - t0)
     n = max(1, round(8 * STEP_S / float(np.median(took))))
     state["step"] = lambda: step(n)
-    if role == "prefill":
-        producer = kvpush.Producer(layout, kvpush.ProducerConfig(lease_s=60.0))
-        state["endpoint"] = producer
-        state["cleanup"].append(producer.close)
-        return producer.address
-    consumer = kvpush.Consumer(layout)
-    state["endpoint"] = consumer
-    state["cleanup"].append(consumer.close)
-    name: str = consumer.connect(address, timeout=30)
-    state["producer"] = name
-    return name
-
-
-def _thread_cpu(tid: int) -> float:
-    from ._procs import clock_ticks
-
-    with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-        data = f.read()
-    fields = data[data.rindex(b")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / clock_ticks()
+    config = kvpush.ProducerConfig(lease_s=60.0) if role == "prefill" else None
+    return open_endpoint(state, role, layout, address, config=config)
 
 
 def side_round(state: dict[str, Any], conn: mpc.Connection, mode: str, rids: list[str],
@@ -124,7 +106,7 @@ def side_round(state: dict[str, Any], conn: mpc.Connection, mode: str, rids: lis
         queue: list[Any] = list(rids) if mode == "push" and role == "prefill" else \
             list(tickets or []) if mode == "pull" and role == "decode" else []
         done, total = 0, len(queue)
-        cpu0, thread0 = time.process_time(), _thread_cpu(tid)
+        cpu0, thread0 = time.process_time(), thread_cpu_seconds(tid)
         end = time.perf_counter() + seconds
         i = 0
         while time.perf_counter() < end:
@@ -142,7 +124,7 @@ def side_round(state: dict[str, Any], conn: mpc.Connection, mode: str, rids: lis
                 done += len(ep.get_finished())
             steps.append(time.perf_counter() - t)
             i += 1
-        other = (time.process_time() - cpu0) - (_thread_cpu(tid) - thread0)
+        other = (time.process_time() - cpu0) - (thread_cpu_seconds(tid) - thread0)
         issued = total - len(queue)
         for item in queue:  # what the round had no time for goes now, untimed
             if role == "prefill":

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import RawAgent, descriptor_table, pct
+from ._common import RawAgent, descriptor_table, open_endpoint, pct
 from ._procs import Worker, stop_all
 
 __all__ = ["run"]
@@ -79,10 +79,7 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
             released.setdefault(release.request_id, threading.Event()).set()
 
         state["released"] = released
-        producer = kvpush.Producer(layout, on_release=on_release)
-        state["endpoint"] = producer
-        state["cleanup"].append(producer.close)
-        out["address"] = producer.address
+        out["address"] = open_endpoint(state, role, layout, on_release=on_release)
     else:
         done: dict[str, threading.Event] = {}
         finished: dict[str, int] = {}
@@ -92,10 +89,7 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
             done.setdefault(result.request_id, threading.Event()).set()
 
         state.update(done=done, finished=finished)
-        consumer = kvpush.Consumer(layout, on_finished=on_finished)
-        state["endpoint"] = consumer
-        state["cleanup"].append(consumer.close)
-        state["producer"] = consumer.connect(address, timeout=30)
+        open_endpoint(state, role, layout, address, on_finished=on_finished)
     trace = _trace()
     if trace is not None:
         trace.enable()

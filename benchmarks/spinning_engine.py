@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import pct
+from ._common import open_endpoint, pct
 from ._procs import Worker, stop_all
 
 __all__ = ["run"]
@@ -46,17 +46,8 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_block
 
     buffers, layout = _make_cache(num_blocks)
     state["buffers"] = buffers
-    if role == "prefill":
-        producer = kvpush.Producer(layout, kvpush.ProducerConfig(lease_s=60.0))
-        state["endpoint"] = producer
-        state["cleanup"].append(producer.close)
-        return producer.address
-    consumer = kvpush.Consumer(layout)
-    state["endpoint"] = consumer
-    state["cleanup"].append(consumer.close)
-    name: str = consumer.connect(address, timeout=30)
-    state["producer"] = name
-    return name
+    config = kvpush.ProducerConfig(lease_s=60.0) if role == "prefill" else None
+    return open_endpoint(state, role, layout, address, config=config)
 
 
 def side_prefill(state: dict[str, Any], conn: mpc.Connection, rid: str, ids: np.ndarray,
