@@ -110,14 +110,6 @@ def side_raw_connect(state: dict[str, Any], conn: mpc.Connection, md: bytes,
     return peer
 
 
-def side_expect(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
-                ids: np.ndarray) -> None:
-    consumer = state["endpoint"]
-    for rid in rids:
-        state["done"].setdefault(rid, threading.Event())
-        consumer.expect(rid, ids, state["producer"], timeout=60)
-
-
 def side_push(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
               ids: np.ndarray) -> list[tuple[int, int]]:
     """prefill_done each request in turn, GAP_S apart; (called, engine woke) ns each."""
@@ -215,7 +207,7 @@ def run(requests: int = 40, busy: str = "") -> dict[str, Any]:
             dst = rng.choice(NUM_BLOCKS, blocks, replace=False).astype(np.int64)
             rids = [f"hp-{n + i}" for i in range(requests + 1)]
             n += len(rids)
-            decode.call(_M + "side_expect", rids=rids, ids=dst)
+            decode.call("benchmarks.busy_engine:side_expect", rids=rids, ids=dst)
             prefill.call(_M + "side_take")
             decode.call(_M + "side_take")
             decode.send_call(_M + "side_wait_results", rids=rids)
