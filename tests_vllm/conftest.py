@@ -63,10 +63,13 @@ class Pair:
     producer_address: str
 
     def complete(self, prompt: list[int], *, mode: str, via_router: bool = True,
-                 stream: bool = False, timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+                 stream: bool = False, first_token: str | None = None,
+                 timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
         body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
                                 "temperature": 0, "return_token_ids": True,
                                 "kvpush_mode": mode}
+        if first_token is not None:  # the router's: which instance gives the first token
+            body["kvpush_first_token"] = first_token
         if stream:
             body["stream"] = True
             return stream_tokens(self.router.url + "/v1/completions", body, timeout)
@@ -74,7 +77,8 @@ class Pair:
 
 
 def stream_tokens(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
-    """POST a streaming completion; gather the token ids of every SSE chunk."""
+    """POST a streaming completion; gather the token ids of every SSE chunk (and the
+    router's ``X-KVPush-First-Token`` answer header, as ``first_token_from``)."""
     import urllib.request
 
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
@@ -90,7 +94,9 @@ def stream_tokens(url: str, body: dict[str, Any], timeout: float) -> tuple[int, 
             for choice in json.loads(line[5:]).get("choices", []):
                 tokens += choice.get("token_ids") or []
         status = r.status
-    return status, {"choices": [{"token_ids": tokens}], "chunks": chunks}
+        first_from = r.headers.get("X-KVPush-First-Token")
+    return status, {"choices": [{"token_ids": tokens}], "chunks": chunks,
+                    "first_token_from": first_from}
 
 
 def tokens_of(response: dict[str, Any]) -> list[int]:

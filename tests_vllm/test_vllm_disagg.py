@@ -61,6 +61,22 @@ def test_streaming_push(pair: Pair, reference: dict[str, list[int]]) -> None:
     assert tokens_of(body) == reference["pull-a"]
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_first_token_from_prefill_tokens_match_colocated(pair: Pair,
+                                                        reference: dict[str, list[int]],
+                                                        mode: str) -> None:
+    """The router streams the prefill instance's first token, then the decode instance's
+    stream without its own first token (examples/vllm/router.py, ``--first-token
+    prefill``): every token still equals colocated's, and the answer says where the first
+    came from."""
+    for name in ("push-a", "pull-a"):
+        status, body = pair.complete(PROMPTS[name], mode=mode, stream=True,
+                                     first_token="prefill")
+        assert status == 200
+        assert body["first_token_from"] == "prefill"
+        assert tokens_of(body) == reference[name], f"{mode}, {name}"
+
+
 def test_concurrent_push_and_pull(pair: Pair, reference: dict[str, list[int]]) -> None:
     names = [f"conc{i}" for i in range(6)]
     with ThreadPoolExecutor(len(names)) as pool:

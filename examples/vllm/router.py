@@ -13,6 +13,20 @@ body asks the decode instance to register a push layer by layer (or not), whatev
 ``layerwise`` setting. ``--protocol nixl`` speaks vLLM's own
 ``NixlConnector`` (pull) / ``NixlPushConnector`` (push) instead, for comparisons.
 
+**First token from the prefill instance** (``--first-token prefill``, or per request
+``"kvpush_first_token": "prefill"`` / an ``X-KVPush-First-Token`` header): the prefill
+instance computes the first token anyway (its request runs with ``max_tokens=1``). The router
+streams it to the client the moment the prefill answers, then the decode instance's stream
+without its own first token, which must be the same token: the client's time to first token
+no longer includes the KV hand-over and the decode step. Only where the decode instance is
+sure to compute that same token: a streamed ``/v1/completions`` request, greedy
+(``"temperature": 0``), without ``logprobs``, ``echo``, ``stop`` or ``stop_token_ids``; any
+other request takes the decode instance's first token as usual. A decode instance whose first
+token differs anyway (numerics) is logged and counted, and the stream ends there with an
+error event, never with a text that mixes two continuations. The answer's
+``X-KVPush-First-Token`` header says which instance gave the first token; ``GET /stats``
+counts both.
+
 Usage::
 
     python examples/vllm/router.py --port 8000 --prefill http://127.0.0.1:8100 \\
@@ -37,6 +51,15 @@ from aiohttp import web
 log = logging.getLogger("router")
 
 MODES = ("push", "pull")
+FIRST_TOKEN = ("decode", "prefill")
+#: Request fields under which the decode instance might not compute the prefill's first
+#: token, or the router could not tell it apart in the stream.
+_FIRST_TOKEN_EXCLUDES = ("logprobs", "echo", "stop", "stop_token_ids", "best_of",
+                         "prompt_logprobs", "min_tokens")
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 class Router:
@@ -50,6 +73,9 @@ class Router:
         self.nixl_host = args.nixl_host
         self.nixl_port = args.nixl_port
         self.timeout = args.timeout
+        self.first_token = args.first_token
+        self.first_tokens_from_prefill = 0   # answers whose first token was the prefill's
+        self.first_token_mismatches = 0      # ... and whose decode's first token was not it
         self.session: aiohttp.ClientSession | None = None
 
     async def on_startup(self, app: web.Application) -> None:
@@ -111,15 +137,24 @@ class Router:
         if body.get("n", 1) != 1:
             return web.json_response({"error": {"message": "n > 1 is not supported"}},
                                      status=400)
+        first_token = body.pop("kvpush_first_token", None) \
+            or request.headers.get("X-KVPush-First-Token") or self.first_token
+        if first_token not in FIRST_TOKEN:
+            return web.json_response(
+                {"error": {"message": f"unknown first-token source {first_token!r}"}},
+                status=400)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
         path = request.path
+        early = first_token == "prefill" and self._first_token_applies(path, body)
         layerwise = body.pop("kvpush_layerwise", None)
         prefill_params, decode_params = self._params(mode, rid)
         if layerwise is not None and decode_params is not None and self.protocol == "kvpush":
             decode_params["kvpush_layerwise"] = bool(layerwise)  # register layer by layer
         prefill_body = self._prefill_body(body, prefill_params)
         decode_body = dict(body)
+        if early:  # the first token is told apart in both answers by its id
+            prefill_body["return_token_ids"] = decode_body["return_token_ids"] = True
         if mode == "push":
             assert decode_params is not None
             decode_body["kv_transfer_params"] = decode_params
@@ -127,6 +162,9 @@ class Router:
             prefill = asyncio.ensure_future(
                 self._post_json(self.prefill + path, prefill_body, headers))
             try:
+                if early:
+                    return await self._relay_early(request, self.decode + path, decode_body,
+                                                   headers, prefill, body)
                 return await self._relay(request, self.decode + path, decode_body, headers,
                                          prefill)
             finally:
@@ -138,7 +176,126 @@ class Router:
         if status != 200:
             return web.json_response(data, status=status)
         decode_body["kv_transfer_params"] = data.get("kv_transfer_params")
+        if early:
+            done: asyncio.Future[tuple[int, dict[str, Any]]] = \
+                asyncio.get_running_loop().create_future()
+            done.set_result((status, data))
+            return await self._relay_early(request, self.decode + path, decode_body, headers,
+                                           done, body)
         return await self._relay(request, self.decode + path, decode_body, headers, None)
+
+    @staticmethod
+    def _first_token_applies(path: str, body: dict[str, Any]) -> bool:
+        """Whether the prefill's first token is sure to be the decode instance's (see the
+        module's docstring)."""
+        temperature = body.get("temperature")
+        return (path == "/v1/completions" and body.get("stream") is True
+                and isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                and temperature == 0
+                and not any(body.get(k) for k in _FIRST_TOKEN_EXCLUDES))
+
+    async def _relay_early(self, request: web.Request, url: str, body: dict[str, Any],
+                           headers: dict[str, str],
+                           prefill: asyncio.Future[tuple[int, dict[str, Any]]],
+                           client_body: dict[str, Any]) -> web.StreamResponse:
+        """First token from the prefill: the decode request leaves at once (push: beside
+        the prefill request), the prefill's token is streamed as soon as it answers, then
+        the decode instance's stream without its first token. A failed prefill cancels the
+        decode request, as in :meth:`_relay`."""
+        assert self.session is not None
+        decode = asyncio.ensure_future(self.session.post(url, json=body, headers=headers))
+        try:
+            try:
+                status, data = await prefill
+            except Exception as exc:  # the prefill instance is unreachable
+                status, data = 502, {"error": {"message": f"prefill failed: {exc}"}}
+            choices = data.get("choices") or [{}]
+            first_ids = list(choices[0].get("token_ids") or [])
+            if status != 200:
+                log.warning("prefill failed (%s); decode request cancelled", status)
+                return web.json_response(data, status=status if status >= 400 else 502)
+            resp = await decode
+            try:
+                if len(first_ids) != 1:  # nothing to tell the decode's first token apart by
+                    log.warning("prefill answer without one token id: first token from decode")
+                    return await self._pipe(request, resp, body)
+                return await self._stream_after_first(request, resp, data, first_ids[0],
+                                                      bool(client_body.get("return_token_ids")))
+            finally:
+                resp.release()
+        finally:
+            if not decode.done():
+                decode.cancel()
+                with contextlib.suppress(BaseException):
+                    await decode
+            elif not decode.cancelled() and decode.exception() is None:
+                decode.result().release()
+
+    async def _stream_after_first(self, request: web.Request, resp: aiohttp.ClientResponse,
+                                  data: dict[str, Any], first_id: int,
+                                  keep_ids: bool) -> web.StreamResponse:
+        """Stream the prefill's answer ``data`` as the first chunk, then ``resp`` (the
+        decode instance's stream) without its first token, which must be ``first_id``."""
+        choice0 = data["choices"][0]
+        first_text = choice0.get("text") or ""
+        cid = data.get("id")
+        first: dict[str, Any] = {
+            "id": cid, "object": "text_completion", "created": data.get("created"),
+            "model": data.get("model"),
+            "choices": [{"index": 0, "text": first_text, "logprobs": None,
+                         "finish_reason": None, "stop_reason": None}]}
+        if keep_ids:
+            first["choices"][0]["token_ids"] = [first_id]
+            if choice0.get("prompt_token_ids") is not None:
+                first["choices"][0]["prompt_token_ids"] = choice0["prompt_token_ids"]
+        if resp.status != 200:  # nothing was streamed yet: the decode's answer as it is
+            return web.Response(body=await resp.read(), status=resp.status,
+                                content_type=resp.content_type or "application/json")
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "X-KVPush-First-Token": "prefill"})
+        await out.prepare(request)
+        await out.write(_sse(first))
+        self.first_tokens_from_prefill += 1
+        pending = True  # decode's first token is still to be dropped
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            if line == b"data: [DONE]":
+                await out.write(b"data: [DONE]\n\n")
+                continue
+            event = json.loads(line[5:])
+            event["id"] = cid
+            for choice in event.get("choices", []):
+                ids = list(choice.get("token_ids") or [])
+                if pending and ids:
+                    pending = False
+                    if ids[0] != first_id:
+                        self.first_token_mismatches += 1
+                        log.error("decode's first token %d is not the prefill's %d: stream "
+                                  "ended", ids[0], first_id)
+                        await out.write(_sse({"error": {
+                            "message": "the decode instance's first token differs from the "
+                                       "prefill's"}}))
+                        await out.write_eof()
+                        return out
+                    ids = ids[1:]
+                    text = choice.get("text") or ""
+                    # one token per decode step: the first event's text is that token's
+                    choice["text"] = text[len(first_text):] if ids and \
+                        text.startswith(first_text) else ("" if not ids else text)
+                if keep_ids:
+                    choice["token_ids"] = ids
+                else:
+                    choice.pop("token_ids", None)
+                    choice.pop("prompt_token_ids", None)
+            if not event.get("usage") and not any(
+                    c.get("text") or c.get("token_ids") or c.get("finish_reason")
+                    for c in event.get("choices", [])):
+                continue  # only the dropped token was in it
+            await out.write(_sse(event))
+        await out.write_eof()
+        return out
 
     async def _relay(self, request: web.Request, url: str, body: dict[str, Any],
                      headers: dict[str, str],
@@ -168,23 +325,33 @@ class Router:
                        headers: dict[str, str]) -> web.StreamResponse:
         assert self.session is not None
         async with self.session.post(url, json=body, headers=headers) as resp:
-            if not body.get("stream"):
-                data = await resp.read()
-                return web.Response(body=data, status=resp.status,
-                                    content_type=resp.content_type or "application/json")
-            out = web.StreamResponse(status=resp.status, headers={
-                "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
-            await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            return out
+            return await self._pipe(request, resp, body)
+
+    @staticmethod
+    async def _pipe(request: web.Request, resp: aiohttp.ClientResponse,
+                    body: dict[str, Any]) -> web.StreamResponse:
+        """The decode instance's answer ``resp``, to the client as it comes."""
+        if not body.get("stream"):
+            data = await resp.read()
+            return web.Response(body=data, status=resp.status,
+                                content_type=resp.content_type or "application/json")
+        out = web.StreamResponse(status=resp.status, headers={
+            "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
+        await out.prepare(request)
+        async for chunk in resp.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+        return out
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None
         async with self.session.get(self.decode + request.path) as resp:
             return web.Response(body=await resp.read(), status=resp.status,
                                 content_type=resp.content_type)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"first_tokens_from_prefill": self.first_tokens_from_prefill,
+                                  "first_token_mismatches": self.first_token_mismatches})
 
     async def health(self, request: web.Request) -> web.Response:
         assert self.session is not None
@@ -198,15 +365,21 @@ class Router:
         return web.Response(text="ok")
 
 
+#: The app's :class:`Router` (its counters, for a test or a status page).
+ROUTER = web.AppKey("router", Router)
+
+
 def build_app(args: argparse.Namespace) -> web.Application:
     router = Router(args)
     app = web.Application(client_max_size=64 << 20)
+    app[ROUTER] = router
     app.on_startup.append(router.on_startup)
     app.on_cleanup.append(router.on_cleanup)
     app.router.add_post("/v1/completions", router.handle)
     app.router.add_post("/v1/chat/completions", router.handle)
     app.router.add_get("/v1/models", router.passthrough)
     app.router.add_get("/health", router.health)
+    app.router.add_get("/stats", router.stats)
     return app
 
 
@@ -225,6 +398,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="nixl push: the prefill instance's side-channel host")
     p.add_argument("--nixl-port", type=int, default=5600,
                    help="nixl push: the prefill instance's VLLM_NIXL_SIDE_CHANNEL_PORT")
+    p.add_argument("--first-token", choices=FIRST_TOKEN, default="decode",
+                   help="which instance's first token a greedy streamed completion gets "
+                        "(prefill: streamed as soon as the prefill answers)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request limit (s)")
     args = p.parse_args(argv)
     if args.protocol == "kvpush" and args.mode == "push" and not args.producers:
