@@ -164,12 +164,16 @@ def start_vllm(model: str | Path, port: int, *, name: str, cores: str, log_dir: 
 
 
 def start_router(port: int, *, prefill: str, decode: str, log_dir: Path,
-                 args: Sequence[str] = (), python: str | None = None) -> Process:
-    """Start ``examples/vllm/router.py``."""
+                 args: Sequence[str] = (), python: str | None = None,
+                 nice: int = 0) -> Process:
+    """Start ``examples/vllm/router.py`` (``nice``: its scheduling niceness; below 0 needs
+    root or CAP_SYS_NICE)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"router-{port}.log"
     cmd = [python or sys.executable, str(ROUTER), "--port", str(port), "--prefill", prefill,
            "--decode", decode, *args]
+    if nice:
+        cmd = ["nice", "-n", str(nice), *cmd]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=str(log_dir))
