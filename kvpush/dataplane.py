@@ -221,6 +221,7 @@ class ChildAgent:
         self._closed = False
         self.lost: str | None = None     # why the current child was lost (None: alive)
         self.restarts = 0
+        self.last_explicit = False  # whether the last post went as explicit descriptors
         self._start()
 
     # -- the child's life --------------------------------------------------------------------
@@ -377,13 +378,16 @@ class ChildAgent:
         return name in self._links
 
     def post(self, op: str, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray,
-             notif: bytes) -> Any:
+             notif: bytes, runs: np.ndarray | None = None,
+             regions: tuple[int, int] | None = None) -> Any:
+        self.last_explicit = False
         if self.lost is not None:
             raise DataPlaneLost(f"data plane lost: {self.lost}")
         if peer not in self._links:
             raise PeerUnavailable(f"no connection to {peer!r}")
         try:
-            hid, state = self._call("post", op, peer, local_idx, remote_idx, notif)
+            hid, state, self.last_explicit = self._call("post", op, peer, local_idx,
+                                                        remote_idx, notif, runs, regions)
         except DataPlaneLost:
             return _Lost()  # the child may have posted it before dying: not fenced
         self._live.add(hid)
@@ -526,7 +530,7 @@ def _serve(sock: socket.socket) -> None:
             if op == "post":
                 hid = next(ids)
                 handles[hid] = agent.post(*args)
-                value: Any = (hid, _state(agent, handles, hid))
+                value: Any = (hid, _state(agent, handles, hid), agent.last_explicit)
             elif op == "states":
                 value = {hid: _state(agent, handles, hid) for hid in args[0]}
             elif op == "release":

@@ -354,7 +354,8 @@ class Endpoint:
             return
         try:
             handle = self._agent.post(effect.op, effect.peer, effect.local, effect.remote,
-                                      m.encode(effect.notif, sealer))
+                                      m.encode(effect.notif, sealer), effect.runs,
+                                      effect.regions)
         except KvpushError as exc:
             log.warning("%s: %s", self.name, exc)
             lost = isinstance(exc, PeerUnavailable)
@@ -368,6 +369,7 @@ class Endpoint:
         LIVE.add("transfers_in_flight", 1)
         self._stats.transfers_posted += 1
         self._stats.descriptors_posted += effect.descriptors
+        self._stats.transfers_explicit += self._agent.last_explicit
         self._check_xfer(effect.key, handle)  # on a host UCX often finishes inside the post
 
     def _check_xfer(self, key: int, handle: Any) -> bool:

@@ -44,6 +44,7 @@ class Stats:
     requests_timed_out: int = 0
     requests_aborted: int = 0
     transfers_posted: int = 0
+    transfers_explicit: int = 0    # of them, posted as explicit merged descriptors
     blocks_moved: int = 0
     bytes_moved: int = 0
     descriptors_posted: int = 0

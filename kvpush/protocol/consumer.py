@@ -479,7 +479,8 @@ class ConsumerCore:
             self._out.append(Send(name, m.PullBegin(rid, xid, sid, req.sharers[name])))
             self._out.append(Post(key, "READ", name, plan.local_indices, plan.remote_indices,
                                   m.PullDone(rid, xid, sid, nbytes, req.sharers[name]), nbytes,
-                                  plan.num_descriptors))
+                                  plan.num_descriptors, getattr(plan, "runs", None),
+                                  (0, self.layout.num_regions)))
         if not req.reads:
             self._pull_done(now, req)
         return xid

@@ -57,6 +57,12 @@ class Post:
     notif: m.Message
     nbytes: int
     descriptors: int
+    # The plan's runs (region 0's local_start, remote_start, length, in block ids) and the
+    # regions [lo, hi) the indices cover: what lets the driver post a request of long runs
+    # as explicit merged descriptors instead (kvpush.agent.explicit_is_cheaper); None where
+    # the plan has none.
+    runs: np.ndarray | None = None
+    regions: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1030,7 +1030,8 @@ class ProducerCore:
         self._out.append(Post(key, "WRITE", peer, plan.local_indices[lo * n:hi * n],
                               plan.remote_indices[lo * n:hi * n],
                               m.Landed(rid, share.xid, part, sums, nbytes), nbytes,
-                              plan.num_descriptors // lay.num_regions * (hi - lo)))
+                              plan.num_descriptors // lay.num_regions * (hi - lo),
+                              getattr(plan, "runs", None), (lo, hi)))
 
     def _end_push(self, req: _Request, share: _Share, message: str, reason: ReleaseReason,
                   detail: str) -> None:
