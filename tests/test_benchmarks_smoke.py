@@ -25,6 +25,7 @@ from benchmarks import (  # noqa: E402
     desc_prep,
     engine_share,
     hot_path,
+    nixl_call,
     report,
     spinning_engine,
     throughput,
@@ -108,6 +109,13 @@ def test_hot_path() -> None:
         assert 0 <= row["p_command"] <= row["p_post"] <= row["p_xfer_end"] <= row["p_engine"]
         assert row["c_message"] <= row["c_notif"] <= row["c_finished"] <= row["c_engine"]
         assert math.isfinite(row["raw_done"]) and math.isfinite(row["raw_notif"])
+
+
+def test_nixl_call() -> None:
+    row = nixl_call._shape(2048, 256, 4096, 16, requests=2)   # 262,144 indices, 1,024 merged
+    assert row["rule_says_explicit"] and row["merged"] == 1024
+    for name in ("prepped", "explicit"):
+        assert math.isfinite(row[f"{name}_push_us_p50"]) and row[f"{name}_post_us_p50"] > 0
 
 
 def test_spinning_engine() -> None:
