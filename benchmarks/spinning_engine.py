@@ -4,18 +4,22 @@ vLLM's engine core steps as long as it has unfinished requests; a decode instanc
 only requests wait for their KV runs steps with no forward pass back to back -- its
 scheduler and the connector's calls, pure Python that never blocks. kvpush's loop thread in
 that process then wins the GIL only when CPython's switch interval (5 ms) forces a hand-off,
-on every wake-up a transfer needs. ``AdapterConfig.idle_yield_s`` makes such a step sleep a
-moment while kvpush has something pending; this measures what that buys.
+on every wake-up a transfer needs. ``AdapterConfig.idle_yield_s`` makes such a step wait
+while kvpush has something pending -- until a result is queued (the consumer's descriptor) or
+the bound passes; this measures what that buys, beside the fixed 50 us sleep per step the
+adapter took before (seventh session).
 
 Two processes: a prefill engine with a :class:`kvpush.Producer`, and a decode engine whose
 thread, after each request is registered (push) or pulled, steps like vLLM's empty steps
-(~100 us of bytecode, then ``get_finished()``) until the request's result comes, sleeping
-``yield_s`` after each step or not at all. Push: ``prefill_done`` called -> the result seen by
-the engine's thread; pull: ``pull`` called -> the same. Yield settings take turns request by
-request, so a loaded host slows them alike.
+(~100 us of bytecode, then ``get_finished()``) until the request's result comes: back to
+back (``spin``, vLLM as it is), sleeping 50 us after each (``sleep``), or waiting on the
+consumer's descriptor for up to 1 ms (``wait``, the adapter's policy). Push: ``prefill_done``
+called -> the result seen by the engine's thread; pull: ``pull`` called -> the same. The
+policies take turns request by request, so a loaded host slows them alike. Also: the engine
+thread's CPU time per request while it waited.
 
-``python -m benchmarks.spinning_engine [--quick]``: p50 / p90 per mode and setting, and the
-ratio of the yielding p50 and p90 to the spinning ones.
+``python -m benchmarks.spinning_engine [--quick]``: p50 / p90 and CPU per mode and policy,
+and the ratios of the waiting p50 and p90 to the spinning ones.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ __all__ = ["run"]
 
 _M = "benchmarks.spinning_engine:"
 REQUEST_BLOCKS = 16       # 16 blocks x 16 regions x 4 KiB = 1 MiB
-YIELDS = (0.0, 50e-6)     # no yield (vLLM as it is), the adapter's default
+POLICIES = ("spin", "sleep", "wait")
+SLEEP_S = 50e-6           # the adapter's fixed sleep per idle step before
+WAIT_S = 1e-3             # AdapterConfig.idle_yield_s: the bound of the wait
 
 
 def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_blocks: int,
@@ -69,39 +75,50 @@ def side_expect(state: dict[str, Any], conn: mpc.Connection, rid: str, ids: np.n
     state["endpoint"].expect(rid, ids, state["producer"], timeout=30)
 
 
-def _steps_until_result(consumer: Any, yield_s: float, timeout: float = 30.0) -> float:
-    """vLLM's empty steps until a result comes; returns when it was seen (monotonic)."""
+def _steps_until_result(consumer: Any, policy: str, timeout: float = 30.0
+                        ) -> tuple[float, float]:
+    """vLLM's empty steps until a result comes; returns when it was seen (monotonic) and
+    the thread's CPU seconds meanwhile."""
+    import select
+
     deadline = time.monotonic() + timeout
+    cpu = time.thread_time()
+    fd = consumer.fileno()
     while time.monotonic() < deadline:
         s = 0
         for i in range(3000):   # the scheduler's and the connector's Python (~100 us)
             s += i
         if consumer.get_finished():
-            return time.monotonic()
-        if yield_s:
-            time.sleep(yield_s)
+            return time.monotonic(), time.thread_time() - cpu
+        if policy == "sleep":
+            time.sleep(SLEEP_S)
+        elif policy == "wait":   # as vllm_worker._wait
+            select.select([fd], [], [], WAIT_S)
     raise TimeoutError("no result within the timeout")
 
 
-def side_wait(state: dict[str, Any], conn: mpc.Connection, yield_s: float) -> float:
-    return _steps_until_result(state["endpoint"], yield_s)
+def side_wait(state: dict[str, Any], conn: mpc.Connection, policy: str
+              ) -> tuple[float, float]:
+    return _steps_until_result(state["endpoint"], policy)
 
 
 def side_pull(state: dict[str, Any], conn: mpc.Connection, ticket: bytes, ids: np.ndarray,
-              yield_s: float) -> float:
+              policy: str) -> tuple[float, float]:
     import kvpush
 
     consumer = state["endpoint"]
     t0 = time.monotonic()
     consumer.pull(kvpush.PullTicket.from_bytes(ticket), ids, timeout=30)
-    return _steps_until_result(consumer, yield_s) - t0
+    seen, cpu = _steps_until_result(consumer, policy)
+    return seen - t0, cpu
 
 
 def run(quick: bool, requests: int | None = None) -> dict[str, Any]:
     requests = requests or (20 if quick else 60)
     num_blocks = 1024
     prefill, decode = Worker("se-prefill"), Worker("se-decode")
-    samples: dict[tuple[str, float], list[float]] = {}
+    samples: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     try:
         address = prefill.call(_M + "side_setup", role="prefill", num_blocks=num_blocks)
         decode.call(_M + "side_setup", role="decode", num_blocks=num_blocks, address=address)
@@ -109,36 +126,39 @@ def run(quick: bool, requests: int | None = None) -> dict[str, Any]:
         src = rng.choice(num_blocks, REQUEST_BLOCKS, replace=False)
         dst = rng.choice(num_blocks, REQUEST_BLOCKS, replace=False)
         for i in range(requests + 1):
-            for y in YIELDS:
-                rid = f"push-{i}-{y}"
+            for policy in POLICIES:
+                rid = f"push-{i}-{policy}"
                 decode.call(_M + "side_expect", rid=rid, ids=dst)
-                decode.send_call(_M + "side_wait", yield_s=y)
+                decode.send_call(_M + "side_wait", policy=policy)
                 time.sleep(0.002)    # the decode engine is stepping when the prefill ends
                 called = prefill.call(_M + "side_prefill", rid=rid, ids=src, mode="push")
-                seen = decode.result(60)
-                ticket = prefill.call(_M + "side_prefill", rid=f"pull-{i}-{y}", ids=src,
+                seen, push_cpu = decode.result(60)
+                ticket = prefill.call(_M + "side_prefill", rid=f"pull-{i}-{policy}", ids=src,
                                       mode="pull")
-                took = decode.call(_M + "side_pull", ticket=ticket, ids=dst, yield_s=y,
-                                   timeout=60)
+                took, pull_cpu = decode.call(_M + "side_pull", ticket=ticket, ids=dst,
+                                             policy=policy, timeout=60)
                 if i:  # the first round warms both paths up
-                    samples.setdefault(("push", y), []).append(seen - called)
-                    samples.setdefault(("pull", y), []).append(took)
+                    samples.setdefault(("push", policy), []).append(seen - called)
+                    samples.setdefault(("pull", policy), []).append(took)
+                    cpus.setdefault(("push", policy), []).append(push_cpu)
+                    cpus.setdefault(("pull", policy), []).append(pull_cpu)
     finally:
         stop_all([decode, prefill])
     rows = []
     summary: dict[str, Any] = {}
     for mode in ("push", "pull"):
-        spin, calm = samples[(mode, YIELDS[0])], samples[(mode, YIELDS[1])]
-        row = {"mode": mode, "requests": len(spin),
-               "spinning_p50_ms": pct(spin, 50) * 1e3, "spinning_p90_ms": pct(spin, 90) * 1e3,
-               "yielding_p50_ms": pct(calm, 50) * 1e3, "yielding_p90_ms": pct(calm, 90) * 1e3}
-        row["p50_yielding_over_spinning"] = row["yielding_p50_ms"] / row["spinning_p50_ms"]
-        row["p90_yielding_over_spinning"] = row["yielding_p90_ms"] / row["spinning_p90_ms"]
-        summary[f"spinning_engine_p90_yield_over_spin_{mode}"] = \
-            row["p90_yielding_over_spinning"]
+        row: dict[str, Any] = {"mode": mode, "requests": len(samples[(mode, "spin")])}
+        for policy in POLICIES:
+            row[f"{policy}_p50_ms"] = pct(samples[(mode, policy)], 50) * 1e3
+            row[f"{policy}_p90_ms"] = pct(samples[(mode, policy)], 90) * 1e3
+            row[f"{policy}_cpu_ms"] = pct(cpus[(mode, policy)], 50) * 1e3
+        for policy in ("sleep", "wait"):
+            for q in ("p50", "p90"):
+                row[f"{q}_{policy}_over_spin"] = row[f"{policy}_{q}_ms"] / row[f"spin_{q}_ms"]
+        summary[f"spinning_engine_p90_yield_over_spin_{mode}"] = row["p90_wait_over_spin"]
         rows.append(row)
-    return {"yield_s": YIELDS[1], "request_bytes": REQUEST_BLOCKS * 16 * 4096, "rows": rows,
-            "summary": summary}
+    return {"wait_s": WAIT_S, "sleep_s": SLEEP_S, "request_bytes": REQUEST_BLOCKS * 16 * 4096,
+            "rows": rows, "summary": summary}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""An engine step with no forward pass yields the GIL to kvpush's loop, only while a
-transfer is pending on that side (``AdapterConfig.idle_yield_s``; why, and its measured
-effect: ``benchmarks/spinning_engine.py``)."""
+"""An engine step with no forward pass waits for kvpush (a result or release queued, or
+``AdapterConfig.idle_yield_s`` passed), only while a request is pending on that side; why,
+and its measured effect: ``benchmarks/spinning_engine.py``."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from kvpush.integrations.vllm_common import AdapterConfig, RecvPlan, RemotePrefi
 from kvpush.integrations.vllm_worker import KVPushWorker
 
 
-def test_an_idle_step_yields_only_while_a_transfer_is_pending(
+def test_an_idle_step_waits_only_while_a_request_is_pending(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    sleeps: list[float] = []
-    monkeypatch.setattr(vllm_worker, "_sleep", sleeps.append)
+    waits: list[tuple[int, float]] = []   # (descriptors waited on, bound)
+    monkeypatch.setattr(vllm_worker, "_wait", lambda fds, t: waits.append((len(fds), t)))
     prefill = KVPushWorker(AdapterConfig(), "kv_producer", "p", 32, 16)
     decode = KVPushWorker(AdapterConfig(), "kv_consumer", "d", 32, 16)
     quiet = KVPushWorker(AdapterConfig(idle_yield_s=0), "kv_consumer", "q", 32, 16)
@@ -29,7 +29,7 @@ def test_an_idle_step_yields_only_while_a_transfer_is_pending(
             w.register_kv_caches(cpu_caches(blocks=16), facts=facts())
         decode.bind(StepPlan(idle=True))
         decode.get_finished(set())
-        assert sleeps == []                     # nothing pending: vLLM's step as it was
+        assert waits == []                      # nothing pending: vLLM's step as it was
         remote = RemotePrefill("t1", kvpush.TransferMode.PUSH, (prefill.address,), ())
         decode.bind(StepPlan(recv=[RecvPlan("req-1", remote, [1, 2], report=True)],
                              idle=True))
@@ -39,20 +39,37 @@ def test_an_idle_step_yields_only_while_a_transfer_is_pending(
             decode.get_finished(set())          # idle steps while the handshake runs
             time.sleep(0.01)
         assert decode.consumer.pending == 1     # registered: a push awaited
-        sleeps.clear()
+        assert set(waits) <= {(0, vllm_worker.SHORT_YIELD_S)}  # handshake: short sleeps
+        waits.clear()
         decode.get_finished(set())
-        assert sleeps == [50e-6]                # ... and no forward: this step yields once
+        assert waits == [(1, 1e-3)]             # ... and no forward: wait for the result
         decode.bind(StepPlan(idle=False))
         decode.get_finished(set())
-        assert sleeps == [50e-6]                # a forward pass lets go of the GIL itself
+        assert waits == [(1, 1e-3)]             # a forward pass never waits
         quiet.bind(StepPlan(recv=[RecvPlan("req-2", RemotePrefill(
             "t2", kvpush.TransferMode.PUSH, (prefill.address,), ()), [3], report=True)],
             idle=True))
         quiet.get_finished(set())
-        assert sleeps == [50e-6]                # turned off
+        assert waits == [(1, 1e-3)]             # turned off
     finally:
         for w in (quiet, decode, prefill):
             w.shutdown()
+
+
+def test_the_wait_ends_when_a_result_is_queued() -> None:
+    """The descriptor an idle step waits on is an endpoint's: readable once something is
+    queued, so the wait ends then, not at its bound (here far beyond the test's)."""
+    from kvpush.aio import DrainQueue
+
+    queue: DrainQueue[int] = DrainQueue()
+    queue.put(1)
+    t0 = time.monotonic()
+    vllm_worker._wait([queue.fileno()], 30.0)
+    assert time.monotonic() - t0 < 5.0
+    assert queue.take() == [1]
+    t0 = time.monotonic()
+    vllm_worker._wait([queue.fileno()], 0.05)  # drained: nothing to wake it
+    assert time.monotonic() - t0 >= 0.04
 
 
 def test_idle_yield_is_bounded() -> None:

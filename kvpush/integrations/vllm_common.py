@@ -137,10 +137,12 @@ class AdapterConfig:
         and ``layer_done`` calls are ignored by a whole-request registration.
     idle_yield_s
         In an engine step that runs no forward pass (vLLM steps without pause while a
-        request waits for its KV, running only Python), the worker sleeps this long when
-        kvpush has transfers pending on this side, so kvpush's loop thread wins the GIL
-        at once instead of after CPython's switch interval (5 ms) each time it wakes.
-        0 turns it off.
+        request waits for its KV, running only Python), the worker waits, while kvpush has
+        requests pending on this side, until a result or release is queued or this long
+        has passed: the engine stops spinning a core, and kvpush's loop thread has the GIL
+        at once instead of after CPython's switch interval (5 ms) each time it wakes. A
+        new request reaching an engine in such a wait is seen at most this late. 0 turns
+        it off.
     """
 
     host: str = "127.0.0.1"
@@ -159,7 +161,7 @@ class AdapterConfig:
     advertise_host: str | None = None
     model_id: str | None = None
     layerwise: bool = False
-    idle_yield_s: float = 50e-6
+    idle_yield_s: float = 1e-3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))

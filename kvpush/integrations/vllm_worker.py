@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import select
 import time
 import uuid
 from collections.abc import Mapping
@@ -55,7 +56,18 @@ from .vllm_staging import DONE, HostStaging, Readiness, record_event
 
 __all__ = ["KVPushWorker", "layout_from_kv_caches"]
 
-_sleep = time.sleep  # (tests replace it)
+#: An idle step's wait while kvpush's progress comes with no descriptor to wait on (a
+#: handshake, a staged copy to the device): a short sleep that lets the loop have the GIL.
+SHORT_YIELD_S = 50e-6
+
+
+def _wait(fds: list[int], timeout: float) -> None:
+    """Until one of ``fds`` is readable or ``timeout`` passes (a sleep without ``fds``);
+    the GIL is let go meanwhile. (Tests replace it.)"""
+    if fds:
+        select.select(fds, [], [], timeout)
+    else:
+        time.sleep(timeout)
 
 log = logging.getLogger("kvpush.vllm")
 
@@ -675,18 +687,24 @@ class KVPushWorker:
 
     def _yield_to_kvpush(self) -> None:
         """An engine step with no forward pass (vLLM steps without pause while a request
-        waits for its KV) runs only Python and holds the GIL throughout: kvpush's loop
-        thread, woken by a notification or a timer, would win it only when CPython's
-        switch interval (5 ms) forces a hand-off -- on every wake-up of a transfer. While
-        something is pending on this side (a handshake, a request), such a step sleeps
-        ``idle_yield_s`` here so the loop takes the GIL at once
-        (``benchmarks/spinning_engine.py``)."""
-        wait = self.config.idle_yield_s
-        if not (wait and self._idle_step):
+        waits for its KV) runs only Python and holds the GIL throughout: it would spin a
+        core, and kvpush's loop thread, woken by a notification or a timer, would win the
+        GIL only when CPython's switch interval (5 ms) forces a hand-off. While a request
+        is pending on this side, such a step waits instead -- until a result or release is
+        queued (the endpoints' descriptors) or ``idle_yield_s`` passes, whichever comes
+        first; a handshake or a staged device copy, which no descriptor announces, gets a
+        short sleep (:data:`SHORT_YIELD_S`). Steps that run a forward pass never wait.
+        (``benchmarks/spinning_engine.py``.)"""
+        bound = self.config.idle_yield_s
+        if not (bound and self._idle_step):
             return
-        if self._connecting or (self.consumer is not None and self.consumer.pending) or \
-                (self.producer is not None and self.producer.pending):
-            _sleep(wait)
+        if self._connecting or self._h2d:
+            _wait([], min(bound, SHORT_YIELD_S))
+            return
+        fds = [ep.fileno() for ep in (self.consumer, self.producer)
+               if ep is not None and ep.pending]
+        if fds:
+            _wait(fds, bound)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose source blocks may be freed, requests whose load ended)."""
