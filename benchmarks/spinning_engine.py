@@ -13,8 +13,9 @@ Two processes: a prefill engine with a :class:`kvpush.Producer`, and a decode en
 thread, after each request is registered (push) or pulled, steps like vLLM's empty steps
 (~100 us of bytecode, then ``get_finished()``) until the request's result comes: back to
 back (``spin``, vLLM as it is), sleeping 50 us after each (``sleep``), or waiting on the
-consumer's descriptor for up to 1 ms (``wait``, the adapter's policy). Push: ``prefill_done``
-called -> the result seen by the engine's thread; pull: ``pull`` called -> the same. The
+consumer's descriptor for up to 1 ms (``wait``: the adapter's wait, at a longer bound than
+its default). Push: ``prefill_done`` called -> the result seen by the engine's thread; pull:
+``pull`` called -> the same. The
 policies take turns request by request, so a loaded host slows them alike. Also: the engine
 thread's CPU time per request while it waited.
 
@@ -40,8 +41,8 @@ __all__ = ["run"]
 _M = "benchmarks.spinning_engine:"
 REQUEST_BLOCKS = 16       # 16 blocks x 16 regions x 4 KiB = 1 MiB
 POLICIES = ("spin", "sleep", "wait")
-SLEEP_S = 50e-6           # the adapter's fixed sleep per idle step before
-WAIT_S = 1e-3             # AdapterConfig.idle_yield_s: the bound of the wait
+SLEEP_S = 50e-6           # a fixed sleep per idle step (the adapter's default bound)
+WAIT_S = 1e-3             # the wait's bound (AdapterConfig.idle_yield_s; its default is 50 us)
 
 
 def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str, num_blocks: int,

@@ -42,15 +42,15 @@ def test_an_idle_step_waits_only_while_a_request_is_pending(
         assert set(waits) <= {(0, vllm_worker.SHORT_YIELD_S)}  # handshake: short sleeps
         waits.clear()
         decode.get_finished(set())
-        assert waits == [(1, 1e-3)]             # ... and no forward: wait for the result
+        assert waits == [(1, 50e-6)]             # ... and no forward: wait for the result
         decode.bind(StepPlan(idle=False))
         decode.get_finished(set())
-        assert waits == [(1, 1e-3)]             # a forward pass never waits
+        assert waits == [(1, 50e-6)]             # a forward pass never waits
         quiet.bind(StepPlan(recv=[RecvPlan("req-2", RemotePrefill(
             "t2", kvpush.TransferMode.PUSH, (prefill.address,), ()), [3], report=True)],
             idle=True))
         quiet.get_finished(set())
-        assert waits == [(1, 1e-3)]             # turned off
+        assert waits == [(1, 50e-6)]             # turned off
     finally:
         for w in (quiet, decode, prefill):
             w.shutdown()

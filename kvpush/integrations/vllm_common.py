@@ -142,7 +142,8 @@ class AdapterConfig:
         has passed: the engine stops spinning a core, and kvpush's loop thread has the GIL
         at once instead of after CPython's switch interval (5 ms) each time it wakes. A
         new request reaching an engine in such a wait is seen at most this late. 0 turns
-        it off.
+        it off. The default is short: a 1 ms bound used a fifth of the CPU in
+        ``benchmarks/spinning_engine.py`` but raised decode TPOT in real vLLM servers.
     """
 
     host: str = "127.0.0.1"
@@ -161,7 +162,7 @@ class AdapterConfig:
     advertise_host: str | None = None
     model_id: str | None = None
     layerwise: bool = False
-    idle_yield_s: float = 1e-3
+    idle_yield_s: float = 50e-6
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))
