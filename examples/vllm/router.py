@@ -20,8 +20,9 @@ streams it to the client the moment the prefill answers, then the decode instanc
 without its own first token, which must be the same token: the client's time to first token
 no longer includes the KV hand-over and the decode step. Only where the decode instance is
 sure to compute that same token: a streamed ``/v1/completions`` request, greedy
-(``"temperature": 0``), without ``logprobs``, ``echo``, ``stop`` or ``stop_token_ids``; any
-other request takes the decode instance's first token as usual. A decode instance whose first
+(``"temperature": 0``), without any of the fields in ``_FIRST_TOKEN_EXCLUDES`` (``logprobs``,
+``echo``, ``stop``, ``stop_token_ids``, ...); any other request takes the decode instance's
+first token as usual. A decode instance whose first
 token differs anyway (numerics) is logged and counted, and the stream ends there with an
 error event, never with a text that mixes two continuations. The answer's
 ``X-KVPush-First-Token`` header says which instance gave the first token; ``GET /stats``
@@ -214,15 +215,12 @@ class Router:
             if status != 200:
                 log.warning("prefill failed (%s); decode request cancelled", status)
                 return web.json_response(data, status=status if status >= 400 else 502)
-            resp = await decode
-            try:
-                if len(first_ids) != 1:  # nothing to tell the decode's first token apart by
-                    log.warning("prefill answer without one token id: first token from decode")
-                    return await self._pipe(request, resp, body)
-                return await self._stream_after_first(request, resp, data, first_ids[0],
-                                                      bool(client_body.get("return_token_ids")))
-            finally:
-                resp.release()
+            resp = await decode  # released below, with the other ways out
+            if len(first_ids) != 1:  # nothing to tell the decode's first token apart by
+                log.warning("prefill answer without one token id: first token from decode")
+                return await self._pipe(request, resp, body)
+            return await self._stream_after_first(request, resp, data, first_ids[0],
+                                                  bool(client_body.get("return_token_ids")))
         finally:
             if not decode.done():
                 decode.cancel()
@@ -236,6 +234,9 @@ class Router:
                                   keep_ids: bool) -> web.StreamResponse:
         """Stream the prefill's answer ``data`` as the first chunk, then ``resp`` (the
         decode instance's stream) without its first token, which must be ``first_id``."""
+        if resp.status != 200:  # nothing was streamed yet: the decode's answer as it is
+            return web.Response(body=await resp.read(), status=resp.status,
+                                content_type=resp.content_type or "application/json")
         choice0 = data["choices"][0]
         first_text = choice0.get("text") or ""
         cid = data.get("id")
@@ -248,9 +249,6 @@ class Router:
             first["choices"][0]["token_ids"] = [first_id]
             if choice0.get("prompt_token_ids") is not None:
                 first["choices"][0]["prompt_token_ids"] = choice0["prompt_token_ids"]
-        if resp.status != 200:  # nothing was streamed yet: the decode's answer as it is
-            return web.Response(body=await resp.read(), status=resp.status,
-                                content_type=resp.content_type or "application/json")
         out = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "X-KVPush-First-Token": "prefill"})
         await out.prepare(request)
@@ -280,10 +278,13 @@ class Router:
                         await out.write_eof()
                         return out
                     ids = ids[1:]
-                    text = choice.get("text") or ""
                     # one token per decode step: the first event's text is that token's
-                    choice["text"] = text[len(first_text):] if ids and \
-                        text.startswith(first_text) else ("" if not ids else text)
+                    text = choice.get("text") or ""
+                    if not ids:
+                        text = ""
+                    elif text.startswith(first_text):
+                        text = text[len(first_text):]
+                    choice["text"] = text
                 if keep_ids:
                     choice["token_ids"] = ids
                 else:
