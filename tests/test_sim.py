@@ -367,6 +367,18 @@ def test_a_safe_result_before_the_bytes_stop_is_caught() -> None:
     assert "landed_after_safe" in sim.checker.kinds()
 
 
+@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
+def test_regression_a_late_register_outlives_its_request() -> None:
+    """Seed 53 (20,000 requests; 4,000 reach it): a Register reached the producer late,
+    its consumer's request ended and the Abort was lost; the producer waited its own
+    wait_s, then kept the record tombstone_s -- as it should. The quiesce check looked
+    tombstone_s after the request's end only, and reported state_unbounded; it now waits
+    for the longest producer wait begun since (``Simulation._quiesce_check_at``)."""
+    sim = Simulation(53, requests=4000, out=io.StringIO())
+    sim.run()
+    assert not sim.checker.violations, sim.checker.violations[0]
+
+
 def test_records_left_past_tombstone_s_are_caught() -> None:
     from kvpush.testing.sim import default_producer
 

@@ -305,6 +305,8 @@ class Endpoint:
             del self.peers[sender]
             self._peer_lost(sender, "bye")
         else:
+            if isinstance(msg, (m.Register, m.Claim)):
+                self.sim.producer_wait_started(msg.request_id)
             self.core.on_message(now, sender, msg)
 
     def _consumer_frame(self, sender: str, msg: m.Message, now: float) -> None:
