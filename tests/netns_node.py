@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import json
+import logging
 import os
 import signal
 import sys
@@ -301,6 +302,11 @@ def main() -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints from C libraries go to the log, never into the protocol
     sys.stdout = sys.stderr
+    # kvpush's INFO lines (connections, peers lost, requests failed) in the node's log, which
+    # a failing test shows (tests/conftest.py)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     node = NodeState()
 
     def answer(seq: int, ok: bool, value: Any = None, error: str = "") -> None:

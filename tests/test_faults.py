@@ -97,6 +97,11 @@ class Pair:
             node.close()
             raise
 
+    def log_tails(self, lines: int = 60) -> str:
+        """The last lines of each live node's log (a failing test shows them)."""
+        return "\n".join(f"--- {node.label} (pid {node.pid}) ---\n{node.log_tail(lines)}"
+                         for node in (self.producer, self.consumer) if node is not None)
+
     @property
     def p(self) -> Node:
         assert self.producer is not None
