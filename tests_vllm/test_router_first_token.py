@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -97,7 +98,8 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 
 async def _ask(stand: Stand, body: dict[str, Any], *, mode: str = "push",
-               first_token: str = "prefill", linger: float = 0.0) -> dict[str, Any]:
+               first_token: str = "prefill", linger: float = 0.0,
+               router_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """Start both stand-ins and a router, post ``body``, gather the answer; the servers
     stay up ``linger`` seconds longer."""
     pre, dec = web.Application(), web.Application()
@@ -111,7 +113,8 @@ async def _ask(stand: Stand, body: dict[str, Any], *, mode: str = "push",
         runners.append(r2)
         args = router_mod.parse_args(["--prefill", pre_url, "--decode", dec_url,
                                       "--producers", "tcp://127.0.0.1:1", "--mode", mode,
-                                      "--first-token", first_token, "--timeout", "20"])
+                                      "--first-token", first_token, "--timeout", "20",
+                                      *router_args])
         app = router_mod.build_app(args)
         r3, url = await _serve(app)
         runners.append(r3)
@@ -212,3 +215,26 @@ def test_first_token_default_is_decode_and_bad_values_are_refused() -> None:
     assert out["header"] == "prefill"
     out = asyncio.run(_ask(Stand(), _greedy(kvpush_first_token="both")))
     assert out["status"] == 400 and "first-token" in out["body"]["error"]["message"]
+
+
+@pytest.mark.parametrize("first_token", ["decode", "prefill"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_stage_log_stamps_each_step_of_a_request(mode: str, first_token: str,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """``--stage-log``: the lines benchmarks/vllm_stages.py joins with the adapter's, on
+    the same clock (time.monotonic), in order; none without it."""
+    caplog.set_level(logging.INFO, logger="router")
+    t0 = time.monotonic()
+    out = asyncio.run(_ask(Stand(), _greedy(), mode=mode, first_token=first_token,
+                           router_args=("--stage-log",)))
+    assert out["status"] == 200
+    lines = [r.getMessage().split() for r in caplog.records
+             if r.getMessage().startswith("kvpush stage ")]
+    assert [w[3] for w in lines] == ["router_in", "prefill_answered", "first_chunk"], lines
+    assert len({w[4] for w in lines}) == 1 and all(w[5] == "router" for w in lines)
+    times = [float(w[2]) for w in lines]
+    assert t0 <= times[0] <= times[1] <= times[2] <= time.monotonic()
+    assert lines[0][6] == mode and lines[2][6] == first_token
+    caplog.clear()
+    asyncio.run(_ask(Stand(), _greedy(), mode=mode, first_token=first_token))
+    assert not [r for r in caplog.records if r.getMessage().startswith("kvpush stage ")]

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -75,6 +76,7 @@ class Router:
         self.nixl_port = args.nixl_port
         self.timeout = args.timeout
         self.first_token = args.first_token
+        self.stage_log = bool(getattr(args, "stage_log", False))
         self.first_tokens_from_prefill = 0   # answers whose first token was the prefill's
         self.first_token_mismatches = 0      # ... and whose decode's first token was not it
         self.session: aiohttp.ClientSession | None = None
@@ -146,6 +148,7 @@ class Router:
                 status=400)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
+        self._stage("router_in", rid, mode)
         path = request.path
         early = first_token == "prefill" and self._first_token_applies(path, body)
         layerwise = body.pop("kvpush_layerwise", None)
@@ -162,6 +165,8 @@ class Router:
             # Truly concurrent: both requests are on their way before either answers.
             prefill = asyncio.ensure_future(
                 self._post_json(self.prefill + path, prefill_body, headers))
+            if self.stage_log:
+                prefill.add_done_callback(lambda _: self._stage("prefill_answered", rid))
             try:
                 if early:
                     return await self._relay_early(request, self.decode + path, decode_body,
@@ -174,6 +179,7 @@ class Router:
                 with contextlib.suppress(BaseException):
                     await prefill
         status, data = await self._post_json(self.prefill + path, prefill_body, headers)
+        self._stage("prefill_answered", rid)
         if status != 200:
             return web.json_response(data, status=status)
         decode_body["kv_transfer_params"] = data.get("kv_transfer_params")
@@ -184,6 +190,13 @@ class Router:
             return await self._relay_early(request, self.decode + path, decode_body, headers,
                                            done, body)
         return await self._relay(request, self.decode + path, decode_body, headers, None)
+
+    def _stage(self, stage: str, rid: str, detail: str = "") -> None:
+        """``--stage-log``: one line per stage, on the clock the adapter's ``stage_log``
+        uses (``time.monotonic``; see ``benchmarks/vllm_stages.py``)."""
+        if self.stage_log:
+            log.info("kvpush stage %.6f %s %s router %s", time.monotonic(), stage, rid,
+                     detail)
 
     @staticmethod
     def _first_token_applies(path: str, body: dict[str, Any]) -> bool:
@@ -253,6 +266,8 @@ class Router:
             "Content-Type": "text/event-stream", "X-KVPush-First-Token": "prefill"})
         await out.prepare(request)
         await out.write(_sse(first))
+        self._stage("first_chunk", str(resp.request_info.headers.get("X-Request-Id")),
+                    "prefill")
         self.first_tokens_from_prefill += 1
         pending = True  # decode's first token is still to be dropped
         async for raw in resp.content:
@@ -328,8 +343,7 @@ class Router:
         async with self.session.post(url, json=body, headers=headers) as resp:
             return await self._pipe(request, resp, body)
 
-    @staticmethod
-    async def _pipe(request: web.Request, resp: aiohttp.ClientResponse,
+    async def _pipe(self, request: web.Request, resp: aiohttp.ClientResponse,
                     body: dict[str, Any]) -> web.StreamResponse:
         """The decode instance's answer ``resp``, to the client as it comes."""
         if not body.get("stream"):
@@ -339,7 +353,12 @@ class Router:
         out = web.StreamResponse(status=resp.status, headers={
             "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
         await out.prepare(request)
+        first = True
         async for chunk in resp.content.iter_any():
+            if first:
+                first = False
+                self._stage("first_chunk", str(resp.request_info.headers.get("X-Request-Id")),
+                            "decode")
             await out.write(chunk)
         await out.write_eof()
         return out
@@ -403,6 +422,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="which instance's first token a greedy streamed completion gets "
                         "(prefill: streamed as soon as the prefill answers)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request limit (s)")
+    p.add_argument("--stage-log", action="store_true",
+                   help="log each request's stages (kvpush stage lines; with the adapter's "
+                        "stage_log, benchmarks/vllm_stages.py lines them up)")
     args = p.parse_args(argv)
     if args.protocol == "kvpush" and args.mode == "push" and not args.producers:
         p.error("kvpush push needs --producers (the prefill instance's kvpush address)")

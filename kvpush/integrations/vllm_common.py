@@ -144,6 +144,15 @@ class AdapterConfig:
         new request reaching an engine in such a wait is seen at most this late. 0 turns
         it off. The default is short: a 1 ms bound used a fifth of the CPU in
         ``benchmarks/spinning_engine.py`` but raised decode TPOT in real vLLM servers.
+    stage_log
+        Log one INFO line per request stage on each rank (``kvpush stage <monotonic time>
+        <stage> <transfer id> r<rank> ...``): prefill side ``send_planned`` (its last
+        chunk is scheduled), ``prefill_done`` (handed to kvpush), ``released``; decode side
+        ``registered`` / ``pull_started``, ``loaded`` (vLLM's worker picks the result up;
+        ``elapsed`` from the registration or READ to the result on kvpush's loop),
+        ``reported`` (vLLM is told). ``time.monotonic`` is one clock for the processes of a
+        host, so ``benchmarks/vllm_stages.py`` lines them up (with the router's
+        ``--stage-log``) into where a request's time to first token goes. Off by default.
     """
 
     host: str = "127.0.0.1"
@@ -163,6 +172,7 @@ class AdapterConfig:
     model_id: str | None = None
     layerwise: bool = False
     idle_yield_s: float = 50e-6
+    stage_log: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))

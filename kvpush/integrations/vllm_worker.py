@@ -56,6 +56,8 @@ from .vllm_staging import DONE, HostStaging, Readiness, record_event
 
 __all__ = ["KVPushWorker", "layout_from_kv_caches"]
 
+stage_log = logging.getLogger("kvpush.stages")
+
 #: An idle step's wait while kvpush's progress comes with no descriptor to wait on (a
 #: handshake, a staged copy to the device): a short sleep that lets the loop have the GIL.
 SHORT_YIELD_S = 50e-6
@@ -555,6 +557,9 @@ class KVPushWorker:
             for transfer_id in plan.send_aborts:
                 self.producer.abort(transfer_id, "request ended on the prefill instance")
         self._to_send = list(plan.send)
+        if self.config.stage_log:
+            for send in self._to_send:
+                self._stage("send_planned", send.transfer_id)
         self._idle_step = plan.idle
         self._layer_sends = [
             (s.transfer_id, np.asarray(s.src, np.int64)) for s in self._to_send
@@ -670,6 +675,8 @@ class KVPushWorker:
     def _hand_over(self, send: Any) -> None:
         """(Engine or readiness thread.) The request's KV is in memory: kvpush may move it."""
         assert self.producer is not None
+        if self.config.stage_log:
+            self._stage("prefill_done", send.transfer_id)
         try:
             self.producer.prefill_done(send.transfer_id, np.asarray(send.src, np.int64),
                                        send.mode, sid=send.sid or None)
@@ -737,7 +744,15 @@ class KVPushWorker:
                         waiting.append((event, req_id))
                 self._h2d = waiting
         recving, self._recv_done = self._recv_done, set()
+        if recving and self.config.stage_log:
+            for req_id in recving:
+                self._stage("reported", req_id)
         return sending, recving
+
+    def _stage(self, stage: str, request: str, detail: str = "") -> None:
+        """One ``stage_log`` line (see :class:`~.vllm_common.AdapterConfig`)."""
+        stage_log.info("kvpush stage %.6f %s %s r%d %s", time.monotonic(), stage, request,
+                       self.coords.tp_rank, detail)
 
     def take_failed_recving(self, recving: set[str]) -> set[str]:
         """Of the loads reported ended (``recving``), those whose KV did not arrive (vLLM's
@@ -770,6 +785,8 @@ class KVPushWorker:
 
     # -- prefill side ----------------------------------------------------------------------
     def _on_release(self, release: Release) -> None:
+        if self.config.stage_log:
+            self._stage("released", release.request_id, release.reason.value)
         req_id = self._sending.pop(release.request_id, None)
         if req_id is None:
             return
@@ -869,9 +886,13 @@ class KVPushWorker:
                 # A decode-side prefix-cache hit needs only the last blocks.
                 layerwise = self.config.layerwise if remote.layerwise is None \
                     else remote.layerwise
+                if self.config.stage_log:
+                    self._stage("registered", tid)
                 self.consumer.expect(tid, dst, names, source_tail=True, sharers=list(sharers),
                                      layerwise=layerwise)
             else:
+                if self.config.stage_log:
+                    self._stage("pull_started", tid)
                 self.consumer.pull(tickets, dst, source_tail=True, sharers=list(sharers))
         except (KvpushError, ValueError) as exc:
             self._fail(recv, exc)
@@ -912,6 +933,9 @@ class KVPushWorker:
         recv = self._inflight.pop(result.request_id, None)
         if recv is None:
             return
+        if self.config.stage_log:
+            self._stage("loaded", result.request_id, f"{result.state.value} elapsed "
+                        f"{result.elapsed_s:.6f} request {recv.req_id}")
         self._by_req.pop(recv.req_id, None)
         if result.ok:
             self._stats.data["transfer_s"].append(result.elapsed_s)
