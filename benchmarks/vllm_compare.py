@@ -65,8 +65,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "vllm"))
+sys.path.insert(0, str(REPO / "benchmarks"))   # vllm_stages, also when imported as a package
 
 import launch  # noqa: E402
+import vllm_stages  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "vllm_compare.json"
 DOC = REPO / "docs" / "VLLM.md"
@@ -260,7 +262,8 @@ def idle_cpu(servers: list[launch.Process], seconds: float = 3.0) -> float:
     return round((_cpu_seconds(pids) - before) / seconds, 3)
 
 
-def start_pair(name: str, model: Path, logs: Path, fleet: launch.Fleet, common: list[str]
+def start_pair(name: str, model: Path, logs: Path, fleet: launch.Fleet, common: list[str],
+               kvpush_options: dict[str, Any] | None = None
                ) -> tuple[launch.Process, launch.Process, list[str]]:
     """Start prefill (core 0) + decode (core 1) for group ``name``; returns them and the
     router's arguments. ``tp2``: a TP-2 prefill instance, ranks unbound on both cores."""
@@ -270,11 +273,12 @@ def start_pair(name: str, model: Path, logs: Path, fleet: launch.Fleet, common: 
     if name in ("kvpush", "tp2"):
         kv_port = launch.free_port()
         tp = 2 if name == "tp2" else 1
-        extra = SLOW if tp > 1 else {}
+        extra = {**(SLOW if tp > 1 else {}), **(kvpush_options or {})}
         producers = [f"tcp://127.0.0.1:{kv_port + r}" for r in range(tp)]
-        p_cfg = launch.kvpush_config("kv_producer", kv_port, **extra)
-        d_cfg = launch.kvpush_config("kv_consumer", producers=producers, **extra)
-        router_args = ["--producers", *producers]
+        p_cfg = launch.kvpush_config("kv_producer", kv_port, stage_log=True, **extra)
+        d_cfg = launch.kvpush_config("kv_consumer", producers=producers, stage_log=True,
+                                     **extra)
+        router_args = ["--producers", *producers, "--stage-log"]
         p_env: dict[str, str] = {}
         d_env: dict[str, str] = {}
         if tp > 1:
@@ -350,6 +354,7 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
     common = ["-O0", "--max-num-seqs", "32", "--no-enable-prefix-caching"]
     if group in ("tp2", "colocated_fp32"):
         common += ["--dtype", "float32"]
+    stage_logs: list[Path] = []
     try:
         t0 = time.monotonic()
         if group in ("colocated", "noop", "colocated_fp32"):
@@ -368,7 +373,8 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
             targets: list[tuple[str, str, str | None]] = [(name, server.url, None)]
             servers = [server]
         else:
-            prefill, decode, router_args = start_pair(group, model, logs, fleet, common)
+            prefill, decode, router_args = start_pair(group, model, logs, fleet, common,
+                                                      dict(args.kvpush_option))
             launch.wait_healthy([prefill, decode], 600)
             if group != "tp2":
                 launch.repin(prefill, "0")
@@ -381,6 +387,8 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
             warm_up(decode)
             targets = _targets(group, router.url)
             servers = [prefill, decode]
+            if group in ("kvpush", "tp2"):  # stage lines on (start_pair)
+                stage_logs = [prefill.log, decode.log, router.log]
         idle = idle_cpu(servers)
         results.setdefault("_idle_cpu_cores", {})[group] = idle
         print(f"[{group}] up in {time.monotonic() - t0:.0f} s; idle CPU {idle} cores",
@@ -394,9 +402,12 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
                 made = reference = sequential_tokens(url, workloads, args.output_tokens)
             results[name] = {}
             for rate, wl in workloads.items():
+                began = time.monotonic()
                 outs, makespan = asyncio.run(run_load(url, wl, mode, args.output_tokens))
                 summary = summarize(outs, makespan, reference[rate] if reference else None,
                                     wl)
+                if stage_logs:
+                    summary["stages"] = stages_between(stage_logs, began, time.monotonic())
                 results[name][str(rate)] = summary
                 print(f"[{name}] rate {rate}/s: TTFT p50 {summary['ttft_p50_ms']} ms, p90 "
                       f"{summary['ttft_p90_ms']} ms, TPOT p50 {summary['tpot_p50_ms']} ms, "
@@ -408,6 +419,25 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
         return made
     finally:
         fleet.stop()
+
+
+def stages_between(logs: list[Path], began: float, ended: float) -> dict[str, Any]:
+    """Where the TTFT of the requests the router took in [began, ended] went (kvpush's
+    set-ups: the adapter's ``stage_log`` and the router's ``--stage-log``;
+    ``benchmarks/vllm_stages.py``)."""
+    reqs = {rid: r for rid, r in vllm_stages.parse([str(p) for p in logs]).items()
+            if began <= r.first("router_in") <= ended}
+    return dict(vllm_stages.summarize(reqs))
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def merge_results(kept: dict[str, Any], keys: dict[str, Any], meta: dict[str, Any],
@@ -526,6 +556,18 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
                              f"{b['ttft_p50_ms']} / {b['ttft_p90_ms']}, "
                              f"{b['tpot_p50_ms']} / {b['tpot_p90_ms']}")
             lines.append(f"| {name} | {rate} | " + " | ".join(cells) + " |")
+    staged = [(name, rate, label, steps) for name in CONFIGS
+              for rate, s in results.get(name, {}).items()
+              for label, steps in (s.get("stages") or {}).items()]
+    if staged:
+        lines += ["", "Where kvpush's TTFT goes (`benchmarks/vllm_stages.py`, from the adapter's "
+                  "`stage_log` and the router's `--stage-log`): p50 / p90 ms per step.", "",
+                  "| configuration | rate | " + " | ".join(vllm_stages.STEPS) + " |",
+                  "|---|---|" + "---|" * len(vllm_stages.STEPS)]
+        for name, rate, _, steps in staged:
+            cells = [f"{steps[st]['p50']} / {steps[st]['p90']}" if st in steps else "—"
+                     for st in vllm_stages.STEPS]
+            lines.append(f"| {name} | {rate} | " + " | ".join(cells) + " |")
     k = meta["keys"]
     lines += ["", "kvpush push's TTFT p50 overhead over colocated, divided by the smallest "
               "overhead among vLLM's connectors (as shipped and spin removed), at the worst "
@@ -568,6 +610,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--configs", nargs="+", default=list(GROUPS), choices=GROUPS,
                    help="groups of configurations to run (colocated always runs)")
+    p.add_argument("--kvpush-option", type=_option, action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="a kv_connector_extra_config entry for both kvpush instances (JSON "
+                        "value, e.g. idle_yield_s=0.001); repeatable")
     p.add_argument("--tp2-rate", type=float, default=0.25)
     p.add_argument("--tp2-requests", type=int, default=6)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvpush-vllm-compare"))
@@ -617,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
             "rates": args.rates, "requests_per_rate": args.requests, "lengths": args.lengths,
             "output_tokens": args.output_tokens, "tp2_rate": args.tp2_rate,
             "tp2_requests": args.tp2_requests, "router_nice": args.router_nice,
+            "kvpush_options": dict(args.kvpush_option),
             "keys": keys, "idle_cpu_cores": idle,
             "wall_s": round(time.monotonic() - started)}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
