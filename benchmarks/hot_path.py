@@ -111,13 +111,15 @@ def side_raw_connect(state: dict[str, Any], conn: mpc.Connection, md: bytes,
 
 
 def side_push(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
-              ids: np.ndarray) -> list[tuple[int, int]]:
-    """prefill_done each request in turn, GAP_S apart; (called, engine woke) ns each."""
+              ids: np.ndarray, gap_s: float = GAP_S) -> list[tuple[int, int]]:
+    """prefill_done each request in turn, ``gap_s`` apart (0: each as soon as the previous
+    one's release woke this thread); (called, engine woke) ns each."""
     producer = state["endpoint"]
     out = []
     for rid in rids:
         ev = state["released"].setdefault(rid, threading.Event())
-        time.sleep(GAP_S)
+        if gap_s:
+            time.sleep(gap_s)
         called = time.monotonic_ns()
         producer.prefill_done(rid, ids)
         if not ev.wait(30):
@@ -187,7 +189,7 @@ def _firsts(stamps: list[tuple[str, int]], start: int, end: int, names: tuple[st
     return out
 
 
-def run(requests: int = 40, busy: str = "") -> dict[str, Any]:
+def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S) -> dict[str, Any]:
     """``busy``: also run a busy thread in each engine process (``python`` or ``numpy``, as
     :mod:`benchmarks.busy_engine` does)."""
     prefill, decode = Worker("hp-prefill"), Worker("hp-decode")
@@ -211,7 +213,8 @@ def run(requests: int = 40, busy: str = "") -> dict[str, Any]:
             prefill.call(_M + "side_take")
             decode.call(_M + "side_take")
             decode.send_call(_M + "side_wait_results", rids=rids)
-            times = prefill.call(_M + "side_push", rids=rids, ids=src, timeout=300)
+            times = prefill.call(_M + "side_push", rids=rids, ids=src, gap_s=gap_s,
+                                 timeout=300)
             results = decode.result(120)
             pst = prefill.call(_M + "side_take")
             cst = decode.call(_M + "side_take")
@@ -272,8 +275,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--json", default="")
     ap.add_argument("--busy", choices=("", "python", "numpy"), default="")
+    ap.add_argument("--gap", type=float, default=GAP_S,
+                    help="seconds between a release and the next prefill_done (0: none, as "
+                         "the throughput suite's back-to-back requests)")
     args = ap.parse_args()
-    out = run(args.requests, args.busy)
+    out = run(args.requests, args.busy, args.gap)
     print(table(out["rows"]))
     if args.json:
         with open(args.json, "w") as f:
