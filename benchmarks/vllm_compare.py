@@ -43,8 +43,13 @@ the prefill instance by the router, ``*_first``: kvpush's TTFT p50 overhead over
 minus that of vLLM's push with its spin removed, the router feature on both, worst rate; a
 difference, since both sit near zero).
 
+For kvpush's set-ups the adapter's ``stage_log`` and the router's ``--stage-log`` are on,
+and each configuration and rate also gets ``stages``: where its requests' TTFT went, step by
+step (``benchmarks/vllm_stages.py``; a table in the output).
+
 Run: ``.venv-vllm/bin/python benchmarks/vllm_compare.py`` (``bash .ci/bootstrap-vllm``
-first). ``--quick`` runs a short smoke version.
+first). ``--quick`` runs a short smoke version; ``--kvpush-option KEY=VALUE`` sets an
+adapter option on both kvpush instances (A/B runs of a setting).
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ class AdapterConfig:
         at once instead of after CPython's switch interval (5 ms) each time it wakes. A
         new request reaching an engine in such a wait is seen at most this late. 0 turns
         it off. The default is short: a 1 ms bound used a fifth of the CPU in
-        ``benchmarks/spinning_engine.py`` but raised decode TPOT in real vLLM servers.
+        ``benchmarks/spinning_engine.py``, but A/B runs in real vLLM servers moved decode
+        TPOT either way within their noise (``docs/VLLM.md``).
     stage_log
         Log one INFO line per request stage on each rank (``kvpush stage <monotonic time>
         <stage> <transfer id> r<rank> ...``): prefill side ``send_planned`` (its last
