@@ -168,6 +168,9 @@ class _Producer:
     waiters: list[Callable[[str | None, KvpushError | None], None]] = field(default_factory=list)
     hello_timer: Timer | None = None
     hb_seq: int = 0
+    # (seq, when sent) of the oldest Heartbeat not answered yet: silence is counted from a
+    # question this side asked, never across a stretch in which its loop could not ask.
+    unanswered: tuple[int, float] | None = None
     # The Hello of this connection attempt: every retransmit is the same message (same
     # nonce and time), so a producer answers retransmits as duplicates of one Hello and
     # derives one session key (a new nonce per retransmit once gave the producer a new
@@ -741,7 +744,8 @@ class Consumer(Endpoint):
                 self._core.on_message(time.monotonic(), peer.agent_name, msg)
                 self._apply()
             elif isinstance(msg, m.HeartbeatAck):
-                pass
+                if peer.unanswered is not None and msg.seq >= peer.unanswered[0]:
+                    peer.unanswered = None
             elif isinstance(msg, m.Bye):
                 if msg.rejoin:  # its data plane restarted: its NIXL metadata is new
                     self._lose_producer(peer, "producer's data plane restarted")
@@ -840,12 +844,22 @@ class Consumer(Endpoint):
         peer.waiters.clear()
 
     def _heartbeat(self) -> None:
+        """Ask every producer whether it is there; lose one whose answer to a Heartbeat has
+        not come ``peer_timeout_s`` after it was sent. Answers already waiting are read
+        first, and the clock starts at a question: a loop that stalled longer than the
+        timeout (a long NIXL call, the GIL, the process stopped) blames no producer for
+        its own silence (two fault-matrix flakes in CI: a consumer stalled in a UCX call
+        lost the producer that had answered meanwhile)."""
+        self._read_waiting()
         now = time.monotonic()
         for peer in list(self._by_name.values()):
-            if now - peer.last_seen > self.config.peer_timeout_s:
+            asked = peer.unanswered
+            if asked is not None and now - asked[1] > self.config.peer_timeout_s:
                 self._lose_producer(peer, f"no answer for {self.config.peer_timeout_s} s")
                 continue
             peer.hb_seq += 1
+            if asked is None:
+                peer.unanswered = (peer.hb_seq, now)
             self._tell(peer, m.Heartbeat(peer.hb_seq))
         self._after(self.config.heartbeat_s, self._heartbeat)
 

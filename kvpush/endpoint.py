@@ -570,14 +570,22 @@ class Endpoint:
         ``EVENTS`` option, then NIXL and the timers, as :meth:`_run` does."""
         self._stats.hot_polls += 1
         self._drain_commands()
+        self._read_waiting()
+        if self._busy() and self._poll_transfers():
+            self._backoff.progressed()
+        self._run_timers()
+
+    def _read_waiting(self) -> None:
+        """Handle every message already waiting on this endpoint's sockets (their ``EVENTS``
+        option; no poll, so the GIL is kept). A liveness check runs it before it judges a
+        peer silent: after this loop thread stalled (a long NIXL or UCX call, the GIL, the
+        process stopped), the peer's answers can sit unread in the socket, and the loop
+        runs its timers before it polls again."""
         for sock, handler in list(self._sockets.items()):
             if sock in self._sockets and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 if _trace.ON:
                     _trace.stamp("message")
                 handler(sock)
-        if self._busy() and self._poll_transfers():
-            self._backoff.progressed()
-        self._run_timers()
 
     # -- a contained data plane (TransportConfig.data_plane="child") ------------------------
     def _watch_data_plane(self) -> None:

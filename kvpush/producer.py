@@ -586,6 +586,10 @@ class Producer(Endpoint):
 
     # -- loop: peers -----------------------------------------------------------------------
     def _check_peers(self) -> None:
+        """Drop a consumer not heard from for ``peer_timeout_s``; what it sent while this
+        loop could not read it (a stall) is read first, so a stalled loop does not take
+        its own deafness for the consumer's silence."""
+        self._read_waiting()
         now = time.monotonic()
         for peer in list(self._consumers.values()):
             if now - peer.last_seen > self.config.peer_timeout_s:

@@ -46,6 +46,9 @@ class Peer:
     last_seen: float = 0.0
     hello_backoff: float = 0.0
     hello_armed: bool = False
+    # consumer: (seq, when sent) of the oldest Heartbeat not answered yet (as the facade:
+    # silence counts from a question asked, not across a stall of this side's loop)
+    unanswered: tuple[int, float] | None = None
 
 
 class Endpoint:
@@ -321,7 +324,7 @@ class Endpoint:
             if peer.up:
                 self._peer_lost(sender, "replaced by a new incarnation")
                 self.flush()
-            peer.up, peer.inc, peer.last_seen = True, inc, now
+            peer.up, peer.inc, peer.last_seen, peer.unanswered = True, inc, now, None
             self.core.peer_up(now, sender)     # the consumer core takes no layout
             return
         if not peer.up:
@@ -329,6 +332,8 @@ class Endpoint:
             return
         peer.last_seen = now
         if isinstance(msg, m.HeartbeatAck):
+            if peer.unanswered is not None and msg.seq >= peer.unanswered[0]:
+                peer.unanswered = None
             return
         if isinstance(msg, m.Bye):
             self._lose(peer, "bye")
@@ -371,11 +376,18 @@ class Endpoint:
         for peer in list(self.peers.values()):
             if not peer.up:
                 continue
-            if now - peer.last_seen > t.peer_timeout_s:
-                self._lose(peer, f"silent for {now - peer.last_seen:.3f} s")
-            elif self.role == "consumer":
-                self._hb_seq += 1
-                self.send(peer.name, m.Heartbeat(self._hb_seq))
+            if self.role == "producer":
+                if now - peer.last_seen > t.peer_timeout_s:
+                    self._lose(peer, f"silent for {now - peer.last_seen:.3f} s")
+                continue
+            asked = peer.unanswered
+            if asked is not None and now - asked[1] > t.peer_timeout_s:
+                self._lose(peer, f"no answer for {now - asked[1]:.3f} s")
+                continue
+            self._hb_seq += 1
+            if asked is None:
+                peer.unanswered = (self._hb_seq, now)
+            self.send(peer.name, m.Heartbeat(self._hb_seq))
         self.sim.sched.after(t.heartbeat_s, self.run, self._liveness)
 
     def _lose(self, peer: Peer, why: str) -> None:

@@ -1,0 +1,80 @@
+"""A loop thread that stalls longer than ``peer_timeout_s`` (a long NIXL or UCX call, a
+callback that blocks, the GIL, the process stopped) does not blame its peer for its own
+silence: the peer's messages that came meanwhile are read before a liveness check judges,
+and the consumer counts silence from a Heartbeat it sent, not across the stretch in which
+it could send none. (Two fault-matrix flakes in CI: a consumer stalled in a UCX call lost
+the producer that had answered meanwhile, and the push after it failed PeerUnavailable.)
+Each test fails without that mechanism (the stale last-heard time decides)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+from harness import make_cache
+
+import kvpush
+
+SHORT, LONG = 0.5, 10.0   # peer timeouts: the side that stalls, the side that does not
+STALL_S = 3 * SHORT
+
+
+def _stall(endpoint: kvpush.Producer | kvpush.Consumer) -> None:
+    """Block ``endpoint``'s loop thread for STALL_S (as a long call inside it would)."""
+    started = threading.Event()
+
+    def block() -> None:
+        started.set()
+        time.sleep(STALL_S)
+
+    endpoint._call_soon(block)
+    assert started.wait(5)
+    time.sleep(STALL_S + 0.3)  # the stall, then a few liveness checks after it
+
+
+def _push_works(p: kvpush.Producer, c: kvpush.Consumer, name: str, rid: str) -> None:
+    h = c.expect(rid, np.array([0, 1]), name)
+    p.prefill_done(rid, np.array([2, 3]))
+    assert h.wait(10).state is kvpush.RequestState.READY
+
+
+def test_a_stalled_consumer_keeps_a_producer_that_answered() -> None:
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
+    with kvpush.Producer(src.layout, kvpush.ProducerConfig(peer_timeout_s=LONG)) as p, \
+            kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(
+                peer_timeout_s=SHORT, heartbeat_s=0.05)) as c:
+        name = c.connect(p.address, timeout=10)
+        time.sleep(0.2)                     # heartbeats answered
+        _stall(c)
+        assert c.stats()["peers_lost"] == 0, c.stats()
+        assert c.producers() == [name]
+        _push_works(p, c, name, "after-stall")
+
+
+def test_a_stalled_producer_keeps_a_consumer_that_kept_sending() -> None:
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
+    with kvpush.Producer(src.layout, kvpush.ProducerConfig(peer_timeout_s=SHORT)) as p, \
+            kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(
+                peer_timeout_s=LONG, heartbeat_s=0.05)) as c:
+        name = c.connect(p.address, timeout=10)
+        time.sleep(0.2)
+        _stall(p)
+        assert p.stats()["peers_lost"] == 0, p.stats()
+        _push_works(p, c, name, "after-stall")
+
+
+def test_a_silent_producer_is_still_lost_in_time() -> None:
+    """The other half: a producer that stops answering (its process stopped here by
+    stalling its loop past the consumer's timeout) is lost about peer_timeout_s after the
+    first unanswered Heartbeat."""
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
+    with kvpush.Producer(src.layout, kvpush.ProducerConfig(peer_timeout_s=LONG)) as p, \
+            kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(
+                peer_timeout_s=SHORT, heartbeat_s=0.05)) as c:
+        c.connect(p.address, timeout=10)
+        t0 = time.monotonic()
+        _stall(p)
+        assert c.stats()["peers_lost"] == 1, c.stats()
+        assert c.producers() == []
+        assert time.monotonic() - t0 < STALL_S + 2
