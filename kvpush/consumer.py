@@ -118,7 +118,9 @@ class ConsumerConfig:
     heartbeat_s
         Interval of heartbeats to each producer.
     peer_timeout_s
-        A producer silent this long is declared gone; its requests fail.
+        A producer that has not answered a heartbeat this long after it was sent is declared
+        gone; its requests fail. (Messages waiting unread are read first, so a stall of
+        this side's own loop does not count as the producer's silence.)
     abort_grace_s
         After an abort, timeout or failure, how long to wait for the request's transfers to
         end (see :class:`~kvpush.request.TransferResult`) before reporting it with

@@ -92,7 +92,8 @@ class ProducerConfig:
         do not cut a WRITE short: it is left to finish, so the consumer knows when nothing
         more lands.
     peer_timeout_s
-        A consumer silent for this long (no heartbeat) is considered gone.
+        A consumer silent for this long (no heartbeat) is considered gone (what it sent
+        while this side's loop was stalled is read before that is judged).
     tombstone_s
         How long aborted or expired request ids are remembered, so a late registration
         fails fast instead of waiting.
