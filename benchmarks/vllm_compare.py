@@ -276,8 +276,8 @@ def start_pair(name: str, model: Path, logs: Path, fleet: launch.Fleet, common: 
     p_cores, p_bind, p_extra = "0", None, list(common)
     d_extra = list(common)
     if name in ("kvpush", "tp2"):
-        kv_port = launch.free_port()
         tp = 2 if name == "tp2" else 1
+        kv_port = launch.free_port(tp)
         extra = {**(SLOW if tp > 1 else {}), **(kvpush_options or {})}
         producers = [f"tcp://127.0.0.1:{kv_port + r}" for r in range(tp)]
         p_cfg = launch.kvpush_config("kv_producer", kv_port, stage_log=True, **extra)

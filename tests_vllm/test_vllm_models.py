@@ -70,7 +70,7 @@ def disagg(model: Path, workdir: Path, tag: str, dtype: str = "bfloat16",
     decode)."""
     fleet = launch.Fleet()
     logs = workdir / f"logs-{tag}"
-    kv_port, p_port, d_port, r_port = (launch.free_port() for _ in range(4))
+    kv_port, p_port, d_port, r_port = (launch.free_port(n) for n in (prefill_tp, 1, 1, 1))
     producers = [f"tcp://127.0.0.1:{kv_port + r}" for r in range(prefill_tp)]
     common = ["-O0", "--max-num-seqs", "8", "--dtype", dtype, *server_args]
     # TP ranks unbound ("nobind", both cores), as test_vllm_tp.py does (docs/VLLM.md, Limits)

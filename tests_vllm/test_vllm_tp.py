@@ -83,7 +83,7 @@ def test_tp_tokens_match_colocated(p_tp: int, d_tp: int, kv_heads: int,
     want = _reference(model, workdir)
     fleet = launch.Fleet()
     logs = workdir / f"logs-tp{p_tp}{d_tp}-kv{kv_heads}"
-    kv_port, p_port, d_port, r_port = (launch.free_port() for _ in range(4))
+    kv_port, p_port, d_port, r_port = (launch.free_port(n) for n in (p_tp, 1, 1, 1))
     producers = [f"tcp://127.0.0.1:{kv_port + r}" for r in range(p_tp)]
     common = ["-O0", "--max-num-seqs", "4", "--dtype", DTYPE]
     p_cores, p_bind = _cores(p_tp, 0)

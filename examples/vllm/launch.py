@@ -37,10 +37,36 @@ BASE_ENV = {
 }
 
 
-def free_port() -> int:
+#: Ports :func:`free_port` handed out in this process: never handed out twice.
+_HANDED_OUT: set[int] = set()
+
+
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports free on 127.0.0.1 now (a TP instance's
+    ranks listen at ``port + rank``) that this process has not handed out before. A port
+    is only probed, not held, so two calls could otherwise return the same port before
+    either server binds it (seen: a vLLM side channel's "Address already in use", and its
+    server never healthy)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = int(s.getsockname()[1])
+        ports = range(first, first + count)
+        if first + count > 65536 or _HANDED_OUT.intersection(ports):
+            continue
+        if all(_bindable(p) for p in ports[1:]):
+            _HANDED_OUT.update(ports)
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def kvpush_config(role: str, port: int = 0, **extra: Any) -> dict[str, Any]:
