@@ -8,8 +8,10 @@ Each test fails without that mechanism (the stale last-heard time decides)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from harness import make_cache
@@ -33,6 +35,20 @@ def _stall(endpoint: kvpush.Producer | kvpush.Consumer) -> None:
     time.sleep(STALL_S + 0.3)  # the stall, then a few liveness checks after it
 
 
+@contextlib.contextmanager
+def _pair(producer_timeout: float, consumer_timeout: float
+          ) -> Iterator[tuple[kvpush.Producer, kvpush.Consumer, str]]:
+    """A connected pair with these peer timeouts (the consumer heartbeats every 50 ms)."""
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
+    with kvpush.Producer(src.layout, kvpush.ProducerConfig(
+            peer_timeout_s=producer_timeout)) as p, \
+            kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(
+                peer_timeout_s=consumer_timeout, heartbeat_s=0.05)) as c:
+        name = c.connect(p.address, timeout=10)
+        time.sleep(0.2)                     # heartbeats answered
+        yield p, c, name
+
+
 def _push_works(p: kvpush.Producer, c: kvpush.Consumer, name: str, rid: str) -> None:
     h = c.expect(rid, np.array([0, 1]), name)
     p.prefill_done(rid, np.array([2, 3]))
@@ -40,12 +56,7 @@ def _push_works(p: kvpush.Producer, c: kvpush.Consumer, name: str, rid: str) -> 
 
 
 def test_a_stalled_consumer_keeps_a_producer_that_answered() -> None:
-    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
-    with kvpush.Producer(src.layout, kvpush.ProducerConfig(peer_timeout_s=LONG)) as p, \
-            kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(
-                peer_timeout_s=SHORT, heartbeat_s=0.05)) as c:
-        name = c.connect(p.address, timeout=10)
-        time.sleep(0.2)                     # heartbeats answered
+    with _pair(LONG, SHORT) as (p, c, name):
         _stall(c)
         assert c.stats()["peers_lost"] == 0, c.stats()
         assert c.producers() == [name]
@@ -53,12 +64,7 @@ def test_a_stalled_consumer_keeps_a_producer_that_answered() -> None:
 
 
 def test_a_stalled_producer_keeps_a_consumer_that_kept_sending() -> None:
-    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
-    with kvpush.Producer(src.layout, kvpush.ProducerConfig(peer_timeout_s=SHORT)) as p, \
-            kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(
-                peer_timeout_s=LONG, heartbeat_s=0.05)) as c:
-        name = c.connect(p.address, timeout=10)
-        time.sleep(0.2)
+    with _pair(SHORT, LONG) as (p, c, name):
         _stall(p)
         assert p.stats()["peers_lost"] == 0, p.stats()
         _push_works(p, c, name, "after-stall")
@@ -68,11 +74,7 @@ def test_a_silent_producer_is_still_lost_in_time() -> None:
     """The other half: a producer that stops answering (its process stopped here by
     stalling its loop past the consumer's timeout) is lost about peer_timeout_s after the
     first unanswered Heartbeat."""
-    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
-    with kvpush.Producer(src.layout, kvpush.ProducerConfig(peer_timeout_s=LONG)) as p, \
-            kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(
-                peer_timeout_s=SHORT, heartbeat_s=0.05)) as c:
-        c.connect(p.address, timeout=10)
+    with _pair(LONG, SHORT) as (p, c, _):
         t0 = time.monotonic()
         _stall(p)
         assert c.stats()["peers_lost"] == 1, c.stats()
