@@ -166,7 +166,6 @@ class _Producer:
     socket: zmq.Socket[Any]
     agent_name: str = ""
     layout: KVLayout | None = None
-    last_seen: float = 0.0
     waiters: list[Callable[[str | None, KvpushError | None], None]] = field(default_factory=list)
     hello_timer: Timer | None = None
     hb_seq: int = 0
@@ -722,7 +721,6 @@ class Consumer(Endpoint):
                 self._stats.messages_rejected += 1
                 log.warning("%s: rejected control frame: %s", self.name, exc)
                 continue
-            peer.last_seen = time.monotonic()
             if isinstance(msg, m.HelloAck):
                 self._on_hello_ack(peer, msg)
             elif isinstance(msg, m.HelloReject):
