@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
 
 from benchmarks import (  # noqa: E402
+    ab_trees,
     busy_engine,
     cpu,
     critical_path,
@@ -109,6 +110,35 @@ def test_hot_path() -> None:
         assert 0 <= row["p_command"] <= row["p_post"] <= row["p_xfer_end"] <= row["p_engine"]
         assert row["c_message"] <= row["c_notif"] <= row["c_finished"] <= row["c_engine"]
         assert math.isfinite(row["raw_done"]) and math.isfinite(row["raw_notif"])
+
+
+def _in_git() -> bool:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _in_git(), reason="the working tree is not a git checkout")
+def test_ab_trees_compares_two_trees_and_leaves_no_worktree() -> None:
+    out = ab_trees.compare("HEAD", requests=3, blocks=[1, 2], gap=0.0, callbacks=False,
+                           progress=False)
+    assert len(out["rows"]) == 2 * len(ab_trees.METRICS)
+    for row in out["rows"]:
+        assert math.isfinite(row["base_p50_us"]) and math.isfinite(row["head_p50_us"])
+        assert row["diff_lo_us"] <= row["diff_p50_us"] <= row["diff_hi_us"]
+    assert "| 64 KiB | pull |" in ab_trees.table(out)
+    worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
+                               capture_output=True, text=True, check=True).stdout
+    assert "kvpush-ab-" not in worktrees
+
+
+def test_ab_trees_paired_interval() -> None:
+    med, lo, hi = ab_trees.paired([10.0] * 50 + [12.0] * 50)
+    assert lo <= med <= hi and lo >= 10 and hi <= 12
+    med, lo, hi = ab_trees.paired([float(v) for v in range(-50, 51)])
+    assert med == 0 and lo < 0 < hi                   # centred on zero: noise
+    assert all(math.isnan(v) for v in ab_trees.paired([]))
+    with pytest.raises(ValueError):
+        ab_trees.compare("HEAD", requests=1, blocks=[1], gap=0.0, callbacks=False)
 
 
 def test_nixl_call() -> None:
