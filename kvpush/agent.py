@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ log = logging.getLogger("kvpush.agent")
 #: Dropped peers whose NIXL metadata is kept (see the module's docstring); past it the
 #: oldest is removed.
 DORMANT_MAX = 64
+#: A connection set-up or tear-down call into NIXL (``add_remote_agent``,
+#: ``remove_remote_agent``) longer than this is logged: the loop thread waits on it.
+SLOW_CALL_S = 0.1
 
 #: A request is posted as explicit merged descriptors (one per region and run) rather than
 #: by prepared indices when it names at least this many indices ...
@@ -275,7 +279,7 @@ class Agent:
             try:
                 # The same incarnation back (after a cut): NIXL takes its metadata again and
                 # the kept endpoint serves on, never closed.
-                name = self._agent.add_remote_agent(metadata)
+                name = self._timed("add_remote_agent", self._agent.add_remote_agent, metadata)
             except Exception:
                 # A new incarnation: NIXL refuses its metadata while the old is loaded; the
                 # old goes first (all kept ones, when the caller did not say who it is).
@@ -284,7 +288,7 @@ class Agent:
                     raise
                 for old in stale:
                     self._remove_remote(old)
-                name = self._agent.add_remote_agent(metadata)
+                name = self._timed("add_remote_agent", self._agent.add_remote_agent, metadata)
             if isinstance(name, bytes):
                 name = name.decode()
             self._dormant.pop(name, None)
@@ -327,10 +331,23 @@ class Agent:
         self._dormant.pop(name, None)
         self._progress()
         try:
-            self._agent.remove_remote_agent(name)
+            self._timed(f"remove_remote_agent({name})", self._agent.remove_remote_agent, name)
         except Exception as exc:  # already gone: nothing to undo
             log.debug("remove_remote_agent(%s): %s", name, exc)
         self._progress()
+
+    def _timed(self, what: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, a NIXL call that sets a connection up or down; one that holds the
+        loop thread longer than :data:`SLOW_CALL_S` is logged (every request of the
+        endpoint waited meanwhile), raising or not."""
+        started = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            took = time.monotonic() - started
+            if took > SLOW_CALL_S:
+                log.warning("%s: NIXL %s took %.3f s (the loop thread waited on it)",
+                            self.name, what, took)
 
     def _progress(self) -> None:
         """Progress UCX (NIXL's Python API does it through get_new_notifs); what comes is

@@ -54,6 +54,9 @@ SEND_HWM = 1 << 14
 #: Bytes of control frames that may wait for one peer; past it the peer is given up
 #: (its requests fail with a clear status) rather than memory growing without bound.
 OUTBOX_BYTES = 64 << 20
+#: One loop iteration (commands, messages, NIXL polls, timers) longer than this is logged,
+#: with where its time went: every request of the endpoint waited meanwhile.
+LOOP_STALL_S = 0.1
 
 
 def check_durations(config: Any, *names: str) -> None:
@@ -530,6 +533,7 @@ class Endpoint:
                 events = dict(self._poller.poll(None if timeout is None
                                                 else int(timeout * 1e3)))
                 self._waiting = False
+                woke = time.monotonic()
                 self._stats.loop_wakeups += 1
                 if _trace.ON:
                     _trace.stamp("woke")
@@ -538,15 +542,24 @@ class Endpoint:
                 if self._plane_fd is not None and events.pop(self._plane_fd, 0):
                     self._check_data_plane()
                 self._drain_commands()
+                commands = time.monotonic()
                 for sock in list(events):
                     handler = self._sockets.get(sock)
                     if handler is not None:
                         if _trace.ON:
                             _trace.stamp("message")
                         handler(sock)
+                messages = time.monotonic()
                 if self._busy() and self._poll_transfers():
                     self._backoff.progressed()
+                polled = time.monotonic()
                 self._run_timers()
+                done = time.monotonic()
+                if done - woke > LOOP_STALL_S:
+                    self._stalled(done - woke, (("commands", commands - woke),
+                                                ("messages", messages - commands),
+                                                ("NIXL polls", polled - messages),
+                                                ("timers", done - polled)))
         except BaseException as exc:  # a bug: record it, fail everything, never hang callers
             log.exception("%s loop crashed", self.name)
             self._loop_error = exc
@@ -564,16 +577,32 @@ class Endpoint:
             if late:  # close() could not wait for this thread
                 self._teardown()
 
+    def _stalled(self, took: float, parts: tuple[tuple[str, float], ...]) -> None:
+        """One loop iteration took ``took`` s (past :data:`LOOP_STALL_S`): say where."""
+        self._stats.loop_stalls += 1
+        log.warning("%s: one loop iteration took %.3f s (%s): its requests waited meanwhile",
+                    self.name, took, ", ".join(f"{what} {s:.3f} s" for what, s in parts))
+
     def _hot_iteration(self) -> None:
         """One loop iteration that never releases the GIL: commands straight from the queue
         (the eventfd stays set and is read by the next blocking poll), sockets by their
         ``EVENTS`` option, then NIXL and the timers, as :meth:`_run` does."""
         self._stats.hot_polls += 1
+        start = time.monotonic()
         self._drain_commands()
+        commands = time.monotonic()
         self._read_waiting()
+        messages = time.monotonic()
         if self._busy() and self._poll_transfers():
             self._backoff.progressed()
+        polled = time.monotonic()
         self._run_timers()
+        done = time.monotonic()
+        if done - start > LOOP_STALL_S:
+            self._stalled(done - start, (("commands", commands - start),
+                                         ("messages", messages - commands),
+                                         ("NIXL polls", polled - messages),
+                                         ("timers", done - polled)))
 
     def _read_waiting(self) -> None:
         """Handle every message already waiting on this endpoint's sockets (their ``EVENTS``

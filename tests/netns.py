@@ -349,8 +349,12 @@ class Node:
         else:
             rc = self.proc.returncode
         self.kill()
+        keep = os.environ.get("KVPUSH_TEST_LOGS")  # a folder: every node's log is kept there
         with contextlib.suppress(OSError):
-            self.log_path.unlink()
+            if keep:
+                shutil.move(self.log_path, Path(keep) / self.log_path.name)
+            else:
+                self.log_path.unlink()
         return rc
 
 

@@ -9,14 +9,18 @@ Each test fails without that mechanism (the stale last-heard time decides)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
 from harness import make_cache
 
 import kvpush
+from kvpush.agent import SLOW_CALL_S
+from kvpush.endpoint import LOOP_STALL_S
 
 SHORT, LONG = 0.5, 10.0   # peer timeouts: the side that stalls, the side that does not
 STALL_S = 3 * SHORT
@@ -80,3 +84,31 @@ def test_a_silent_producer_is_still_lost_in_time() -> None:
         assert c.stats()["peers_lost"] == 1, c.stats()
         assert c.producers() == []
         assert time.monotonic() - t0 < STALL_S + 2
+
+
+def test_a_stalled_loop_iteration_is_logged_with_where_its_time_went(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The stall itself is visible: the iteration that overran LOOP_STALL_S is counted
+    and logged with its parts (here a command), and a slow NIXL connection call names
+    itself (how the CI stall above would be found next time)."""
+    src = make_cache(num_blocks=8)
+    with caplog.at_level(logging.WARNING, logger="kvpush"), kvpush.Producer(src.layout) as p:
+        started = threading.Event()
+
+        def block() -> None:
+            started.set()
+            time.sleep(2 * LOOP_STALL_S)
+
+        p._call_soon(block)
+        assert started.wait(5)
+        deadline = time.monotonic() + 5
+        while p.stats()["loop_stalls"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.stats()["loop_stalls"] == 1
+        p._call_and_wait(lambda: p._agent._timed("remove_remote_agent(x)", time.sleep,
+                                                  2 * SLOW_CALL_S), 5)
+        assert p.stats()["loop_stalls"] == 2       # the slow call stalled the loop too
+    stalls = [r.getMessage() for r in caplog.records if "one loop iteration took" in r.message]
+    assert len(stalls) == 2 and all("(commands 0.2" in m for m in stalls), stalls
+    assert any("NIXL remove_remote_agent(x) took 0.2" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
