@@ -57,6 +57,8 @@ OUTBOX_BYTES = 64 << 20
 #: One loop iteration (commands, messages, NIXL polls, timers) longer than this is logged,
 #: with where its time went: every request of the endpoint waited meanwhile.
 LOOP_STALL_S = 0.1
+#: ... at most once per this many seconds (a stream of large requests stalls each time).
+STALL_LOG_EVERY_S = 10.0
 
 
 def check_durations(config: Any, *names: str) -> None:
@@ -189,6 +191,8 @@ class Endpoint:
         self._waiting = True  # the loop may be blocked in poll: callers must wake it
         self._emitted = False  # a result or release went to the engine this iteration
         self._loop_error: BaseException | None = None
+        self._stall_logged = -math.inf  # when a stall was last logged
+        self._stalls_unlogged = 0
 
     def _start(self) -> None:
         self._thread.start()
@@ -578,10 +582,19 @@ class Endpoint:
                 self._teardown()
 
     def _stalled(self, took: float, parts: tuple[tuple[str, float], ...]) -> None:
-        """One loop iteration took ``took`` s (past :data:`LOOP_STALL_S`): say where."""
+        """One loop iteration took ``took`` s (past :data:`LOOP_STALL_S`): say where (at
+        most one line per :data:`STALL_LOG_EVERY_S`, naming how many were not logged)."""
         self._stats.loop_stalls += 1
-        log.warning("%s: one loop iteration took %.3f s (%s): its requests waited meanwhile",
-                    self.name, took, ", ".join(f"{what} {s:.3f} s" for what, s in parts))
+        now = time.monotonic()
+        if now < self._stall_logged + STALL_LOG_EVERY_S:
+            self._stalls_unlogged += 1
+            return
+        more = f"; {self._stalls_unlogged} more since the last such line" \
+            if self._stalls_unlogged else ""
+        self._stall_logged, self._stalls_unlogged = now, 0
+        log.warning("%s: one loop iteration took %.3f s (%s): its requests waited "
+                    "meanwhile%s", self.name, took,
+                    ", ".join(f"{what} {s:.3f} s" for what, s in parts), more)
 
     def _hot_iteration(self) -> None:
         """One loop iteration that never releases the GIL: commands straight from the queue

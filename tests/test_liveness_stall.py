@@ -108,7 +108,8 @@ def test_a_stalled_loop_iteration_is_logged_with_where_its_time_went(
         p._call_and_wait(lambda: p._agent._timed("remove_remote_agent(x)", time.sleep,
                                                   2 * SLOW_CALL_S), 5)
         assert p.stats()["loop_stalls"] == 2       # the slow call stalled the loop too
+    # one line per STALL_LOG_EVERY_S: the second stall is counted, not logged
     stalls = [r.getMessage() for r in caplog.records if "one loop iteration took" in r.message]
-    assert len(stalls) == 2 and all("(commands 0.2" in m for m in stalls), stalls
+    assert len(stalls) == 1 and "(commands 0.2" in stalls[0], stalls
     assert any("NIXL remove_remote_agent(x) took 0.2" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
