@@ -553,17 +553,7 @@ class Endpoint:
                         if _trace.ON:
                             _trace.stamp("message")
                         handler(sock)
-                messages = time.monotonic()
-                if self._busy() and self._poll_transfers():
-                    self._backoff.progressed()
-                polled = time.monotonic()
-                self._run_timers()
-                done = time.monotonic()
-                if done - woke > LOOP_STALL_S:
-                    self._stalled(done - woke, (("commands", commands - woke),
-                                                ("messages", messages - commands),
-                                                ("NIXL polls", polled - messages),
-                                                ("timers", done - polled)))
+                self._finish_iteration(woke, commands, time.monotonic())
         except BaseException as exc:  # a bug: record it, fail everything, never hang callers
             log.exception("%s loop crashed", self.name)
             self._loop_error = exc
@@ -605,7 +595,12 @@ class Endpoint:
         self._drain_commands()
         commands = time.monotonic()
         self._read_waiting()
-        messages = time.monotonic()
+        self._finish_iteration(start, commands, time.monotonic())
+
+    def _finish_iteration(self, start: float, commands: float, messages: float) -> None:
+        """An iteration's end: NIXL polled (while anything is in flight), the timers run.
+        One that took past :data:`LOOP_STALL_S` since ``start`` is reported with its parts
+        (commands until ``commands``, messages until ``messages``)."""
         if self._busy() and self._poll_transfers():
             self._backoff.progressed()
         polled = time.monotonic()
