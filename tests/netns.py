@@ -352,6 +352,7 @@ class Node:
         keep = os.environ.get("KVPUSH_TEST_LOGS")  # a folder: every node's log is kept there
         with contextlib.suppress(OSError):
             if keep:
+                Path(keep).mkdir(parents=True, exist_ok=True)
                 shutil.move(self.log_path, Path(keep) / self.log_path.name)
             else:
                 self.log_path.unlink()
