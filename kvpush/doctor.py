@@ -14,6 +14,13 @@ It reports
   for ``ucp_put`` / ``ucp_get`` (e.g. ``zero-copy cma/memory``) -- and the bandwidth seen,
   next to a one-thread memcpy of the same bytes.
 
+It also times this host's **wake-ups**, the floor of kvpush's fixed cost per request (a
+request hands work between threads and processes several times; on a VM a core that went
+idle answers slowly): a Python thread blocked in ``select`` woken through an eventfd (as
+kvpush's loop thread is by the engine's) and answering, and a ZeroMQ ROUTER/DEALER round
+trip to a child process (each message crosses both sides' I/O threads), each after 2 ms
+idle, as between an engine's requests.
+
 Warnings, in plain words, when the path is slower than it should be: RMA over TCP or
 emulated over active messages between two processes of one host (shared memory / CMA were
 possible: UCX error mode ``peer`` or ``UCX_TLS`` does this), or bandwidth far below memcpy.
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import enum
 import json
 import logging
@@ -383,6 +391,110 @@ def _loopback(report: Report, error_mode: str, nbytes: int, timeout: float) -> N
                    "expected about half or more on a host (a busy machine also does this)")
 
 
+#: A thread wake-up (after idle) slower than this p50 is a warning: the host looks
+#: oversubscribed.
+SLOW_WAKE_US = 500.0
+
+
+#: The echoing child of the ZeroMQ round trip: a DEALER that sends back what it gets, and
+#: exits when told, when its parent's socket is gone, or after 30 s.
+_ECHO = """
+import sys, zmq
+ctx = zmq.Context(); d = ctx.socket(zmq.DEALER); d.setsockopt(zmq.LINGER, 0)
+d.connect(sys.argv[1]); d.send(b"hello")
+while d.poll(30000):
+    m = d.recv()
+    if m == b"bye":
+        break
+    d.send(m)
+d.close(0); ctx.term()
+"""
+
+
+def _wakeups(report: Report, samples: int = 150, idle_s: float = 0.002) -> None:
+    """Time a thread wake-up (eventfd) and a ZeroMQ round trip to a child process, each
+    after ``idle_s`` of idle; an INFO line, or WARN when a wake-up is slow."""
+    import numpy as np
+    import zmq
+
+    efd = os.eventfd(0, os.EFD_CLOEXEC)
+    woke = threading.Event()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    stop = threading.Event()
+    times: dict[str, list[float]] = {}
+    sleeper_thread: threading.Thread | None = None
+    echo: subprocess.Popen[bytes] | None = None
+    ident: bytes | None = None
+
+    def sleeper() -> None:
+        while True:
+            select.select([efd], [], [], 5.0)
+            if stop.is_set():
+                return
+            os.eventfd_read(efd)
+            woke.set()
+
+    try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        echo = subprocess.Popen([sys.executable, "-c", _ECHO, f"tcp://127.0.0.1:{port}"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        if not router.poll(30000):
+            raise TimeoutError("the echoing child did not connect within 30 s")
+        ident, _ = router.recv_multipart()
+        sleeper_thread = threading.Thread(target=sleeper, daemon=True)
+        sleeper_thread.start()
+        wake = times.setdefault("thread_wake_us", [])
+        for _ in range(samples):
+            time.sleep(idle_s)
+            woke.clear()
+            t0 = time.perf_counter()
+            os.eventfd_write(efd, 1)
+            if not woke.wait(5.0):
+                raise TimeoutError("a woken thread did not run within 5 s")
+            wake.append(time.perf_counter() - t0)
+        trip = times.setdefault("zmq_round_trip_us", [])
+        for _ in range(samples):
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            router.send_multipart([ident, b"x" * 64])
+            if not router.poll(5000):
+                raise TimeoutError("no ZeroMQ answer within 5 s")
+            router.recv_multipart()
+            trip.append(time.perf_counter() - t0)
+    except (OSError, zmq.ZMQError, TimeoutError) as exc:
+        report.add(Level.WARN, "wake-ups", f"could not time them: {exc}")
+        return
+    finally:
+        stop.set()
+        os.eventfd_write(efd, 1)
+        if sleeper_thread is not None:
+            sleeper_thread.join(5)
+        if echo is not None:
+            if ident is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    router.send_multipart([ident, b"bye"], zmq.NOBLOCK)
+            try:
+                echo.wait(5)
+            except subprocess.TimeoutExpired:
+                echo.kill()  # our own child, by its handle
+                echo.wait(5)
+        router.close(0)
+        ctx.term()
+        os.close(efd)
+    p50 = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
+    report.data["wakeups"] = p50
+    text = (f"after {idle_s * 1e3:g} ms idle, a thread woken through an eventfd answers in "
+            f"{p50['thread_wake_us']:.0f} us p50 and a ZeroMQ round trip to another process "
+            f"takes {p50['zmq_round_trip_us']:.0f} us: a request hands off between threads "
+            f"and processes several times, so these set the floor of kvpush's fixed cost "
+            f"per request (docs/BENCHMARKS.md)")
+    slow = p50["thread_wake_us"] > SLOW_WAKE_US
+    report.add(Level.WARN if slow else Level.INFO, "wake-ups",
+               text + ("; slow: the host looks oversubscribed" if slow else ""))
+
+
 def _rows(rows: list[tuple[str, str, str]]) -> str:
     return ", ".join(f"{rng} {desc} {tl}" for rng, desc, tl in rows) or "not printed"
 
@@ -523,6 +635,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _versions(report)
     if report.exit_code != 1 and _plugins(report):
         _loopback(report, args.error_mode, nbytes, args.timeout)
+    if report.exit_code != 1:
+        _wakeups(report)
     if args.json:
         print(json.dumps({"exit_code": report.exit_code,
                           "findings": [{"level": f.level.value, "topic": f.topic,

@@ -200,10 +200,14 @@ def test_doctor() -> None:
     assert "BROKEN" not in out, out
     assert "[ok  ] loopback transfer" in out, out
     assert "[ok  ] transport: shared memory / CMA" in out, out
-    # 0: healthy; 2: works, with warnings -- on a busy host only the bandwidth one may fire.
+    assert "] wake-ups: after 2 ms idle, a thread woken" in out, out
+    assert "ZeroMQ round trip to another process takes" in out, out
+    # 0: healthy; 2: works, with warnings -- on a busy host only the bandwidth and the
+    # wake-up ones may fire.
+    busy = ("[WARN] bandwidth", "[WARN] wake-ups")
     assert proc.returncode == 0 or (
         proc.returncode == 2 and [ln for ln in out.splitlines() if ln.startswith("[WARN]")]
-        == [ln for ln in out.splitlines() if ln.startswith("[WARN] bandwidth")]), out
+        == [ln for ln in out.splitlines() if ln.startswith(busy)]), out
 
 
 def test_doctor_parses_ucx_output() -> None:
