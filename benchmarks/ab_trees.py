@@ -5,8 +5,10 @@ from one minute to the next, so a change measured before/after in separate runs 
 measuring the host. This runs both trees at once: the working tree (``head``) and a git
 revision (``base``, checked out in a temporary worktree), each as its own pair of spawned
 processes (a Producer and a Consumer, one request at a time), and alternates them request
-by request (``head, base`` then ``base, head``), so a slow minute hits both alike. Per size
-it times:
+by request (``head, base`` then ``base, head``), so a slow minute hits both alike. A pair of
+processes also has lasting quirks of its own (the same code gave 0.27 ms apart at 4 MiB
+between two pairs here), so the run is cut into ``--segments``, each with fresh pairs for
+both trees (made in alternating order). Per size it times:
 
 * ``push_release``: ``prefill_done`` -> the release reaches the prefill engine (the
   engine's thread waits on ``fileno()`` and drains ``get_released()``, as the vLLM adapter
@@ -16,13 +18,14 @@ it times:
 * ``pull``: ``Consumer.pull`` -> READY.
 
 The engine sleeps ``--gap`` before each timed call, as an engine is busy elsewhere between
-requests (cores go idle, caches cold). Reported per size and metric: each tree's p50 and
-the median of the paired differences (head - base, round by round) with a 95% bootstrap
-interval; an interval that spans 0 is noise. The layout is the hot-path benchmark's (16
-regions of 4 KiB blocks: 1 block is 64 KiB).
+requests (cores go idle, caches cold). Reported per size and metric: each tree's p50, the
+median of the paired differences (head - base, round by round) with a 95% interval from a
+two-level bootstrap (segments, then rounds within them), and each segment's median; an
+interval that spans 0 is noise. The layout is the hot-path benchmark's (16 regions of
+4 KiB blocks: 1 block is 64 KiB).
 
-``python -m benchmarks.ab_trees BASE [--requests N] [--blocks 1,16,64] [--gap S]
-[--callbacks] [--json PATH]``
+``python -m benchmarks.ab_trees BASE [--requests N] [--segments S] [--blocks 1,16,64]
+[--gap S] [--callbacks] [--json PATH]``
 
 ``base``'s compiled core is the working tree's (copied) when ``csrc/`` and ``setup.py``
 do not differ between them, else built in its worktree. The worktree is removed at the end.
@@ -164,15 +167,23 @@ def side_released(state: dict[str, Any], conn: mpc.Connection, rid: str) -> None
 
 
 # -- in the parent -------------------------------------------------------------------------
-def paired(diffs: list[float], seed: int = 0, resamples: int = 2000
+def paired(segments: list[list[float]], seed: int = 0, resamples: int = 2000
            ) -> tuple[float, float, float]:
-    """Median of paired differences and its 95% bootstrap interval."""
-    a = np.asarray(diffs, dtype=float)
-    if len(a) == 0:
+    """Median of paired differences and its 95% interval, by a two-level bootstrap: the
+    segments (fresh process pairs) with replacement, then the differences within each.
+    Each pair of processes has lasting quirks of its own (which core, which pages: up to
+    0.27 ms at 4 MiB here), so the segments, not the requests, are the independent draws."""
+    segs = [np.asarray(d, dtype=float) for d in segments if len(d)]
+    if not segs:
         return math.nan, math.nan, math.nan
     rng = np.random.default_rng(seed)
-    meds = np.median(a[rng.integers(0, len(a), size=(resamples, len(a)))], axis=1)
-    return float(np.median(a)), float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
+    meds = np.empty(resamples)
+    for r in range(resamples):
+        picked = [segs[k] for k in rng.integers(0, len(segs), size=len(segs))]
+        meds[r] = np.median(np.concatenate([d[rng.integers(0, len(d), size=len(d))]
+                                            for d in picked]))
+    return (float(np.median(np.concatenate(segs))), float(np.percentile(meds, 2.5)),
+            float(np.percentile(meds, 97.5)))
 
 
 def _worktree(base: str, where: Path) -> Path:
@@ -192,60 +203,95 @@ def _worktree(base: str, where: Path) -> Path:
     return tree
 
 
+def _open_pairs(trees: dict[str, Path], order: tuple[str, ...], callbacks: bool,
+                workers: list[Worker]) -> dict[str, tuple[Worker, Worker]]:
+    sides: dict[str, tuple[Worker, Worker]] = {}
+    for name in order:
+        p, c = Worker(f"ab-{name}-prefill"), Worker(f"ab-{name}-decode")
+        workers += [p, c]
+        address = p.call(_M + "side_open", tree=str(trees[name]), role="prefill",
+                         callbacks=callbacks)
+        c.call(_M + "side_open", tree=str(trees[name]), role="decode", address=address)
+        sides[name] = (p, c)
+    return sides
+
+
+def _round(sides: dict[str, tuple[Worker, Worker]], order: tuple[str, ...], i: int, n: int,
+           gap: float) -> dict[str, dict[str, float]]:
+    """One request of each kind per tree, in ``order``; us per metric per tree."""
+    ids = (np.arange(n, dtype=np.int64) * 3) % NUM_BLOCKS
+    out: dict[str, dict[str, float]] = {}
+    for name in order:
+        p, c = sides[name]
+        rid = f"{name}-{n}-{i}"
+        c.call(_M + "side_expect", rid=rid, ids=ids)
+        t0, released = p.call(_M + "side_push", rid=rid, ids=ids, gap=gap)
+        landed = c.call(_M + "side_result", rid=rid)
+        ticket = p.call(_M + "side_ticket", rid=rid + "-pull", ids=ids)
+        pulled = c.call(_M + "side_pull", rid=rid + "-pull", ticket=ticket, ids=ids,
+                        gap=gap)
+        p.call(_M + "side_released", rid=rid + "-pull")
+        out[name] = {"push_release": (released - t0) / 1e3,
+                     "push_result": (landed - t0) / 1e3, "pull": pulled / 1e3}
+    return out
+
+
 def compare(base: str, requests: int, blocks: list[int], gap: float, callbacks: bool,
-            progress: bool = True) -> dict[str, Any]:
-    """Run the comparison; returns ``{"rows": [...], "meta": {...}}``."""
-    if requests < 2:
-        raise ValueError("--requests must be at least 2 (round 0 warms up)")
+            segments: int = 4, progress: bool = True) -> dict[str, Any]:
+    """Run the comparison: ``segments`` times, fresh process pairs for both trees (made
+    in alternating order), ``requests // segments`` rounds each (the first warms up);
+    returns ``{"rows": [...], "meta": {...}}``."""
+    if segments < 1:
+        raise ValueError("--segments must be at least 1")
+    if requests < 2 * segments:
+        raise ValueError("--requests must be at least 2 per segment (round 0 warms up)")
     if not blocks or any(not 0 < n <= NUM_BLOCKS // 3 for n in blocks):
         raise ValueError(f"--blocks must be in [1, {NUM_BLOCKS // 3}]")
     tmp = Path(tempfile.mkdtemp(prefix="kvpush-ab-"))
     workers: list[Worker] = []
     try:
-        trees = {"head": ROOT, "base": _worktree(base, tmp)}
-        sides: dict[str, tuple[Worker, Worker]] = {}
-        for name, tree in trees.items():
-            p, c = Worker(f"ab-{name}-prefill"), Worker(f"ab-{name}-decode")
-            workers += [p, c]
-            address = p.call(_M + "side_open", tree=str(tree), role="prefill",
-                             callbacks=callbacks)
-            c.call(_M + "side_open", tree=str(tree), role="decode", address=address)
-            sides[name] = (p, c)
-        times: dict[tuple[str, int, str], list[float]] = {
-            (t, n, k): [] for t in trees for n in blocks for k in METRICS}
+        # The working tree's package is copied beside the base's: both trees are then
+        # imported from the same file system (an A/A run from ROOT itself differed).
+        shutil.copytree(ROOT / "kvpush", tmp / "head" / "kvpush",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        trees = {"head": tmp / "head", "base": _worktree(base, tmp)}
+        # times[(tree, blocks, metric)][segment] -> us per request
+        times: dict[tuple[str, int, str], list[list[float]]] = {
+            (t, n, k): [[] for _ in range(segments)] for t in trees for n in blocks
+            for k in METRICS}
         t_start = time.monotonic()
-        for i in range(requests):
-            order = ("head", "base") if i % 2 == 0 else ("base", "head")
-            for n in blocks:
-                ids = (np.arange(n, dtype=np.int64) * 3) % NUM_BLOCKS
-                for name in order:
-                    p, c = sides[name]
-                    rid = f"{name}-{n}-{i}"
-                    c.call(_M + "side_expect", rid=rid, ids=ids)
-                    t0, released = p.call(_M + "side_push", rid=rid, ids=ids, gap=gap)
-                    landed = c.call(_M + "side_result", rid=rid)
-                    ticket = p.call(_M + "side_ticket", rid=rid + "-pull", ids=ids)
-                    pulled = c.call(_M + "side_pull", rid=rid + "-pull", ticket=ticket,
-                                    ids=ids, gap=gap)
-                    p.call(_M + "side_released", rid=rid + "-pull")
+        rounds = requests // segments
+        for seg in range(segments):
+            made = ("head", "base") if seg % 2 == 0 else ("base", "head")
+            sides = _open_pairs(trees, made, callbacks, workers)
+            for i in range(rounds):
+                order = ("head", "base") if i % 2 == 0 else ("base", "head")
+                for n in blocks:
+                    got = _round(sides, order, i, n, gap)
                     if i:  # round 0 warms both trees up
-                        times[(name, n, "push_release")].append((released - t0) / 1e3)
-                        times[(name, n, "push_result")].append((landed - t0) / 1e3)
-                        times[(name, n, "pull")].append(pulled / 1e3)
-            if progress and (i + 1) % max(1, requests // 10) == 0:
-                print(f"[ab_trees] round {i + 1}/{requests} "
+                        for name, metrics in got.items():
+                            for k, v in metrics.items():
+                                times[(name, n, k)][seg].append(v)
+            stop_all(workers)
+            workers.clear()
+            if progress:
+                print(f"[ab_trees] segment {seg + 1}/{segments} "
                       f"({time.monotonic() - t_start:.0f} s)", file=sys.stderr)
         rows = []
         for n in blocks:
             for k in METRICS:
                 head, old = times[("head", n, k)], times[("base", n, k)]
-                med, lo, hi = paired([h - b for h, b in zip(head, old, strict=True)])
+                diffs = [[h - b for h, b in zip(hs, bs, strict=True)]
+                         for hs, bs in zip(head, old, strict=True)]
+                med, lo, hi = paired(diffs)
                 rows.append({"blocks": n, "bytes": n * REGIONS * BLOCK_BYTES, "metric": k,
-                             "base_p50_us": float(np.median(old)),
-                             "head_p50_us": float(np.median(head)),
+                             "base_p50_us": float(np.median(np.concatenate(old))),
+                             "head_p50_us": float(np.median(np.concatenate(head))),
                              "diff_p50_us": med, "diff_lo_us": lo, "diff_hi_us": hi,
+                             "segment_diffs_us": [float(np.median(d)) for d in diffs],
                              "noise": bool(lo <= 0 <= hi)})
-        return {"rows": rows, "meta": {"base": base, "requests": requests, "gap_s": gap,
+        return {"rows": rows, "meta": {"base": base, "requests": requests,
+                                       "segments": segments, "gap_s": gap,
                                        "callbacks": callbacks, "blocks": blocks}}
     finally:
         stop_all(workers)
@@ -256,17 +302,20 @@ def compare(base: str, requests: int, blocks: list[int], gap: float, callbacks: 
 
 def table(out: dict[str, Any]) -> str:
     meta = out["meta"]
-    lines = [f"head (working tree) vs base {meta['base']}: {meta['requests'] - 1} rounds, "
-             f"gap {meta['gap_s'] * 1e3:g} ms, releases by "
+    lines = [f"head (working tree) vs base {meta['base']}: {meta['requests']} rounds in "
+             f"{meta['segments']} segments (fresh process pairs each), gap "
+             f"{meta['gap_s'] * 1e3:g} ms, releases by "
              f"{'callback' if meta['callbacks'] else 'fileno + get_released'}",
              "", "| size | metric | base p50 us | head p50 us | head - base, median "
-             "[95%] us | |", "|---|---|---|---|---|---|"]
+             "[95%] us | per segment | |", "|---|---|---|---|---|---|---|"]
     for r in out["rows"]:
         size = r["bytes"] // 1024
+        verdict = "noise" if r["noise"] else ("gain" if r["diff_p50_us"] < 0 else "loss")
+        per = " ".join(f"{d:+.0f}" for d in r["segment_diffs_us"])
         lines.append(f"| {size} KiB | {r['metric']} | {r['base_p50_us']:.0f} | "
                      f"{r['head_p50_us']:.0f} | {r['diff_p50_us']:+.0f} "
-                     f"[{r['diff_lo_us']:+.0f}, {r['diff_hi_us']:+.0f}] | "
-                     f"{'noise' if r['noise'] else ('gain' if r['diff_p50_us'] < 0 else 'loss')} |")
+                     f"[{r['diff_lo_us']:+.0f}, {r['diff_hi_us']:+.0f}] | {per} | "
+                     f"{verdict} |")
     return "\n".join(lines)
 
 
@@ -274,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ab_trees", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base", help="git revision to compare the working tree against")
-    ap.add_argument("--requests", type=int, default=200, help="rounds (the first warms up)")
+    ap.add_argument("--requests", type=int, default=400,
+                    help="rounds in all (the first of each segment warms up)")
+    ap.add_argument("--segments", type=int, default=4,
+                    help="fresh process pairs this many times (the independent draws)")
     ap.add_argument("--blocks", default="1,16,64",
                     help="blocks per request, comma-separated (x 16 regions x 4 KiB)")
     ap.add_argument("--gap", type=float, default=0.002, help="engine idle before each call, s")
@@ -289,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.gap <= 1:
         ap.error("--gap must be in [0, 1] s")
     try:
-        out = compare(args.base, args.requests, blocks, args.gap, args.callbacks)
+        out = compare(args.base, args.requests, blocks, args.gap, args.callbacks,
+                      args.segments)
     except (ValueError, subprocess.CalledProcessError) as exc:
         print(f"ab_trees: {exc}", file=sys.stderr)
         return 2

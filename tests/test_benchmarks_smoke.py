@@ -119,12 +119,13 @@ def _in_git() -> bool:
 
 @pytest.mark.skipif(not _in_git(), reason="the working tree is not a git checkout")
 def test_ab_trees_compares_two_trees_and_leaves_no_worktree() -> None:
-    out = ab_trees.compare("HEAD", requests=3, blocks=[1, 2], gap=0.0, callbacks=False,
-                           progress=False)
+    out = ab_trees.compare("HEAD", requests=6, blocks=[1, 2], gap=0.0, callbacks=False,
+                           segments=2, progress=False)
     assert len(out["rows"]) == 2 * len(ab_trees.METRICS)
     for row in out["rows"]:
         assert math.isfinite(row["base_p50_us"]) and math.isfinite(row["head_p50_us"])
         assert row["diff_lo_us"] <= row["diff_p50_us"] <= row["diff_hi_us"]
+        assert len(row["segment_diffs_us"]) == 2
     assert "| 64 KiB | pull |" in ab_trees.table(out)
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
                                capture_output=True, text=True, check=True).stdout
@@ -132,13 +133,17 @@ def test_ab_trees_compares_two_trees_and_leaves_no_worktree() -> None:
 
 
 def test_ab_trees_paired_interval() -> None:
-    med, lo, hi = ab_trees.paired([10.0] * 50 + [12.0] * 50)
+    med, lo, hi = ab_trees.paired([[10.0] * 50 + [12.0] * 50] * 3)
     assert lo <= med <= hi and lo >= 10 and hi <= 12
-    med, lo, hi = ab_trees.paired([float(v) for v in range(-50, 51)])
+    med, lo, hi = ab_trees.paired([[float(v) for v in range(-50, 51)]] * 3)
     assert med == 0 and lo < 0 < hi                   # centred on zero: noise
+    # each segment consistent in itself, the segments apart: the interval spans them
+    med, lo, hi = ab_trees.paired([[-100.0] * 50, [100.0] * 50, [-90.0] * 50, [90.0] * 50])
+    assert lo < 0 < hi
     assert all(math.isnan(v) for v in ab_trees.paired([]))
     with pytest.raises(ValueError):
-        ab_trees.compare("HEAD", requests=1, blocks=[1], gap=0.0, callbacks=False)
+        ab_trees.compare("HEAD", requests=3, blocks=[1], gap=0.0, callbacks=False,
+                         segments=2)
 
 
 def test_nixl_call() -> None:
