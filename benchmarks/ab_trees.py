@@ -128,13 +128,9 @@ def side_result(state: dict[str, Any], conn: mpc.Connection, rid: str) -> int:
 
 def side_push(state: dict[str, Any], conn: mpc.Connection, rid: str, ids: np.ndarray,
               gap: float) -> tuple[int, int]:
-    from kvpush.metrics import LIVE
+    from .throughput import _wait_registrations  # kvpush is the tree's by now
 
-    deadline = time.monotonic() + 30
-    while LIVE.snapshot().get("registrations_waiting", 0) < 1:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{rid}: the registration did not come")
-        time.sleep(0.0005)
+    _wait_registrations(1, 30.0)
     time.sleep(gap)
     t0 = time.monotonic_ns()
     state["endpoint"].prefill_done(rid, ids)
