@@ -233,8 +233,19 @@ class RawAgent:
         """Post one transfer and wait for it at the initiator (polling ``check_xfer_state``
         back-to-back, or sleeping ``poll_sleep`` between polls); returns its seconds."""
         t0 = time.perf_counter()
+        handle, state = self.post(op, local, local_idx, remote, remote_idx, notif)
+        return self.wait(op, handle, state, t0, poll_sleep) - t0
+
+    def post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any,
+             remote_idx: np.ndarray, notif: bytes = b"") -> tuple[Any, str]:
+        """``make_prepped_xfer`` + ``transfer``: the handle and its first state."""
         handle = self.agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
-        state = self.agent.transfer(handle)
+        return handle, self.agent.transfer(handle)
+
+    def wait(self, op: str, handle: Any, state: str, t0: float, poll_sleep: float = 0.0
+             ) -> float:
+        """Poll a posted transfer to its end (30 s after ``t0`` at most), then release it;
+        returns the ``perf_counter`` time it was seen done."""
         deadline = t0 + 30.0
         while state != "DONE":
             if state == "ERR":
@@ -244,9 +255,9 @@ class RawAgent:
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"raw NIXL {op} not done in 30 s")
             state = self.agent.check_xfer_state(handle)
-        dt = time.perf_counter() - t0
+        done = time.perf_counter()
         handle.release()
-        return dt
+        return done
 
     def close(self) -> None:
         for handle in self._dlists:

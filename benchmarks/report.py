@@ -154,6 +154,20 @@ def tables(results: dict[str, Any], md: bool = False) -> str:
                                [[fmt_bytes(x["block_bytes"]), x["blocks"], x["order"],
                                  *(x.get(f"stage_{k}_us_p50", math.nan) for k in keys),
                                  x.get("stage_pull_call_us_p50", math.nan)] for x in rows]))
+        if rows and "raw_write_handoff_us_p50" in rows[0]:
+            parts.append("The hand-off floors, p50 us (benchmarks.throughput: raw NIXL handed "
+                         "to a sleeping thread and back, or posted here and polled there; "
+                         "kvpush over the handoff floor is kvpush's own work)")
+            parts.append(table(
+                ["block", "n", "order", "raw W", "handoff W", "inline W", "kv W",
+                 "kv - handoff W", "raw R", "handoff R", "inline R", "kv R", "kv - handoff R"],
+                [[fmt_bytes(x["block_bytes"]), x["blocks"], x["order"],
+                  *(x[f"{k}_us_p50"] for k in ("raw_write", "raw_write_handoff",
+                                               "raw_write_inline", "kv_write")),
+                  x["write_over_handoff_floor_us"],
+                  *(x[f"{k}_us_p50"] for k in ("raw_read", "raw_read_handoff",
+                                               "raw_read_inline", "kv_read")),
+                  x["read_over_handoff_floor_us"]] for x in rows]))
     if "busy_engine" in results:
         r = results["busy_engine"]
         parts.append("Handover with a busy thread in each engine process, p50 / p90 us "

@@ -12,6 +12,13 @@ request, block order -- and both directions of control, on the very same bytes:
   configures its own (progress thread off, ``ucx_error_handling_mode=none``) and are given
   the same descriptor indices kvpush posts (pairs ordered by local id), so the ratio
   isolates kvpush's own overhead;
+* the hand-off floors, raw NIXL again with the thread hops of an engine integration and
+  nothing else: ``raw ... handoff`` hands the whole raw transfer to a second thread of the
+  process, which sleeps between requests as kvpush's loop thread does, and waits to be woken
+  by it when the transfer is done (kvpush's shape: engine -> loop -> engine); ``raw ...
+  inline`` posts on the caller's thread and hands only the polling to that thread (one hop,
+  back). Whatever a design of that shape does, it costs at least these; kvpush's time over
+  the floor is its own work;
 * ``kvpush WRITE`` (push): B has registered the request (``Consumer.expect``); A times
   ``Producer.prefill_done`` -> the release of the source blocks (WRITE done at the
   initiator, as raw NIXL is timed); B then checks every request became READY;
@@ -29,8 +36,10 @@ from __future__ import annotations
 
 import math
 import multiprocessing.connection as mpc
+import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +74,66 @@ PUSH_STAGES = {
     "release": "-> source released (the on_release callback ran)",
     "wake_engine": "-> the engine's thread waiting on that callback woke",
 }
+
+
+class _Helper:
+    """A second thread of an engine's process running one job at a time and sleeping in
+    between (a blocking queue read, as kvpush's loop thread sleeps in ``epoll_wait``): the
+    hand-off floors of the module doc. ``run`` waits for its job to end and re-raises
+    what it raised."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="tp-helper", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def run(self, job: Callable[[], None], timeout: float = 30.0) -> None:
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def wrapped() -> None:
+            try:
+                job()
+            except BaseException as exc:  # re-raised on the caller's thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        self._jobs.put(wrapped)
+        if not done.wait(timeout):
+            raise TimeoutError(f"hand-off helper: job not done in {timeout} s")
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5.0)
+        if self._thread.is_alive():
+            raise RuntimeError("hand-off helper thread did not stop")
+
+
+def _floors(agent: RawAgent, helper: _Helper, op: str, local: Any, li: np.ndarray,
+            remote: Any, ri: np.ndarray) -> tuple[float, float]:
+    """Seconds of one raw transfer handed to ``helper`` and back, then of one posted here
+    and polled there (the hand-off floors of the module doc)."""
+    def whole() -> None:
+        agent.xfer(op, local, li, remote, ri)
+
+    t0 = time.perf_counter()
+    helper.run(whole)
+    handoff = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    handle, first = agent.post(op, local, li, remote, ri)
+
+    def poll() -> None:
+        agent.wait(op, handle, first, t0)
+
+    helper.run(poll)
+    return handoff, time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
@@ -305,7 +374,8 @@ def side_write_interleaved(state: dict[str, Any], conn: mpc.Connection, block_by
     li, ri = _sorted_or_not(src, dst, True)
     li_u, ri_u = _sorted_or_not(src, dst, False)
     _wait_registrations(sum(len(v) for v in rids.values()), 30.0)
-    out: dict[str, list[float]] = {"memcpy": [], "raw_write": [], "kv_write": []}
+    out: dict[str, list[float]] = {"memcpy": [], "raw_write": [], "kv_write": [],
+                                   "raw_write_handoff": [], "raw_write_inline": []}
     if "nocoalesce" in rids:
         out.update(raw_write_listorder=[], kv_write_nocoalesce=[])
 
@@ -335,21 +405,28 @@ def side_write_interleaved(state: dict[str, Any], conn: mpc.Connection, block_by
                 stages[f"stage_{name}"].append(value)
         return dt
 
-    for i in range(count + 1):
-        t0 = time.perf_counter()
-        np.copyto(mdst, msrc)
-        times = {"memcpy": time.perf_counter() - t0,
-                 "raw_write": agent.xfer("WRITE", local_h, li, remote_h, ri),
-                 "kv_write": push((block_bytes, True), rids["coalesce"][i])}
-        if "nocoalesce" in rids:
-            times["raw_write_listorder"] = agent.xfer("WRITE", local_h, li_u, remote_h, ri_u)
-            times["kv_write_nocoalesce"] = push((block_bytes, False), rids["nocoalesce"][i])
-        if i:
-            for k, v in times.items():
-                out[k].append(v)
-        else:
-            for v in stages.values():
-                v.clear()
+    helper = _Helper()
+    try:
+        for i in range(count + 1):
+            t0 = time.perf_counter()
+            np.copyto(mdst, msrc)
+            times = {"memcpy": time.perf_counter() - t0,
+                     "raw_write": agent.xfer("WRITE", local_h, li, remote_h, ri),
+                     "kv_write": push((block_bytes, True), rids["coalesce"][i])}
+            times["raw_write_handoff"], times["raw_write_inline"] = _floors(
+                agent, helper, "WRITE", local_h, li, remote_h, ri)
+            if "nocoalesce" in rids:
+                times["raw_write_listorder"] = agent.xfer("WRITE", local_h, li_u, remote_h,
+                                                          ri_u)
+                times["kv_write_nocoalesce"] = push((block_bytes, False), rids["nocoalesce"][i])
+            if i:
+                for k, v in times.items():
+                    out[k].append(v)
+            else:
+                for stage in stages.values():
+                    stage.clear()
+    finally:
+        helper.close()
     out.update(stages)
     return out
 
@@ -364,7 +441,8 @@ def side_read_interleaved(state: dict[str, Any], conn: mpc.Connection, block_byt
     local_h, remote_h = state["dl"][("kvpush", block_bytes)]
     li, ri = _sorted_or_not(dst, src, True)
     li_u, ri_u = _sorted_or_not(dst, src, False)
-    out: dict[str, list[float]] = {"raw_read": [], "kv_read": []}
+    out: dict[str, list[float]] = {"raw_read": [], "kv_read": [], "raw_read_handoff": [],
+                                   "raw_read_inline": []}
     if "nocoalesce" in tickets:
         out.update(raw_read_listorder=[], kv_read_nocoalesce=[])
 
@@ -382,15 +460,22 @@ def side_read_interleaved(state: dict[str, Any], conn: mpc.Connection, block_byt
             raise RuntimeError(f"pull failed: {result.state} {result.error}")
         return dt
 
-    for i in range(count + 1):
-        times = {"raw_read": agent.xfer("READ", local_h, li, remote_h, ri),
-                 "kv_read": pull((block_bytes, True), tickets["coalesce"][i])}
-        if "nocoalesce" in tickets:
-            times["raw_read_listorder"] = agent.xfer("READ", local_h, li_u, remote_h, ri_u)
-            times["kv_read_nocoalesce"] = pull((block_bytes, False), tickets["nocoalesce"][i])
-        if i:
-            for k, v in times.items():
-                out[k].append(v)
+    helper = _Helper()
+    try:
+        for i in range(count + 1):
+            times = {"raw_read": agent.xfer("READ", local_h, li, remote_h, ri),
+                     "kv_read": pull((block_bytes, True), tickets["coalesce"][i])}
+            times["raw_read_handoff"], times["raw_read_inline"] = _floors(
+                agent, helper, "READ", local_h, li, remote_h, ri)
+            if "nocoalesce" in tickets:
+                times["raw_read_listorder"] = agent.xfer("READ", local_h, li_u, remote_h, ri_u)
+                times["kv_read_nocoalesce"] = pull((block_bytes, False),
+                                                   tickets["nocoalesce"][i])
+            if i:
+                for k, v in times.items():
+                    out[k].append(v)
+    finally:
+        helper.close()
     out["stage_pull_call"] = calls[1:]
     return out
 
@@ -502,8 +587,9 @@ class _Runner:
         """Every method at one point, request by request in turn (see the module doc)."""
         a, b = self.pair.a, self.pair.b
         t_raw = a.call(_M + "side_raw_probe", block_bytes=p.block_bytes, src=src, dst=dst)
-        # per request: memcpy + raw + kvpush (~ raw + fixed overhead), both directions
-        per = 5 * t_raw + 600e-6
+        # per request: memcpy + raw + kvpush (~ raw + fixed overhead) + the two hand-off
+        # floors, both directions
+        per = 9 * t_raw + 1000e-6
         if p.coalesce_check:
             per *= 2
         count = max(MIN_ITERS, min(MAX_ITERS, int(min_time / per)))
@@ -613,6 +699,15 @@ def _summarize(points: list[Point], results: dict[Point, dict[str, Any]], total:
         row["read_vs_raw_best"] = row["kv_read_best_gbps"] / row["raw_read_best_gbps"]
         row["write_overhead_us"] = row["kv_write_us_p50"] - row["raw_write_us_p50"]
         row["read_overhead_us"] = row["kv_read_us_p50"] - row["raw_read_us_p50"]
+        for op in ("write", "read"):
+            # the hand-off floors over raw NIXL, and kvpush over the (handoff) floor
+            for shape in ("handoff", "inline"):
+                row[f"{op}_{shape}_floor_us"] = (row[f"raw_{op}_{shape}_us_p50"]
+                                                 - row[f"raw_{op}_us_p50"])
+                row[f"{op}_{shape}_vs_raw"] = (row[f"raw_{op}_{shape}_gbps"]
+                                               / row[f"raw_{op}_gbps"])
+            row[f"{op}_over_handoff_floor_us"] = (row[f"kv_{op}_us_p50"]
+                                                  - row[f"raw_{op}_handoff_us_p50"])
         # in flight beyond the raw transfer: NIXL calls and progress that raw NIXL also
         # makes are in raw_write's time; what is left is kvpush's polling
         row["stage_in_flight_extra_us_p50"] = (row.get("stage_in_flight_us_p50", math.nan)
@@ -650,10 +745,20 @@ def _summarize(points: list[Point], results: dict[Point, dict[str, Any]], total:
                                                          for r in rows])),
         "kvpush_overhead_us_p50_read": float(np.median([r["read_overhead_us"] for r in rows])),
     }
+    for op in ("write", "read"):
+        for shape in ("handoff", "inline"):
+            summary[f"{shape}_floor_us_p50_{op}"] = float(np.median(
+                [r[f"{op}_{shape}_floor_us"] for r in rows]))
+        summary[f"kvpush_over_handoff_floor_us_p50_{op}"] = float(np.median(
+            [r[f"{op}_over_handoff_floor_us"] for r in rows]))
     for name, sel in (("1mib_plus", mib_plus), ("64kib", small)):
         if sel:
             summary[f"write_vs_raw_nixl_{name}"] = geomean([r["write_vs_raw"] for r in sel])
             summary[f"read_vs_raw_nixl_{name}"] = geomean([r["read_vs_raw"] for r in sel])
+            for op in ("write", "read"):
+                for shape in ("handoff", "inline"):
+                    summary[f"{op}_{shape}_floor_vs_raw_nixl_{name}"] = geomean(
+                        [r[f"{op}_{shape}_vs_raw"] for r in sel])
     # per stage of a push (PUSH_STAGES), and the engine's pull() call: median over rows
     for stage in [*PUSH_STAGES, "in_flight_extra", "pull_call"]:
         vals = [r[f"stage_{stage}_us_p50"] for r in rows

@@ -68,7 +68,37 @@ def test_throughput(results: dict[str, dict[str, object]]) -> None:
             *(f"push_stage_{stage}_us_p50" for stage in throughput.PUSH_STAGES))
     assert all(row["kv_write_gbps"] > 0 and row["raw_default_read_gbps"] > 0
                for row in r["rows"])
+    # The hand-off floors are raw NIXL plus thread hops: never faster than raw NIXL's own
+    # fastest request, and reported beside kvpush's time over them.
+    _finite(r["summary"], *(f"{shape}_floor_us_p50_{op}" for shape in ("handoff", "inline")
+                            for op in ("write", "read")),
+            "kvpush_over_handoff_floor_us_p50_write", "kvpush_over_handoff_floor_us_p50_read",
+            "write_handoff_floor_vs_raw_nixl_1mib_plus", "read_inline_floor_vs_raw_nixl_1mib_plus")
+    for row in r["rows"]:
+        for op in ("write", "read"):
+            for shape in ("handoff", "inline"):
+                assert row[f"raw_{op}_{shape}_n"] == row[f"raw_{op}_n"]
+                assert (row[f"raw_{op}_{shape}_us_p50"]
+                        >= 1e6 * row["request_bytes"] / row[f"raw_{op}_best_gbps"] / 1e9)
     results["throughput"] = r
+
+
+def test_throughput_helper_reraises_on_the_caller_and_stops() -> None:
+    """The hand-off floors' helper thread: a job's error reaches the caller, the thread
+    serves on after it, and close() stops it."""
+    helper = throughput._Helper()
+    ran: list[int] = []
+    helper.run(lambda: ran.append(1))
+
+    def fails() -> None:
+        raise ZeroDivisionError("job")
+
+    with pytest.raises(ZeroDivisionError, match="job"):
+        helper.run(fails)
+    helper.run(lambda: ran.append(2))
+    helper.close()
+    assert ran == [1, 2]
+    assert not helper._thread.is_alive()
 
 
 def test_critical_path(results: dict[str, dict[str, object]]) -> None:
