@@ -8,9 +8,11 @@ import contextlib
 import logging
 import math
 import os
+import queue
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,7 @@ import numpy as np
 __all__ = [
     "KIB",
     "MIB",
+    "HandoffHelper",
     "Progress",
     "RawAgent",
     "block_ids",
@@ -31,6 +34,48 @@ __all__ = [
 
 KIB = 1024
 MIB = 1024 * 1024
+
+
+# -- the hand-off floors -------------------------------------------------------------------
+class HandoffHelper:
+    """A second thread of an engine's process running one job at a time and sleeping in
+    between (a blocking queue read, as kvpush's loop thread sleeps in ``epoll_wait``): the
+    hand-off floors of ``benchmarks.throughput`` and ``benchmarks.busy_engine``: the least
+    that handing work to such a thread and being woken when it is done costs. ``run`` waits
+    for its job to end and re-raises what it raised."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="handoff-helper", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def run(self, job: Callable[[], None], timeout: float = 30.0) -> None:
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def wrapped() -> None:
+            try:
+                job()
+            except BaseException as exc:  # re-raised on the caller's thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        self._jobs.put(wrapped)
+        if not done.wait(timeout):
+            raise TimeoutError(f"hand-off helper: job not done in {timeout} s")
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5.0)
+        if self._thread.is_alive():
+            raise RuntimeError("hand-off helper thread did not stop")
 
 
 # -- progress -------------------------------------------------------------------------------

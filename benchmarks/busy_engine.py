@@ -26,6 +26,15 @@ per mode and condition, ``handover_busy_engine_over_idle`` (python busy p50 over
 push and pull together as a geometric mean) and ``handover_busy_numpy_engine_over_idle``;
 then the same again with a 0.5 ms switch interval in both engines (``..._switch_0_5ms``):
 an engine may set ``sys.setswitchinterval`` for itself; kvpush never changes it.
+
+Beside them, under the same conditions in the prefill process, the **hand-off floor**
+(``floor`` row): the engine's thread hands an empty job to a second Python thread sleeping
+between jobs (:class:`benchmarks._common.HandoffHelper`) and waits to be woken when it ran
+-- two wake-ups of a sleeping Python thread, no kvpush and no NIXL. A push or a pull needs
+at least that many (kvpush's loop thread on one side, the engine's waiting thread or a
+callback on the other), so whatever a design that delivers its results to Python does, its
+busy/idle ratio is bounded by this one's: ``handoff_floor_busy_over_idle`` (python) and
+``handoff_floor_busy_numpy_over_idle``.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import Progress, geomean, open_endpoint, pct
+from ._common import HandoffHelper, Progress, geomean, open_endpoint, pct
 from ._procs import Worker, stop_all
 
 __all__ = ["run"]
@@ -183,7 +192,28 @@ def side_ready(state: dict[str, Any], conn: mpc.Connection, rids: list[str]) -> 
     return out
 
 
+def side_floor(state: dict[str, Any], conn: mpc.Connection, count: int) -> list[float]:
+    """``count`` hand-offs of an empty job to a sleeping helper thread and back, each after
+    ``GAP_S`` idle as a request is; seconds each."""
+    if "helper" not in state:
+        helper = state["helper"] = HandoffHelper()
+        state["cleanup"].append(helper.close)
+    helper = state["helper"]
+    out = []
+    for _ in range(count):
+        time.sleep(GAP_S)
+        t0 = time.perf_counter()
+        helper.run(_nothing)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _nothing() -> None:
+    return None
+
+
 CONDITIONS = ("idle", "python", "numpy")
+MODES = ("push", "pull", "floor")   # floor: the hand-off floor (module doc)
 
 
 def run(quick: bool, progress: bool = True, rounds: int | None = None,
@@ -223,6 +253,8 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
                 tickets = prefill.call(_M + "side_tickets", rids=prids, ids=src)
                 pulls = decode.call(_M + "side_pull", tickets=tickets, ids=dst, timeout=300)
                 samples.setdefault(("pull", cond), []).extend(pulls[1:])
+                floors = prefill.call(_M + "side_floor", count=per_round + 1, timeout=300)
+                samples.setdefault(("floor", cond), []).extend(floors[1:])
                 n += per_round + 1
                 bar.step(f"round {r + 1} {cond}")
         for w in (prefill, decode):
@@ -231,7 +263,7 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
         stop_all([decode, prefill])
         bar.finish()
     rows = []
-    for mode in ("push", "pull"):
+    for mode in MODES:
         idle = samples[(mode, "idle")]
         row: dict[str, Any] = {"mode": mode, "requests": len(idle)}
         for cond in CONDITIONS:
@@ -242,15 +274,21 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
                 row[f"{cond}_over_idle"] = pct(vals, 50) / pct(idle, 50)
         rows.append(row)
     summary: dict[str, Any] = {}
-    for cond, key in (("python", "handover_busy_engine_over_idle"),
-                      ("numpy", "handover_busy_numpy_engine_over_idle")):
-        ratio = geomean([r[f"{cond}_over_idle"] for r in rows])
+    transfers, floor = rows[:2], rows[2]
+    for cond, key, floor_key in (
+            ("python", "handover_busy_engine_over_idle", "handoff_floor_busy_over_idle"),
+            ("numpy", "handover_busy_numpy_engine_over_idle",
+             "handoff_floor_busy_numpy_over_idle")):
+        ratio = geomean([r[f"{cond}_over_idle"] for r in transfers])
         summary[key] = ratio if math.isfinite(ratio) else math.nan
-        for r in rows:
-            summary[f"{key}_{r['mode']}"] = r[f"{cond}_over_idle"]
-    for r in rows:
+        for t in transfers:
+            summary[f"{key}_{t['mode']}"] = t[f"{cond}_over_idle"]
+        summary[floor_key] = floor[f"{cond}_over_idle"]
+    for t in transfers:
         for cond in CONDITIONS:
-            summary[f"handover_p50_{cond}_{r['mode']}_us"] = r[f"{cond}_p50_us"]
+            summary[f"handover_p50_{cond}_{t['mode']}_us"] = t[f"{cond}_p50_us"]
+    for cond in CONDITIONS:
+        summary[f"handoff_floor_p50_{cond}_us"] = floor[f"{cond}_p50_us"]
     out: dict[str, Any] = {
         "request_bytes": REQUEST_BLOCKS * 16 * 4096,
         "switch_interval_s": (sys.getswitchinterval() if switch_interval_s is None
@@ -263,6 +301,7 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
         # engine's cost is the interval kvpush's loop thread waits to win the GIL back.
         short = run(quick, progress, rounds, per_round, switch_interval_s=SHORT_SWITCH_S)
         out["short_switch"] = short
-        for key in ("handover_busy_engine_over_idle", "handover_busy_numpy_engine_over_idle"):
+        for key in ("handover_busy_engine_over_idle", "handover_busy_numpy_engine_over_idle",
+                    "handoff_floor_busy_over_idle", "handoff_floor_busy_numpy_over_idle"):
             summary[f"{key}_switch_0_5ms"] = short["summary"][key]
     return out

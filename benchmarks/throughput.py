@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing.connection as mpc
-import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +46,7 @@ import numpy as np
 from ._common import (
     KIB,
     MIB,
+    HandoffHelper,
     Progress,
     RawAgent,
     block_ids,
@@ -76,47 +75,7 @@ PUSH_STAGES = {
 }
 
 
-class _Helper:
-    """A second thread of an engine's process running one job at a time and sleeping in
-    between (a blocking queue read, as kvpush's loop thread sleeps in ``epoll_wait``): the
-    hand-off floors of the module doc. ``run`` waits for its job to end and re-raises
-    what it raised."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="tp-helper", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def run(self, job: Callable[[], None], timeout: float = 30.0) -> None:
-        done = threading.Event()
-        failed: list[BaseException] = []
-
-        def wrapped() -> None:
-            try:
-                job()
-            except BaseException as exc:  # re-raised on the caller's thread
-                failed.append(exc)
-            finally:
-                done.set()
-
-        self._jobs.put(wrapped)
-        if not done.wait(timeout):
-            raise TimeoutError(f"hand-off helper: job not done in {timeout} s")
-        if failed:
-            raise failed[0]
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(5.0)
-        if self._thread.is_alive():
-            raise RuntimeError("hand-off helper thread did not stop")
-
-
-def _floors(agent: RawAgent, helper: _Helper, op: str, local: Any, li: np.ndarray,
+def _floors(agent: RawAgent, helper: HandoffHelper, op: str, local: Any, li: np.ndarray,
             remote: Any, ri: np.ndarray) -> tuple[float, float]:
     """Seconds of one raw transfer handed to ``helper`` and back, then of one posted here
     and polled there (the hand-off floors of the module doc)."""
@@ -405,7 +364,7 @@ def side_write_interleaved(state: dict[str, Any], conn: mpc.Connection, block_by
                 stages[f"stage_{name}"].append(value)
         return dt
 
-    helper = _Helper()
+    helper = HandoffHelper()
     try:
         for i in range(count + 1):
             t0 = time.perf_counter()
@@ -460,7 +419,7 @@ def side_read_interleaved(state: dict[str, Any], conn: mpc.Connection, block_byt
             raise RuntimeError(f"pull failed: {result.state} {result.error}")
         return dt
 
-    helper = _Helper()
+    helper = HandoffHelper()
     try:
         for i in range(count + 1):
             times = {"raw_read": agent.xfer("READ", local_h, li, remote_h, ri),

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
 
 from benchmarks import (  # noqa: E402
+    _common,
     ab_trees,
     busy_engine,
     cpu,
@@ -86,7 +87,7 @@ def test_throughput(results: dict[str, dict[str, object]]) -> None:
 def test_throughput_helper_reraises_on_the_caller_and_stops() -> None:
     """The hand-off floors' helper thread: a job's error reaches the caller, the thread
     serves on after it, and close() stops it."""
-    helper = throughput._Helper()
+    helper = _common.HandoffHelper()
     ran: list[int] = []
     helper.run(lambda: ran.append(1))
 
@@ -119,8 +120,11 @@ def test_busy_engine() -> None:
     r = busy_engine.run(quick=True, progress=False, rounds=1, per_round=2)
     _finite(r["summary"], "handover_busy_engine_over_idle",
             "handover_busy_numpy_engine_over_idle", "handover_p50_idle_push_us",
-            "handover_p50_python_pull_us", "handover_busy_engine_over_idle_switch_0_5ms")
-    assert [row["requests"] for row in r["rows"]] == [2, 2]
+            "handover_p50_python_pull_us", "handover_busy_engine_over_idle_switch_0_5ms",
+            "handoff_floor_busy_over_idle", "handoff_floor_busy_numpy_over_idle",
+            "handoff_floor_p50_idle_us", "handoff_floor_busy_over_idle_switch_0_5ms")
+    assert [row["mode"] for row in r["rows"]] == ["push", "pull", "floor"]
+    assert [row["requests"] for row in r["rows"]] == [2, 2, 2]
 
 
 def test_engine_share() -> None:
@@ -137,7 +141,8 @@ def test_hot_path() -> None:
     assert [row["blocks"] for row in r["rows"]] == list(hot_path.SIZES)
     for row in r["rows"]:
         # kvpush's own stamps line up with the benchmark's, in the order of the hot path
-        assert 0 <= row["p_command"] <= row["p_post"] <= row["p_xfer_end"] <= row["p_engine"]
+        assert (0 <= row["p_command"] <= row["p_drained"] <= row["p_sent"] <= row["p_post"]
+                <= row["p_xfer_end"] <= row["p_engine"])
         assert row["c_message"] <= row["c_notif"] <= row["c_finished"] <= row["c_engine"]
         assert math.isfinite(row["raw_done"]) and math.isfinite(row["raw_notif"])
 
