@@ -9,7 +9,9 @@ the first such stamp after the call:
 
 * prefill process: ``queued`` (the engine's thread queued the hold and returns),
   ``woke`` (the loop thread's poll returned), ``command`` (the loop runs the hold),
-  ``post`` / ``posted`` (NIXL's ``make_prepped_xfer`` + ``transfer`` called / returned),
+  ``drained`` (the protocol core has handled it: its effects are drained), ``sent`` (a
+  control frame is out: the ``Posted`` hint, sent before the WRITE), ``post`` /
+  ``posted`` (NIXL's ``make_prepped_xfer`` + ``transfer`` called / returned),
   ``xfer_end`` (NIXL says DONE), ``release`` (on_release runs), ``engine`` (the engine's
   thread waiting on that callback woke);
 * decode process: ``message`` (the ``Posted`` hint handled), ``notif`` (the WRITE's NIXL
@@ -44,7 +46,8 @@ _M = "benchmarks.hot_path:"
 NUM_BLOCKS = 1024
 GAP_S = 0.002
 SIZES = (1, 16, 256)         # blocks per request (x 16 regions x 4 KiB: 64 KiB, 1, 16 MiB)
-PRODUCER_STAGES = ("queued", "woke", "command", "post", "posted", "xfer_end", "release")
+PRODUCER_STAGES = ("queued", "woke", "command", "drained", "sent", "post", "posted",
+                   "xfer_end", "release")
 CONSUMER_STAGES = ("message", "notif", "result")
 
 

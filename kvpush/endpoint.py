@@ -315,9 +315,13 @@ class Endpoint:
             effects = self._core.drain()
             if not effects:
                 break
+            if _trace.ON:
+                _trace.stamp("drained")
             for effect in effects:
                 if isinstance(effect, Send):
                     self._send_to(effect.peer, effect.msg)
+                    if _trace.ON:
+                        _trace.stamp("sent")
                 elif isinstance(effect, Post):
                     self._post(effect)
                 elif isinstance(effect, Abandon):
