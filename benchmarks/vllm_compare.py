@@ -13,6 +13,11 @@ Same machine, model, servers set-up and workload for every configuration:
 * ``vllm_nixl_pull_nospin`` / ``vllm_nixl_push_nospin`` -- the same two with NIXL's
   progress thread sleeping 1 ms between polls instead of spinning (a subclass,
   ``benchmarks/vllm_anchors.py``): vLLM's connectors at their best here, the anchor to beat;
+* ``disagg_nomove``      -- the same prefill / decode / router set-up with no transfer: a
+  do-nothing connector on the prefill instance, ``NoMoveLoadConnector`` on the decode
+  instance (``benchmarks/vllm_anchors.py``), which declares each prompt loaded and moves
+  nothing (its tokens are garbage, so they are not compared): vLLM's disaggregated decode
+  path alone, the floor under any connector's decode TPOT;
 * ``kvpush_push_tp2`` / ``kvpush_pull_tp2`` -- kvpush with a tensor-parallel-2 prefill
   instance (ranks unbound on both cores) feeding a TP-1 decode instance, float32 (a TP-2
   engine sums in another order than a TP-1 one, which in bfloat16 flips near-tied greedy
@@ -37,7 +42,11 @@ Top-level keys:
 ``vllm_ttft_overhead_push_over_best_vllm`` (the worst rate's kvpush push TTFT p50 overhead
 over colocated divided by the smallest such overhead of vLLM's four connector set-ups),
 ``vllm_tpot_p50_kvpush_minus_noop_ms`` (the worst rate's kvpush decode TPOT p50 minus the
-do-nothing connector's), ``vllm_tp2_tokens_match``, and
+do-nothing connector's, colocated), ``vllm_tpot_p50_kvpush_minus_nomove_ms`` (the same minus
+``disagg_nomove``'s: what kvpush adds to a disaggregated decode server's TPOT; and
+``..._median_ms``, the median over rates and modes, which the worst of six noisy
+differences is not),
+``vllm_tp2_tokens_match``, and
 ``vllm_ttft_p50_push_first_kvpush_minus_vllm_ms`` (for push with the first token streamed from
 the prefill instance by the router, ``*_first``: kvpush's TTFT p50 overhead over colocated
 minus that of vLLM's push with its spin removed, the router feature on both, worst rate; a
@@ -82,10 +91,10 @@ TABLE_END = "<!-- vllm_compare table: end -->"
 CONFIGS = ("colocated", "colocated_noop", "kvpush_push", "kvpush_pull", "kvpush_push_first",
            "kvpush_pull_first",
            "vllm_nixl_pull", "vllm_nixl_push", "vllm_nixl_pull_nospin", "vllm_nixl_push_nospin",
-           "vllm_nixl_push_nospin_first", "colocated_fp32", "kvpush_push_tp2",
-           "kvpush_pull_tp2")
+           "vllm_nixl_push_nospin_first", "disagg_nomove", "colocated_fp32",
+           "kvpush_push_tp2", "kvpush_pull_tp2")
 GROUPS = ("colocated", "noop", "kvpush", "vllm_nixl_pull", "vllm_nixl_push",
-          "vllm_nixl_pull_nospin", "vllm_nixl_push_nospin", "tp2")
+          "vllm_nixl_pull_nospin", "vllm_nixl_push_nospin", "disagg_nomove", "tp2")
 VLLM_CONFIGS = ("vllm_nixl_pull", "vllm_nixl_push", "vllm_nixl_pull_nospin",
                 "vllm_nixl_push_nospin")
 #: Push with the first token streamed from the prefill instance by the router
@@ -289,6 +298,14 @@ def start_pair(name: str, model: Path, logs: Path, fleet: launch.Fleet, common: 
         if tp > 1:
             p_cores, p_bind = "0,1", "nobind"
             p_extra += ["--tensor-parallel-size", "2"]
+    elif name == "disagg_nomove":
+        p_cfg = {"kv_connector": "NoopConnector", "kv_connector_module_path": "vllm_anchors",
+                 "kv_role": "kv_producer"}
+        d_cfg = {"kv_connector": "NoMoveLoadConnector",
+                 "kv_connector_module_path": "vllm_anchors", "kv_role": "kv_consumer"}
+        p_env, d_env = dict(ANCHORS), dict(ANCHORS)
+        # kvpush's push routing (both halves at once); the producer address is never used
+        router_args = ["--producers", "tcp://127.0.0.1:9"]
     else:
         nospin = name.endswith("_nospin")
         push = name.startswith("vllm_nixl_push")
@@ -328,6 +345,8 @@ def _targets(group: str, url: str) -> list[tuple[str, str, str | None]]:
         return [(group, url, "push"), (f"{group}_first", url, "push+first")]
     if group == "tp2":
         return [("kvpush_push_tp2", url, "push"), ("kvpush_pull_tp2", url, "pull")]
+    if group == "disagg_nomove":
+        return [(group, url, "push")]
     return [(group, url, "push" if group.startswith("vllm_nixl_push") else "pull")]
 
 
@@ -409,8 +428,9 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
             for rate, wl in workloads.items():
                 began = time.monotonic()
                 outs, makespan = asyncio.run(run_load(url, wl, mode, args.output_tokens))
-                summary = summarize(outs, makespan, reference[rate] if reference else None,
-                                    wl)
+                # disagg_nomove's tokens come from garbage KV: nothing to compare
+                summary = summarize(outs, makespan, reference[rate]
+                                    if reference and group != "disagg_nomove" else None, wl)
                 if stage_logs:
                     summary["stages"] = stages_between(stage_logs, began, time.monotonic())
                 results[name][str(rate)] = summary
@@ -496,6 +516,12 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
             if ours is not None and noop.get("tpot_p50_ms") is not None:
                 gap = round(ours - noop["tpot_p50_ms"], 2)
                 tpot_gap = gap if tpot_gap is None else max(tpot_gap, gap)
+    nomove_gaps: list[float] = []
+    for rate, floor in results.get("disagg_nomove", {}).items():
+        for name in ("kvpush_push", "kvpush_pull"):
+            ours = results.get(name, {}).get(rate, {}).get("tpot_p50_ms")
+            if ours is not None and floor.get("tpot_p50_ms") is not None:
+                nomove_gaps.append(round(ours - floor["tpot_p50_ms"], 2))
     tp2 = [s for n in ("kvpush_push_tp2", "kvpush_pull_tp2")
            for s in results.get(n, {}).values()]
     tp2_match = bool(tp2) and all(s["errors"] == 0 and s["tokens_identical"] == s["requests"]
@@ -519,6 +545,10 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     return {
         "vllm_ttft_overhead_push_over_best_vllm": worst_ratio,
         "vllm_tpot_p50_kvpush_minus_noop_ms": tpot_gap,
+        "vllm_tpot_p50_kvpush_minus_nomove_ms": max(nomove_gaps) if nomove_gaps else None,
+        # the worst of six noisy differences leans high; their median does not
+        "vllm_tpot_p50_kvpush_minus_nomove_median_ms":
+            round(statistics.median(nomove_gaps), 2) if nomove_gaps else None,
         "vllm_tp2_tokens_match": tp2_match if tp2 else None,
         "vllm_ttft_p50_kvpush_push_over_vllm_push":
             round(ours_pooled / push, 3) if ours_pooled and push else None,
@@ -579,7 +609,10 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
               f"rate: **{k['vllm_ttft_overhead_push_over_best_vllm']}** (goal ≤ 0.5; per "
               f"rate: {json.dumps(k['vllm_ttft_overhead_by_rate'])}). kvpush decode TPOT p50 "
               "minus the do-nothing connector's, worst rate: "
-              f"**{k['vllm_tpot_p50_kvpush_minus_noop_ms']} ms** (goal ≤ 0.1). TP-2 prefill "
+              f"**{k['vllm_tpot_p50_kvpush_minus_noop_ms']} ms** (goal ≤ 0.1); minus the "
+              "disaggregated set-up that moves nothing (`disagg_nomove`): "
+              f"**{k.get('vllm_tpot_p50_kvpush_minus_nomove_ms')} ms** (median over rates and "
+              f"modes {k.get('vllm_tpot_p50_kvpush_minus_nomove_median_ms')} ms). TP-2 prefill "
               f"→ TP-1 decode, every token equal: **{k['vllm_tp2_tokens_match']}**. Pooled "
               "TTFT p50, kvpush push / vLLM push: "
               f"{k['vllm_ttft_p50_kvpush_push_over_vllm_push']}; / vLLM pull: "

@@ -1,8 +1,8 @@
 """``benchmarks/vllm_compare.py``'s summary keys from synthetic runs (its servers need real
 vLLM; the arithmetic that turns runs into the keys an issue names does not): the overhead
 ratio at the worst rate against the best of vLLM's four set-ups, an anchor no slower than
-colocated leaving the ratio undefined, the TPOT gap to the do-nothing connector, and the
-TP-2 token match."""
+colocated leaving the ratio undefined, the TPOT gaps to the do-nothing connector and to the
+disaggregated set-up that moves nothing, and the TP-2 token match."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def test_keys_take_the_worst_rate_against_the_best_anchor() -> None:
     assert keys["vllm_ttft_overhead_push_over_best_vllm"] == 0.5
     assert vc.headline(r)["vllm_ttft_overhead_push_over_best_vllm"] == 0.75
     assert keys["vllm_tpot_p50_kvpush_minus_noop_ms"] == 0.8      # push at rate 8
+    assert keys["vllm_tpot_p50_kvpush_minus_nomove_ms"] is None    # disagg_nomove not run
+    assert keys["vllm_tpot_p50_kvpush_minus_nomove_median_ms"] is None
     assert keys["vllm_tp2_tokens_match"] is True
     table = vc.markdown(r, {"keys": keys, "date": "d", "machine": "m", "command": "c"})
     assert "kvpush_push_tp2" in table and "**0.5**" in table
@@ -90,3 +92,18 @@ def test_a_partial_run_keeps_the_keys_it_could_not_compute() -> None:
     assert out["results"] == {"colocated": {}}
     fresh = vc.merge_results({}, keys, {}, {})
     assert fresh["vllm_tp2_tokens_match"] is None and fresh["meta"]["keys_kept"] == []
+
+
+def test_the_tpot_gap_to_the_no_transfer_setup_takes_the_worst_rate_and_mode() -> None:
+    r = results()
+    r["disagg_nomove"] = {"2.0": run(20, tpot=2.8), "8.0": run(25, tpot=3.3)}
+    vc.overheads(r)
+    keys = vc.headline(r)
+    # rate 2: push -0.1, pull +0.1; rate 8: push +0.1, pull -0.3 -> the worst is 0.1
+    assert keys["vllm_tpot_p50_kvpush_minus_nomove_ms"] == 0.1
+    assert keys["vllm_tpot_p50_kvpush_minus_nomove_median_ms"] == 0.0   # -0.1 +0.1 +0.1 -0.3
+    r["kvpush_pull"]["2.0"]["tpot_p50_ms"] = 3.5
+    assert vc.headline(r)["vllm_tpot_p50_kvpush_minus_nomove_ms"] == 0.7
+    assert vc.headline(r)["vllm_tpot_p50_kvpush_minus_nomove_median_ms"] == 0.0
+    table = vc.markdown(r, {"keys": keys, "date": "d", "machine": "m", "command": "c"})
+    assert "| disagg_nomove | 2.0 |" in table and "`disagg_nomove`): **0.1 ms**" in table
