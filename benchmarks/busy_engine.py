@@ -27,20 +27,32 @@ push and pull together as a geometric mean) and ``handover_busy_numpy_engine_ove
 then the same again with a 0.5 ms switch interval in both engines (``..._switch_0_5ms``):
 an engine may set ``sys.setswitchinterval`` for itself; kvpush never changes it.
 
-Beside them, under the same conditions in the prefill process, the **hand-off floor**
-(``floor`` row): the engine's thread hands an empty job to a second Python thread sleeping
-between jobs (:class:`benchmarks._common.HandoffHelper`) and waits to be woken when it ran
--- two wake-ups of a sleeping Python thread, no kvpush and no NIXL. A push or a pull needs
-at least that many (kvpush's loop thread on one side, the engine's waiting thread or a
-callback on the other), so whatever a design that delivers its results to Python does, its
-busy/idle ratio is bounded by this one's: ``handoff_floor_busy_over_idle`` (python) and
-``handoff_floor_busy_numpy_over_idle``.
+Beside them, under the same conditions, two **hand-off floors** (no kvpush, no NIXL):
+
+* ``floor`` (in the prefill process): the engine's thread hands an empty job to a second
+  Python thread sleeping between jobs (:class:`benchmarks._common.HandoffHelper`) and waits
+  to be woken when it ran -- two wake-ups of a sleeping Python thread of one process;
+* ``floor_x`` (across the two processes, a push's shape): the prefill engine's thread hands
+  a one-byte datagram to its sleeping helper thread, which sends it to the decode process,
+  where a Python thread sleeping in ``recv`` wakes and stamps it -- timed from the hand-off
+  to that stamp, one monotonic clock for both.
+
+A push or a pull needs at least ``floor_x``'s wake-ups (kvpush's loop thread on the side
+that posts, a thread of the other engine to learn of the landing), so a design that
+delivers its results to Python cannot have a busy/idle ratio under that floor's:
+``handoff_floor_busy_over_idle`` and ``handoff_floor_busy_numpy_over_idle`` (``floor_x``),
+``handoff_floor_local_busy_over_idle`` (``floor``). And in microseconds rather than ratios:
+``handover_busy_added_over_floor_{push,pull}``, what the busy thread adds to kvpush's
+handover p50 over what it adds to ``floor_x``'s (1: kvpush waits exactly as long for the
+GIL as the floor does).
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing.connection as mpc
+import os
+import socket
 import sys
 import threading
 import time
@@ -212,8 +224,71 @@ def _nothing() -> None:
     return None
 
 
+def side_floor_listen(state: dict[str, Any], conn: mpc.Connection) -> str:
+    """Decode side of ``floor_x``: a Python thread sleeping in ``recv`` on a datagram
+    socket stamps each arrival; returns the socket's (abstract) address."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    address = f"\0kvpush-busy-floor-{os.getpid()}-{id(sock)}"
+    sock.bind(address)
+    arrivals: list[float] = []
+    state["floor_arrivals"] = arrivals
+
+    def serve() -> None:
+        while sock.recv(16) != b"stop":
+            arrivals.append(time.monotonic())
+        sock.close()
+
+    thread = threading.Thread(target=serve, name="floor-listener", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as out:
+            out.sendto(b"stop", address)
+        thread.join(5.0)
+
+    state["cleanup"].append(stop)
+    return address
+
+
+def side_floor_send(state: dict[str, Any], conn: mpc.Connection, address: str,
+                    count: int) -> list[float]:
+    """Prefill side of ``floor_x``: ``count`` datagrams, each handed to the helper thread
+    after ``GAP_S`` idle; returns when each was handed over (monotonic)."""
+    if "helper" not in state:
+        state["helper"] = HandoffHelper()
+        state["cleanup"].append(state["helper"].close)
+    if "floor_sock" not in state:
+        state["floor_sock"] = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        state["cleanup"].append(state["floor_sock"].close)
+    helper, sock = state["helper"], state["floor_sock"]
+
+    def send() -> None:
+        sock.sendto(b"x", address)
+
+    out = []
+    for _ in range(count):
+        time.sleep(GAP_S)
+        out.append(time.monotonic())
+        helper.run(send)
+    return out
+
+
+def side_floor_arrivals(state: dict[str, Any], conn: mpc.Connection, count: int,
+                        timeout: float = 30.0) -> list[float]:
+    """The next ``count`` arrivals of ``floor_x`` (and forget them)."""
+    arrivals: list[float] = state["floor_arrivals"]
+    end = time.monotonic() + timeout
+    while len(arrivals) < count:
+        if time.monotonic() > end:
+            raise TimeoutError(f"floor_x: {len(arrivals)} of {count} datagrams in {timeout} s")
+        time.sleep(0.001)
+    out = arrivals[:count]
+    del arrivals[:count]
+    return out
+
+
 CONDITIONS = ("idle", "python", "numpy")
-MODES = ("push", "pull", "floor")   # floor: the hand-off floor (module doc)
+MODES = ("push", "pull", "floor", "floor_x")   # the floors: module doc
 
 
 def run(quick: bool, progress: bool = True, rounds: int | None = None,
@@ -235,6 +310,7 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
         rng = np.random.default_rng(0)
         src = rng.choice(num_blocks, REQUEST_BLOCKS, replace=False)
         dst = rng.choice(num_blocks, REQUEST_BLOCKS, replace=False)
+        floor_address = decode.call(_M + "side_floor_listen")
         bar.step("engines up")
         n = 0
         for r in range(rounds):
@@ -255,6 +331,12 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
                 samples.setdefault(("pull", cond), []).extend(pulls[1:])
                 floors = prefill.call(_M + "side_floor", count=per_round + 1, timeout=300)
                 samples.setdefault(("floor", cond), []).extend(floors[1:])
+                sent = prefill.call(_M + "side_floor_send", address=floor_address,
+                                    count=per_round + 1, timeout=300)
+                landed = decode.call(_M + "side_floor_arrivals", count=per_round + 1,
+                                     timeout=300)
+                samples.setdefault(("floor_x", cond), []).extend(
+                    b - a for a, b in list(zip(sent, landed, strict=True))[1:])
                 n += per_round + 1
                 bar.step(f"round {r + 1} {cond}")
         for w in (prefill, decode):
@@ -274,7 +356,7 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
                 row[f"{cond}_over_idle"] = pct(vals, 50) / pct(idle, 50)
         rows.append(row)
     summary: dict[str, Any] = {}
-    transfers, floor = rows[:2], rows[2]
+    transfers, local, cross = rows[:2], rows[2], rows[3]
     for cond, key, floor_key in (
             ("python", "handover_busy_engine_over_idle", "handoff_floor_busy_over_idle"),
             ("numpy", "handover_busy_numpy_engine_over_idle",
@@ -283,12 +365,21 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
         summary[key] = ratio if math.isfinite(ratio) else math.nan
         for t in transfers:
             summary[f"{key}_{t['mode']}"] = t[f"{cond}_over_idle"]
-        summary[floor_key] = floor[f"{cond}_over_idle"]
+        summary[floor_key] = cross[f"{cond}_over_idle"]
+        summary[floor_key.replace("floor_", "floor_local_")] = local[f"{cond}_over_idle"]
     for t in transfers:
         for cond in CONDITIONS:
             summary[f"handover_p50_{cond}_{t['mode']}_us"] = t[f"{cond}_p50_us"]
+    # What the busy thread adds to a handover (busy p50 - idle p50), over what it adds to
+    # the cross-process floor: 1 when kvpush pays exactly the floor's extra wait.
+    floor_added = cross["python_p50_us"] - cross["idle_p50_us"]
+    for t in transfers:
+        added = t["python_p50_us"] - t["idle_p50_us"]
+        summary[f"handover_busy_added_over_floor_{t['mode']}"] = (
+            added / floor_added if floor_added > 0 else math.nan)
     for cond in CONDITIONS:
-        summary[f"handoff_floor_p50_{cond}_us"] = floor[f"{cond}_p50_us"]
+        summary[f"handoff_floor_p50_{cond}_us"] = cross[f"{cond}_p50_us"]
+        summary[f"handoff_floor_local_p50_{cond}_us"] = local[f"{cond}_p50_us"]
     out: dict[str, Any] = {
         "request_bytes": REQUEST_BLOCKS * 16 * 4096,
         "switch_interval_s": (sys.getswitchinterval() if switch_interval_s is None
@@ -302,6 +393,7 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
         short = run(quick, progress, rounds, per_round, switch_interval_s=SHORT_SWITCH_S)
         out["short_switch"] = short
         for key in ("handover_busy_engine_over_idle", "handover_busy_numpy_engine_over_idle",
-                    "handoff_floor_busy_over_idle", "handoff_floor_busy_numpy_over_idle"):
+                    "handoff_floor_busy_over_idle", "handoff_floor_busy_numpy_over_idle",
+                    "handoff_floor_local_busy_over_idle"):
             summary[f"{key}_switch_0_5ms"] = short["summary"][key]
     return out

@@ -144,9 +144,13 @@ def test_busy_engine() -> None:
             "handover_busy_numpy_engine_over_idle", "handover_p50_idle_push_us",
             "handover_p50_python_pull_us", "handover_busy_engine_over_idle_switch_0_5ms",
             "handoff_floor_busy_over_idle", "handoff_floor_busy_numpy_over_idle",
-            "handoff_floor_p50_idle_us", "handoff_floor_busy_over_idle_switch_0_5ms")
-    assert [row["mode"] for row in r["rows"]] == ["push", "pull", "floor"]
-    assert [row["requests"] for row in r["rows"]] == [2, 2, 2]
+            "handoff_floor_p50_idle_us", "handoff_floor_busy_over_idle_switch_0_5ms",
+            "handoff_floor_local_busy_over_idle", "handoff_floor_local_p50_python_us",
+            "handover_busy_added_over_floor_push", "handover_busy_added_over_floor_pull")
+    assert [row["mode"] for row in r["rows"]] == ["push", "pull", "floor", "floor_x"]
+    assert [row["requests"] for row in r["rows"]] == [2, 2, 2, 2]
+    # the datagram lands after it was handed over (one monotonic clock for both processes)
+    assert r["summary"]["handoff_floor_p50_idle_us"] > 0
 
 
 def test_engine_share() -> None:
