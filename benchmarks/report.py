@@ -43,10 +43,11 @@ TARGETS: dict[str, tuple[str, float, str]] = {
 
 
 #: For a target, the summary key of the same figure measured for the cheapest design of the
-#: shape every engine integration has -- raw NIXL with one thread hop and nothing else
-#: (``inline``), or two wake-ups of a sleeping Python thread (``handoff``; see
-#: ``benchmarks.throughput`` and ``benchmarks.busy_engine``). A target that this floor
-#: misses in the same run cannot be met on that host by any such design.
+#: shape every engine integration has -- raw NIXL with one thread hop and nothing else (the
+#: ``inline`` floor of ``benchmarks.throughput``), or a datagram handed to a sleeping thread
+#: of one engine process and woken on in the other (``floor_x`` of
+#: ``benchmarks.busy_engine``). A target that this floor misses in the same run cannot be
+#: met on that host by any such design.
 FLOORS: dict[str, str] = {
     "write_vs_raw_nixl_1mib_plus": "write_inline_floor_vs_raw_nixl_1mib_plus",
     "read_vs_raw_nixl_1mib_plus": "read_inline_floor_vs_raw_nixl_1mib_plus",
