@@ -207,10 +207,7 @@ def side_ready(state: dict[str, Any], conn: mpc.Connection, rids: list[str]) -> 
 def side_floor(state: dict[str, Any], conn: mpc.Connection, count: int) -> list[float]:
     """``count`` hand-offs of an empty job to a sleeping helper thread and back, each after
     ``GAP_S`` idle as a request is; seconds each."""
-    if "helper" not in state:
-        helper = state["helper"] = HandoffHelper()
-        state["cleanup"].append(helper.close)
-    helper = state["helper"]
+    helper = _helper(state)
     out = []
     for _ in range(count):
         time.sleep(GAP_S)
@@ -218,6 +215,15 @@ def side_floor(state: dict[str, Any], conn: mpc.Connection, count: int) -> list[
         helper.run(_nothing)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _helper(state: dict[str, Any]) -> HandoffHelper:
+    """This process's sleeping helper thread, made on first use (stopped at cleanup)."""
+    if "helper" not in state:
+        state["helper"] = HandoffHelper()
+        state["cleanup"].append(state["helper"].close)
+    helper: HandoffHelper = state["helper"]
+    return helper
 
 
 def _nothing() -> None:
@@ -254,13 +260,10 @@ def side_floor_send(state: dict[str, Any], conn: mpc.Connection, address: str,
                     count: int) -> list[float]:
     """Prefill side of ``floor_x``: ``count`` datagrams, each handed to the helper thread
     after ``GAP_S`` idle; returns when each was handed over (monotonic)."""
-    if "helper" not in state:
-        state["helper"] = HandoffHelper()
-        state["cleanup"].append(state["helper"].close)
     if "floor_sock" not in state:
         state["floor_sock"] = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         state["cleanup"].append(state["floor_sock"].close)
-    helper, sock = state["helper"], state["floor_sock"]
+    helper, sock = _helper(state), state["floor_sock"]
 
     def send() -> None:
         sock.sendto(b"x", address)
@@ -357,16 +360,17 @@ def run(quick: bool, progress: bool = True, rounds: int | None = None,
         rows.append(row)
     summary: dict[str, Any] = {}
     transfers, local, cross = rows[:2], rows[2], rows[3]
-    for cond, key, floor_key in (
-            ("python", "handover_busy_engine_over_idle", "handoff_floor_busy_over_idle"),
+    for cond, key, cross_key, local_key in (
+            ("python", "handover_busy_engine_over_idle", "handoff_floor_busy_over_idle",
+             "handoff_floor_local_busy_over_idle"),
             ("numpy", "handover_busy_numpy_engine_over_idle",
-             "handoff_floor_busy_numpy_over_idle")):
+             "handoff_floor_busy_numpy_over_idle", "handoff_floor_local_busy_numpy_over_idle")):
         ratio = geomean([r[f"{cond}_over_idle"] for r in transfers])
         summary[key] = ratio if math.isfinite(ratio) else math.nan
         for t in transfers:
             summary[f"{key}_{t['mode']}"] = t[f"{cond}_over_idle"]
-        summary[floor_key] = cross[f"{cond}_over_idle"]
-        summary[floor_key.replace("floor_", "floor_local_")] = local[f"{cond}_over_idle"]
+        summary[cross_key] = cross[f"{cond}_over_idle"]
+        summary[local_key] = local[f"{cond}_over_idle"]
     for t in transfers:
         for cond in CONDITIONS:
             summary[f"handover_p50_{cond}_{t['mode']}_us"] = t[f"{cond}_p50_us"]

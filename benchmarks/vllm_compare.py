@@ -492,6 +492,18 @@ def overheads(results: dict[str, Any], base: str = "colocated") -> None:
                 if r is not None and s["ttft_p50_ms"] is not None else None
 
 
+def _tpot_gaps(results: dict[str, Any], anchor: str) -> list[float]:
+    """kvpush push's and pull's decode TPOT p50 minus ``anchor``'s, ms, at every rate both
+    have."""
+    gaps = []
+    for rate, theirs in results.get(anchor, {}).items():
+        for name in ("kvpush_push", "kvpush_pull"):
+            ours = results.get(name, {}).get(rate, {}).get("tpot_p50_ms")
+            if ours is not None and theirs.get("tpot_p50_ms") is not None:
+                gaps.append(round(ours - theirs["tpot_p50_ms"], 2))
+    return gaps
+
+
 def headline(results: dict[str, Any]) -> dict[str, Any]:
     """The summary keys (see the module docstring); None where a run is missing."""
     worst_ratio: float | None = None
@@ -509,19 +521,8 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
                           "best_vllm_over_colocated_ms": best, "ratio": ratio}
         if ratio is not None and (worst_ratio is None or ratio > worst_ratio):
             worst_ratio = ratio
-    tpot_gap: float | None = None
-    for rate, noop in results.get("colocated_noop", {}).items():
-        for name in ("kvpush_push", "kvpush_pull"):
-            ours = results.get(name, {}).get(rate, {}).get("tpot_p50_ms")
-            if ours is not None and noop.get("tpot_p50_ms") is not None:
-                gap = round(ours - noop["tpot_p50_ms"], 2)
-                tpot_gap = gap if tpot_gap is None else max(tpot_gap, gap)
-    nomove_gaps: list[float] = []
-    for rate, floor in results.get("disagg_nomove", {}).items():
-        for name in ("kvpush_push", "kvpush_pull"):
-            ours = results.get(name, {}).get(rate, {}).get("tpot_p50_ms")
-            if ours is not None and floor.get("tpot_p50_ms") is not None:
-                nomove_gaps.append(round(ours - floor["tpot_p50_ms"], 2))
+    noop_gaps = _tpot_gaps(results, "colocated_noop")
+    nomove_gaps = _tpot_gaps(results, "disagg_nomove")
     tp2 = [s for n in ("kvpush_push_tp2", "kvpush_pull_tp2")
            for s in results.get(n, {}).values()]
     tp2_match = bool(tp2) and all(s["errors"] == 0 and s["tokens_identical"] == s["requests"]
@@ -544,7 +545,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     ours_pooled = pooled_p50(results, "kvpush_push")
     return {
         "vllm_ttft_overhead_push_over_best_vllm": worst_ratio,
-        "vllm_tpot_p50_kvpush_minus_noop_ms": tpot_gap,
+        "vllm_tpot_p50_kvpush_minus_noop_ms": max(noop_gaps) if noop_gaps else None,
         "vllm_tpot_p50_kvpush_minus_nomove_ms": max(nomove_gaps) if nomove_gaps else None,
         # the worst of six noisy differences leans high; their median does not
         "vllm_tpot_p50_kvpush_minus_nomove_median_ms":
