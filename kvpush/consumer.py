@@ -194,6 +194,9 @@ class _Claim:
     sids: dict[str, int]   # producer name -> sid (0: push)
     sharers: list[int]     # per ticket (per producer)
     push: bool = False
+    # (loop thread) aborted or superseded before its producers were all connected: its
+    # handshakes, when they end, send no Claim
+    given_up: bool = False
 
 
 class _AgentLinks:
@@ -479,24 +482,22 @@ class Consumer(Endpoint):
         engine has no free blocks). Asks each ticket's producer to hold its source past the
         ticket's lease while this consumer is connected (bounded by the producer's
         ``max_wait_s``). A later :meth:`pull` of the same tickets continues the claim;
-        :meth:`abort` of the request gives it up. Connects first if needed (as
-        :meth:`pull`). Returns the claim's transfer id (the pull's ``xid``)."""
-        self._no_blocking_on_loop("Consumer.claim()")
+        :meth:`abort` of the request gives it up. Returns at once (any thread, callbacks
+        included) with the claim's transfer id (the pull's ``xid``). A ticket's producer
+        not connected yet is connected to first, on the loop thread (at most
+        ``connect_timeout_s``, never past the tickets' lease); a handshake that fails gives
+        the claim up (logged): a later pull of the tickets connects itself and ends with
+        the handshake's error. Raises TransferTimeout if the tickets' lease has run out."""
         rid, parsed = self._parse_tickets(tickets, "claim")
         sharers = sharer_counts(sharers, len(parsed), "tickets")
-
-        def budget() -> float:
-            return self._lease_left(parsed)
-
-        self._connect_tickets(parsed, budget)
-        if budget() <= 0:
+        if self._lease_left(parsed) <= 0:
             raise TransferTimeout(f"the pull ticket's lease for {rid!r} has run out")
         claim = _Claim(new_xid(), {t.producer: t.sid for t in parsed}, sharers)
         with self._claims_lock:
             if rid in self._claims:
                 raise InvalidBlockIds(f"request {rid!r} is already claimed")
             self._claims[rid] = claim
-        self._call_soon(lambda: self._claim(parsed, claim))
+        self._call_soon(lambda: self._claim(rid, parsed, claim))
         return claim.xid
 
     def claim_push(self, request_id: str, producers: str | Sequence[str], *,
@@ -562,18 +563,6 @@ class Consumer(Endpoint):
         return min(t.lease_s - (now - t.issued_at) - self.config.lease_margin_s
                    for t in tickets)
 
-    def _connect_tickets(self, tickets: list[m.PullTicket],
-                         budget: Callable[[], float]) -> None:
-        for t in tickets:
-            # A handshake that outlasts the tickets' lease cannot make this pull succeed:
-            # the engine's thread waits no longer than that (an expired pull is TIMED_OUT).
-            wait = min(self.config.connect_timeout_s, budget())
-            if t.producer not in self._by_name and wait > 0:
-                name = self.connect(t.address, timeout=wait)
-                if name != t.producer:
-                    raise PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
-                                          f"{t.producer!r}")
-
     def get_finished(self) -> list[TransferResult]:
         """Results since the last call, oldest first (for engines that poll rather than take
         callbacks; without ``on_finished`` every result is queued here, whether or not its
@@ -613,6 +602,15 @@ class Consumer(Endpoint):
                     return RequestStatus(rid, "connecting", TransferMode.PULL, handle.xid,
                                          0, dst, deadline=deadline)
             status: RequestStatus = self._core.snapshot(rid)
+            if status.phase == "none":  # a claim whose producers are still connecting
+                with self._claims_lock:
+                    claim = self._claims.get(rid)
+                if claim is not None and not claim.given_up:
+                    sids = list(claim.sids.values())
+                    return RequestStatus(rid, "claimed", TransferMode.PUSH if claim.push
+                                         else TransferMode.PULL, claim.xid,
+                                         sids[0] if len(sids) == 1 else 0,
+                                         parts=len(sids))
             return status
 
         status: RequestStatus = self._call_and_wait(snap, 10.0, "Consumer.status()")
@@ -964,15 +962,59 @@ class Consumer(Endpoint):
         self._emit(TransferResult(handle.request_id, state, TransferMode.PULL, error,
                                   time.monotonic() - started, 0, True, dst, xid))
 
-    def _claim(self, tickets: list[m.PullTicket], claim: _Claim) -> None:
-        self._core.claim(time.monotonic(), tickets, claim.sharers, claim.xid)
-        self._apply()
+    def _claim(self, rid: str, tickets: list[m.PullTicket], claim: _Claim) -> None:
+        """Send the claim to its producers, once they are all connected: those that are
+        not are connected to first (within ``connect_timeout_s`` and the tickets' lease).
+        A claim given up meanwhile (aborted, superseded) sends nothing; a handshake that
+        fails gives the claim up."""
+        if claim.given_up:
+            return
+        missing = {t.producer: t for t in tickets if t.producer not in self._by_name}
+        if not missing:
+            self._core.claim(time.monotonic(), tickets, claim.sharers, claim.xid)
+            self._apply()
+            return
+        wait = min(self.config.connect_timeout_s, self._lease_left(tickets))
+        if wait <= 0:
+            self._claim_failed(rid, claim, TransferTimeout("the pull ticket's lease ran out "
+                                                           "while its producer connected"))
+            return
+
+        def on_result(t: m.PullTicket, name: str | None, error: KvpushError | None) -> None:
+            if claim.given_up or t.producer not in missing:
+                return
+            if error is None and name != t.producer:
+                error = PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
+                                        f"{t.producer!r}")
+            if error is not None:
+                self._claim_failed(rid, claim, error)
+                return
+            del missing[t.producer]
+            if not missing:
+                self._claim(rid, tickets, claim)  # (a producer lost since: connected again)
+
+        def waiter(t: m.PullTicket) -> Callable[[str | None, KvpushError | None], None]:
+            return lambda name, error: on_result(t, name, error)
+
+        for t in list(missing.values()):
+            self._connect(t.address, wait, waiter(t))
+
+    def _claim_failed(self, rid: str, claim: _Claim, error: KvpushError) -> None:
+        """A claim's handshake failed: it is given up (no producer holds anything for it);
+        a pull that continues it meets the same handshake itself."""
+        claim.given_up = True
+        with self._claims_lock:
+            if self._claims.get(rid) is claim:
+                del self._claims[rid]
+        if not isinstance(error, ClosedError):
+            log.warning("%s: claim of %r given up: %s", self.name, rid, error)
 
     def _claim_push(self, rid: str, names: list[str], claim: _Claim) -> None:
         self._core.claim_push(time.monotonic(), rid, names, claim.sharers, claim.xid)
         self._apply()
 
     def _abort_claim(self, rid: str, claim: _Claim, reason: str) -> None:
+        claim.given_up = True  # a handshake still running sends no Claim when it ends
         self._core.abort_claim(time.monotonic(), rid, claim.xid, reason)
         self._apply()
 

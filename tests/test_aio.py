@@ -248,10 +248,11 @@ def test_a_blocking_call_from_a_callback_raises_at_once() -> None:
         handles.append(c.expect("cb", [1], name, timeout=10))
         p.prefill_done("cb", [2])
         assert done.wait(10)
-        assert set(errors) == {"wait", "connect", "claim", "producer status"}, (errors, ok)
+        assert set(errors) == {"wait", "connect", "producer status"}, (errors, ok)
         for what, message in errors.items():
             assert "loop thread" in message and "callback" in message, (what, message)
         assert ok["own status"] == "none" and ok["connect_nowait"] is True
+        assert isinstance(ok["claim"], int)  # claim() never blocks: it is allowed here
         deadline = time.monotonic() + 10   # the bystander's loop tore itself down
         while bystander._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -296,6 +296,102 @@ def test_a_pull_of_another_source_use_gives_the_stale_claim_up(
     assert isinstance(second, m.PullBegin) and second.xid == handle.xid and second.sid == 61
 
 
+@pytest.fixture
+def unconnected() -> Iterator[tuple[ScriptedProducer, kvpush.Consumer, Any]]:
+    """A scripted producer and a consumer that has not connected to it."""
+    prod = ScriptedProducer()
+    dst = make_cache(**CACHE)
+    consumer = kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(abort_grace_s=1.0,
+                                                                 connect_timeout_s=2.0))
+    try:
+        yield prod, consumer, dst
+    finally:
+        consumer.close()
+        prod.close()
+
+
+def test_a_claim_returns_before_its_producer_answers_and_the_pull_continues_it(
+        unconnected: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    """claim() used to connect on the caller's thread (the engine's: blocked for the whole
+    handshake). It returns at once; the Claim follows the handshake, and a pull made
+    while the handshake runs continues it (same xid, Claim before PullBegin)."""
+    prod, consumer, dst = unconnected
+    ticket = prod.ticket("cc", [1, 2], sid=70)
+    t0 = time.monotonic()
+    xid = consumer.claim(ticket)
+    assert time.monotonic() - t0 < 0.5  # no answer has been sent yet
+    status = consumer.status("cc")
+    assert (status.phase, status.xid, status.sid) == ("claimed", xid, 70)
+    time.sleep(0.2)  # the handshake is waiting for us
+    handle = consumer.pull(ticket, np.array([8, 9]), timeout=10)
+    assert handle.xid == xid and not handle.done()
+    prod.accept()
+    claim = prod.recv()
+    assert isinstance(claim, m.Claim) and (claim.xid, claim.sid) == (xid, 70)
+    begin = prod.recv()
+    assert isinstance(begin, m.PullBegin) and begin.xid == xid
+    prod.send(m.PullHeld("cc", xid, 30.0))
+    assert handle.wait(5).state is kvpush.RequestState.READY
+    check_blocks(dst, np.array([8, 9]), np.array([1, 2]), 7)
+
+
+def test_a_claim_aborted_during_its_handshake_sends_nothing(
+        unconnected: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    prod, consumer, _ = unconnected
+    consumer.claim(prod.ticket("ca", [1], sid=71))
+    consumer.abort("ca", "engine gave up")
+    assert consumer.status("ca").phase == "none"
+    prod.accept()
+    xid = consumer.claim(prod.ticket("cb", [2], sid=72))  # connected now: sent at once
+    claim = prod.recv()  # the first Claim to come is the second claim's
+    assert isinstance(claim, m.Claim) and (claim.request_id, claim.xid) == ("cb", xid)
+
+
+def test_a_claim_whose_handshake_fails_is_given_up_and_the_pull_fails_with_it(
+        unconnected: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    """No answer within connect_timeout_s (2 s): the claim goes (status none), and a pull
+    of the same tickets connects itself and ends with the handshake's error."""
+    prod, consumer, _ = unconnected
+    ticket = prod.ticket("cf", [1], sid=73)
+    consumer.claim(ticket)
+    deadline = time.monotonic() + 6
+    while consumer.status("cf").phase != "none":
+        assert time.monotonic() < deadline, consumer.status("cf")
+        time.sleep(0.05)
+    handle = consumer.pull(ticket, np.array([3]), timeout=1.0)
+    res = handle.wait(5)
+    assert res.state in (kvpush.RequestState.FAILED, kvpush.RequestState.TIMED_OUT)
+    assert res.blocks_safe
+
+
+def test_a_claim_from_a_callback_returns_at_once(
+        pair: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    prod, consumer, _ = pair
+    other = ScriptedProducer(name="other")
+    box: list[Any] = []
+    try:
+        handle = consumer.expect("cb", np.array([1]), prod.name, timeout=10)
+        handle.add_done_callback(
+            lambda _h: box.append(consumer.claim(other.ticket("late", [2], sid=74))))
+        reg = prod.recv()
+        assert isinstance(reg, m.Register)
+        consumer.abort("cb")
+        assert isinstance(prod.recv(), m.Abort)
+        prod.send(m.AbortAck("cb", reg.xid))
+        assert handle.wait(5).state is kvpush.RequestState.ABORTED
+        deadline = time.monotonic() + 5
+        while not box:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert isinstance(box[0], int), box  # an xid, not a RuntimeError
+        other.accept()
+        claim = other.recv()
+        assert isinstance(claim, m.Claim) and claim.xid == box[0]
+    finally:
+        consumer.close()
+        other.close()
+
+
 def test_close_marks_push_parts_not_announced_unsafe(
         pair: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
     """The producer may have posted the WRITE while its Posted hint is still on the way."""

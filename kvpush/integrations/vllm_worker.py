@@ -855,10 +855,10 @@ class KVPushWorker:
             return
         tid = remote.transfer_id
         if claim_only and pull:
-            if self._pool is not None:
-                # Off the engine's thread: claim() connects first if it must, and the claim
-                # must reach the prefill before its lease ends, not at the next step.
-                self._pool.submit(self._claim, recv.req_id, tid, tickets, list(sharers))
+            # claim() returns at once: a producer not connected yet is connected to on the
+            # loop thread, and the claim reaches the prefill before its lease ends, not at
+            # the next step.
+            self._claim(recv.req_id, tid, tickets, list(sharers))
             return
         addresses = [t.address for t in tickets] if pull else [remote.producers[r]
                                                                for r in ranks]
@@ -902,8 +902,8 @@ class KVPushWorker:
 
     def _claim(self, req_id: str, tid: str, tickets: list[PullTicket],
                sharers: list[int]) -> None:
-        """(Pool thread.) Claim a pull the request cannot start yet; a failure is only
-        logged: the pull, if it comes, learns the source's fate itself."""
+        """Claim a pull the request cannot start yet; a failure is only logged: the pull,
+        if it comes, learns the source's fate itself."""
         assert self.consumer is not None
         try:
             self.consumer.claim(tickets, sharers=sharers)
