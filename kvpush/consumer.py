@@ -493,12 +493,7 @@ class Consumer(Endpoint):
         if self._lease_left(parsed) <= 0:
             raise TransferTimeout(f"the pull ticket's lease for {rid!r} has run out")
         claim = _Claim(new_xid(), {t.producer: t.sid for t in parsed}, sharers)
-        with self._claims_lock:
-            if rid in self._claims:
-                raise InvalidBlockIds(f"request {rid!r} is already claimed")
-            self._claims[rid] = claim
-        self._call_soon(lambda: self._claim(rid, parsed, claim))
-        return claim.xid
+        return self._add_claim(rid, claim, lambda: self._claim(rid, parsed, claim))
 
     def claim_push(self, request_id: str, producers: str | Sequence[str], *,
                    sharers: int | Sequence[int] = 1) -> int:
@@ -519,11 +514,21 @@ class Consumer(Endpoint):
         if unknown:
             raise PeerUnavailable(f"not connected to {unknown} (connect first)")
         claim = _Claim(new_xid(), dict.fromkeys(names, 0), shares, push=True)
+        return self._add_claim(rid, claim, lambda: self._claim_push(rid, names, claim))
+
+    def _add_claim(self, rid: str, claim: _Claim, run: Callable[[], None]) -> int:
+        """Record ``claim`` for ``rid`` (one per id) and queue ``run``, which sends it; a
+        closed Consumer keeps no record. Returns the claim's xid."""
         with self._claims_lock:
             if rid in self._claims:
                 raise InvalidBlockIds(f"request {rid!r} is already claimed")
             self._claims[rid] = claim
-        self._call_soon(lambda: self._claim_push(rid, names, claim))
+        try:
+            self._call_soon(run)
+        except ClosedError:
+            with self._claims_lock:
+                self._claims.pop(rid, None)
+            raise
         return claim.xid
 
     def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:

@@ -364,6 +364,19 @@ def test_a_claim_whose_handshake_fails_is_given_up_and_the_pull_fails_with_it(
     assert res.blocks_safe
 
 
+def test_a_claim_on_a_closed_consumer_keeps_no_record(
+        pair: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    """claim() recorded the claim before queueing it: on a closed Consumer the queueing
+    raised ClosedError and the record stayed, so the next claim of the same tickets said
+    'already claimed' (InvalidBlockIds) instead of 'closed'."""
+    prod, consumer, _ = pair
+    ticket = prod.ticket("gone", [1], sid=75)
+    consumer.close()
+    for _ in range(2):
+        with pytest.raises(kvpush.ClosedError):
+            consumer.claim(ticket)
+
+
 def test_a_claim_from_a_callback_returns_at_once(
         pair: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
     prod, consumer, _ = pair
