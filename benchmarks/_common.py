@@ -30,6 +30,7 @@ __all__ = [
     "open_endpoint",
     "pct",
     "single_region_layout",
+    "wake_penalty",
 ]
 
 KIB = 1024
@@ -76,6 +77,44 @@ class HandoffHelper:
         self._thread.join(5.0)
         if self._thread.is_alive():
             raise RuntimeError("hand-off helper thread did not stop")
+
+
+# -- the host's wake penalty ---------------------------------------------------------------
+#: iterations of :func:`_python_work`: about 100 us of pure Python on the 2-core host, hot
+WAKE_WORK_ITERS = 700
+
+
+def _python_work(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i ^ (i >> 3)
+    return total
+
+
+def wake_penalty(samples: int = 200, idle_s: float = 0.002,
+                 iters: int = WAKE_WORK_ITERS) -> dict[str, float]:
+    """What a thread that slept pays to run a fixed piece of Python (``iters`` of a loop,
+    about 100 us hot): its p50 run right after an ``idle_s`` sleep against its p50 run back
+    to back. No kvpush, no NIXL. Every request of an engine integration wakes several such
+    threads (the engine's, the loop threads of both sides, ZeroMQ's I/O threads), each
+    running its share of the hand-over cold; a raw NIXL loop polled back to back wakes
+    none. Samples alternate (hot, cold, hot, ...), so a slow phase of a shared host hits
+    both alike. Returns ``hot_us_p50``, ``cold_us_p50`` and ``penalty_us_p50`` (cold -
+    hot)."""
+    hot: list[float] = []
+    cold: list[float] = []
+    for _ in range(samples):
+        _python_work(iters)  # warm: the next run is back to back
+        t0 = time.perf_counter()
+        _python_work(iters)
+        hot.append(time.perf_counter() - t0)
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        _python_work(iters)
+        cold.append(time.perf_counter() - t0)
+    hot_p50, cold_p50 = float(np.median(hot)) * 1e6, float(np.median(cold)) * 1e6
+    return {"hot_us_p50": hot_p50, "cold_us_p50": cold_p50,
+            "penalty_us_p50": cold_p50 - hot_p50}
 
 
 # -- progress -------------------------------------------------------------------------------

@@ -192,6 +192,13 @@ def tables(results: dict[str, Any], md: bool = False) -> str:
                   *(x[f"{k}_us_p50"] for k in ("raw_read", "raw_read_handoff",
                                                "raw_read_inline", "kv_read")),
                   x["read_over_handoff_floor_us"]] for x in rows]))
+        wake = results["throughput"].get("wake")
+        if wake:
+            parts.append(f"The host's wake penalty (benchmarks._common.wake_penalty, no kvpush): "
+                         f"a fixed piece of Python runs {wake['hot_us_p50']:.0f} us p50 back to "
+                         f"back and {wake['cold_us_p50']:.0f} us right after a 2 ms sleep: "
+                         f"+{wake['penalty_us_p50']:.0f} us for each thread a hand-over "
+                         f"wakes (a raw NIXL loop polled back to back wakes none)")
     if "busy_engine" in results:
         r = results["busy_engine"]
         parts.append("Handover with a busy thread in each engine process, p50 / p90 us "

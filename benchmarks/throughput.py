@@ -55,6 +55,7 @@ from ._common import (
     geomean,
     single_region_layout,
     sorted_pairs,
+    wake_penalty,
 )
 from ._procs import Worker, stop_all
 
@@ -594,6 +595,7 @@ def run(quick: bool, progress: bool = True, points: list[Point] | None = None,
         pair.raw_setup("kvpush")
         runner = _Runner(pair, min_time)
         bar.step("agents up")
+        wake = wake_penalty(60 if quick else 200)  # the workers wait on their pipes
         for bs in sizes:
             nb = total // bs
             here = [p for p in points if p.block_bytes == bs]
@@ -631,7 +633,10 @@ def run(quick: bool, progress: bool = True, points: list[Point] | None = None,
     finally:
         pair.close()
         bar.finish()
-    return _summarize(points, results, total)
+    out = _summarize(points, results, total)
+    out["wake"] = wake
+    out["summary"].update({f"host_wake_{k}": v for k, v in wake.items()})
+    return out
 
 
 def _summarize(points: list[Point], results: dict[Point, dict[str, Any]], total: int

@@ -77,6 +77,10 @@ def test_throughput(results: dict[str, dict[str, object]]) -> None:
             "write_handoff_floor_vs_raw_nixl_1mib_plus", "read_inline_floor_vs_raw_nixl_1mib_plus",
             # the floors the report sets beside the targets (64 KiB: not a point here)
             *(k for k in report.FLOORS.values() if "64kib" not in k and "busy" not in k))
+    # The host's wake penalty: the same Python timed hot and after a sleep.
+    _finite(r["summary"], "host_wake_hot_us_p50", "host_wake_cold_us_p50",
+            "host_wake_penalty_us_p50")
+    assert r["summary"]["host_wake_hot_us_p50"] > 0 and r["summary"]["host_wake_cold_us_p50"] > 0
     for row in r["rows"]:
         for op in ("write", "read"):
             for shape in ("handoff", "inline"):
