@@ -10,8 +10,6 @@ flight and follows :class:`~kvpush.progress.ProgressPolicy` when something is.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
 import os
@@ -38,6 +36,7 @@ from .layout import KVLayout
 from .metrics import LIVE, Stats
 from .progress import Backoff, ProgressPolicy
 from .protocol.effects import Abandon, DropPeer, Emit, Post, Send, XferEnd
+from .protocol.timers import Timer, TimerHeap
 
 __all__ = ["OUTBOX_BYTES", "RESULT_QUEUE", "SEND_HWM", "Endpoint", "Timer", "check_durations",
            "check_timeout", "close_dead_links", "control_socket", "queue_result"]
@@ -126,20 +125,6 @@ def _precise_sleeps() -> None:
         pass
 
 
-class Timer:
-    """A one-shot callback at a monotonic deadline; :meth:`cancel` makes it a no-op."""
-
-    __slots__ = ("cancelled", "deadline", "fn")
-
-    def __init__(self, deadline: float, fn: Callable[[], None]) -> None:
-        self.deadline = deadline
-        self.fn = fn
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 class Endpoint:
     """Base of :class:`~kvpush.Producer` and :class:`~kvpush.Consumer` (not public)."""
 
@@ -166,8 +151,7 @@ class Endpoint:
         self._loop_exited = False
         self._teardown_on_exit = False
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._timers: list[tuple[float, int, Timer]] = []
-        self._timer_seq = itertools.count()
+        self._timers = TimerHeap()
         self._agent: Agent | ChildAgent = make_agent(self.name, layout, transport)
         self._core: Any = None                  # the role's protocol core (subclass sets it)
         self._xfers: dict[int, Any] = {}        # core transfer key -> NIXL handle
@@ -300,9 +284,7 @@ class Endpoint:
     def _at(self, deadline: float, fn: Callable[[], None]) -> Timer:
         if not math.isfinite(deadline):  # a NaN in the heap would stop every timer
             raise ValueError(f"timer deadline must be finite, got {deadline}")
-        timer = Timer(deadline, fn)
-        heapq.heappush(self._timers, (deadline, next(self._timer_seq), timer))
-        return timer
+        return self._timers.add(deadline, fn)
 
     def _after(self, delay: float, fn: Callable[[], None]) -> Timer:
         return self._at(time.monotonic() + delay, fn)
@@ -483,9 +465,8 @@ class Endpoint:
     def _next_timeout(self) -> float | None:
         timeout: float | None = self._backoff.next_delay(self._predicted()) \
             if self._busy() else None
-        while self._timers and self._timers[0][2].cancelled:
-            heapq.heappop(self._timers)
-        due = [self._timers[0][0]] if self._timers else []
+        first = self._timers.next_deadline()
+        due = [] if first is None else [first]
         core_due = self._core.next_deadline() if self._core is not None else None
         if core_due is not None:
             due.append(core_due)
@@ -695,11 +676,8 @@ class Endpoint:
 
     def _run_timers(self) -> None:
         now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, timer = heapq.heappop(self._timers)
-            if not timer.cancelled:
-                timer.cancelled = True
-                timer.fn()
+        for fn in self._timers.pop_due(now):
+            fn()
         due = self._core.next_deadline() if self._core is not None else None
         if due is not None and due <= now:  # the core's own deadlines
             self._core.tick(now)

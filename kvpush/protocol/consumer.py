@@ -60,6 +60,7 @@ from ..layout import KVLayout
 from ..metrics import LIVE, Stats
 from ..request import RequestState, RequestStatus, TransferMode, TransferResult
 from .effects import Abandon, Effect, Emit, Post, Send, XferEnd
+from .timers import COMPACT_MIN
 
 __all__ = ["TRANSITIONS", "ConsumerCore", "CoreConfig", "Event", "Links", "Phase", "Settings",
            "new_xid"]
@@ -866,7 +867,15 @@ class ConsumerCore:
         self._arm(req, req.deadline, "deadline")
 
     def _arm(self, req: _Request, when: float, kind: str) -> None:
-        heapq.heappush(self._timers, (when, next(self._seq), req.rid, req.xid, kind))
+        timers = self._timers
+        if len(timers) > 2 * len(self._requests) + COMPACT_MIN:
+            # Entries of uses that ended stay until their deadline comes round (an
+            # expect's timeout: a minute, and more): at a high request rate, tens of
+            # thousands, each walked by the garbage collector. Drop them once they are
+            # most of the heap (a live use has at most one armed entry), in place.
+            timers[:] = [e for e in timers if self._armed(e)]
+            heapq.heapify(timers)
+        heapq.heappush(timers, (when, next(self._seq), req.rid, req.xid, kind))
 
     def _armed(self, entry: tuple[float, int, str, int, str]) -> bool:
         """Whether a timer entry still applies to a live use: its deadline runs while the

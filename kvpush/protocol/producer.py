@@ -32,7 +32,6 @@ read it, or when its lease ends with no owner left to come and nothing in flight
 from __future__ import annotations
 
 import enum
-import heapq
 import itertools
 import logging
 import math
@@ -47,6 +46,8 @@ from ..errors import KvpushError, PeerUnavailable
 from ..layout import KVLayout
 from ..request import OwnerStatus, Release, ReleaseReason, RequestStatus, TransferMode
 from .effects import Abandon, DropPeer, Effect, Emit, Post, Send, XferEnd
+from .timers import Timer as _Timer
+from .timers import TimerHeap
 
 __all__ = ["TRANSITIONS", "CoreConfig", "Event", "Links", "ProducerCore", "ShareState",
            "State"]
@@ -218,18 +219,6 @@ class _Request:
         return [s for s in self.shares.values() if s.state in _LIVE]
 
 
-class _Timer:
-    __slots__ = ("cancelled", "deadline", "fn")
-
-    def __init__(self, deadline: float, fn: Callable[[float], None]) -> None:
-        self.deadline = deadline
-        self.fn = fn
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 def _cancel(timer: _Timer | None) -> None:
     if timer is not None:
         timer.cancel()
@@ -259,8 +248,8 @@ class ProducerCore:
         self._peers: dict[str, KVLayout] = {}
         self._lost: dict[str, str] = {}          # lost peers with WRITEs still in flight
         self._keys = itertools.count(1)
-        self._timers: list[tuple[float, int, _Timer]] = []
-        self._seq = itertools.count()
+        self._timers = TimerHeap()
+        self._expire_tomb_fn = self._expire_tomb   # one bound method for every tombstone
         self._out: list[Effect] = []
         self._now = 0.0
 
@@ -270,17 +259,12 @@ class ProducerCore:
         return out
 
     def next_deadline(self) -> float | None:
-        while self._timers and self._timers[0][2].cancelled:
-            heapq.heappop(self._timers)
-        return self._timers[0][0] if self._timers else None
+        return self._timers.next_deadline()
 
     def tick(self, now: float) -> None:
         self._now = now
-        while self._timers and self._timers[0][0] <= now:
-            _, _, timer = heapq.heappop(self._timers)
-            if not timer.cancelled:
-                timer.cancelled = True
-                timer.fn(now)
+        for fn in self._timers.pop_due(now):
+            fn(now)
 
     def in_flight(self) -> int:
         return len(self._writes)
@@ -894,9 +878,7 @@ class ProducerCore:
 
     # -- timers ------------------------------------------------------------------------------
     def _after(self, delay: float, fn: Callable[[float], None]) -> _Timer:
-        timer = _Timer(self._now + delay, fn)
-        heapq.heappush(self._timers, (timer.deadline, next(self._seq), timer))
-        return timer
+        return self._timers.add(self._now + delay, fn)
 
     def _hold_s(self) -> float:
         return self.config.transfer_timeout_s
@@ -1192,23 +1174,28 @@ class ProducerCore:
         req.state, req.code, req.why = state, code, why
         req.use_deadline = None
         _cancel(req.tomb)
-        rid = req.rid
+        # Every ended use keeps a tombstone for tombstone_s (120 s): at a high request rate
+        # a large population. Its timer holds the record and a method shared by all, not a
+        # closure of its own (the garbage collector walks whatever they keep), in the
+        # timers' FIFO lane (a constant delay: deadlines come in order; no heap work).
+        req.tomb = self._timers.add(self._now + self.config.tombstone_s,
+                                    self._expire_tomb_fn, req, fifo=True)
 
-        def expire(now: float) -> None:
-            if self._requests.get(rid) is not req:
-                return
-            if req.state is State.RELEASED_EARLY and req.use_deadline is None:
-                # A prefill_done the engine calls more than tombstone_s after its use's
-                # early release is a new use; one it called before, but that a stalled loop
-                # takes only now, is still the old one's (decided by its call time), so the
-                # record stays another tombstone_s (simulator, 1M requests, seed 11).
-                req.use_deadline = now
-                req.tomb = self._after(self.config.tombstone_s, expire)
-                return
-            if req.state in (State.ENDED, State.ABORTED_EARLY, State.RELEASED_EARLY) or (
-                    req.state is State.WAITING and not req.live()):
-                del self._requests[rid]
-        req.tomb = self._after(self.config.tombstone_s, expire)
+    def _expire_tomb(self, req: _Request, now: float) -> None:
+        if self._requests.get(req.rid) is not req:
+            return
+        if req.state is State.RELEASED_EARLY and req.use_deadline is None:
+            # A prefill_done the engine calls more than tombstone_s after its use's early
+            # release is a new use; one it called before, but that a stalled loop takes only
+            # now, is still the old one's (decided by its call time), so the record stays
+            # another tombstone_s (simulator, 1M requests, seed 11).
+            req.use_deadline = now
+            req.tomb = self._timers.add(now + self.config.tombstone_s, self._expire_tomb_fn,
+                                        req, fifo=True)
+            return
+        if req.state in (State.ENDED, State.ABORTED_EARLY, State.RELEASED_EARLY) or (
+                req.state is State.WAITING and not req.live()):
+            del self._requests[req.rid]
 
     def _reuse(self, req: _Request) -> None:
         """A new use of an ended request id: its tombstone goes."""
