@@ -22,6 +22,7 @@ from benchmarks import (  # noqa: E402
     _common,
     ab_trees,
     busy_engine,
+    core_stream,
     cpu,
     critical_path,
     desc_prep,
@@ -175,6 +176,19 @@ def test_hot_path() -> None:
                 <= row["p_xfer_end"] <= row["p_engine"])
         assert row["c_message"] <= row["c_notif"] <= row["c_finished"] <= row["c_engine"]
         assert math.isfinite(row["raw_done"]) and math.isfinite(row["raw_notif"])
+
+
+def test_core_stream() -> None:
+    r = core_stream.run(requests=400, rate=100.0, progress=False)
+    p, c = r["producer"], r["consumer"]
+    for side in (p, c):
+        assert 0 < side["us_p50"] <= side["us_p99"] <= side["us_p999"] <= side["us_max"]
+    assert p["records_held"] == 400 and c["pending"] == 0  # tombstones; nothing pending
+    # the tombstones' timers, and cancelled entries only up to a compaction's worth
+    assert p["timer_entries"] <= 400 + 2 * 64 + 8 and c["timer_entries"] <= 64 + 8
+    assert "tracked objects each" in core_stream.table(r)
+    with pytest.raises(ValueError):
+        core_stream.run(requests=1)
 
 
 def _in_git() -> bool:

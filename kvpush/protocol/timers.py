@@ -50,9 +50,11 @@ class Timer:
 
     @property
     def cancelled(self) -> bool:
+        """True once cancelled or fired."""
         return self.fn is None
 
     def cancel(self) -> None:
+        """Make this timer a no-op and let go of its callback (idempotent)."""
         if self.fn is None:
             return
         self.fn = self.arg = None
@@ -130,6 +132,7 @@ class TimerHeap:
             yield fn if arg is None else partial(fn, arg)
 
     def clear(self) -> None:
+        """Drop every timer (each counts as cancelled)."""
         for _, _, timer in (*self._entries, *self._fifo):
             timer.fn = timer.arg = timer._heap = None
         self._entries.clear()

@@ -1,0 +1,182 @@
+"""The protocol cores under a long stream of requests: per-request cost, its tail, memory.
+
+No NIXL, sockets or threads: each request goes through :class:`ProducerCore` (a consumer's
+registration, ``prefill_done``, the WRITE's end) and :class:`ConsumerCore` (``expect``, the
+``Posted`` hint, the ``Landed`` notification) the way the facades feed them, at
+``--rate`` requests per second of simulated time, with the library's default timeouts
+(lease 60 s, tombstones 120 s, WRITE timeout 30 s; registrations wait up to 60 s). So
+after two minutes of simulated time every core holds the tombstones of ``rate x 120``
+ended uses, as a producer serving that rate does.
+
+What it shows: the wall time of each request's calls (p50 / p99 / p99.9 / max over the
+second half: the tail is where a full garbage collection, or a re-sort of a large timer
+heap, stalls the loop thread that runs the core), the entries in each core's timers, the
+objects the garbage collector tracks per request still held, and the growth of the
+process's peak RSS. ``python -m benchmarks.core_stream [--requests N] [--rate R]
+[--no-gc] [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import resource
+import time
+from typing import Any
+
+import numpy as np
+
+from kvpush import messages as m
+from kvpush.layout import KVLayout, Region
+from kvpush.plan import plan_transfer
+from kvpush.protocol.consumer import ConsumerCore
+from kvpush.protocol.consumer import CoreConfig as ConsumerCoreConfig
+from kvpush.protocol.effects import Post, XferEnd
+from kvpush.protocol.producer import CoreConfig, ProducerCore
+from kvpush.request import TransferMode
+
+__all__ = ["run"]
+
+NUM_BLOCKS = 64
+BLOCKS = 16          # per request
+LAYERS = 2
+PEER = "peer"
+
+
+def _layout() -> KVLayout:
+    return KVLayout(regions=tuple(Region(1 << 20 * (i + 1), NUM_BLOCKS * 128)
+                                  for i in range(LAYERS)),
+                    num_layers=LAYERS, num_blocks=NUM_BLOCKS, tokens_per_block=4,
+                    num_kv_heads=1, head_size=8, dtype="float16")
+
+
+class _Links:
+    """The compiled plan of the real facade, without NIXL."""
+
+    def plan(self, peer: str, src: np.ndarray, dst: np.ndarray, coalesce: bool) -> Any:
+        return plan_transfer(src, dst, NUM_BLOCKS, NUM_BLOCKS, LAYERS, coalesce)
+
+    def desc_bytes(self, peer: str) -> int:
+        return 128
+
+    def checksums(self, ids: np.ndarray) -> bytes:
+        return b"\0" * 8 * len(ids)
+
+
+def _tracked() -> int:
+    gc.collect()
+    return len(gc.get_objects())
+
+
+def _stats(lat: list[float]) -> dict[str, float]:
+    us = np.asarray(lat[len(lat) // 2:]) * 1e6
+    return {"us_p50": float(np.median(us)), "us_p99": float(np.percentile(us, 99)),
+            "us_p999": float(np.percentile(us, 99.9)), "us_max": float(us.max())}
+
+
+def _producer(requests: int, step: float) -> dict[str, Any]:
+    core = ProducerCore(_layout(), CoreConfig(), _Links())
+    core.peer_up(0.0, PEER, _layout())
+    ids = np.arange(BLOCKS, dtype=np.int64)
+    enc = m.encode_ids(ids)
+    now, lat = 0.0, []
+    tracked0 = _tracked()
+    for i in range(requests):
+        rid = f"p{i}"
+        t0 = time.perf_counter()
+        core.on_message(now, PEER, m.Register(rid, i + 1, enc, 0, 60.0))
+        core.drain()
+        core.prefill_done(now, rid, ids, TransferMode.PUSH, i + 1, now)
+        post = next(e for e in core.drain() if isinstance(e, Post))
+        core.transfer_ended(now, post.key, XferEnd.DONE)
+        core.drain()
+        now += step
+        core.tick(now)
+        core.drain()
+        lat.append(time.perf_counter() - t0)
+    held = len(core._requests)
+    out = {**_stats(lat), "timer_entries": len(core._timers), "records_held": held,
+           "tracked_per_record": (_tracked() - tracked0) / max(held, 1)}
+    core.close(now)
+    return out
+
+
+def _consumer(requests: int, step: float) -> dict[str, Any]:
+    core = ConsumerCore(_layout(), ConsumerCoreConfig(), _Links())
+    core.peer_up(0.0, PEER)
+    ids = np.arange(BLOCKS, dtype=np.int64)
+    now, lat = 0.0, []
+    for i in range(requests):
+        rid = f"c{i}"
+        t0 = time.perf_counter()
+        core.expect(now, rid, ids, [PEER], 60.0, 1, False, [1], i + 1)
+        core.drain()
+        core.on_message(now, PEER, m.Posted(rid, i + 1, 0))
+        core.on_notification(now, PEER, m.Landed(rid, i + 1, 0, nbytes=BLOCKS * 128))
+        core.drain()
+        now += step
+        core.tick(now)
+        core.drain()
+        lat.append(time.perf_counter() - t0)
+    out = {**_stats(lat), "timer_entries": len(core._timers), "pending": core.pending}
+    core.close(now)
+    core.drain()
+    return out
+
+
+def run(requests: int = 150_000, rate: float = 1000.0, collect: bool = True,
+        progress: bool = True) -> dict[str, Any]:
+    """``requests`` through each core at ``rate`` per simulated second; ``collect``
+    False runs with the garbage collector off (what the rest of the tail is)."""
+    if requests < 2 or rate <= 0:
+        raise ValueError("core_stream needs requests >= 2 and rate > 0")
+    was = gc.isenabled()
+    (gc.enable if collect else gc.disable)()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        t0 = time.perf_counter()
+        producer = _producer(requests, 1.0 / rate)
+        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if progress:
+            print(f"[core_stream] producer core: {requests} requests in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+        consumer = _consumer(requests, 1.0 / rate)
+    finally:
+        (gc.enable if was else gc.disable)()
+    producer["peak_rss_growth_mib"] = (rss1 - rss0) / 1024
+    return {"requests": requests, "rate": rate, "gc": collect, "producer": producer,
+            "consumer": consumer}
+
+
+def table(out: dict[str, Any]) -> str:
+    cols = ("us_p50", "us_p99", "us_p999", "us_max", "timer_entries")
+    lines = [f"{out['requests']} requests at {out['rate']:.0f}/s simulated, garbage "
+             f"collector {'on' if out['gc'] else 'off'}",
+             "| core | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for side in ("producer", "consumer"):
+        r = out[side]
+        lines.append(f"| {side} | " + " | ".join(f"{r[c]:,.0f}" for c in cols) + " |")
+    p = out["producer"]
+    lines.append(f"producer: {p['records_held']:,} records held (tombstones), "
+                 f"{p['tracked_per_record']:.1f} tracked objects each, peak RSS "
+                 f"+{p['peak_rss_growth_mib']:.0f} MiB")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=150_000)
+    ap.add_argument("--rate", type=float, default=1000.0)
+    ap.add_argument("--no-gc", action="store_true")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    out = run(args.requests, args.rate, not args.no_gc)
+    print(table(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
