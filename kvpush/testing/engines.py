@@ -245,7 +245,10 @@ class DecodeEngine:
         self.owner = [0] * ep.memory.num_blocks
         self.quarantined: list[Use] = []
         self.done: dict[int, Use] = {}          # xid -> use with a result, transfers moving
-        self.calling: set[Use] = set()          # engine calls queued to a (stalled) loop
+        # Engine calls queued to a (stalled) loop. A dict as an ordered set: uses hash by
+        # identity, so a set would iterate in address order and a death would end them in
+        # an order that differs from run to run (the same seed's traces diverged).
+        self.calling: dict[Use, None] = {}
 
     def allocate(self, req: Request) -> Use | None:
         n = req.nblocks - req.tail        # a prefix hit holds the first req.tail already

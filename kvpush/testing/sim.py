@@ -195,7 +195,7 @@ class Simulation:
         self._epoch = _Epoch()
         self._live_rids: set[str] = set()
         self._reusable: deque[str] = deque(maxlen=256)
-        self._open: set[Request] = set()
+        self._open: dict[Request, None] = {}   # ordered: requests hash by identity
         self._quiescing = False
         self._done = False
         self._wall0 = 0.0
@@ -352,7 +352,7 @@ class Simulation:
             req.tail = rng.randint(1, req.nblocks - 1)      # source_tail: a prefix hit
         self._live_rids.add(rid)
         self._epoch.rids.add(rid)
-        self._open.add(req)
+        self._open[req] = None
         now = self.sched.now
         prefill = rng.uniform(0, t.prefill_max_s)
         if f.on("late") and rng.random() < f.late_p:
@@ -630,14 +630,14 @@ class Simulation:
         req.uses.append(use)
         req.open_uses += 1
         use.started = -1.0
-        use.ep.engine.calling.add(use)
+        use.ep.engine.calling[use] = None
 
     def _started(self, ce: Endpoint, use: Use, xid: Any) -> None:
         now = self.sched.now
         if not isinstance(xid, int) or xid == 0:
             self.checker.fail("bad_xid", f"{ce.name}: the core returned xid {xid!r}")
             xid = self.rng.getrandbits(63) | 1
-        ce.engine.calling.discard(use)
+        ce.engine.calling.pop(use, None)
         ce.engine.started(use, xid)
         use.started = now
         t = self.timings
@@ -650,7 +650,7 @@ class Simulation:
     def _refused(self, ce: Endpoint, use: Use, exc: Exception) -> None:
         self.stats["refused_calls"] += 1
         self.checker.trace(f"{ce.name} engine call refused: {exc!r}")
-        ce.engine.calling.discard(use)
+        ce.engine.calling.pop(use, None)
         ce.engine.cancel(use)
         self.consumer_ended(use)
 
@@ -740,7 +740,7 @@ class Simulation:
             return
         req.finished = True
         self.finished += 1
-        self._open.discard(req)
+        self._open.pop(req, None)
         self._live_rids.discard(req.rid)
         self._reusable.append(req.rid)
 
@@ -894,7 +894,7 @@ class Simulation:
                               f"{req.rid!r} ({req.mode.value} from {req.producer}) has not "
                               f"ended: producer_done={req.producer_done} "
                               f"open_uses={req.open_uses}")
-            self._open.discard(req)
+            self._open.pop(req, None)
             self._live_rids.discard(req.rid)
         self.sched.after(0.0, self._quiesce_check)
 
