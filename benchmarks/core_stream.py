@@ -28,13 +28,12 @@ from typing import Any
 import numpy as np
 
 from kvpush import messages as m
-from kvpush.layout import KVLayout, Region
-from kvpush.plan import plan_transfer
 from kvpush.protocol.consumer import ConsumerCore
 from kvpush.protocol.consumer import CoreConfig as ConsumerCoreConfig
 from kvpush.protocol.effects import Post, XferEnd
 from kvpush.protocol.producer import CoreConfig, ProducerCore
 from kvpush.request import TransferMode
+from kvpush.testing.fakes import FakeMemory, SimLinks
 
 __all__ = ["run"]
 
@@ -44,24 +43,12 @@ LAYERS = 2
 PEER = "peer"
 
 
-def _layout() -> KVLayout:
-    return KVLayout(regions=tuple(Region(1 << 20 * (i + 1), NUM_BLOCKS * 128)
-                                  for i in range(LAYERS)),
-                    num_layers=LAYERS, num_blocks=NUM_BLOCKS, tokens_per_block=4,
-                    num_kv_heads=1, head_size=8, dtype="float16")
-
-
-class _Links:
-    """The compiled plan of the real facade, without NIXL."""
-
-    def plan(self, peer: str, src: np.ndarray, dst: np.ndarray, coalesce: bool) -> Any:
-        return plan_transfer(src, dst, NUM_BLOCKS, NUM_BLOCKS, LAYERS, coalesce)
-
-    def desc_bytes(self, peer: str) -> int:
-        return 128
-
-    def checksums(self, ids: np.ndarray) -> bytes:
-        return b"\0" * 8 * len(ids)
+def _sides() -> tuple[FakeMemory, SimLinks]:
+    """This side's memory (a real layout over numpy) and links that plan with the
+    compiled planner against a peer's, as the facades' do (kvpush.testing's fakes)."""
+    mine = FakeMemory(num_regions=LAYERS, num_blocks=NUM_BLOCKS)
+    theirs = FakeMemory(num_regions=LAYERS, num_blocks=NUM_BLOCKS)
+    return mine, SimLinks(mine, lambda name: theirs if name == PEER else None)
 
 
 def _tracked() -> int:
@@ -76,8 +63,9 @@ def _stats(lat: list[float]) -> dict[str, float]:
 
 
 def _producer(requests: int, step: float) -> dict[str, Any]:
-    core = ProducerCore(_layout(), CoreConfig(), _Links())
-    core.peer_up(0.0, PEER, _layout())
+    mine, links = _sides()
+    core = ProducerCore(mine.layout, CoreConfig(), links)
+    core.peer_up(0.0, PEER, mine.layout)
     ids = np.arange(BLOCKS, dtype=np.int64)
     enc = m.encode_ids(ids)
     now, lat = 0.0, []
@@ -103,7 +91,8 @@ def _producer(requests: int, step: float) -> dict[str, Any]:
 
 
 def _consumer(requests: int, step: float) -> dict[str, Any]:
-    core = ConsumerCore(_layout(), ConsumerCoreConfig(), _Links())
+    mine, links = _sides()
+    core = ConsumerCore(mine.layout, ConsumerCoreConfig(), links)
     core.peer_up(0.0, PEER)
     ids = np.arange(BLOCKS, dtype=np.int64)
     now, lat = 0.0, []
