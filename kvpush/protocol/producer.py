@@ -1178,8 +1178,11 @@ class ProducerCore:
         # a large population. Its timer holds the record and a method shared by all, not a
         # closure of its own (the garbage collector walks whatever they keep), in the
         # timers' FIFO lane (a constant delay: deadlines come in order; no heap work).
-        req.tomb = self._timers.add(self._now + self.config.tombstone_s,
-                                    self._expire_tomb_fn, req, fifo=True)
+        self._arm_tomb(req, self._now)
+
+    def _arm_tomb(self, req: _Request, now: float) -> None:
+        req.tomb = self._timers.add(now + self.config.tombstone_s, self._expire_tomb_fn, req,
+                                    fifo=True)
 
     def _expire_tomb(self, req: _Request, now: float) -> None:
         if self._requests.get(req.rid) is not req:
@@ -1190,8 +1193,7 @@ class ProducerCore:
             # now, is still the old one's (decided by its call time), so the record stays
             # another tombstone_s (simulator, 1M requests, seed 11).
             req.use_deadline = now
-            req.tomb = self._timers.add(now + self.config.tombstone_s, self._expire_tomb_fn,
-                                        req, fifo=True)
+            self._arm_tomb(req, now)
             return
         if req.state in (State.ENDED, State.ABORTED_EARLY, State.RELEASED_EARLY) or (
                 req.state is State.WAITING and not req.live()):

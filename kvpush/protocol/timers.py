@@ -89,13 +89,15 @@ class TimerHeap:
         with ``arg``, ``fn(arg, *args)``: many timers can share one function and hold only
         their argument, not a closure each. ``fifo``: the deadline is expected to be no
         earlier than that of the last ``fifo`` timer (one that is goes to the heap)."""
-        entry = (deadline, next(self._seq), Timer(None, deadline, fn, arg))
-        if fifo and (not self._fifo or deadline >= self._fifo[-1][0]):
-            self._fifo.append(entry)   # cancelled ones are dropped when they come first
+        in_fifo = fifo and (not self._fifo or deadline >= self._fifo[-1][0])
+        # Only the heap counts its cancelled entries; the FIFO drops them when they come first.
+        timer = Timer(None if in_fifo else self, deadline, fn, arg)
+        entry = (deadline, next(self._seq), timer)
+        if in_fifo:
+            self._fifo.append(entry)
         else:
-            entry[2]._heap = self
             heapq.heappush(self._entries, entry)
-        return entry[2]
+        return timer
 
     def _first(self) -> tuple[float, int, Timer] | None:
         """The earliest entry that can still fire (cancelled ones before it dropped)."""
