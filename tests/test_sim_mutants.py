@@ -99,7 +99,33 @@ def test_the_ci_sized_simulation_catches_the_reverted_fix(
         mutant: Callable[[pytest.MonkeyPatch], None], monkeypatch: pytest.MonkeyPatch) -> None:
     mutant(monkeypatch)
     for run in CI_RUNS:  # the two runs of .ci/run-sim, in order, until one finds it
-        out = io.StringIO()
-        if Simulation(out=out, faults=Faults.parse("all"), **run).run() > 0:  # type: ignore[arg-type]
+        out = io.StringIO()   # (stopped at the first violation: the same run, cut short)
+        if Simulation(out=out, faults=Faults.parse("all"), stop_after=1,
+                      **run).run() > 0:  # type: ignore[arg-type]
             return
     raise AssertionError(f"{mutant.__name__}: no violation in the CI-sized runs")
+
+
+def test_a_run_stopped_at_a_violation_is_the_whole_run_cut_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stop_after`` (what the test above uses) ends a run at its n-th violation: the
+    violations it reports are the whole run's first n, word for word, found in fewer steps."""
+    second_prefill_releases(monkeypatch)
+
+    def sim(stop_after: int = 0) -> Simulation:
+        s = Simulation(1, requests=1000, faults=Faults.parse("all"), out=io.StringIO(),
+                       stop_after=stop_after)
+        s.run()
+        return s
+
+    whole = sim()
+    assert len(whole.checker.violations) >= 3 and not whole.stopped_early
+    for n in (1, 2):
+        cut = sim(n)
+        assert cut.stopped_early and cut.sched.steps < whole.sched.steps
+        assert [str(v) for v in cut.checker.violations] == \
+            [str(v) for v in whole.checker.violations[:n]]
+        assert "stopped_at_violation" in cut.details()
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="stop_after"):
+            Simulation(1, stop_after=bad)  # type: ignore[arg-type]

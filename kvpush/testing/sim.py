@@ -156,7 +156,9 @@ class Simulation:
                  timings: Timings | None = None, faults: Faults | None = None,
                  epoch: int = 2000, make_producer: CoreFactory | None = None,
                  make_consumer: CoreFactory | None = None, out: Any = None,
-                 progress_every: int = 0) -> None:
+                 progress_every: int = 0, stop_after: int = 0) -> None:
+        if isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0:
+            raise ValueError(f"stop_after must be an int >= 0, got {stop_after!r}")
         self.seed = seed
         self.timings = timings or Timings()
         self.faults = faults or Faults()
@@ -181,6 +183,7 @@ class Simulation:
         self.requests = requests
         self.epoch_size = max(1, epoch)
         self.progress_every = progress_every
+        self.stop_after = stop_after   # 0: run to the end
         self.producer_names = [f"p{i}" for i in range(producers)]
         self.consumer_names = [f"c{i}" for i in range(consumers)]
         # ~concurrency of a few requests per producer at a time
@@ -198,6 +201,7 @@ class Simulation:
         self._open: dict[Request, None] = {}   # ordered: requests hash by identity
         self._quiescing = False
         self._done = False
+        self.stopped_early = False
         self._wall0 = 0.0
 
     # -- setup -------------------------------------------------------------------------
@@ -248,7 +252,9 @@ class Simulation:
 
     # -- the run -----------------------------------------------------------------------
     def run(self) -> int:
-        """Run to the end; return the number of violations."""
+        """Run to the end, or until ``stop_after`` violations were found (when it is not
+        0); return the number of violations. A stopped run is the same run cut short: its
+        violations are the first ones the whole run would report."""
         self._wall0 = time.perf_counter()
         for p in self.producer_names:
             self._spawn(p, "producer", 0)
@@ -263,9 +269,16 @@ class Simulation:
         # ones are not the process's, so the counts go back to what they were.
         with LIVE._lock:
             live_before = dict(LIVE._counts)
+        stop = self.stop_after
         try:
-            while not self._done and sched.step():
-                pass
+            if stop:
+                while not self._done and sched.step():
+                    if len(chk.violations) >= stop:
+                        self.stopped_early = True
+                        break
+            else:
+                while not self._done and sched.step():
+                    pass
         finally:
             with LIVE._lock:
                 LIVE._counts.clear()
@@ -283,7 +296,8 @@ class Simulation:
                            if k.startswith("results_"))
         return (f"seed={self.seed} steps={self.sched.steps} sim_time={self.sched.now:.1f}s "
                 f"wall={wall:.1f}s ({self.issued / max(wall, 1e-9):.0f} requests/s) "
-                f"trace={self.checker.trace_hash:08x} skipped={s['skipped']} {results}")
+                f"trace={self.checker.trace_hash:08x} skipped={s['skipped']} {results}"
+                + (f" stopped_at_violation={self.stop_after}" if self.stopped_early else ""))
 
     # -- arrivals ----------------------------------------------------------------------
     def _arrive(self) -> None:
@@ -1038,6 +1052,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the producer's transfer_timeout_s (default 0.4, below "
                          "peer_timeout_s 1.0; the library's defaults and the soak's have it "
                          "above: a silent consumer is lost before its WRITE is abandoned)")
+    ap.add_argument("--stop-after", type=int, default=0, metavar="N",
+                    help="stop at the N-th violation (default 0: run to the end)")
     ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
     args = ap.parse_args(argv)
     if not args.verbose:   # the cores log every refused event; the checks say what matters
@@ -1053,11 +1069,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.transfer_timeout < 60:
             raise SystemExit("--transfer-timeout takes seconds in (0, 60)")
         timings = replace(timings, transfer_timeout_s=args.transfer_timeout)
+    if args.stop_after < 0:
+        raise SystemExit("--stop-after takes a count >= 0")
     sim = Simulation(args.seed, producers=args.producers, consumers=args.consumers,
                      timings=timings,
                      requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
                      progress_every=progress, make_producer=_load(args.producer_core),
-                     make_consumer=_load(args.consumer_core))
+                     make_consumer=_load(args.consumer_core), stop_after=args.stop_after)
     violations = sim.run()
     print(sim.details())
     if violations:
