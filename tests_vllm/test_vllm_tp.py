@@ -9,11 +9,12 @@ ranks hold the same head and only rank 0 sends it.
 float32 models: a TP-2 engine sums its partial products in another order than a TP-1 one,
 and in bfloat16 that alone flips near-tied greedy choices of the tiny random model (seen
 here: P TP2 -> D TP1 pushed the right KV, and the tokens left the colocated run's at the
-12th). Each shape starts its own servers (prefill first, then the decode instance, which
-connects to the prefill ranks it needs at start-up) and stops them. On this machine's two
-cores, four ranks and two engine cores oversubscribe the machine: slow (a minute or two per
-request at TP 2 -> 2), hence the long timeouts. P TP2 -> D TP1, the heterogeneous shape,
-runs by default (about 80 s here; ``KVPUSH_VLLM_TP=0`` skips it); the others are opt-in
+12th). Each shape starts its own servers (the prefill and the decode instance together;
+the decode ranks connect to the prefill ranks they need as those come up) and stops them.
+On this machine's two cores, four ranks and two engine cores oversubscribe the machine:
+slow (a minute or two per request at TP 2 -> 2), hence the long timeouts. P TP2 -> D TP1,
+the heterogeneous shape, runs by default (about 60 s here; ``KVPUSH_VLLM_TP=0`` skips it);
+the others are opt-in
 (``KVPUSH_VLLM_TP=1``, about five minutes per two shapes). TP ranks run unbound (vLLM's
 ``nobind``): bound one core per rank, kvpush's loop threads starved (docs/VLLM.md, Limits).
 """
@@ -100,7 +101,8 @@ def test_tp_tokens_match_colocated(p_tp: int, d_tp: int, kv_heads: int,
             model, p_port, name="prefill", cores=p_cores, omp_bind=p_bind, log_dir=logs,
             extra_args=[*common, "--tensor-parallel-size", str(p_tp)],
             kv_transfer_config=launch.kvpush_config("kv_producer", kv_port, **SLOW)))
-        launch.wait_healthy([prefill], timeout_s=600)
+        # The decode instance starts beside it: its ranks connect to the prefill ranks
+        # they need while those start (connect_timeout_s), as a real deployment's may.
         decode = fleet.add(launch.start_vllm(
             model, d_port, name="decode", cores=d_cores, omp_bind=d_bind, log_dir=logs,
             extra_args=[*common, "--tensor-parallel-size", str(d_tp)],
@@ -110,7 +112,7 @@ def test_tp_tokens_match_colocated(p_tp: int, d_tp: int, kv_heads: int,
         router = fleet.add(launch.start_router(
             r_port, prefill=prefill.url, decode=decode.url, log_dir=logs,
             args=["--producers", *producers]))
-        launch.wait_healthy([decode, router], timeout_s=600)
+        launch.wait_healthy([prefill, decode, router], timeout_s=600)
         print(f"\nP TP{p_tp} -> D TP{d_tp} ({kv_heads} KV heads): healthy after "
               f"{time.monotonic() - start:.0f} s; logs in {logs}")
         for mode in ("push", "pull"):
