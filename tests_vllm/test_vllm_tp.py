@@ -14,9 +14,9 @@ the decode ranks connect to the prefill ranks they need as those come up) and st
 On this machine's two cores, four ranks and two engine cores oversubscribe the machine:
 slow (a minute or two per request at TP 2 -> 2), hence the long timeouts. P TP2 -> D TP1,
 the heterogeneous shape, runs by default (about 60 s here; ``KVPUSH_VLLM_TP=0`` skips it);
-the others are opt-in
-(``KVPUSH_VLLM_TP=1``, about five minutes per two shapes). TP ranks run unbound (vLLM's
-``nobind``): bound one core per rank, kvpush's loop threads starved (docs/VLLM.md, Limits).
+the others are opt-in (``KVPUSH_VLLM_TP=1``, about five minutes per two shapes). TP ranks
+run unbound (vLLM's ``nobind``): bound one core per rank, kvpush's loop threads starved
+(docs/VLLM.md, Limits).
 """
 
 from __future__ import annotations
