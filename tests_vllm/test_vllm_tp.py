@@ -21,7 +21,6 @@ run unbound (vLLM's ``nobind``): bound one core per rank, kvpush's loop threads 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import launch
 import pytest
-from conftest import HERE, MAX_TOKENS, PROMPTS, REPO, tokens_of
+from conftest import MAX_TOKENS, PROMPTS, REPO, Colocated, tokens_of
 
 NAMES = ("len200", "len650")
 _ALL = os.environ.get("KVPUSH_VLLM_TP")
@@ -62,26 +61,11 @@ def _model(workdir: Path, kv_heads: int) -> Path:
     return out
 
 
-def _reference(model: Path, workdir: Path) -> dict[str, list[int]]:
-    tag = model.name
-    src, dst = workdir / f"ref-{tag}-in.json", workdir / f"ref-{tag}-out.json"
-    if not dst.exists():
-        src.write_text(json.dumps({"prompts": [PROMPTS[n] for n in NAMES],
-                                   "max_tokens": MAX_TOKENS}))
-        env = {**os.environ, **launch.BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
-        with open(workdir / f"reference-{tag}.log", "wb") as out:
-            subprocess.run(["taskset", "-c", "0", sys.executable, str(HERE / "reference.py"),
-                            str(model), str(src), str(dst), DTYPE], stdout=out,
-                           stderr=subprocess.STDOUT, env=env, cwd=str(workdir), timeout=400,
-                           check=True)
-    return dict(zip(NAMES, json.loads(dst.read_text()), strict=True))
-
-
 @pytest.mark.parametrize(("p_tp", "d_tp", "kv_heads"), SHAPES)
 def test_tp_tokens_match_colocated(p_tp: int, d_tp: int, kv_heads: int,
-                                   workdir: Path) -> None:
+                                   workdir: Path, colocated: Colocated) -> None:
     model = _model(workdir, kv_heads)
-    want = _reference(model, workdir)
+    want = colocated.tokens(model, NAMES, model.name, dtype=DTYPE)
     fleet = launch.Fleet()
     logs = workdir / f"logs-tp{p_tp}{d_tp}-kv{kv_heads}"
     kv_port, p_port, d_port, r_port = (launch.free_port(n) for n in (p_tp, 1, 1, 1))
