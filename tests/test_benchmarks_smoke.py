@@ -22,6 +22,7 @@ from benchmarks import (  # noqa: E402
     _common,
     ab_trees,
     busy_engine,
+    cold_call,
     core_stream,
     cpu,
     critical_path,
@@ -165,6 +166,18 @@ def test_engine_share() -> None:
     rows = {(x["side"], x["mode"]): x for x in r["rows"]}
     assert len(rows) == 6 and all(x["steps"] > 10 for x in rows.values()), rows
     assert rows[("prefill", "push")]["requests"] > 0 and rows[("decode", "pull")]["requests"] > 0
+
+
+def test_cold_call() -> None:
+    out = cold_call.run(samples=3, copies_mib=(1,))
+    assert out["preparations"] == ["hot", "sleep", "memcpy 1 MiB"]
+    assert [r["call"] for r in out["rows"]] == ["core: one push", "check_block_ids"]
+    for row in out["rows"]:
+        _finite(row, *out["preparations"], "worst_over_hot")
+        assert row["worst_over_hot"] >= 1.0
+    assert "| core: one push |" in cold_call.table(out)
+    with pytest.raises(ValueError, match="samples"):
+        cold_call.run(samples=0)
 
 
 def test_hot_path() -> None:
