@@ -5,6 +5,7 @@ NIXL's defaults."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -171,6 +172,14 @@ def open_endpoint(state: dict[str, Any], role: str, layout: Any, address: str = 
     name: str = endpoint.connect(address, timeout=30)
     state["producer"] = name
     return name
+
+
+def save_json(out: Any, path: str) -> None:
+    """Write a benchmark's result to ``path`` as indented JSON (nothing if ``path`` is empty:
+    the scripts' ``--json`` default)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def pct(values: Sequence[float], q: float) -> float:

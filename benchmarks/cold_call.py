@@ -21,7 +21,8 @@ Beside it, for contrast, one compiled call: ``kvpush._core.check_block_ids`` on 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from kvpush.protocol.effects import Post, XferEnd
 from kvpush.protocol.producer import CoreConfig, ProducerCore
 from kvpush.request import TransferMode
 
-from ._common import MIB, pct
+from ._common import MIB, pct, save_json
 from .core_stream import BLOCKS, PEER, _sides
 
 __all__ = ["run"]
@@ -51,19 +52,19 @@ def run(samples: int = 300, copies_mib: tuple[int, ...] = COPIES_MIB) -> dict[st
     preps: dict[str, Callable[[], object]] = {"hot": lambda: None,
                                               "sleep": lambda: time.sleep(0.002)}
     for n in copies_mib:
-        preps[f"memcpy {n} MiB"] = (lambda n=n: np.copyto(dst[: n * MIB], src[: n * MIB]))
+        preps[f"memcpy {n} MiB"] = functools.partial(np.copyto, dst[: n * MIB], src[: n * MIB])
 
     mine, links = _sides()
     core = ProducerCore(mine.layout, CoreConfig(), links)
     core.peer_up(0.0, PEER, mine.layout)
     ids = np.arange(BLOCKS, dtype=np.int64)
     enc = m.encode_ids(ids)
-    clock = {"now": 0.0, "n": 0}
+    serial = itertools.count(1)
+    clock = [0.0]     # the core's simulated time, a millisecond per push
 
     def push() -> float:
         """The core's calls for one push; seconds."""
-        clock["n"] += 1
-        n, now = clock["n"], clock["now"]
+        n, now = next(serial), clock[0]
         rid = f"cold-{n}"
         t0 = time.perf_counter()
         core.on_message(now, PEER, m.Register(rid, n, enc, 0, 60.0))
@@ -73,7 +74,7 @@ def run(samples: int = 300, copies_mib: tuple[int, ...] = COPIES_MIB) -> dict[st
         core.transfer_ended(now, post.key, XferEnd.DONE)
         core.drain()
         dt = time.perf_counter() - t0
-        clock["now"] = now + 1e-3
+        clock[0] = now + 1e-3
         return dt
 
     def compiled() -> float:
@@ -95,7 +96,7 @@ def run(samples: int = 300, copies_mib: tuple[int, ...] = COPIES_MIB) -> dict[st
                     if i:            # the first round warms
                         times.setdefault((call_name, prep_name), []).append(dt)
     finally:
-        core.close(clock["now"])
+        core.close(clock[0])
     rows = []
     for name in calls:
         row: dict[str, Any] = {"call": name}
@@ -123,9 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     out = run(args.samples)
     print(table(out))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save_json(out, args.json)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import resource
 import time
 from typing import Any
@@ -34,6 +33,8 @@ from kvpush.protocol.effects import Post, XferEnd
 from kvpush.protocol.producer import CoreConfig, ProducerCore
 from kvpush.request import TransferMode
 from kvpush.testing.fakes import FakeMemory, SimLinks
+
+from ._common import save_json
 
 __all__ = ["run"]
 
@@ -162,9 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     out = run(args.requests, args.rate, not args.no_gc)
     print(table(out))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save_json(out, args.json)
 
 
 if __name__ == "__main__":

@@ -530,6 +530,7 @@ def _route(cfg: CPConfig, mode: str, rate: float, prefill: Worker, decode: Worke
                 sent += 1
             wait = (reqs[sent].arrival - time.monotonic()) if sent < len(reqs) else 0.5
             for conn in mpc.wait([prefill.conn, decode.conn], timeout=max(0.0, wait)):
+                assert isinstance(conn, mpc.Connection)   # what was passed in comes back
                 msg = conn.recv()
                 if msg[0] != "ev":
                     raise RuntimeError(f"engine stopped early: {msg[0]}: {msg[1]}")

@@ -29,7 +29,6 @@ notification (``raw_notif``): the fastest a consumer can learn of a landing.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing.connection as mpc
 import threading
 import time
@@ -37,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import RawAgent, descriptor_table, open_endpoint, pct
+from ._common import RawAgent, descriptor_table, open_endpoint, pct, save_json
 from ._procs import Worker, stop_all
 
 __all__ = ["run"]
@@ -284,9 +283,7 @@ def main() -> None:
     args = ap.parse_args()
     out = run(args.requests, args.busy, args.gap)
     print(table(out["rows"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save_json(out, args.json)
 
 
 if __name__ == "__main__":
