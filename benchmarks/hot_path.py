@@ -23,7 +23,12 @@ Raw NIXL beside it, on the same bytes and descriptors (the agents configured as 
 (``raw_done``), and the target polling ``get_new_notifs`` back-to-back until the WRITE's
 notification (``raw_notif``): the fastest a consumer can learn of a landing.
 
-``python -m benchmarks.hot_path [--requests N] [--json PATH]``
+``--evict MIB``: each request, kvpush's and raw NIXL's, runs right after a numpy copy of
+that many MiB in the prefill process, which leaves the caches cold, as an engine's forward
+pass or the throughput suite's memcpy and raw transfers do.
+
+``python -m benchmarks.hot_path [--requests N] [--gap S] [--evict MIB] [--busy KIND]
+[--json PATH]``
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import argparse
 import multiprocessing.connection as mpc
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -112,16 +119,31 @@ def side_raw_connect(state: dict[str, Any], conn: mpc.Connection, md: bytes,
     return peer
 
 
+def _evictor(evict_mib: int) -> Callable[[], None]:
+    """A numpy copy of ``evict_mib`` MiB, which evicts the CPU caches as an engine's forward
+    pass does (nothing for 0)."""
+    if evict_mib < 0:
+        raise ValueError(f"evict_mib must be >= 0, got {evict_mib}")
+    if not evict_mib:
+        return lambda: None
+    src = np.ones(evict_mib << 20, dtype=np.uint8)
+    return partial(np.copyto, np.empty_like(src), src)
+
+
 def side_push(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
-              ids: np.ndarray, gap_s: float = GAP_S) -> list[tuple[int, int]]:
+              ids: np.ndarray, gap_s: float = GAP_S, evict_mib: int = 0
+              ) -> list[tuple[int, int]]:
     """prefill_done each request in turn, ``gap_s`` apart (0: each as soon as the previous
-    one's release woke this thread); (called, engine woke) ns each."""
+    one's release woke this thread), each right after an ``evict_mib`` MiB copy;
+    (called, engine woke) ns each."""
     producer = state["endpoint"]
+    evict = _evictor(evict_mib)
     out = []
     for rid in rids:
         ev = state["released"].setdefault(rid, threading.Event())
         if gap_s:
             time.sleep(gap_s)
+        evict()
         called = time.monotonic_ns()
         producer.prefill_done(rid, ids)
         if not ev.wait(30):
@@ -162,13 +184,17 @@ def side_raw_listen(state: dict[str, Any], conn: mpc.Connection, count: int
 
 
 def side_raw_write(state: dict[str, Any], conn: mpc.Connection, local: np.ndarray,
-                   remote: np.ndarray, count: int) -> list[tuple[int, int]]:
-    """``count`` raw WRITEs with a notification, GAP_S apart; (posted, DONE) ns each."""
+                   remote: np.ndarray, count: int, evict_mib: int = 0
+                   ) -> list[tuple[int, int]]:
+    """``count`` raw WRITEs with a notification, GAP_S apart, each right after an
+    ``evict_mib`` MiB copy as kvpush's requests; (posted, DONE) ns each."""
     raw: RawAgent = state["raw"]
     agent = raw.agent
+    evict = _evictor(evict_mib)
     out = []
     for i in range(count):
         time.sleep(GAP_S)
+        evict()
         t0 = time.monotonic_ns()
         handle = agent.make_prepped_xfer("WRITE", state["raw_local"], local,
                                          state["raw_remote"], remote, f"raw-{i}".encode())
@@ -191,9 +217,13 @@ def _firsts(stamps: list[tuple[str, int]], start: int, end: int, names: tuple[st
     return out
 
 
-def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S) -> dict[str, Any]:
+def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
+        evict_mib: int = 0) -> dict[str, Any]:
     """``busy``: also run a busy thread in each engine process (``python`` or ``numpy``, as
-    :mod:`benchmarks.busy_engine` does)."""
+    :mod:`benchmarks.busy_engine` does). ``evict_mib``: the prefill process copies that many
+    MiB right before each request, kvpush's and raw NIXL's alike (as the throughput suite's
+    memcpy and raw transfers leave kvpush's requests with cold caches)."""
+    _evictor(evict_mib)   # a bad value fails here, before any process starts
     prefill, decode = Worker("hp-prefill"), Worker("hp-decode")
     rows = []
     try:
@@ -216,7 +246,7 @@ def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S) -> dict[str, A
             decode.call(_M + "side_take")
             decode.send_call(_M + "side_wait_results", rids=rids)
             times = prefill.call(_M + "side_push", rids=rids, ids=src, gap_s=gap_s,
-                                 timeout=300)
+                                 evict_mib=evict_mib, timeout=300)
             results = decode.result(120)
             pst = prefill.call(_M + "side_take")
             cst = decode.call(_M + "side_take")
@@ -227,7 +257,8 @@ def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S) -> dict[str, A
             ri = (np.arange(regions)[:, None] * NUM_BLOCKS + dst[order][None, :]).ravel()
             decode.send_call(_M + "side_raw_listen", count=requests + 1)
             raw = prefill.call(_M + "side_raw_write", local=li.astype(np.int32),
-                               remote=ri.astype(np.int32), count=requests + 1, timeout=300)
+                               remote=ri.astype(np.int32), count=requests + 1,
+                               evict_mib=evict_mib, timeout=300)
             heard = decode.result(120)
             per: dict[str, list[float]] = {}
             polls: list[float] = []
@@ -280,8 +311,11 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=GAP_S,
                     help="seconds between a release and the next prefill_done (0: none, as "
                          "the throughput suite's back-to-back requests)")
+    ap.add_argument("--evict", type=int, default=0, metavar="MIB",
+                    help="copy MIB MiB right before each request, kvpush's and raw NIXL's "
+                         "(cold caches, as in the throughput suite; default 0)")
     args = ap.parse_args()
-    out = run(args.requests, args.busy, args.gap)
+    out = run(args.requests, args.busy, args.gap, args.evict)
     print(table(out["rows"]))
     save_json(out, args.json)
 

@@ -181,7 +181,9 @@ def test_cold_call() -> None:
 
 
 def test_hot_path() -> None:
-    r = hot_path.run(requests=2)
+    with pytest.raises(ValueError, match="evict_mib"):
+        hot_path.run(requests=2, evict_mib=-1)
+    r = hot_path.run(requests=2, evict_mib=1)   # each request after a cache-evicting copy
     assert [row["blocks"] for row in r["rows"]] == list(hot_path.SIZES)
     for row in r["rows"]:
         # kvpush's own stamps line up with the benchmark's, in the order of the hot path
