@@ -5,6 +5,7 @@ NIXL's defaults."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -172,6 +173,17 @@ def open_endpoint(state: dict[str, Any], role: str, layout: Any, address: str = 
     name: str = endpoint.connect(address, timeout=30)
     state["producer"] = name
     return name
+
+
+def evictor(mib: int) -> Callable[[], None]:
+    """A numpy copy of ``mib`` MiB between two buffers made here, which leaves the CPU caches
+    cold, as an engine's forward pass does (a call that does nothing for 0)."""
+    if mib < 0:
+        raise ValueError(f"evict_mib must be >= 0, got {mib}")
+    if not mib:
+        return lambda: None
+    src = np.ones(mib * MIB, dtype=np.uint8)
+    return functools.partial(np.copyto, np.empty_like(src), src)
 
 
 def save_json(out: Any, path: str) -> None:

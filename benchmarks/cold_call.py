@@ -21,7 +21,6 @@ Beside it, for contrast, one compiled call: ``kvpush._core.check_block_ids`` on 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from kvpush.protocol.effects import Post, XferEnd
 from kvpush.protocol.producer import CoreConfig, ProducerCore
 from kvpush.request import TransferMode
 
-from ._common import MIB, pct, save_json
+from ._common import evictor, pct, save_json
 from .core_stream import BLOCKS, PEER, _sides
 
 __all__ = ["run"]
@@ -47,12 +46,10 @@ def run(samples: int = 300, copies_mib: tuple[int, ...] = COPIES_MIB) -> dict[st
     """p50 microseconds of each piece after each preparation (module doc)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    src = np.ones(max(copies_mib, default=1) * MIB, dtype=np.uint8)
-    dst = np.empty_like(src)
     preps: dict[str, Callable[[], object]] = {"hot": lambda: None,
                                               "sleep": lambda: time.sleep(0.002)}
     for n in copies_mib:
-        preps[f"memcpy {n} MiB"] = functools.partial(np.copyto, dst[: n * MIB], src[: n * MIB])
+        preps[f"memcpy {n} MiB"] = evictor(n)
 
     mine, links = _sides()
     core = ProducerCore(mine.layout, CoreConfig(), links)

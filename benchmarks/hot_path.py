@@ -37,13 +37,11 @@ import argparse
 import multiprocessing.connection as mpc
 import threading
 import time
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
 
-from ._common import RawAgent, descriptor_table, open_endpoint, pct, save_json
+from ._common import RawAgent, descriptor_table, evictor, open_endpoint, pct, save_json
 from ._procs import Worker, stop_all
 
 __all__ = ["run"]
@@ -119,17 +117,6 @@ def side_raw_connect(state: dict[str, Any], conn: mpc.Connection, md: bytes,
     return peer
 
 
-def _evictor(evict_mib: int) -> Callable[[], None]:
-    """A numpy copy of ``evict_mib`` MiB, which evicts the CPU caches as an engine's forward
-    pass does (nothing for 0)."""
-    if evict_mib < 0:
-        raise ValueError(f"evict_mib must be >= 0, got {evict_mib}")
-    if not evict_mib:
-        return lambda: None
-    src = np.ones(evict_mib << 20, dtype=np.uint8)
-    return partial(np.copyto, np.empty_like(src), src)
-
-
 def side_push(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
               ids: np.ndarray, gap_s: float = GAP_S, evict_mib: int = 0
               ) -> list[tuple[int, int]]:
@@ -137,7 +124,7 @@ def side_push(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
     one's release woke this thread), each right after an ``evict_mib`` MiB copy;
     (called, engine woke) ns each."""
     producer = state["endpoint"]
-    evict = _evictor(evict_mib)
+    evict = evictor(evict_mib)
     out = []
     for rid in rids:
         ev = state["released"].setdefault(rid, threading.Event())
@@ -190,7 +177,7 @@ def side_raw_write(state: dict[str, Any], conn: mpc.Connection, local: np.ndarra
     ``evict_mib`` MiB copy as kvpush's requests; (posted, DONE) ns each."""
     raw: RawAgent = state["raw"]
     agent = raw.agent
-    evict = _evictor(evict_mib)
+    evict = evictor(evict_mib)
     out = []
     for i in range(count):
         time.sleep(GAP_S)
@@ -223,7 +210,7 @@ def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
     :mod:`benchmarks.busy_engine` does). ``evict_mib``: the prefill process copies that many
     MiB right before each request, kvpush's and raw NIXL's alike (as the throughput suite's
     memcpy and raw transfers leave kvpush's requests with cold caches)."""
-    _evictor(evict_mib)   # a bad value fails here, before any process starts
+    evictor(evict_mib)   # a bad value fails here, before any process starts
     prefill, decode = Worker("hp-prefill"), Worker("hp-decode")
     rows = []
     try:

@@ -153,12 +153,14 @@ class Colocated:
             self._proc.stdin.flush()
         except BrokenPipeError:
             self.stop()
-            raise RuntimeError(f"the reference process died:\n"
-                               f"{self.log.read_text(errors='replace')[-4000:]}") from None
+            raise RuntimeError(f"the reference process died:\n{self._log_tail()}") from None
         answer = json.loads(self._read_line(timeout))
         if not answer.get("ok"):
             raise RuntimeError(f"reference run of {job['model']} failed: {answer.get('error')}"
-                               f"\n{self.log.read_text(errors='replace')[-4000:]}")
+                               f"\n{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
 
     def _start(self) -> None:
         env = {**os.environ, **launch.BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
@@ -188,8 +190,7 @@ class Colocated:
             chunk = os.read(self._reply, 4096)
             if not chunk:
                 self.stop()
-                raise RuntimeError(f"the reference process died:\n"
-                                   f"{self.log.read_text(errors='replace')[-4000:]}")
+                raise RuntimeError(f"the reference process died:\n{self._log_tail()}")
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return line
