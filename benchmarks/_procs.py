@@ -21,7 +21,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RemoteError", "Worker", "clock_ticks", "cpu_seconds", "thread_cpu_seconds"]
+__all__ = ["RemoteError", "Worker", "clock_ticks", "cpu_seconds", "run_queue_waits",
+           "thread_cpu_seconds"]
 
 
 class RemoteError(RuntimeError):
@@ -40,6 +41,29 @@ def cpu_seconds(pid: int) -> float:
 def thread_cpu_seconds(tid: int) -> float:
     """utime + stime of thread ``tid`` (a native id) of this process, in seconds."""
     return _stat_cpu_seconds(f"/proc/self/task/{tid}/stat")
+
+
+def run_queue_waits() -> dict[int, tuple[str, int]] | None:
+    """Every live thread of this process: native id -> (its command name, nanoseconds it
+    has spent runnable but waiting for a CPU), from Linux's ``/proc/self/task/*/schedstat``;
+    None where the kernel does not keep them."""
+    out: dict[int, tuple[str, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                waited = int(f.read().split()[1])
+            with open(f"/proc/self/task/{tid}/comm", "rb") as f:
+                name = f.read().decode(errors="replace").strip()
+        except FileNotFoundError:
+            continue   # the thread ended meanwhile
+        except (OSError, IndexError, ValueError):
+            return None
+        out[int(tid)] = (name, waited)
+    return out
 
 
 def _stat_cpu_seconds(path: str) -> float:

@@ -27,8 +27,19 @@ notification (``raw_notif``): the fastest a consumer can learn of a landing.
 that many MiB in the prefill process, which leaves the caches cold, as an engine's forward
 pass or the throughput suite's memcpy and raw transfers do.
 
+``--shape``: ``layers`` (default) is the critical-path benchmark's cache, 16 regions (8
+layers, K and V apart) of 4 KiB blocks, requests of 1, 16 and 256 blocks (64 KiB, 1 MiB,
+16 MiB; 16 to 4,096 descriptors); ``sweep`` is the throughput suite's worst ``>= 1 MiB``
+row, one region of 1 MiB blocks, 16 per request (16 MiB in 16 descriptors).
+
+Beside the stamps, the time each thread spent *runnable but waiting for a CPU* during
+kvpush's requests (Linux's per-thread ``schedstat``), per request, by thread: each side's
+engine thread, its kvpush loop, ZeroMQ's I/O threads and the rest. On a host with as many
+busy threads as cores, a thread woken while another runs a long copy can wait for it to end,
+while the other core sits idle; this says how much of a stage that was.
+
 ``python -m benchmarks.hot_path [--requests N] [--gap S] [--evict MIB] [--busy KIND]
-[--json PATH]``
+[--shape layers|sweep] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -37,19 +48,45 @@ import argparse
 import multiprocessing.connection as mpc
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._common import RawAgent, descriptor_table, evictor, open_endpoint, pct, save_json
-from ._procs import Worker, stop_all
+from ._common import (
+    MIB,
+    RawAgent,
+    descriptor_table,
+    evictor,
+    open_endpoint,
+    pct,
+    save_json,
+    single_region_layout,
+)
+from ._procs import Worker, run_queue_waits, stop_all
 
 __all__ = ["run"]
 
 _M = "benchmarks.hot_path:"
-NUM_BLOCKS = 1024
 GAP_S = 0.002
-SIZES = (1, 16, 256)         # blocks per request (x 16 regions x 4 KiB: 64 KiB, 1, 16 MiB)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The KV cache both sides hold, and the requests pushed through it."""
+
+    regions: int
+    num_blocks: int
+    block_bytes: int        # per region
+    sizes: tuple[int, ...]  # blocks per request
+
+
+SHAPES = {
+    "layers": Shape(16, 1024, 4096, (1, 16, 256)),   # critical_path's cache: 64 KiB .. 16 MiB
+    "sweep": Shape(1, 64, MIB, (16,)),               # the throughput suite's 1 MiB x 16 row
+}
+#: The threads whose run-queue waits are reported, by side (see :func:`side_run_queue`).
+THREADS = ("engine", "loop", "zmq", "other")
 PRODUCER_STAGES = ("queued", "woke", "command", "drained", "sent", "post", "posted",
                    "xfer_end", "release")
 CONSUMER_STAGES = ("message", "notif", "result")
@@ -66,13 +103,21 @@ def _trace() -> Any:
 
 
 def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
-               address: str = "") -> dict[str, Any]:
+               address: str = "", shape: str = "layers") -> dict[str, Any]:
     import kvpush
 
-    from .critical_path import _make_cache
+    from .critical_path import BLOCK_BYTES, REGIONS, _make_cache
 
-    buffers, layout = _make_cache(NUM_BLOCKS)
-    state.update(buffers=buffers, layout=layout)
+    sh = SHAPES[shape]
+    if sh.regions == REGIONS and sh.block_bytes == BLOCK_BYTES:
+        buffers, layout = _make_cache(sh.num_blocks)
+    elif sh.regions == 1:
+        buffers = [np.zeros(sh.num_blocks * sh.block_bytes, dtype=np.uint8)]
+        layout = single_region_layout(buffers[0], sh.block_bytes)
+    else:
+        raise ValueError(f"shape {shape!r}: no cache of that form")
+    state.update(buffers=buffers, layout=layout, shape=sh,
+                 engine_tid=threading.get_native_id())
     raw = RawAgent(f"hp-raw-{role}", "kvpush")
     raw.register(buffers)
     state["raw"] = raw
@@ -106,13 +151,13 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
 
 def side_raw_connect(state: dict[str, Any], conn: mpc.Connection, md: bytes,
                      bases: list[int]) -> str:
-    from .critical_path import BLOCK_BYTES
-
+    sh: Shape = state["shape"]
     raw: RawAgent = state["raw"]
     peer = raw.add_peer(md)
     state["raw_local"] = raw.prep("NIXL_INIT_AGENT", descriptor_table(
-        [int(b.ctypes.data) for b in state["buffers"]], NUM_BLOCKS, BLOCK_BYTES))
-    state["raw_remote"] = raw.prep(peer, descriptor_table(bases, NUM_BLOCKS, BLOCK_BYTES))
+        [int(b.ctypes.data) for b in state["buffers"]], sh.num_blocks, sh.block_bytes))
+    state["raw_remote"] = raw.prep(peer, descriptor_table(bases, sh.num_blocks,
+                                                          sh.block_bytes))
     state["raw_peer"] = peer
     return peer
 
@@ -148,6 +193,23 @@ def side_wait_results(state: dict[str, Any], conn: mpc.Connection, rids: list[st
         if not state["done"].setdefault(rid, threading.Event()).wait(60):
             raise TimeoutError(f"{rid}: no result in 60 s")
         out.append((state["finished"][rid], time.monotonic_ns()))
+    return out
+
+
+def side_run_queue(state: dict[str, Any], conn: mpc.Connection) -> dict[str, int] | None:
+    """Nanoseconds this process's threads have spent runnable but not running, summed by
+    kind (:data:`THREADS`: the engine thread that runs the benchmark's calls, the kvpush
+    endpoint's loop, ZeroMQ's I/O threads, the rest); None where Linux keeps no such
+    counts."""
+    waits = run_queue_waits()
+    if waits is None:
+        return None
+    loop = state["endpoint"]._thread.native_id
+    out = dict.fromkeys(THREADS, 0)
+    for tid, (name, ns) in waits.items():
+        kind = ("engine" if tid == state["engine_tid"] else "loop" if tid == loop
+                else "zmq" if name.startswith("ZMQbg") else "other")
+        out[kind] += ns
     return out
 
 
@@ -205,17 +267,22 @@ def _firsts(stamps: list[tuple[str, int]], start: int, end: int, names: tuple[st
 
 
 def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
-        evict_mib: int = 0) -> dict[str, Any]:
+        evict_mib: int = 0, shape: str = "layers") -> dict[str, Any]:
     """``busy``: also run a busy thread in each engine process (``python`` or ``numpy``, as
     :mod:`benchmarks.busy_engine` does). ``evict_mib``: the prefill process copies that many
     MiB right before each request, kvpush's and raw NIXL's alike (as the throughput suite's
-    memcpy and raw transfers leave kvpush's requests with cold caches)."""
-    evictor(evict_mib)   # a bad value fails here, before any process starts
+    memcpy and raw transfers leave kvpush's requests with cold caches). ``shape``: a key of
+    :data:`SHAPES`."""
+    evictor(evict_mib)   # bad values fail here, before any process starts
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    sh = SHAPES[shape]
     prefill, decode = Worker("hp-prefill"), Worker("hp-decode")
     rows = []
     try:
-        a = prefill.call(_M + "side_setup", role="prefill")
-        b = decode.call(_M + "side_setup", role="decode", address=a["address"], timeout=60)
+        a = prefill.call(_M + "side_setup", role="prefill", shape=shape)
+        b = decode.call(_M + "side_setup", role="decode", address=a["address"], shape=shape,
+                        timeout=60)
         prefill.call(_M + "side_raw_connect", md=b["raw_md"], bases=b["bases"])
         decode.call(_M + "side_raw_connect", md=a["raw_md"], bases=a["bases"])
         if busy:
@@ -223,25 +290,27 @@ def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
                 w.call("benchmarks.busy_engine:side_busy", on=True, kind=busy)
         rng = np.random.default_rng(0)
         n = 0
-        for blocks in SIZES:
-            src = rng.choice(NUM_BLOCKS, blocks, replace=False).astype(np.int64)
-            dst = rng.choice(NUM_BLOCKS, blocks, replace=False).astype(np.int64)
+        for blocks in sh.sizes:
+            src = rng.choice(sh.num_blocks, blocks, replace=False).astype(np.int64)
+            dst = rng.choice(sh.num_blocks, blocks, replace=False).astype(np.int64)
             rids = [f"hp-{n + i}" for i in range(requests + 1)]
             n += len(rids)
             decode.call("benchmarks.busy_engine:side_expect", rids=rids, ids=dst)
             prefill.call(_M + "side_take")
             decode.call(_M + "side_take")
+            waits0 = [w.call(_M + "side_run_queue") for w in (prefill, decode)]
             decode.send_call(_M + "side_wait_results", rids=rids)
             times = prefill.call(_M + "side_push", rids=rids, ids=src, gap_s=gap_s,
                                  evict_mib=evict_mib, timeout=300)
             results = decode.result(120)
+            waits1 = [w.call(_M + "side_run_queue") for w in (prefill, decode)]
             pst = prefill.call(_M + "side_take")
             cst = decode.call(_M + "side_take")
             # raw NIXL, same descriptors kvpush posts (region-major, by local id)
             order = np.argsort(src, kind="stable")
-            regions = 16
-            li = (np.arange(regions)[:, None] * NUM_BLOCKS + src[order][None, :]).ravel()
-            ri = (np.arange(regions)[:, None] * NUM_BLOCKS + dst[order][None, :]).ravel()
+            region = np.arange(sh.regions)[:, None] * sh.num_blocks
+            li = (region + src[order][None, :]).ravel()
+            ri = (region + dst[order][None, :]).ravel()
             decode.send_call(_M + "side_raw_listen", count=requests + 1)
             raw = prefill.call(_M + "side_raw_write", local=li.astype(np.int32),
                                remote=ri.astype(np.int32), count=requests + 1,
@@ -264,8 +333,14 @@ def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
                 if "message" in c and "notif" in c:
                     lo, hi = called + c["message"] * 1e3, called + c["notif"] * 1e3
                     polls.append(sum(1 for nm, t in cst if nm == "poll" and lo <= t <= hi))
-            row: dict[str, Any] = {"blocks": blocks, "bytes": blocks * regions * 4096,
+            row: dict[str, Any] = {"blocks": blocks,
+                                   "bytes": blocks * sh.regions * sh.block_bytes,
                                    "requests": requests}
+            for side, w0, w1 in (("p", *[w[0] for w in (waits0, waits1)]),
+                                 ("c", *[w[1] for w in (waits0, waits1)])):
+                for kind in THREADS:   # us per request (the warm-up request included)
+                    row[f"{side}_rq_{kind}"] = (float("nan") if w0 is None or w1 is None
+                                                else (w1[kind] - w0[kind]) / 1e3 / len(rids))
             for k, vals in per.items():
                 row[k] = pct(vals, 50)
             row["c_polls"] = pct(polls, 50) if polls else float("nan")
@@ -278,16 +353,22 @@ def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
     return {"rows": rows}
 
 
+def _markdown(rows: list[dict[str, Any]], cols: list[str]) -> list[str]:
+    lines = ["| bytes | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for r in rows:
+        lines.append(f"| {r['bytes'] >> 10} KiB | " + " | ".join(
+            f"{r.get(c, float('nan')):.0f}" for c in cols) + " |")
+    return lines
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     cols = ([f"p_{s}" for s in PRODUCER_STAGES] + ["p_engine"]
             + [f"c_{s}" for s in CONSUMER_STAGES] + ["c_finished", "c_engine", "c_polls",
                                                       "raw_done", "raw_notif"])
-    head = "| bytes | " + " | ".join(cols) + " |"
-    lines = [head, "|" + "---|" * (len(cols) + 1)]
-    for r in rows:
-        lines.append(f"| {r['bytes'] >> 10} KiB | " + " | ".join(
-            f"{r.get(c, float('nan')):.0f}" for c in cols) + " |")
-    return "\n".join(lines)
+    waits = [f"{side}_rq_{kind}" for side in "pc" for kind in THREADS]
+    title = ("Runnable but waiting for a CPU, us per kvpush request (p_: prefill process, "
+             "c_: decode process)")
+    return "\n".join([*_markdown(rows, cols), "", title, "", *_markdown(rows, waits)])
 
 
 def main() -> None:
@@ -301,8 +382,11 @@ def main() -> None:
     ap.add_argument("--evict", type=int, default=0, metavar="MIB",
                     help="copy MIB MiB right before each request, kvpush's and raw NIXL's "
                          "(cold caches, as in the throughput suite; default 0)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="layers",
+                    help="layers: 4 KiB blocks in 16 regions, 64 KiB to 16 MiB requests "
+                         "(default); sweep: the throughput suite's 1 MiB x 16 row")
     args = ap.parse_args()
-    out = run(args.requests, args.busy, args.gap, args.evict)
+    out = run(args.requests, args.busy, args.gap, args.evict, args.shape)
     print(table(out["rows"]))
     save_json(out, args.json)
 

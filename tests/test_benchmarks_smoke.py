@@ -35,6 +35,7 @@ from benchmarks import (  # noqa: E402
     throughput,
 )
 from benchmarks._common import KIB, MIB  # noqa: E402
+from benchmarks._procs import run_queue_waits  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,17 +181,30 @@ def test_cold_call() -> None:
         cold_call.run(samples=0)
 
 
-def test_hot_path() -> None:
+@pytest.mark.parametrize("shape", sorted(hot_path.SHAPES))
+def test_hot_path(shape: str) -> None:
     with pytest.raises(ValueError, match="evict_mib"):
         hot_path.run(requests=2, evict_mib=-1)
-    r = hot_path.run(requests=2, evict_mib=1)   # each request after a cache-evicting copy
-    assert [row["blocks"] for row in r["rows"]] == list(hot_path.SIZES)
+    with pytest.raises(ValueError, match="shape"):
+        hot_path.run(requests=2, shape="no-such-shape")
+    sh = hot_path.SHAPES[shape]
+    # each request after a cache-evicting copy
+    r = hot_path.run(requests=2, evict_mib=1, shape=shape)
+    assert [row["blocks"] for row in r["rows"]] == list(sh.sizes)
     for row in r["rows"]:
+        assert row["bytes"] == row["blocks"] * sh.regions * sh.block_bytes
         # kvpush's own stamps line up with the benchmark's, in the order of the hot path
         assert (0 <= row["p_command"] <= row["p_drained"] <= row["p_sent"] <= row["p_post"]
                 <= row["p_xfer_end"] <= row["p_engine"])
         assert row["c_message"] <= row["c_notif"] <= row["c_finished"] <= row["c_engine"]
         assert math.isfinite(row["raw_done"]) and math.isfinite(row["raw_notif"])
+        # run-queue waits, every kind of thread counted (NaN where the kernel keeps none)
+        kept = run_queue_waits() is not None
+        for side in "pc":
+            for kind in hot_path.THREADS:
+                value = row[f"{side}_rq_{kind}"]
+                assert value >= 0 if kept else math.isnan(value), (side, kind, value)
+    assert "Runnable but waiting for a CPU" in hot_path.table(r["rows"])
 
 
 def test_core_stream() -> None:
