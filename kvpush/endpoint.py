@@ -174,6 +174,7 @@ class Endpoint:
         self._stop = False
         self._waiting = True  # the loop may be blocked in poll: callers must wake it
         self._emitted = False  # a result or release went to the engine this iteration
+        self._notifs_read: float | None = None  # when NIXL's notifications were last read
         self._loop_error: BaseException | None = None
         self._stall_logged = -math.inf  # when a stall was last logged
         self._stalls_unlogged = 0
@@ -421,11 +422,12 @@ class Endpoint:
         for key, handle in list(self._xfers.items()):
             moved |= self._check_xfer(key, handle)
         if self._wants_notifications():
+            since, self._notifs_read = self._notifs_read, time.monotonic()
             for sender, msg in self._notifications():
                 if _trace.ON:
                     _trace.stamp("notif")
                 moved = True
-                self._core.on_notification(time.monotonic(), sender, msg)
+                self._core.on_notification(time.monotonic(), sender, msg, since)
         if moved:
             self._apply()
         return moved

@@ -18,7 +18,8 @@ kvpush turns it off and drives progress from its one loop thread:
   most that fraction late (about 12 % by default), however long the transfer, while a long
   transfer costs only a few polls per millisecond;
 * when the loop can predict a completion (the consumer learns how long pushes of each size
-  take from their hint to their landing), it wakes at the predicted moment and polls every
+  take from their hint to their landing, each landing placed in the middle of its last look
+  without it and the look that found it), it wakes at the predicted moment and polls every
   ``min_sleep_s`` for a quarter of the predicted duration (at least ``spin_s``): a
   completion on time is noticed at once, an early or late one no later than without the
   prediction.

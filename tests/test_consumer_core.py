@@ -181,6 +181,67 @@ def test_an_announced_write_is_fenced_by_its_landed() -> None:
     assert res.state is RequestState.ABORTED and res.blocks_safe
 
 
+class _Clock:
+    """A monotonic clock the test moves by hand (for kvpush.progress.Backoff)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _landings(monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
+              requests: int = 200) -> tuple[float, float]:
+    """Pushes one after another, each landing ``landing_s`` (+- ``jitter`` of it) after its
+    Posted hint, found by a driver that polls as the endpoint's loop does: once at the hint,
+    then after each ``Backoff.next_delay`` given the core's predicted window, every sleep
+    overrunning by up to 50 us. Returns the median lateness of the sightings over the second
+    half (s) and the hint-to-landing time the core learnt."""
+    from kvpush import progress
+
+    clock = _Clock()
+    monkeypatch.setattr(progress, "time", clock)
+    rng = np.random.default_rng(7)
+    policy = progress.ProgressPolicy()
+    backoff = progress.Backoff(policy)
+    c = core()
+    late = []
+    for i in range(requests):
+        rid, xid = f"r{i}", 100 + i
+        c.expect(clock.now, rid, np.array([1, 2]), [P], 10.0, 1, False, [1], xid)
+        c.drain()
+        clock.now += 0.01          # the engine's gap: nothing moved for a while
+        hinted = clock.now         # (a control message is not progress for the backoff)
+        landed = hinted + landing_s * (1 + jitter * rng.uniform(-1, 1))
+        c.on_message(hinted, P, m.Posted(rid, xid, 0))
+        since = None
+        while clock.now < landed:  # this poll finds nothing; sleep as the loop would
+            since = clock.now
+            clock.now += (backoff.next_delay(c.predicted(clock.now, policy.spin_s))
+                          + rng.uniform(0, 50e-6))
+        c.on_notification(clock.now, P, m.Landed(rid, xid, 0, nbytes=300), since)
+        backoff.progressed()
+        assert results(c.drain())[0].state is RequestState.READY
+        late.append(clock.now - landed)
+    (learnt,) = c._landing_s.values()
+    return float(np.median(late[requests // 2:])), learnt
+
+
+@pytest.mark.parametrize(("landing_s", "jitter"),
+                         [(200e-6, 0.0), (200e-6, 0.1), (2.23e-3, 0.0), (8e-3, 0.0)])
+def test_the_landing_window_is_learnt_from_when_landings_happened(
+        monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float) -> None:
+    """The driver sleeps until the predicted window opens, so a landing before it is seen at
+    its opening. Learning the sighting (as before) never moved the window earlier and every
+    late sighting moved it later: it settled on one of the backoff's poll times after the
+    landings, seen 0.3-0.4 ms late every time (200 us landings: window at 521 us). Learning
+    the middle of (last look without it, sighting] keeps the window on the landings."""
+    late, learnt = _landings(monkeypatch, landing_s, jitter)
+    assert late < 100e-6, (late, learnt)
+    assert abs(learnt - landing_s) < 0.2 * landing_s + 50e-6, learnt
+
+
 def test_grace_over_reports_unsafe() -> None:
     c = core(grace=1.0)
     expect(c)

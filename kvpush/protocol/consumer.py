@@ -293,6 +293,8 @@ class ConsumerCore:
         self._seq = itertools.count()
         # Seconds from a push part's Posted hint to its landing, smoothed, by size class
         # (bit length of its bytes): when the driver should poll for the next landing.
+        # Learnt from when each landing was first seen and when it was last not seen yet
+        # (see _learn_landing).
         self._landing_s: dict[int, float] = {}
         self._posting: dict[str, _Request] = {}     # push parts announced and not landed
 
@@ -566,11 +568,15 @@ class ConsumerCore:
         else:
             self.stats.messages_rejected += 1
 
-    def on_notification(self, now: float, peer: str, msg: m.Message) -> None:
-        """A decoded NIXL notification from ``peer`` (a push part's ``Landed``)."""
+    def on_notification(self, now: float, peer: str, msg: m.Message,
+                        since: float | None = None) -> None:
+        """A decoded NIXL notification from ``peer`` (a push part's ``Landed``), read at
+        ``now``. ``since``: when the driver last looked for notifications before it, so it
+        arrived in between (None: not known; it is then taken to have arrived ``now``)."""
         if isinstance(msg, m.Landed):
             self._request_event(now, peer, msg.request_id, msg.xid, Event.LANDED,
-                                part=msg.part, nbytes=msg.nbytes, checksums=msg.checksums)
+                                part=msg.part, nbytes=msg.nbytes, checksums=msg.checksums,
+                                since=since)
         else:
             self.stats.messages_rejected += 1
 
@@ -631,8 +637,24 @@ class ConsumerCore:
         req.posted[part] = now
         self._posting[req.rid] = req
 
+    def _learn_landing(self, req: _Request, hinted: float, seen: float,
+                       since: float | None) -> None:
+        """A part hinted at ``hinted`` landed after ``since`` (the driver's last look that did
+        not find it) and by ``seen``: smooth the hint-to-landing time of its size class.
+
+        The middle of that interval, not ``seen``: the driver sleeps until the predicted
+        window opens, so a landing before the window is seen at its opening, and learning
+        ``seen`` would never move the window earlier: every late sighting moved it later,
+        until the window opened after the landings and they were seen late by a sleep's
+        length (half a millisecond after 1 MiB pushes here)."""
+        lo = hinted if since is None or since < hinted else min(since, seen)
+        took = (lo + seen) / 2 - hinted if since is not None else seen - hinted
+        size = self._size_class(req)
+        last = self._landing_s.get(size)
+        self._landing_s[size] = took if last is None else 0.75 * last + 0.25 * took
+
     def _on_landed(self, now: float, req: _Request, peer: str, part: int, nbytes: int,
-                   checksums: bytes) -> None:
+                   checksums: bytes, since: float | None = None) -> None:
         if not 0 <= part < req.parts or req.producer_of(part) != peer:
             self._refuse(req, Event.LANDED, f"part {part} is not {peer}'s")
             return
@@ -644,10 +666,7 @@ class ConsumerCore:
             return
         hinted = req.posted.get(part)
         if hinted is not None:
-            size = self._size_class(req)
-            took = now - hinted
-            last = self._landing_s.get(size)
-            self._landing_s[size] = took if last is None else 0.75 * last + 0.25 * took
+            self._learn_landing(req, hinted, now, since)
         req.landed.add(part)
         self._settle(req, part)
         if part % req.groups == 0:

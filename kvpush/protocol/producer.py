@@ -447,8 +447,11 @@ class ProducerCore:
         else:
             self.stats["messages_rejected"] += 1
 
-    def on_notification(self, now: float, peer: str, msg: m.Message) -> None:
-        """A decoded NIXL notification from ``peer`` (a READ's PullDone)."""
+    def on_notification(self, now: float, peer: str, msg: m.Message,
+                        since: float | None = None) -> None:
+        """A decoded NIXL notification from ``peer`` (a READ's PullDone), read at ``now``
+        (``since``, the driver's previous look, is the consumer core's to use: nothing here
+        is timed from it)."""
         self._now = now
         if not isinstance(msg, m.PullDone):
             self.stats["messages_rejected"] += 1
