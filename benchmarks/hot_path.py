@@ -64,6 +64,7 @@ from ._common import (
     single_region_layout,
 )
 from ._procs import Worker, run_queue_waits, stop_all
+from .critical_path import BLOCK_BYTES, REGIONS, _make_cache
 
 __all__ = ["run"]
 
@@ -82,7 +83,8 @@ class Shape:
 
 
 SHAPES = {
-    "layers": Shape(16, 1024, 4096, (1, 16, 256)),   # critical_path's cache: 64 KiB .. 16 MiB
+    # critical_path's cache (8 layers, K and V apart, 4 KiB blocks): 64 KiB .. 16 MiB
+    "layers": Shape(REGIONS, 1024, BLOCK_BYTES, (1, 16, 256)),
     "sweep": Shape(1, 64, MIB, (16,)),               # the throughput suite's 1 MiB x 16 row
 }
 #: The threads whose run-queue waits are reported, by side (see :func:`side_run_queue`).
@@ -105,8 +107,6 @@ def _trace() -> Any:
 def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
                address: str = "", shape: str = "layers") -> dict[str, Any]:
     import kvpush
-
-    from .critical_path import BLOCK_BYTES, REGIONS, _make_cache
 
     sh = SHAPES[shape]
     if sh.regions == REGIONS and sh.block_bytes == BLOCK_BYTES:
@@ -336,8 +336,7 @@ def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
             row: dict[str, Any] = {"blocks": blocks,
                                    "bytes": blocks * sh.regions * sh.block_bytes,
                                    "requests": requests}
-            for side, w0, w1 in (("p", *[w[0] for w in (waits0, waits1)]),
-                                 ("c", *[w[1] for w in (waits0, waits1)])):
+            for side, w0, w1 in zip("pc", waits0, waits1, strict=True):
                 for kind in THREADS:   # us per request (the warm-up request included)
                     row[f"{side}_rq_{kind}"] = (float("nan") if w0 is None or w1 is None
                                                 else (w1[kind] - w0[kind]) / 1e3 / len(rids))

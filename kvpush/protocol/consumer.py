@@ -647,8 +647,10 @@ class ConsumerCore:
         ``seen`` would never move the window earlier: every late sighting moved it later,
         until the window opened after the landings and each was seen a backoff sleep late
         (0.3-0.4 ms in tests/test_consumer_core.py's closed loop)."""
-        lo = hinted if since is None or since < hinted else min(since, seen)
-        took = (lo + seen) / 2 - hinted if since is not None else seen - hinted
+        if since is None:
+            took = seen - hinted
+        else:
+            took = (max(hinted, min(since, seen)) + seen) / 2 - hinted
         size = self._size_class(req)
         last = self._landing_s.get(size)
         self._landing_s[size] = took if last is None else 0.75 * last + 0.25 * took
