@@ -17,14 +17,13 @@ alone; this is what a request feels.
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from ._common import pct
+from ._common import pct, save_json
 
 __all__ = ["SHAPES", "run"]
 
@@ -128,12 +127,10 @@ def run(requests: int = 30) -> list[dict[str, Any]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=30, help="per shape (half each call)")
-    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args()
     rows = run(args.requests)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.json)
 
 
 if __name__ == "__main__":
