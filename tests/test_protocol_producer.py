@@ -578,7 +578,7 @@ def test_a_write_abandoned_after_its_consumer_was_lost_is_not_fenced(aborted: bo
     assert h.releases()[0].quarantine_s == 4.0
     assert h.sent(m.Failed) == []            # nothing goes to a consumer that is gone
     assert any(isinstance(e, DropPeer) for e in h.effects)
-    assert h.core.held() == 0 and h.core.status("r") == "ended"
+    assert h.core.held() == 0 and h.core.snapshot("r").phase == "ended"
 
 
 def test_a_write_abandoned_because_its_consumer_reconnected_is_not_fenced() -> None:

@@ -274,10 +274,6 @@ class ProducerCore:
         notification is awaited)."""
         return self._pulling > 0
 
-    def status(self, rid: str) -> str:
-        req = self._requests.get(rid)
-        return "none" if req is None else req.state.value
-
     def snapshot(self, rid: str) -> RequestStatus:
         """``rid``'s state here, as a typed snapshot (see :class:`kvpush.RequestStatus`)."""
         req = self._requests.get(rid)

@@ -499,7 +499,7 @@ class Simulation:
         now = self.sched.now
         pe.core.prefill_done(now, req.rid, src.ids, req.mode, src.sid)
         if self.faults.on("twice") and self.rng.random() < self.faults.twice_p \
-                and pe.core.status(req.rid) in ("held", "partial", "ending"):
+                and pe.core.snapshot(req.rid).phase in ("held", "partial", "ending"):
             # An engine bug: the same blocks handed over twice while kvpush holds them
             # (once released, a second call is a new use of the id, which is legal). They
             # must still be released exactly once.
@@ -557,7 +557,7 @@ class Simulation:
                           f"{pe.name} still holds {src.req.rid!r} (sid {src.sid:x}, "
                           f"{src.req.mode.value}, prefill_done at {src.done_at:.6f}) past "
                           f"its bound{after} t={bound:.6f}; core says "
-                          f"{pe.core.status(src.req.rid)}")
+                          f"{pe.core.snapshot(src.req.rid).phase}")
         # Reported once; give the blocks back so the run goes on.
         pe.engine.give_back(src)
         self.source_ended(src)
@@ -944,7 +944,7 @@ class Simulation:
             if n:
                 chk.fail("state_unbounded", f"{ep.name}: in_flight()={n} once quiet")
             left = [(rid, st) for rid in sorted(self._epoch.rids)
-                    if (st := ep.core.status(rid)) != "none"]
+                    if (st := ep.core.snapshot(rid).phase) != "none"]
             if left:
                 chk.fail("state_unbounded",
                          f"{ep.name}: {len(left)} request record(s) left once quiet and "
