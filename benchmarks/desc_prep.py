@@ -13,7 +13,7 @@ random order) and ``in_order`` (one run), time, one call at a time (median):
 * ``numpy_us`` -- the same algorithm in numpy, producing the same int32 index lists
   (:func:`numpy_plan`: range and duplicate checks, a stable sort by local id, runs, indices
   computed in int32): what the compiled code saves over numpy doing the same job;
-* ``reference_us`` -- ``kvpush._reference.plan_transfer``, the numpy twin the tests hold
+* ``reference_us`` -- ``tests.support.reference.plan_transfer``, the numpy twin the tests hold
   the compiled core to (written for clarity: int64 throughout, ``np.unique`` checks);
 * ``vllm_us`` -- the path vLLM's NIXL connector takes (``_get_block_descs_ids``): block ids
   arrive as Python lists, become arrays, and each side's indices are
@@ -129,11 +129,11 @@ def numpy_plan(local_ids: np.ndarray, remote_ids: np.ndarray, local_num_blocks: 
 
 def _reference() -> tuple[Callable[..., Any], str]:
     try:
-        from kvpush import _reference as ref
+        from tests.support import reference as ref
 
-        return ref.plan_transfer, "kvpush._reference.plan_transfer"
+        return ref.plan_transfer, "tests.support.reference.plan_transfer"
     except (ImportError, AttributeError):
-        return numpy_plan, "benchmarks.desc_prep.numpy_plan (kvpush._reference absent)"
+        return numpy_plan, "benchmarks.desc_prep.numpy_plan (tests.support.reference absent)"
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], min_time: float, rounds: int = 6

@@ -36,7 +36,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,9 +44,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # The namespace harness lives with the tests (it is test infrastructure); the soak reuses it.
-sys.path.insert(0, str(ROOT / "tests"))
-
-from netns import Ledger, Link, Node, NodeError, netns_unavailable  # noqa: E402
+from tests.support.netns import Ledger, Link, Node, NodeError, netns_unavailable  # noqa: E402
 
 __all__ = ["run"]
 

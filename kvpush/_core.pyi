@@ -1,7 +1,7 @@
 """Compiled core of kvpush (C++, ``csrc/``): transfer planning, completion counting,
 per-block checksums.
 
-``kvpush._reference`` implements the same interface in numpy; tests hold the two equal.
+``tests.support.reference`` implements the same interface in numpy; tests hold the two equal.
 Ints are taken as ``operator.index`` does and clamped to int64, so an absurdly large one
 fails the relevant range check rather than the conversion.
 """

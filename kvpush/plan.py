@@ -4,7 +4,7 @@ The work happens in ``kvpush._core`` (C++): validation (dtype, range, duplicates
 sorting, coalescing of runs that are adjacent on both sides, and the region-major index
 arrays ``make_prepped_xfer`` takes. NIXL merges consecutive descriptors with adjacent
 addresses into one, so a coalesced plan moves a run of blocks as one piece of memory.
-``kvpush._reference`` holds a numpy version of the same functions for tests.
+``tests.support.reference`` holds a numpy version of the same functions for tests.
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import make_cache
 
 from kvpush import agent as agent_mod
 from kvpush.agent import Agent, TransportConfig
 from kvpush.errors import PeerUnavailable
+from tests.support.harness import make_cache
 
 CONFIG = TransportConfig()
 

@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 import uvloop  # pinned in requirements/lock.txt: missing, the tests fail (never skip)
-from harness import CANARY, check_blocks, check_canaries, fill, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
+from tests.support.harness import CANARY, check_blocks, check_canaries, fill, make_cache
 
 T = TypeVar("T")
 LOOPS = ["asyncio", "uvloop"]

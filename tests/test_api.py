@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import CANARY, check_blocks, drain_released, fill, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
+from tests.support.harness import CANARY, check_blocks, drain_released, fill, make_cache
 
 
 @pytest.fixture()

@@ -8,12 +8,12 @@ import time
 import numpy as np
 import pytest
 import zmq
-from harness import check_blocks, drain_released, fill, make_cache
 
 import kvpush
 from kvpush import messages as m
 from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError
+from tests.support.harness import check_blocks, drain_released, fill, make_cache
 
 KEY = b"k" * 32
 

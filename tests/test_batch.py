@@ -8,10 +8,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import CANARY, check_blocks, check_canaries, drain_released, fill, make_cache
 
 import kvpush
 from kvpush import ReleaseReason, RequestState, TransferMode
+from tests.support.harness import (
+    CANARY,
+    check_blocks,
+    check_canaries,
+    drain_released,
+    fill,
+    make_cache,
+)
 
 
 def _count_handoffs(endpoint: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:

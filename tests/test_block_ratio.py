@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import CANARY, fill, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
+from tests.support.harness import CANARY, fill, make_cache
 
 
 def head_slices(cache, region: int, block: int) -> list[np.ndarray]:

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import CANARY, check_blocks, drain_released, fill, make_cache
 
 import kvpush
 from kvpush import ReleaseReason, RequestState
+from tests.support.harness import CANARY, check_blocks, drain_released, fill, make_cache
 
 LEASE_S = 1.0
 

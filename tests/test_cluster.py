@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from netns import Ledger, Node, netns_unavailable
-from netns_fabric import Fabric
+
+from tests.support.netns import Ledger, Node, netns_unavailable
+from tests.support.netns_fabric import Fabric
 
 CACHE = dict(num_blocks=256, num_layers=2, kv_packed=False)
 SEED = 17  # both producers hold the same bytes, so two-rank requests check the same way

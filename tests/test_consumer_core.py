@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import make_cache
 
 from kvpush import messages as m
 from kvpush.auth import Opener, Sealer
@@ -19,6 +18,7 @@ from kvpush.errors import AuthenticationError, RequestAborted
 from kvpush.protocol.consumer import TRANSITIONS, ConsumerCore, CoreConfig, Event, Phase
 from kvpush.protocol.effects import Abandon, Emit, Post, Send, XferEnd
 from kvpush.request import RequestState, TransferResult
+from tests.support.harness import make_cache
 
 P, Q = "prod-a", "prod-b"
 LAYOUT = make_cache(num_blocks=16).layout

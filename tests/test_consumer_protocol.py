@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from harness import check_blocks, fill, make_cache
 
 import kvpush
 from kvpush import messages as m
 from kvpush.agent import Agent
 from kvpush.auth import Opener, Sealer, decrypt, encrypt, new_nonce, session_key
 from kvpush.errors import AuthenticationError, InvalidBlockIds
+from tests.support.harness import check_blocks, fill, make_cache
 
 KEY = b"k" * 32
 CACHE = {"num_blocks": 16}

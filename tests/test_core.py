@@ -25,8 +25,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvpush import _core, _reference
+from kvpush import _core
 from kvpush.errors import InvalidBlockIds
+from tests.support import reference as _reference
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = [pytest.param(_core, id="compiled"), pytest.param(_reference, id="reference")]

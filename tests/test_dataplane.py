@@ -17,10 +17,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import check_blocks, fill, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
+from tests.support.harness import check_blocks, fill, make_cache
 
 CHILD = kvpush.TransportConfig(data_plane="child")
 #: 32 blocks of 2 x 64 KiB: 4 MiB per request, more than loopback's socket buffers take
@@ -187,7 +187,7 @@ def test_inprocess_producer_survives_a_reader_killed_mid_read(
     the producer thawed. In process, UCX's ``Fatal: unexpected error: Connection reset by
     remote peer`` aborts the producer's whole process (every run here); contained, the
     same abort costs a data-plane child (the test above)."""
-    from harness import ChildProducer
+    from tests.support.harness import ChildProducer
 
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     kw = {k: v for k, v in CACHE.items() if k != "shared"}
@@ -292,8 +292,8 @@ def test_the_child_goes_with_the_engine() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; sys.path.insert(0, 'tests'); import kvpush, time\n"
-            "from harness import make_cache\n"
+    code = ("import kvpush, time\n"
+            "from tests.support.harness import make_cache\n"
             "c = make_cache(shared=True)\n"
             "p = kvpush.Producer(c.layout, kvpush.ProducerConfig(host='127.0.0.1', "
             "transport=kvpush.TransportConfig(data_plane='child')))\n"

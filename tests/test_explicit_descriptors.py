@@ -14,10 +14,17 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import CANARY, check_blocks, check_canaries, drain_released, fill, make_cache
 
 import kvpush
 from kvpush import TransferMode, agent
+from tests.support.harness import (
+    CANARY,
+    check_blocks,
+    check_canaries,
+    drain_released,
+    fill,
+    make_cache,
+)
 
 SEED = 11
 CACHE = dict(num_blocks=256, num_layers=3, kv_packed=False)  # 6 regions

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import CANARY, ChildProducer, make_cache
 
 import kvpush
 from kvpush import RequestState
+from tests.support.harness import CANARY, ChildProducer, make_cache
 
 CACHE = dict(num_blocks=128, num_layers=2)
 FAST = dict(heartbeat_s=0.1, peer_timeout_s=1.0, abort_grace_s=2.0, lease_margin_s=0.05)

@@ -25,9 +25,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from netns import Ledger, Link, Node, NodeError, netns_unavailable
 
 from kvpush.messages import PullTicket
+from tests.support.netns import Ledger, Link, Node, NodeError, netns_unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 

@@ -31,17 +31,18 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from harness import CANARY, ChildProducer, check_blocks, fill, make_cache
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvpush
-from kvpush import _core, _reference
+from kvpush import _core
 from kvpush import messages as m
 from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError, InvalidBlockIds, KvpushError, ProtocolError
 from kvpush.layout import LayoutWire
 from kvpush.plan import validate_block_ids
+from tests.support import reference as _reference
+from tests.support.harness import CANARY, ChildProducer, check_blocks, fill, make_cache
 
 EXAMPLES = int(os.environ.get("KVPUSH_FUZZ_EXAMPLES", "500"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -633,7 +634,7 @@ _SURROGATE_SCRIPT = """
 import sys, time
 import numpy as np
 import kvpush
-from harness import fill, make_cache
+from tests.support.harness import fill, make_cache
 src, dst = make_cache(num_blocks=16), make_cache(num_blocks=16)
 fill(src, 3)
 with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:

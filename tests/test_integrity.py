@@ -7,10 +7,10 @@ import dataclasses
 
 import numpy as np
 import pytest
-from harness import check_blocks, fill, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
+from tests.support.harness import check_blocks, fill, make_cache
 
 
 def pair(verify_producer: bool = True) -> tuple:

@@ -18,12 +18,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import make_cache
 
 import kvpush
 import kvpush.endpoint as endpoint_mod
 from kvpush.agent import SLOW_CALL_S
 from kvpush.endpoint import LOOP_STALL_S
+from tests.support.harness import make_cache
 
 SHORT, LONG = 0.5, 10.0   # peer timeouts: the side that stalls, the side that does not
 STALL_S = 3 * SHORT

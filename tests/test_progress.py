@@ -55,9 +55,8 @@ def test_idle_endpoints_do_no_work_per_engine_step() -> None:
     """What an engine calls every step (results, releases, stats) must not wake kvpush's
     loop thread while nothing is in flight: the loop stays blocked in poll (heartbeats
     apart), spins nothing, and a step is only the engine's own few attribute reads."""
-    from harness import make_cache
-
     import kvpush
+    from tests.support.harness import make_cache
 
     src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
     with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:

@@ -13,11 +13,11 @@ from typing import Any
 
 import prometheus_client  # pinned in requirements/lock.txt: missing, the tests fail
 import pytest
-from harness import fill, make_cache
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvpush
 from kvpush.prometheus import KvpushMetrics
+from tests.support.harness import fill, make_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import CANARY, ChildProducer, check_blocks, fill, make_cache
 
 import kvpush
 from kvpush import RequestState
+from tests.support.harness import CANARY, ChildProducer, check_blocks, fill, make_cache
 
 SEED = 3
 CACHE = dict(num_blocks=64, num_layers=4, kv_packed=False)

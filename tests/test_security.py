@@ -12,12 +12,12 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from harness import fill, make_cache
 
 import kvpush
 from kvpush import messages as m
 from kvpush.auth import Opener, decrypt, encrypt
 from kvpush.errors import AuthenticationError, InvalidBlockIds, ProtocolError
+from tests.support.harness import fill, make_cache
 
 KEY = b"s" * 32
 

@@ -24,9 +24,7 @@ from kvpush.testing import (
     Transfer,
 )
 from kvpush.testing.sim import main
-
-sys.path.insert(0, str(Path(__file__).parent))
-from sim_doubles import EarlyReleaseProducer, standin_consumer
+from tests.support.sim_doubles import EarlyReleaseProducer, standin_consumer
 
 
 def _consumers() -> list[object]:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import netns_unavailable
+
+from tests.support.netns import netns_unavailable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import soak

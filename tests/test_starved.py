@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import CANARY, ChildProducer, check_blocks, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
+from tests.support.harness import CANARY, ChildProducer, check_blocks, make_cache
 
 SEED = 11
 CACHE = dict(num_blocks=256, num_layers=2)

@@ -14,13 +14,13 @@ import gc
 import weakref
 
 import numpy as np
-from test_consumer_core import P, core, expect
-from test_protocol_producer import Harness
 
 from kvpush import messages as m
 from kvpush.protocol.effects import Post, XferEnd
 from kvpush.protocol.timers import COMPACT_MIN, TimerHeap
 from kvpush.request import TransferMode
+from tests.test_consumer_core import P, core, expect
+from tests.test_protocol_producer import Harness
 
 
 def test_pop_order_is_deadline_then_arming_order_across_compactions() -> None:

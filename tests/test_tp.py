@@ -9,11 +9,11 @@ import time
 
 import numpy as np
 import pytest
-from harness import CANARY, fill, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
 from kvpush.layout import covering_producers
+from tests.support.harness import CANARY, fill, make_cache
 
 TOTAL = 4  # KV heads of the model
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import CANARY, ChildProducer, check_blocks, check_canaries, make_cache
 
 import kvpush
 from kvpush import RequestState, TransferMode
+from tests.support.harness import CANARY, ChildProducer, check_blocks, check_canaries, make_cache
 
 SEED = 7
 CACHE = dict(num_blocks=512, num_layers=2, kv_packed=False)

@@ -8,7 +8,7 @@ import os
 import secrets
 import subprocess
 
-from netns import netns_unavailable
+from tests.support.netns import netns_unavailable
 
 
 def _ip(*args: str) -> None:

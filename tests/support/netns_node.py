@@ -1,7 +1,7 @@
 """A kvpush Producer or Consumer in its own process, driven by one JSON object per line on
 stdin, answering one JSON object per line on stdout (see :class:`netns.Node`).
 
-Run as ``ip netns exec NS python tests/netns_node.py`` (or without ``ip netns exec``). The
+Run as ``ip netns exec NS python -m tests.support.netns_node`` (or without ``ip netns exec``). The
 real stdout is kept for the protocol only: fd 1 is pointed at stderr, so anything NIXL, UCX
 or a library prints can never corrupt an answer. The node dies with its parent
 (``PR_SET_PDEATHSIG``) and when stdin closes, so it cannot outlive a test.
@@ -36,11 +36,11 @@ import traceback
 from typing import Any
 
 import numpy as np
-from harness import CANARY, Cache, fill, make_cache
 
 import kvpush
 from kvpush.messages import PullTicket, decode_ids
 from kvpush.metrics import LIVE
+from tests.support.harness import CANARY, Cache, fill, make_cache
 
 SCRIBBLE = 0x5A  # what a producer's engine writes into source blocks it got back
 

@@ -31,7 +31,7 @@ from typing import Final, SupportsIndex
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import InvalidBlockIds
+from kvpush.errors import InvalidBlockIds
 
 __all__ = [
     "DEBUG",

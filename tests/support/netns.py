@@ -10,10 +10,10 @@ plane (UCX over TCP).
 
 Everything here is made and removed by its owner: :class:`Link` creates the namespaces and
 the veth (names ``kvp<pid><random byte><n><a|b|x|y>``, unique per link even across
-containers that share the host's namespace list) and deletes them
-in :meth:`Link.close`; a :class:`Node` is one ``ip netns exec NS python netns_node.py``
-process (``ip netns exec`` execs, so the Popen pid *is* the Python process), stopped by its
-pid. Every call takes a timeout. Where namespaces cannot be made (not root, no ``ip``, no
+containers that share the host's namespace list) and deletes them in :meth:`Link.close`;
+a :class:`Node` is one ``ip netns exec NS python -m tests.support.netns_node`` process
+(``ip netns exec`` execs, so the Popen pid *is* the Python process), stopped by its pid.
+Every call takes a timeout. Where namespaces cannot be made (not root, no ``ip``, no
 permission), :func:`netns_unavailable` says why, and fixtures skip with that reason.
 """
 
@@ -38,8 +38,8 @@ from typing import Any
 
 __all__ = ["Ledger", "Link", "Node", "NodeError", "netns_unavailable", "node_env"]
 
-ROOT = Path(__file__).resolve().parent.parent
-NODE_SCRIPT = Path(__file__).resolve().parent / "netns_node.py"
+ROOT = Path(__file__).resolve().parents[2]
+NODE_MODULE = "tests.support.netns_node"
 _counter = itertools.count()
 
 
@@ -192,7 +192,7 @@ def node_env(device: str | None) -> dict[str, str]:
     """Environment of a node: UCX over TCP only, on ``device`` when given."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), str(NODE_SCRIPT.parent), env.get("PYTHONPATH", "")) if p)
+        p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["UCX_TLS"] = "tcp,self"
     if device:
         env["UCX_NET_DEVICES"] = device
@@ -222,7 +222,7 @@ class Node:
                  env: dict[str, str] | None = None, start_timeout: float = 30.0) -> None:
         self.label = label
         self.netns = netns
-        cmd = [sys.executable, str(NODE_SCRIPT)]
+        cmd = [sys.executable, "-m", NODE_MODULE]
         if netns is not None:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         fd, path = tempfile.mkstemp(prefix=f"kvp-{label}-", suffix=".log")
