@@ -14,8 +14,8 @@
 * A dropped peer's NIXL metadata (its UCX endpoint) is **kept** (at most
   :data:`DORMANT_MAX` such peers, and until the agent closes): NIXL's
   ``remove_remote_agent`` closes the endpoint in flush mode, and a flush-mode close of a
-  connection a link cut left behind is what UCX aborted the process on in the soak (bug 12
-  of ``docs/RELIABILITY.md``). The same incarnation coming back (after a cut) gets its
+  connection a link cut left behind is what UCX aborts the process on ("Endpoint timeout",
+  ``docs/RELIABILITY.md``). The same incarnation coming back (after a cut) gets its
   endpoint back, never closed; a new incarnation of the name (new metadata, which NIXL
   refuses while the old is loaded) has the old removed first, with UCX progressed just
   before and after the removal.

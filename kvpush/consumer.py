@@ -174,8 +174,8 @@ class _Producer:
     unanswered: tuple[int, float] | None = None
     # The Hello of this connection attempt: every retransmit is the same message (same
     # nonce and time), so a producer answers retransmits as duplicates of one Hello and
-    # derives one session key (a new nonce per retransmit once gave the producer a new
-    # key per Hello while this side kept the first answer's: issue 13, bug 2).
+    # derives one session key (a new nonce per retransmit would give the producer a new
+    # key per Hello while this side keeps the first answer's).
     hello: m.Hello | None = None
     hello_made: float = 0.0
     sealer: Sealer | None = None
@@ -835,7 +835,7 @@ class Consumer(Endpoint):
             peer.notif_sealer = Sealer(session, b"c2p-notif")
             # A Landed counts once per (xid, part) while its request lives (the core's
             # completion table), so notifications need no replay window, and one would
-            # refuse a big WRITE's Landed overtaken by 4096 later ones (issue 13, bug 7):
+            # refuse a big WRITE's Landed overtaken by 4096 later ones:
             # old counters are accepted, forgeries and repeats inside the window are not.
             peer.notif_opener = Opener(session, b"p2c-notif", accept_old=True)
         peer.agent_name = name

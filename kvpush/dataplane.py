@@ -1,8 +1,8 @@
 """The contained data plane: the NIXL agent in a small child process per endpoint.
 
 kvpush runs inside the inference engine's process, and UCX can abort the process that runs
-its worker (``ucs_fatal``, e.g. bug 12 of ``docs/RELIABILITY.md``: "Endpoint timeout" after
-link cuts): nothing in that process can catch it. With
+its worker (``ucs_fatal``, e.g. "Endpoint timeout" when a connection that a link cut left
+behind is closed: ``docs/RELIABILITY.md``): nothing in that process can catch it. With
 ``TransportConfig(data_plane="child")`` the NIXL agent runs in a child process instead (one
 per Producer/Consumer), and an abort there costs the requests that data plane held, not the
 engine:

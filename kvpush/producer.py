@@ -550,7 +550,7 @@ class Producer(Endpoint):
             peer.sealer, peer.opener = Sealer(session, b"p2c"), Opener(session, b"c2p")
             peer.notif_sealer = Sealer(session, b"p2c-notif")
             # A PullDone counts once per owner (xid) while its source lives, so old
-            # notification counters are accepted (see the consumer's Landed, bug 7).
+            # notification counters are accepted (as the consumer's Landed are).
             peer.notif_opener = Opener(session, b"c2p-notif", accept_old=True)
             ack = m.HelloAck(self.name, encrypt(session, b"ack-metadata", nonce + msg.nonce,
                                                 self._agent.metadata()),

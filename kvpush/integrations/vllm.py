@@ -258,7 +258,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # Called before the forward pass that may overwrite the blocks of requests vLLM
-        # preempted: a transfer still reading them is ended first (issue 14, item 7).
+        # preempted: a transfer still reading them is ended first.
         if isinstance(kv_connector_metadata, KVPushConnectorMetadata):
             self._w().handle_preemptions(kv_connector_metadata.plan)
 

@@ -661,7 +661,7 @@ class ConsumerCore:
             self._refuse(req, Event.LANDED, f"part {part} is not {peer}'s")
             return
         # Counted once per (use, part): a replayed or duplicated Landed changes nothing
-        # (which is why notifications need no replay window: issue 13, bug 7).
+        # (which is why notifications need no replay window).
         arrival = self._completions.arrive(req.rid, part)
         if arrival not in (_core.Arrival.PENDING, _core.Arrival.COMPLETE):
             self._refuse(req, Event.LANDED, f"part {part}: {arrival.name.lower()}")

@@ -647,8 +647,8 @@ class ProducerCore:
 
     def _on_engine_abort(self, req: _Request, reason: str) -> None:
         if req.state is State.RELEASED_EARLY:
-            # The engine ends this use instead of calling prefill_done (simulator finding
-            # F3: refused here, the record stayed and swallowed a later use's prefill_done).
+            # The engine ends this use instead of calling prefill_done: the record becomes a
+            # tombstone that expires, so a later use's prefill_done is not swallowed.
             self._tomb(req, req.code, req.why)
             return
         if req.state is State.WAITING:
@@ -1041,9 +1041,10 @@ class ProducerCore:
         if share.lost:
             # Its consumer was lost before its WRITEs ended: nothing it is told arrives,
             # and no Abort will acknowledge an abandoned WRITE, so there is nothing to
-            # fence (the soak's lost s1641: an engine abort's Failed "sent" after the loss
-            # fenced the source for max_wait_s). A consumer only cut off may still see that
-            # WRITE land late, as for a FENCING owner lost (peer_lost).
+            # fence (an engine abort's Failed "sent" after the loss would fence the source
+            # for max_wait_s, waiting for an Abort that cannot come). A consumer only cut
+            # off may still see that WRITE land late, as for a FENCING owner lost
+            # (peer_lost).
             req.unsafe |= share.unfenced and share.lost == "silent" and not share.acked
         elif message == "ack":
             self._send(share.peer, m.AbortAck(req.rid, share.xid, share.errored,
@@ -1150,8 +1151,8 @@ class ProducerCore:
         self.stats["blocks_released"] += len(source.ids)
         self.gauges["sources_held"] -= 1
         # Blocks a transfer may still read stay unchanged until it cannot any more: its
-        # deadline, or -- a cut the consumer has not noticed yet holding a WRITE and the
-        # Bye behind it (simulator finding F4) -- until the consumer gives this side up.
+        # deadline, or -- a cut the consumer has not noticed yet can hold a WRITE and the
+        # Bye behind it -- until the consumer gives this side up.
         hold = max(self.config.transfer_timeout_s, self.config.peer_timeout_s) \
             if req.unsafe else 0.0
         xids = tuple(sorted({xid for _, xid in req.shares} | {x for _, x in req.done_owners}))
@@ -1190,7 +1191,7 @@ class ProducerCore:
             # A prefill_done the engine calls more than tombstone_s after its use's early
             # release is a new use; one it called before, but that a stalled loop takes only
             # now, is still the old one's (decided by its call time), so the record stays
-            # another tombstone_s (simulator, 1M requests, seed 11).
+            # another tombstone_s.
             req.use_deadline = now
             self._arm_tomb(req, now)
             return

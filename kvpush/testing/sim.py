@@ -421,8 +421,7 @@ class Simulation:
                 pe.engine.give_back(src)  # keeps its blocks
                 self.source_ended(src)
             elif not req.p_aborted:   # (aborted: the engine was done with them at the
-                # abort, and their release frees them: freeing here too was a double free,
-                # seed 9 --verify --transfer-timeout 1.5, 50,000 requests)
+                # abort, and their release frees them: freeing here too frees them twice)
                 # layers went to kvpush before the close: it releases them (CLOSED); the
                 # engine then frees them
                 src.engine_done = True
@@ -534,8 +533,8 @@ class Simulation:
             # WRITE ends or is abandoned within transfer_timeout_s of its post, and an
             # abandoned one's fence ends when the consumer acknowledges or is lost (silent
             # peer_timeout_s, seen at a liveness check). Nothing waits for a lease or
-            # max_wait_s here (the soak's lost s1641: a fence waited max_wait_s for a
-            # consumer lost before its WRITE was abandoned).
+            # max_wait_s here (a fence must not wait max_wait_s for a consumer lost before
+            # its WRITE was abandoned).
             t = self.timings
             bound = now + t.transfer_timeout_s + t.peer_timeout_s + t.heartbeat_s \
                 + t.slack_s
@@ -920,9 +919,9 @@ class Simulation:
 
     def _quiesce_check_at(self) -> float:
         """When every record of the epoch must be gone: ``tombstone_s`` after the last
-        request ended or after the longest producer wait started since then could end
-        (simulator, 20,000 requests, seed 53: a Register delayed past its consumer's
-        request held the record until its wait, then its tombstone, ended)."""
+        request ended or after the longest producer wait started since then could end (a
+        Register delayed past its consumer's request holds the record until its wait, then
+        its tombstone, ends)."""
         t = self.timings
         ended = max(self._epoch.quiet_since, self._epoch.last_wait_start + t.max_wait_s)
         return ended + t.tombstone_s + t.slack_s + 0.1
