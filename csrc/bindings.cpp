@@ -27,11 +27,11 @@ namespace {
 
 // When to let other Python threads run during compiled work. Dropping the GIL is cheap;
 // taking it back is not: inside an engine whose own threads run Python, a thread that gave
-// the GIL up waits for CPython's switch interval (5 ms by default) to get it back. A 64-layer
-// x 512-block plan (12 us of work) that released the GIL took 5 ms median beside one busy
-// thread. So only work far longer than a hand-off runs without the GIL: plans of at least
-// 4M index entries (0.2-3 ns each here: 1-12 ms; a 32k-token Qwen3-32B request is 4M) and
-// checksums over at least 16 MiB (~12 GB/s here: over 1 ms).
+// the GIL up waits for CPython's switch interval (5 ms by default) to get it back, so a plan
+// of microseconds that released the GIL beside one busy thread would take milliseconds. So
+// only work far longer than a hand-off runs without the GIL: plans of at least 4M index
+// entries (a few ns each: milliseconds; a 32k-token Qwen3-32B request is 4M) and checksums
+// over at least 16 MiB (over a millisecond at memory bandwidth).
 constexpr double kReleaseGilEntries = double{1 << 22};
 constexpr double kReleaseGilChecksumBytes = double{16 << 20};
 
@@ -128,7 +128,8 @@ kvpush::BlockIdView block_ids_arg(const py::handle& obj, const char* name) {
 
 // A plan is shared between threads and must not change under them. Clears the flag the
 // way numpy's PyArray_CLEARFLAGS and pybind11's Eigen casters do; going through
-// arr.flags.writeable from C++ cost 0.6 us per array, a third of a small plan.
+// arr.flags.writeable from C++ is a Python attribute call per array, a large share of a
+// small plan.
 template <class T>
 py::array_t<T> read_only(py::array_t<T> arr) {
     py::detail::array_proxy(arr.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;

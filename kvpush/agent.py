@@ -62,12 +62,10 @@ def explicit_is_cheaper(indices: int, merged: int) -> bool:
     descriptors moves sooner posted as explicit merged descriptors (``initialize_xfer``)
     than by prepared indices (``make_prepped_xfer``).
 
-    Measured here end to end (``python -m benchmarks.nixl_call``: 128 regions, pushes one
-    at a time, the two calls alternating): one run of 8,192 blocks went 14 % faster
-    explicit, runs of 512 blocks 6 %, but runs of 8 blocks (4,096 blocks) 7 % slower; and
-    ``benchmarks/desc_prep.py`` times the preparation alone: explicit's ~13 us fixed cost
-    loses below ~16k indices, and it is dearer for scattered blocks (1.5-2.7x). Hence:
-    many indices, in long runs."""
+    Explicit descriptors cost NIXL a fixed preparation per call that prepared indices
+    have paid once, and they are dearer than indices for scattered blocks; merged over long
+    runs they are few, and end to end they win once a request names many indices. Hence:
+    many indices, in long runs (the figures behind both bounds: ``docs/BENCHMARKS.md``)."""
     return indices >= EXPLICIT_MIN_INDICES and merged * EXPLICIT_MIN_RUN <= indices
 
 

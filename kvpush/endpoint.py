@@ -111,9 +111,9 @@ def queue_result(queue: deque[Any], item: Any, owner: str, drain: str) -> None:
 
 def _precise_sleeps() -> None:
     """Make this thread's short sleeps last what they ask: Linux lets a sleep overrun by the
-    thread's timer slack, 50 us by default, so the progress policy's 20 us sleeps took 85 us
-    here. 1 us of slack for the loop thread alone (``PR_SET_TIMERSLACK``); elsewhere, or if
-    refused, sleeps stay as they were."""
+    thread's timer slack, 50 us by default, so the progress policy's 20 us sleeps would
+    last several times as long. 1 us of slack for the loop thread alone
+    (``PR_SET_TIMERSLACK``); elsewhere, or if refused, sleeps stay as they were."""
     if not sys.platform.startswith("linux"):
         return
     try:

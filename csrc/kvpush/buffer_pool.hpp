@@ -4,8 +4,8 @@
 // Why: a plan's two index lists are 4 * n * num_regions bytes each (256 KiB each for 8k
 // tokens of a 128-region cache). glibc serves blocks that size from the top of its heap
 // and, when they are freed, often trims the heap top back to the system; the next plan
-// then faults every page in again (measured here: ~100 page faults and ~110 us per 8k-token
-// plan in a process whose heap is laid out that way, against ~20 us when it is not).
+// then faults every page in again: a hundred page faults per 8k-token plan, several times
+// the plan's own work.
 // Buffers returned to this pool are handed out again, already mapped and usually cached.
 #pragma once
 

@@ -644,9 +644,9 @@ class ConsumerCore:
 
         The middle of that interval, not ``seen``: the driver sleeps until the predicted
         window opens, so a landing before the window is seen at its opening, and learning
-        ``seen`` would never move the window earlier: every late sighting moved it later,
-        until the window opened after the landings and each was seen a backoff sleep late
-        (0.3-0.4 ms in tests/test_consumer_core.py's closed loop)."""
+        ``seen`` would never move the window earlier: every late sighting would move it
+        later, until the window opens after the landings and each is seen a backoff sleep
+        late."""
         if since is None:
             took = seen - hinted
         else:

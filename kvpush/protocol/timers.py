@@ -12,10 +12,7 @@ once they are more than half of it (as asyncio's event loop does); and timers wh
 deadlines come in arming order (a constant delay: tombstones) wait in a FIFO lane beside
 the heap, so a compaction never re-sorts them. A timer can hold one argument for a
 function shared by many, instead of a closure each. Memory and collector work then follow
-the timers that can still fire. ``python -m benchmarks.core_stream`` (150,000 requests
-through the producer core at 1,000/s of simulated time, default timeouts): the slowest
-request 1.1 s -> 0.17 s, p99.9 5.4 ms -> 0.34 ms, timer entries 270,000 -> 120,000 (the
-tombstones), peak RSS +282 -> +113 MiB (``docs/BENCHMARKS.md``).
+the timers that can still fire (the figures: ``docs/BENCHMARKS.md``).
 
 Pop order is by (deadline, arming order) whatever the lanes' shapes, so a seeded
 simulation replays exactly (its trace hashes did not change).

@@ -6,8 +6,8 @@ The protocol cores (:mod:`kvpush.protocol`) run unchanged against the fakes of
 docs/PROTOCOL.md as it happens. One ``random.Random(seed)`` draws everything (arrivals,
 delays, faults, block ids, transfer ids), and time is simulated, so a seed replays exactly::
 
-    python -m kvpush.testing.sim --requests 20000 --seed 7
-    python -m kvpush.testing.sim --requests 2000 --seed 7 --producers 16 --consumers 16
+    python -m kvpush.testing.sim --requests 20000 --seed=7
+    python -m kvpush.testing.sim --requests 2000 --seed=7 --producers 16 --consumers 16
 
 The last line reads ``requests=N faults=F violations=V``; the exit code is 1 when V > 0.
 Each violation prints its seed, step and the trace's tail.
