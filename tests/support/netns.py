@@ -36,9 +36,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from tests.support import ROOT
+
 __all__ = ["Ledger", "Link", "Node", "NodeError", "netns_unavailable", "node_env"]
 
-ROOT = Path(__file__).resolve().parents[2]
 NODE_MODULE = "tests.support.netns_node"
 _counter = itertools.count()
 

@@ -19,8 +19,7 @@ from kvpush import messages as m
 from kvpush.protocol.effects import Post, XferEnd
 from kvpush.protocol.timers import COMPACT_MIN, TimerHeap
 from kvpush.request import TransferMode
-from tests.test_consumer_core import P, core, expect
-from tests.test_protocol_producer import Harness
+from tests.support.cores import Harness, P, core, expect
 
 
 def test_pop_order_is_deadline_then_arming_order_across_compactions() -> None:

@@ -6,12 +6,8 @@ channel's "Address already in use", its server never healthy for 600 s)."""
 from __future__ import annotations
 
 import socket
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "vllm"))
-
-import launch
+from examples.vllm import launch
 
 
 def test_no_port_is_handed_out_twice() -> None:

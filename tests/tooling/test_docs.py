@@ -7,11 +7,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
 
 #: The modules the API reference documents (kept in step with .ci/docs).
 PUBLIC_MODULES = ["kvpush", "kvpush.aio", "kvpush.prometheus", "kvpush.metrics",

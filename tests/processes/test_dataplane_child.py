@@ -20,6 +20,7 @@ import pytest
 
 import kvpush
 from kvpush import RequestState, TransferMode
+from tests.support import ROOT
 from tests.support.harness import check_blocks, fill, make_cache
 
 CHILD = kvpush.TransportConfig(data_plane="child")
@@ -299,9 +300,8 @@ def test_the_child_goes_with_the_engine() -> None:
             "transport=kvpush.TransportConfig(data_plane='child')))\n"
             "print(p._agent.pid, flush=True)\n"
             "time.sleep(60)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root}
-    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=root,
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=ROOT,
                               env=env, text=True)
     try:
         line = engine.stdout.readline() if engine.stdout else ""

@@ -10,7 +10,7 @@ name blocks of the request, checksums equal the reference's).
 Inputs per target: ``KVPUSH_FUZZ_EXAMPLES`` (default 500 each: ten targets, plus three live
 ones at a fifth of that but at least 200 each, over 5,000 inputs in CI). A dedicated run:
 ``KVPUSH_FUZZ_EXAMPLES=100000 KVPUSH_FUZZ_REPORT=benchmarks/results/fuzz.json pytest
-tests/test_fuzz.py`` also writes how many inputs each target really ran.
+tests/fuzz`` also writes how many inputs each target really ran.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError, InvalidBlockIds, KvpushError, ProtocolError
 from kvpush.layout import LayoutWire
 from kvpush.plan import validate_block_ids
+from tests.support import ROOT
 from tests.support import reference as _reference
 from tests.support.harness import CANARY, ChildProducer, check_blocks, fill, make_cache
 
@@ -655,10 +656,9 @@ with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
 
 def test_unencodable_request_id_is_refused_at_the_api() -> None:
     """Run in a child process: the crash leaves a consumer that cannot close cleanly."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).parent), str(Path(__file__).parent.parent)]))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", _SURROGATE_SCRIPT], capture_output=True,
-                         text=True, timeout=60, env=env).stdout.split()
+                         text=True, timeout=60, env=env, cwd=ROOT).stdout.split()
     assert out == ["refused", "other", "ready"], out
 
 

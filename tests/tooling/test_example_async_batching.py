@@ -5,12 +5,8 @@ model run colocated; requests arrive while others decode, so batches really chan
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytest.importorskip("torch")
 
@@ -18,7 +14,8 @@ from examples.async_batching import Pair, colocated, prompts_for, serve_all
 
 
 def test_disaggregated_async_servers_give_the_colocated_tokens() -> None:
-    """Stock asyncio here (tests/test_aio.py covers uvloop; ``--uvloop`` runs this on it)."""
+    """Stock asyncio here (tests/endpoint/test_aio.py covers uvloop; ``--uvloop`` runs this
+    on it)."""
     prompts = prompts_for(seed=3, count=24)
     max_new = 6
     with Pair(use_uvloop=False) as pair:

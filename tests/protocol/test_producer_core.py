@@ -5,87 +5,14 @@ effects the core returns. No sockets, NIXL or threads: events in, effects out.""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
 from kvpush import messages as m
-from kvpush.layout import KVLayout, Region
-from kvpush.plan import plan_transfer
-from kvpush.protocol.effects import Abandon, DropPeer, Emit, Post, Send, XferEnd
-from kvpush.protocol.producer import TRANSITIONS, CoreConfig, ProducerCore, State
-from kvpush.request import Release, ReleaseReason, TransferMode
-
-NUM_BLOCKS = 32
-LAYERS = 2
-
-
-def layout() -> KVLayout:
-    return KVLayout(regions=tuple(Region(1 << 20 * (i + 1), NUM_BLOCKS * 128)
-                                  for i in range(LAYERS)),
-                    num_layers=LAYERS, num_blocks=NUM_BLOCKS, tokens_per_block=4,
-                    num_kv_heads=1, head_size=8, dtype="float16")
-
-
-class Links:
-    def plan(self, peer: str, src: np.ndarray, dst: np.ndarray, coalesce: bool) -> Any:
-        return plan_transfer(src, dst, NUM_BLOCKS, NUM_BLOCKS, LAYERS, coalesce)
-
-    def desc_bytes(self, peer: str) -> int:
-        return 64
-
-    def checksums(self, ids: np.ndarray) -> bytes:
-        return b"\0" * 8 * len(ids)
-
-
-class Harness:
-    """A core, a clock, and what it asked for so far."""
-
-    def __init__(self, **config: Any) -> None:
-        self.now = 0.0
-        self.core = ProducerCore(layout(), CoreConfig(**{"lease_s": 10.0,
-                                                          "tombstone_s": 5.0, **config}),
-                                 Links())
-        self.effects: list[Any] = []
-        for peer in ("A", "B"):
-            self.core.peer_up(self.now, peer, layout())
-
-    def run(self) -> list[Any]:
-        out = self.core.drain()
-        self.effects += out
-        return out
-
-    def advance(self, dt: float) -> list[Any]:
-        self.now += dt
-        self.core.tick(self.now)
-        return self.run()
-
-    def releases(self) -> list[Release]:
-        return [e.item for e in self.effects if isinstance(e, Emit)]
-
-    def sent(self, kind: type, peer: str | None = None) -> list[Any]:
-        return [e.msg for e in self.effects if isinstance(e, Send)
-                and isinstance(e.msg, kind) and (peer is None or e.peer == peer)]
-
-    def posts(self) -> list[Post]:
-        return [e for e in self.effects if isinstance(e, Post)]
-
-    def register(self, peer: str, rid: str, xid: int, ids: list[int], **kw: Any) -> None:
-        msg = m.Register(rid, xid, m.encode_ids(np.array(ids)), kw.pop("part", 0),
-                         kw.pop("wait_s", 30.0), **kw)
-        self.core.on_message(self.now, peer, msg)
-        self.run()
-
-    def prefill(self, rid: str, ids: list[int], mode: TransferMode = TransferMode.PUSH,
-                sid: int = 7) -> None:
-        self.core.prefill_done(self.now, rid, np.array(ids, dtype=np.int64), mode, sid)
-        self.run()
-
-    def end_writes(self, end: XferEnd = XferEnd.DONE) -> None:
-        for post in self.posts():
-            self.core.transfer_ended(self.now, post.key, end)
-        self.run()
+from kvpush.protocol.effects import Abandon, DropPeer, Send, XferEnd
+from kvpush.protocol.producer import TRANSITIONS, State
+from kvpush.request import ReleaseReason, TransferMode
+from tests.support.cores import LAYERS, NUM_BLOCKS, Harness, layout
 
 
 def test_every_state_has_a_row_in_the_transition_table() -> None:

@@ -6,7 +6,6 @@ simulator and the Consumer facade do, and checks the effects and results it asks
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,73 +17,7 @@ from kvpush.errors import AuthenticationError, RequestAborted
 from kvpush.protocol.consumer import TRANSITIONS, ConsumerCore, CoreConfig, Event, Phase
 from kvpush.protocol.effects import Abandon, Emit, Post, Send, XferEnd
 from kvpush.request import RequestState, TransferResult
-from tests.support.harness import make_cache
-
-P, Q = "prod-a", "prod-b"
-LAYOUT = make_cache(num_blocks=16).layout
-
-
-class _Plan:
-    def __init__(self, local: np.ndarray, remote: np.ndarray) -> None:
-        self.local_indices = local.astype(np.int32)
-        self.remote_indices = remote.astype(np.int32)
-        self.num_blocks = len(local)
-        self.num_descriptors = len(local)
-
-
-class FakeLinks:
-    def plan(self, peer: str, local_ids: np.ndarray, remote_ids: np.ndarray,
-             coalesce: bool) -> Any:
-        return _Plan(local_ids, remote_ids)
-
-    def desc_bytes(self, peer: str) -> int:
-        return 100
-
-    def checksums(self, ids: np.ndarray) -> np.ndarray:
-        return np.arange(len(ids), dtype=np.uint64)
-
-
-_CORES: list[ConsumerCore] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_cores() -> Iterator[None]:
-    """Close what a test left open (every use ends: LIVE counts return to zero)."""
-    yield
-    while _CORES:
-        c = _CORES.pop()
-        c.close(1e9)
-        for effect in c.drain():
-            if isinstance(effect, Abandon):
-                c.transfer_ended(1e9, effect.key, XferEnd.ABANDONED)
-        assert c.pending == 0
-
-
-def core(grace: float = 1.0, verify: bool = False) -> ConsumerCore:
-    c = ConsumerCore(LAYOUT, CoreConfig(abort_grace_s=grace, verify=verify), FakeLinks())
-    c.peer_up(0.0, P)
-    c.peer_up(0.0, Q)
-    _CORES.append(c)
-    return c
-
-
-def sends(effects: list[Any]) -> list[m.Message]:
-    return [e.msg for e in effects if isinstance(e, Send)]
-
-
-def results(effects: list[Any]) -> list[TransferResult]:
-    return [e.item for e in effects if isinstance(e, Emit)]
-
-
-def expect(c: ConsumerCore, rid: str = "r", xid: int = 11, producers: tuple[str, ...] = (P,),
-           timeout: float = 10.0, groups: int = 1) -> m.Register:
-    c.expect(0.0, rid, np.array([1, 2]), list(producers), timeout, groups, False,
-             [1] * len(producers), xid)
-    regs = sends(c.drain())
-    assert all(isinstance(r, m.Register) and r.xid == xid for r in regs)
-    reg = regs[0]
-    assert isinstance(reg, m.Register)
-    return reg
+from tests.support.cores import CORES, LAYOUT, FakeLinks, P, Q, core, expect, results, sends
 
 
 def test_the_table_names_a_handler_for_every_allowed_event() -> None:
@@ -139,7 +72,7 @@ def test_xids_come_from_the_given_source_when_a_call_brings_none() -> None:
     ids = iter([101, 102])
     c = ConsumerCore(LAYOUT, CoreConfig(), FakeLinks(), xids=lambda: next(ids))
     c.peer_up(0.0, P)
-    _CORES.append(c)
+    CORES.append(c)
     assert c.expect(0.0, "a", np.array([1]), [P], 5.0) == 101
     assert c.claim(0.0, ticket("b")) == 102
 

@@ -10,14 +10,10 @@ bytes both engines keep equal the colocated engine's bit for bit.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 torch = pytest.importorskip("torch")
 

@@ -16,7 +16,6 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -27,9 +26,9 @@ from hypothesis import strategies as st
 
 from kvpush import _core
 from kvpush.errors import InvalidBlockIds
+from tests.support import ROOT
 from tests.support import reference as _reference
 
-ROOT = Path(__file__).resolve().parents[1]
 IMPLS = [pytest.param(_core, id="compiled"), pytest.param(_reference, id="reference")]
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -1113,9 +1112,7 @@ def test_cpp_core_under_sanitizers() -> None:
 def test_pybind11_bound_matches_the_bindings() -> None:
     """The bindings use pybind11 3 (py::native_enum); a build requirement that admits
     pybind11 2 would fail to compile with a confusing error."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     # tomllib is 3.11+; the build-system table's requires line is simple enough to read.
     requires = re.search(r"^requires\s*=\s*\[(.*)\]", (root / "pyproject.toml").read_text(),
                          re.MULTILINE)

@@ -8,7 +8,6 @@ import re
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import prometheus_client  # pinned in requirements/lock.txt: missing, the tests fail
@@ -17,9 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvpush
 from kvpush.prometheus import KvpushMetrics
+from tests.support import ROOT
 from tests.support.harness import fill, make_cache
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture()

@@ -24,6 +24,7 @@ from kvpush.testing import (
     Transfer,
 )
 from kvpush.testing.sim import main
+from tests.support import ROOT
 from tests.support.sim_doubles import EarlyReleaseProducer, standin_consumer
 
 
@@ -174,7 +175,7 @@ def test_a_seed_replays_in_another_process(args: list[str]) -> None:
         env = dict(os.environ, PYTHONHASHSEED=hashseed)
         out = subprocess.run([sys.executable, "-m", "kvpush.testing.sim", *args],
                              capture_output=True, text=True, env=env, timeout=60,
-                             cwd=Path(__file__).parent.parent).stdout
+                             cwd=ROOT).stdout
         found = re.search(r"trace=([0-9a-f]+)", out)
         assert found, out[-2000:]
         return found.group(1)
