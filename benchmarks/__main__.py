@@ -1,6 +1,7 @@
-"""``python -m benchmarks [--quick] [--only SUITE ...]``: run the kvpush benchmarks, print a
-table, and write ``benchmarks/results/summary.json`` (flat figures + targets + machine),
-``results.json`` (every row) and PNG plots."""
+"""``python -m benchmarks [--quick] [--only SUITE ...] [--list [--verbose]]``: run the kvpush
+benchmark suites (:mod:`benchmarks.suites`), print their tables, and write
+``benchmarks/results/summary.json`` (flat figures + targets + machine), ``results.json``
+(every row), ``tables.md`` and PNG plots."""
 
 from __future__ import annotations
 
@@ -14,62 +15,36 @@ from typing import Any
 
 from . import SCHEMA_VERSION
 from .report import machine, markdown_tables, plot, print_tables, targets, write_json
-
-SUITES = ("desc_prep", "throughput", "critical_path", "busy_engine", "engine_share", "cpu",
-          "layerwise", "multiturn", "containment")
+from .suites import ORDER, Suite, load, load_all
 
 
-def _run_suite(name: str, quick: bool, progress: bool) -> dict[str, Any]:
-    if name == "desc_prep":
-        from . import desc_prep
-
-        return desc_prep.run(quick, progress)
-    if name == "throughput":
-        from . import throughput
-
-        return throughput.run(quick, progress)
-    if name == "critical_path":
-        from . import critical_path
-
-        return critical_path.run(quick, progress)
-    if name == "busy_engine":
-        from . import busy_engine
-
-        return busy_engine.run(quick, progress)
-    if name == "engine_share":
-        from . import engine_share
-
-        return engine_share.run(quick, progress)
-    if name == "cpu":
-        from . import cpu
-
-        return cpu.run(quick, progress)
-    if name == "layerwise":
-        from . import layerwise
-
-        return layerwise.run(quick)
-    if name == "multiturn":
-        from . import multiturn
-
-        return multiturn.run(quick, progress)
-    if name == "containment":
-        from . import containment
-
-        return containment.run(quick, progress)
-    raise ValueError(name)
+def _list(verbose: bool) -> None:
+    for suite in load_all():
+        print(f"{suite.name:<14} {suite.description}")
+        if verbose:
+            for key, meaning in suite.summary_keys.items():
+                print(f"    {key}: {meaning}")
+            print()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     ap.add_argument("--quick", action="store_true",
                     help="small sweep, few requests (under 3 minutes on a 2-core host)")
-    ap.add_argument("--only", nargs="+", choices=SUITES, default=list(SUITES),
-                    help="suites to run (default: all)")
+    ap.add_argument("--only", nargs="+", choices=ORDER, default=list(ORDER), metavar="SUITE",
+                    help="suites to run (default: all; --list names them)")
+    ap.add_argument("--list", action="store_true",
+                    help="print each suite's name and what it measures, and exit")
+    ap.add_argument("--verbose", "-v", action="store_true",
+                    help="with --list: also each suite's summary keys and their meaning")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
                     help="output directory (default: benchmarks/results)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     args = ap.parse_args(argv)
+    if args.list:
+        _list(args.verbose)
+        return 0
     progress = not args.no_progress
     command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in (
         argv if argv is not None else sys.argv[1:]))
@@ -78,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
     summary: dict[str, Any] = {}
+    ran: list[Suite] = []
     for name in args.only:
         t_suite = time.monotonic()
         try:
-            results[name] = _run_suite(name, args.quick, progress)
+            suite = load(name)
+            results[name] = suite.run(args.quick, progress)
         except KeyboardInterrupt:
             raise
         except Exception as exc:
@@ -89,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             errors[name] = f"{type(exc).__name__}: {exc}"
             continue
         results[name]["elapsed_s"] = time.monotonic() - t_suite
+        ran.append(suite)
         summary.update(results[name].get("summary", {}))
     elapsed = time.monotonic() - t0
     plots = [] if args.no_plots else plot(results, args.out)
     print()
     print_tables(results, summary)
+    for suite in ran:
+        if suite.table is not None:
+            print(f"\n{suite.name}: {suite.description}\n{suite.table(results[suite.name])}")
     try:
         with open("/proc/loadavg") as f:
             info["loadavg_at_end"] = f.read().split()[:3]

@@ -65,6 +65,31 @@ from ._procs import Worker, stop_all
 
 __all__ = ["run"]
 
+NAME = "busy_engine"
+DESCRIPTION = ("Push and pull handover with a busy Python or numpy thread in each engine "
+               "process, beside two hand-off floors")
+SUMMARY_KEYS: dict[str, str] = {
+    "handover_busy_engine_over_idle":
+        "handover p50 with a pure-Python busy thread over idle, push and pull (geometric mean)",
+    "handover_busy_numpy_engine_over_idle": "the same with a numpy busy thread",
+    "handover_busy_engine_over_idle_{mode}": "the pure-Python ratio for push or pull alone",
+    "handover_busy_numpy_engine_over_idle_{mode}": "the numpy ratio for push or pull alone",
+    "handoff_floor_busy_over_idle": "the cross-process floor (floor_x) busy over idle",
+    "handoff_floor_busy_numpy_over_idle": "floor_x with a numpy busy thread over idle",
+    "handoff_floor_local_busy_over_idle": "the in-process floor busy over idle",
+    "handoff_floor_local_busy_numpy_over_idle":
+        "the in-process floor, numpy busy thread, over idle",
+    "handover_p50_{condition}_{mode}_us":
+        "kvpush's handover p50 per condition (idle, python, numpy) and mode, us",
+    "handover_busy_added_over_floor_{mode}":
+        "what the busy thread adds to kvpush's p50 over what it adds to floor_x's (1: exactly "
+        "the floor's wait)",
+    "handoff_floor_p50_{condition}_us": "floor_x's p50 per condition, us",
+    "handoff_floor_local_p50_{condition}_us": "the in-process floor's p50 per condition, us",
+    "{key}_switch_0_5ms":
+        "the busy/idle ratios above again with a 0.5 ms switch interval in both engines",
+}
+
 _M = "benchmarks.busy_engine:"
 REQUEST_BLOCKS = 16      # blocks per request: 16 x 16 regions x 4 KiB = 1 MiB
 GAP_S = 0.002            # idle between requests, as between an engine's requests

@@ -37,6 +37,19 @@ import numpy as np
 
 import kvpush
 
+__all__ = ["run"]
+
+NAME = "containment"
+DESCRIPTION = ("The contained data plane (TransportConfig(data_plane='child')) beside the "
+               "in-process agent")
+SUMMARY_KEYS: dict[str, str] = {
+    "contained_handover_over_inprocess":
+        "one-block push handover p50, contained over in-process (above 1: slower)",
+    "contained_pull_handover_over_inprocess": "the same for a pull",
+    "contained_{op}_vs_inprocess":
+        "32 MiB WRITE or READ GB/s, contained over in-process (below 1: slower)",
+}
+
 MODES = ("inprocess", "child")
 BLOCK_BYTES = 64 * 1024        # per region: 16 tokens x 8 heads x 128 x bf16 x (K, V)
 REGIONS = 4                    # layers

@@ -32,6 +32,25 @@ from ._procs import Worker, stop_all
 
 __all__ = ["run"]
 
+NAME = "cpu"
+DESCRIPTION = ("CPU: an idle pair, CPU-seconds per GiB moved against raw NIXL, and the latency "
+               "of each ProgressPolicy")
+SUMMARY_KEYS: dict[str, str] = {
+    "idle_cpu_pct_pair": "a connected, idle Producer + Consumer pair, % of one core",
+    "idle_cpu_pct_pair_raw_nixl_default":
+        "an idle raw NIXL pair in NIXL's default configuration, % of one core",
+    "cpu_seconds_per_gib":
+        "kvpush push of 4 MiB requests at 40/s, CPU-seconds per GiB, both processes",
+    "cpu_seconds_per_gib_raw_nixl_default": "the same stream over raw NIXL, default configuration",
+    "cpu_seconds_per_gib_vs_raw_nixl_default": "kvpush's over raw NIXL default's",
+    "cpu_seconds_per_gib_raw_nixl_kvpush_config":
+        "the same stream over raw NIXL in kvpush's configuration: the floor",
+    "handover_latency_{policy}_over_latency_first":
+        "handover p50 under that ProgressPolicy over latency_first's (_large: 64 x 64 KiB)",
+    "handover_latency_default_over_latency_first_large": "the same for 64 x 64 KiB requests",
+    "handover_latency_{policy}_small_us_p50": "one-block handover p50 under that policy, us",
+}
+
 _M = "benchmarks.cpu:"
 STREAM_BLOCK = 64 * KIB
 STREAM_BLOCKS = 64          # 4 MiB per request

@@ -115,6 +115,34 @@ from ._procs import Worker, stop_all
 
 __all__ = ["CPConfig", "background_batch", "prefill_seconds", "run", "step_seconds"]
 
+NAME = "critical_path"
+DESCRIPTION = ("1 prefill + 1 decode engine behind a router under Poisson load: push vs pull "
+               "TTFT and handover overhead")
+SUMMARY_KEYS: dict[str, str] = {
+    "handover_overhead_{mode}_us":
+        "prefill_done -> READY minus the wire time of the request's size, p50 over all rates, us",
+    "handover_overhead_{mode}_low_load_us": "the same at the lowest rate",
+    "handover_overhead_push_over_pull": "push's handover overhead over pull's",
+    "handover_overhead_{mode}_cold_wire_us":
+        "the overhead against raw transfers sampled after an idle gap, us",
+    "handover_overhead_push_over_pull_cold_wire": "the ratio against the cold wire",
+    "ttft_p50_pull_over_push_{load}":
+        "TTFT p50 pull over push at the high-load point, the lowest rate, or the largest over "
+        "rates (max)",
+    "ttft_pull_over_push_paired_{load}":
+        "median over requests of pull's TTFT over push's for the same request",
+    "ttft_p50_{mode}_high_load_ms": "TTFT p50 at the high-load point, ms",
+    "high_load_rate_rps":
+        "the high-load point: the highest swept rate both modes keep up with, req/s",
+    "high_load_rate_fraction": "that rate as a fraction of the prefill engine's capacity",
+    "high_load_sustainable": "whether both modes kept up there",
+    "saturation_rate_rps": "the lowest swept rate some mode did not keep up with",
+    "decode_step_ms_high_load": "the decode engine's step p50 at the high-load point, ms",
+    "push_stage_{stage}_us":
+        "push's handover by stage at the high-load point (benchmarks.critical_path.PUSH_STAGES), "
+        "p50 us",
+}
+
 TOKENS_PER_BLOCK = 16
 LAYERS = 8
 REGIONS = 2 * LAYERS

@@ -45,6 +45,28 @@ from ._common import Progress, block_ids
 
 __all__ = ["PRESETS", "Preset", "numpy_plan", "run", "vllm_style"]
 
+NAME = "desc_prep"
+DESCRIPTION = ("Descriptor preparation: block ids -> NIXL descriptor indices, compiled planner "
+               "against numpy, vLLM's path and NIXL's own calls (Qwen3-32B cache)")
+SUMMARY_KEYS: dict[str, str] = {
+    "desc_prep_speedup_vs_numpy":
+        "numpy's time for the same algorithm over the compiled planner's (8,192 scattered "
+        "blocks)",
+    "desc_prep_speedup_vs_reference":
+        "the numpy reference's (tests.support.reference) time over the compiled planner's (8,192 "
+        "blocks)",
+    "desc_prep_speedup_vs_vllm":
+        "vLLM's connector path's time over the compiled planner's (8,192 blocks)",
+    "desc_prep_qwen3_32b_512_us": "compiled plan of 512 scattered blocks, us (median)",
+    "desc_prep_qwen3_32b_8192_us": "compiled plan of 8,192 scattered blocks, us (median)",
+    "nixl_prepped_qwen3_32b_512_us":
+        "NIXL's make_prepped_xfer + release for the 512-block plan, us",
+    "nixl_prepped_qwen3_32b_8192_us": "the same for the 8,192-block plan, us",
+    "nixl_explicit_over_prepped_{order}_{blocks}":
+        "initialize_xfer with merged descriptors over make_prepped_xfer, per block order and "
+        "count (below 1: explicit is cheaper)",
+}
+
 
 @dataclass(frozen=True)
 class Preset:

@@ -33,6 +33,16 @@ from ._procs import Worker, stop_all, thread_cpu_seconds
 
 __all__ = ["run"]
 
+NAME = "engine_share"
+DESCRIPTION = ("What kvpush costs the engine's own model thread: step times with transfers in "
+               "flight against quiet rounds")
+SUMMARY_KEYS: dict[str, str] = {
+    "engine_step_{side}_{mode}_over_quiet":
+        "the model thread's mean step with push or pull transfers over the quiet rounds', "
+        "prefill or decode side",
+    "engine_step_over_quiet": "geometric mean of the four",
+}
+
 _M = "benchmarks.engine_share:"
 REQUEST_BLOCKS = 16      # 16 blocks x 16 regions x 4 KiB = 1 MiB a request
 EVERY = 8                # a request every EVERY model steps (~20 ms: ~50 requests/s)

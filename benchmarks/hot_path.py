@@ -45,6 +45,7 @@ while the other core sits idle; this says how much of a stage that was.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing.connection as mpc
 import threading
 import time
@@ -66,7 +67,25 @@ from ._common import (
 from ._procs import Worker, run_queue_waits, stop_all
 from .critical_path import BLOCK_BYTES, REGIONS, _make_cache
 
-__all__ = ["run"]
+__all__ = ["measure", "run", "table"]
+
+NAME = "hot_path"
+DESCRIPTION = ("One push at a time, stage by stage from kvpush's own stamps, beside raw NIXL on "
+               "the same descriptors, and each thread's wait for a CPU")
+SUMMARY_KEYS: dict[str, str] = {
+    "hot_path_release_us_{size}":
+        "prefill_done -> the prefill engine's thread woke on the release, p50 us (size: "
+        "64kib, 1mib, 16mib)",
+    "hot_path_ready_us_{size}": "prefill_done -> the decode engine's thread woke on READY, p50 us",
+    "hot_path_raw_nixl_us_{size}": "raw NIXL's WRITE of the same descriptors, post -> DONE, p50 us",
+    "hot_path_over_raw_nixl_us_{size}": "the release's p50 minus raw NIXL's: kvpush's cost, us",
+    "hot_path_core_us_{size}":
+        "the producer's protocol core handling prefill_done on the loop thread, p50 us",
+    "hot_path_hint_us_{size}": "the Posted hint's send before the WRITE, p50 us",
+    "hot_path_run_queue_us_{size}":
+        "time every thread of both processes was runnable but waiting for a CPU, us per "
+        "request (NaN where the kernel keeps no schedstat)",
+}
 
 _M = "benchmarks.hot_path:"
 GAP_S = 0.002
@@ -266,8 +285,8 @@ def _firsts(stamps: list[tuple[str, int]], start: int, end: int, names: tuple[st
     return out
 
 
-def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
-        evict_mib: int = 0, shape: str = "layers") -> dict[str, Any]:
+def measure(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
+            evict_mib: int = 0, shape: str = "layers") -> dict[str, Any]:
     """``busy``: also run a busy thread in each engine process (``python`` or ``numpy``, as
     :mod:`benchmarks.busy_engine` does). ``evict_mib``: the prefill process copies that many
     MiB right before each request, kvpush's and raw NIXL's alike (as the throughput suite's
@@ -352,6 +371,30 @@ def run(requests: int = 40, busy: str = "", gap_s: float = GAP_S,
     return {"rows": rows}
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20}mib" if nbytes >= MIB else f"{nbytes >> 10}kib"
+
+
+def run(quick: bool, progress: bool = True, requests: int | None = None) -> dict[str, Any]:
+    """The suite: :func:`measure` on the critical path's cache (64 KiB, 1 MiB and 16 MiB
+    pushes), ``requests`` per size (default 10 when ``quick``, else 40)."""
+    out = measure(requests=requests or (10 if quick else 40))
+    summary: dict[str, Any] = {}
+    for row in out["rows"]:
+        size = _size(row["bytes"])
+        summary[f"hot_path_release_us_{size}"] = row["p_engine"]
+        summary[f"hot_path_ready_us_{size}"] = row["c_engine"]
+        summary[f"hot_path_raw_nixl_us_{size}"] = row["raw_done"]
+        summary[f"hot_path_over_raw_nixl_us_{size}"] = row["p_engine"] - row["raw_done"]
+        summary[f"hot_path_core_us_{size}"] = (row.get("p_drained", math.nan)
+                                               - row.get("p_command", math.nan))
+        summary[f"hot_path_hint_us_{size}"] = (row.get("p_sent", math.nan)
+                                               - row.get("p_drained", math.nan))
+        summary[f"hot_path_run_queue_us_{size}"] = sum(
+            row[f"{side}_rq_{kind}"] for side in "pc" for kind in THREADS)
+    return {**out, "summary": summary}
+
+
 def _markdown(rows: list[dict[str, Any]], cols: list[str]) -> list[str]:
     lines = ["| bytes | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for r in rows:
@@ -360,7 +403,9 @@ def _markdown(rows: list[dict[str, Any]], cols: list[str]) -> list[str]:
     return lines
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(result: dict[str, Any]) -> str:
+    """The stamps' medians and the run-queue waits of a :func:`measure` or :func:`run`."""
+    rows = result["rows"]
     cols = ([f"p_{s}" for s in PRODUCER_STAGES] + ["p_engine"]
             + [f"c_{s}" for s in CONSUMER_STAGES] + ["c_finished", "c_engine", "c_polls",
                                                       "raw_done", "raw_notif"])
@@ -385,8 +430,8 @@ def main() -> None:
                     help="layers: 4 KiB blocks in 16 regions, 64 KiB to 16 MiB requests "
                          "(default); sweep: the throughput suite's 1 MiB x 16 row")
     args = ap.parse_args()
-    out = run(args.requests, args.busy, args.gap, args.evict, args.shape)
-    print(table(out["rows"]))
+    out = measure(args.requests, args.busy, args.gap, args.evict, args.shape)
+    print(table(out))
     save_json(out, args.json)
 
 

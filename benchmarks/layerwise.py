@@ -27,6 +27,17 @@ import numpy as np
 
 import kvpush
 
+__all__ = ["run"]
+
+NAME = "layerwise"
+DESCRIPTION = "Layer-wise push against whole-request push under a synthetic per-layer prefill"
+SUMMARY_KEYS: dict[str, str] = {
+    "layerwise_ttft_over_whole":
+        "TTFT (arrival -> all KV landed) layer-wise over whole-request, largest request",
+    "layerwise_ttft_whole_ms": "whole-request TTFT there, ms",
+    "layerwise_ttft_layerwise_ms": "layer-wise TTFT there, ms",
+}
+
 # A Qwen3-32B-like layer count, with a per-layer KV slice sized so that one request's
 # transfer is comparable to its compute on this machine's memory bandwidth.
 LAYERS = 32
@@ -64,7 +75,7 @@ def _producer(conn: Any, num_blocks: int) -> None:
             conn.send(rid)
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     """Measure both modes side by side; returns the figures (and
     ``layerwise_ttft_over_whole``: p50 TTFT layer-wise / whole-request, lower is better)."""
     blocks_per_req = [16, 64] if quick else [16, 64, 128]
@@ -107,8 +118,10 @@ def run(quick: bool = False) -> dict[str, Any]:
                 rows.append({"blocks": n, "mib_per_request": mib, "compute_ms": LAYERS * layer_ms,
                              "ttft_whole_ms": whole * 1e3, "ttft_layerwise_ms": lw * 1e3,
                              "ratio": lw / whole})
-                print(f"  {n:>4} blocks ({mib:6.1f} MiB): whole {whole * 1e3:7.2f} ms, "
-                      f"layer-wise {lw * 1e3:7.2f} ms, ratio {lw / whole:.2f}", file=sys.stderr)
+                if progress:
+                    print(f"  {n:>4} blocks ({mib:6.1f} MiB): whole {whole * 1e3:7.2f} ms, "
+                          f"layer-wise {lw * 1e3:7.2f} ms, ratio {lw / whole:.2f}",
+                          file=sys.stderr)
         conn.send(None)
     finally:
         proc.join(15)

@@ -43,9 +43,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import numpy as np
 
 from examples.multiturn.engines import (
@@ -57,6 +54,19 @@ from examples.multiturn.engines import (
     make_conversations,
 )
 from examples.multiturn.model import ModelConfig, PagedKVCache, TinyTransformer
+
+__all__ = ["run"]
+
+NAME = "multiturn"
+DESCRIPTION = ("Multi-turn conversations: TTFT with and without KV reuse across turns "
+               "(examples/multiturn engines, modelled prefill)")
+SUMMARY_KEYS: dict[str, str] = {
+    "multiturn_ttft_speedup":
+        "mean TTFT of turns 2..T without reuse over with reuse by push, best prefix length",
+    "multiturn_ttft_speedup_pull": "the same with reuse by pull",
+    "multiturn_best_prefix_tokens": "the prefix length of that best speedup",
+    "multiturn_bytes_ratio": "KV bytes per turn without reuse over with reuse, at that prefix",
+}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = (("none", "push", False), ("pull", "pull", True), ("push", "push", True))

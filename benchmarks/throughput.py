@@ -61,6 +61,45 @@ from ._procs import Worker, stop_all
 
 __all__ = ["Point", "run", "sweep"]
 
+NAME = "throughput"
+DESCRIPTION = ("Transfer throughput across two processes on the same buffers: memcpy, raw NIXL, "
+               "the hand-off floors and kvpush push (WRITE) / pull (READ)")
+SUMMARY_KEYS: dict[str, str] = {
+    "write_vs_raw_nixl": "kvpush WRITE GB/s over raw NIXL's, geometric mean over the sweep",
+    "read_vs_raw_nixl": "kvpush READ GB/s over raw NIXL's, geometric mean over the sweep",
+    "{op}_vs_raw_nixl_min": "the sweep's worst point of that ratio",
+    "{op}_vs_raw_nixl_best": "the same ratio on each method's fastest request",
+    "{op}_vs_raw_nixl_{size}":
+        "the ratio over the points of that size (64kib: 64 KiB requests; 1mib_plus: >= 1 MiB; "
+        "16mib_plus: >= 16 MiB)",
+    "{op}_vs_raw_nixl_16mib_plus_best": "the >= 16 MiB ratio on the fastest requests",
+    "kvpush_overhead_us_p50_{op}":
+        "kvpush's fixed cost per request: its p50 minus raw NIXL's, median over the sweep, us",
+    "{shape}_floor_us_p50_{op}":
+        "the hand-off floor's (handoff or inline) p50 minus raw NIXL's, median over the sweep, "
+        "us",
+    "kvpush_over_handoff_floor_us_p50_{op}":
+        "kvpush's p50 minus the handoff floor's: its own work, median over the sweep, us",
+    "{op}_{shape}_floor_vs_raw_nixl_{size}": "the floor's GB/s over raw NIXL's at that size",
+    "push_stage_{stage}_us_p50":
+        "a push's stage (benchmarks.throughput.PUSH_STAGES, in_flight_extra: in flight minus raw "
+        "NIXL), median over the sweep, us",
+    "pull_stage_engine_call_us_p50":
+        "the engine's thread inside Consumer.pull, median over the sweep, us",
+    "{op}_vs_memcpy_1mib": "kvpush GB/s over memcpy's at 1 MiB x 16 scattered",
+    "memcpy_gbps_1mib": "numpy memcpy GB/s at that point",
+    "coalesce_point":
+        "the point the coalescing keys come from (smallest blocks in runs, largest request)",
+    "coalesced_vs_uncoalesced_{op}": "kvpush GB/s with coalescing over without, at that point",
+    "coalesced_vs_uncoalesced_raw_nixl_write":
+        "raw NIXL given sorted over unsorted descriptors, same point: the ceiling",
+    "raw_nixl_kvpush_config_vs_default_{op}":
+        "raw NIXL in kvpush's configuration over NIXL's defaults (full runs only)",
+    "host_wake_{figure}":
+        "the host's wake penalty: a fixed piece of Python hot, after a 2 ms sleep, and the "
+        "difference, us p50",
+}
+
 MAX_ITERS = 400
 MIN_ITERS = 9
 

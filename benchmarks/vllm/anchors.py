@@ -1,5 +1,5 @@
-"""The anchors kvpush is measured against in real vLLM (``benchmarks/vllm_compare.py``),
-loaded by vLLM as out-of-tree connectors (``kv_connector_module_path: vllm_anchors``; the
+"""The anchors kvpush is measured against in real vLLM (:mod:`benchmarks.vllm.compare`),
+loaded by vLLM as out-of-tree connectors (``kv_connector_module_path: anchors``; the
 benchmark puts this folder on the servers' ``PYTHONPATH``):
 
 * ``NoopConnector`` -- a connector that does nothing, on a colocated server: what vLLM's

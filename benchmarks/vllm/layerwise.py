@@ -12,9 +12,9 @@ Writes ``vllm_layerwise_ttft_over_whole`` (layer-wise TTFT p50 / whole-request T
 prompt length, geometric mean over lengths; lower is better) and a ``vllm_layerwise`` section into
 ``benchmarks/results/vllm_compare.json``, keeping every other key there.
 
-Run: ``.venv-vllm/bin/python benchmarks/vllm_layerwise.py`` (``bash .ci/bootstrap-vllm``
-first); ``--quick`` for a short smoke run. On a machine shared with other work, repeat it:
-only the side-by-side ratio means something.
+Run: ``.venv-vllm/bin/python -m benchmarks.vllm.layerwise`` from the repository root
+(``bash .ci/bootstrap-vllm`` first); ``--quick`` for a short smoke run. On a machine shared
+with other work, repeat it: only the side-by-side ratio means something.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "vllm"))
+from examples.vllm import launch
 
-import launch  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 RESULTS = REPO / "benchmarks" / "results" / "vllm_compare.json"
 KEY = "vllm_layerwise_ttft_over_whole"
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         router = fleet.add(launch.start_router(r_port, prefill=prefill.url, decode=decode.url,
                                                log_dir=logs, args=["--producers", producer]))
         launch.wait_healthy([prefill, decode, router], timeout_s=420)
-        for server in (prefill, decode):  # see benchmarks/vllm_compare.py's warm_up
+        for server in (prefill, decode):  # see benchmarks.vllm.compare's warm_up
             launch.http_json(server.url + "/v1/completions",
                              {"model": "tiny", "prompt": list(range(10, 1034)),
                               "max_tokens": 2, "temperature": 0}, timeout=120)

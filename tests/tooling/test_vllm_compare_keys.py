@@ -1,4 +1,4 @@
-"""``benchmarks/vllm_compare.py``'s summary keys from synthetic runs (its servers need real
+"""``benchmarks/vllm/compare.py``'s summary keys from synthetic runs (its servers need real
 vLLM; the arithmetic that turns runs into the keys an issue names does not): the overhead
 ratio at the worst rate against the best of vLLM's four set-ups, an anchor no slower than
 colocated leaving the ratio undefined, the TPOT gaps to the do-nothing connector and to the
@@ -6,14 +6,9 @@ disaggregated set-up that moves nothing, and the TP-2 token match."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import vllm_compare as vc  # noqa: E402
+from benchmarks.vllm import compare as vc
 
 
 def run(ttft: float, tpot: float = 3.0, same: int = 4, errors: int = 0) -> dict[str, Any]:

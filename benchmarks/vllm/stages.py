@@ -28,8 +28,8 @@ and p90 of each step (ms):
 ``TTFT at router``            router in -> first chunk to the client
 ============================  =================================================================
 
-Run: ``python benchmarks/vllm_stages.py LOG_OR_DIR [...]`` (``--json`` for the figures as
-JSON). ``benchmarks/vllm_compare.py`` turns both logs on and stores this per set-up.
+Run: ``python -m benchmarks.vllm.stages LOG_OR_DIR [...]`` (``--json`` for the figures as
+JSON). :mod:`benchmarks.vllm.compare` turns both logs on and stores this per set-up.
 """
 
 from __future__ import annotations

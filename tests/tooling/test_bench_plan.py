@@ -1,6 +1,6 @@
 """pytest-benchmark entry: descriptor preparation on model-shaped caches.
 
-    pytest benchmarks/ [--benchmark-only] [--benchmark-compare]
+    pytest tests/tooling/test_bench_plan.py [--benchmark-only] [--benchmark-compare]
 
 Times ``kvpush.plan.plan_transfer`` (compiled) and the numpy reference on scattered block
 ids for the presets of :mod:`benchmarks.desc_prep`. Figures, not pass/fail thresholds: the

@@ -1,8 +1,9 @@
-"""Every benchmark runs, very briefly, so none rots; ``kvpush doctor`` runs and says healthy.
+"""Every benchmark suite runs, very briefly, so none rots; ``kvpush doctor`` runs and says
+healthy.
 
 Figures here mean nothing (tiny sizes, a busy host): only that each suite runs end to end,
-returns its summary keys, checks its bytes, and stops every process it started. The whole
-file stays under a minute on a 2-core host.
+returns the summary keys its module documents, checks its bytes, and stops every process it
+started. The whole file stays within a few minutes on a 2-core host.
 """
 
 from __future__ import annotations
@@ -15,27 +16,23 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
-
-from benchmarks import (  # noqa: E402
+from benchmarks import (
     _common,
-    ab_trees,
     busy_engine,
-    cold_call,
     core_stream,
     cpu,
     critical_path,
     desc_prep,
     engine_share,
     hot_path,
-    nixl_call,
     report,
-    spinning_engine,
+    suites,
     throughput,
 )
-from benchmarks._common import KIB, MIB  # noqa: E402
-from benchmarks._procs import run_queue_waits  # noqa: E402
+from benchmarks._common import KIB, MIB
+from benchmarks._procs import run_queue_waits
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -145,7 +142,7 @@ def test_critical_path(results: dict[str, dict[str, object]]) -> None:
     results["critical_path"] = r
 
 
-def test_busy_engine() -> None:
+def test_busy_engine(results: dict[str, dict[str, object]]) -> None:
     r = busy_engine.run(quick=True, progress=False, rounds=1, per_round=2)
     _finite(r["summary"], "handover_busy_engine_over_idle",
             "handover_busy_numpy_engine_over_idle", "handover_p50_idle_push_us",
@@ -158,38 +155,28 @@ def test_busy_engine() -> None:
     assert [row["requests"] for row in r["rows"]] == [2, 2, 2, 2]
     # the datagram lands after it was handed over (one monotonic clock for both processes)
     assert r["summary"]["handoff_floor_p50_idle_us"] > 0
+    results["busy_engine"] = r
 
 
-def test_engine_share() -> None:
+def test_engine_share(results: dict[str, dict[str, object]]) -> None:
     r = engine_share.run(quick=True, progress=False, rounds=1, seconds=0.3)
     _finite(r["summary"], "engine_step_over_quiet", "engine_step_prefill_push_over_quiet",
             "engine_step_decode_pull_over_quiet")
     rows = {(x["side"], x["mode"]): x for x in r["rows"]}
     assert len(rows) == 6 and all(x["steps"] > 10 for x in rows.values()), rows
     assert rows[("prefill", "push")]["requests"] > 0 and rows[("decode", "pull")]["requests"] > 0
-
-
-def test_cold_call() -> None:
-    out = cold_call.run(samples=3, copies_mib=(1,))
-    assert out["preparations"] == ["hot", "sleep", "memcpy 1 MiB"]
-    assert [r["call"] for r in out["rows"]] == ["core: one push", "check_block_ids"]
-    for row in out["rows"]:
-        _finite(row, *out["preparations"], "worst_over_hot")
-        assert row["worst_over_hot"] >= 1.0
-    assert "| core: one push |" in cold_call.table(out)
-    with pytest.raises(ValueError, match="samples"):
-        cold_call.run(samples=0)
+    results["engine_share"] = r
 
 
 @pytest.mark.parametrize("shape", sorted(hot_path.SHAPES))
 def test_hot_path(shape: str) -> None:
     with pytest.raises(ValueError, match="evict_mib"):
-        hot_path.run(requests=2, evict_mib=-1)
+        hot_path.measure(requests=2, evict_mib=-1)
     with pytest.raises(ValueError, match="shape"):
-        hot_path.run(requests=2, shape="no-such-shape")
+        hot_path.measure(requests=2, shape="no-such-shape")
     sh = hot_path.SHAPES[shape]
     # each request after a cache-evicting copy
-    r = hot_path.run(requests=2, evict_mib=1, shape=shape)
+    r = hot_path.measure(requests=2, evict_mib=1, shape=shape)
     assert [row["blocks"] for row in r["rows"]] == list(sh.sizes)
     for row in r["rows"]:
         assert row["bytes"] == row["blocks"] * sh.regions * sh.block_bytes
@@ -204,11 +191,19 @@ def test_hot_path(shape: str) -> None:
             for kind in hot_path.THREADS:
                 value = row[f"{side}_rq_{kind}"]
                 assert value >= 0 if kept else math.isnan(value), (side, kind, value)
-    assert "Runnable but waiting for a CPU" in hot_path.table(r["rows"])
+    assert "Runnable but waiting for a CPU" in hot_path.table(r)
 
 
-def test_core_stream() -> None:
-    r = core_stream.run(requests=400, rate=100.0, progress=False)
+def test_hot_path_suite(results: dict[str, dict[str, object]]) -> None:
+    r = hot_path.run(quick=True, progress=False, requests=2)
+    _finite(r["summary"], *(f"hot_path_{key}_us_{size}"
+                            for key in ("release", "ready", "raw_nixl", "core", "hint")
+                            for size in ("64kib", "1mib", "16mib")))
+    results["hot_path"] = r
+
+
+def test_core_stream(results: dict[str, dict[str, object]]) -> None:
+    r = core_stream.measure(requests=400, rate=100.0, progress=False)
     p, c = r["producer"], r["consumer"]
     for side in (p, c):
         assert 0 < side["us_p50"] <= side["us_p99"] <= side["us_p999"] <= side["us_max"]
@@ -217,55 +212,11 @@ def test_core_stream() -> None:
     assert p["timer_entries"] <= 400 + 2 * 64 + 8 and c["timer_entries"] <= 64 + 8
     assert "tracked objects each" in core_stream.table(r)
     with pytest.raises(ValueError):
-        core_stream.run(requests=1)
-
-
-def _in_git() -> bool:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                          capture_output=True).returncode == 0
-
-
-@pytest.mark.skipif(not _in_git(), reason="the working tree is not a git checkout")
-def test_ab_trees_compares_two_trees_and_leaves_no_worktree() -> None:
-    out = ab_trees.compare("HEAD", requests=6, blocks=[1, 2], gap=0.0, callbacks=False,
-                           segments=2, progress=False)
-    assert len(out["rows"]) == 2 * len(ab_trees.METRICS)
-    for row in out["rows"]:
-        assert math.isfinite(row["base_p50_us"]) and math.isfinite(row["head_p50_us"])
-        assert row["diff_lo_us"] <= row["diff_p50_us"] <= row["diff_hi_us"]
-        assert len(row["segment_diffs_us"]) == 2
-    assert "| 64 KiB | pull |" in ab_trees.table(out)
-    worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
-                               capture_output=True, text=True, check=True).stdout
-    assert "kvpush-ab-" not in worktrees
-
-
-def test_ab_trees_paired_interval() -> None:
-    med, lo, hi = ab_trees.paired([[10.0] * 50 + [12.0] * 50] * 3)
-    assert lo <= med <= hi and lo >= 10 and hi <= 12
-    med, lo, hi = ab_trees.paired([[float(v) for v in range(-50, 51)]] * 3)
-    assert med == 0 and lo < 0 < hi                   # centred on zero: noise
-    # each segment consistent in itself, the segments apart: the interval spans them
-    med, lo, hi = ab_trees.paired([[-100.0] * 50, [100.0] * 50, [-90.0] * 50, [90.0] * 50])
-    assert lo < 0 < hi
-    assert all(math.isnan(v) for v in ab_trees.paired([]))
-    with pytest.raises(ValueError):
-        ab_trees.compare("HEAD", requests=3, blocks=[1], gap=0.0, callbacks=False,
-                         segments=2)
-
-
-def test_nixl_call() -> None:
-    row = nixl_call._shape(2048, 256, 4096, 16, requests=2)   # 262,144 indices, 1,024 merged
-    assert row["rule_says_explicit"] and row["merged"] == 1024
-    for name in ("prepped", "explicit"):
-        assert math.isfinite(row[f"{name}_push_us_p50"]) and row[f"{name}_post_us_p50"] > 0
-
-
-def test_spinning_engine() -> None:
-    r = spinning_engine.run(quick=True, requests=2)
-    _finite(r["summary"], "spinning_engine_p90_yield_over_spin_push",
-            "spinning_engine_p90_yield_over_spin_pull")
-    assert [row["requests"] for row in r["rows"]] == [2, 2]
+        core_stream.measure(requests=1)
+    r = core_stream.run(quick=True, progress=False, requests=400)
+    _finite(r["summary"], "core_producer_us_p50", "core_consumer_us_p99",
+            "core_producer_tracked_per_record")
+    results["core_stream"] = r
 
 
 def test_cpu(results: dict[str, dict[str, object]]) -> None:
@@ -276,6 +227,7 @@ def test_cpu(results: dict[str, dict[str, object]]) -> None:
             "handover_latency_default_over_latency_first")
     # NIXL's default progress threads poll without pause: far above an idle kvpush pair.
     assert r["idle_cpu_pct_pair_raw_nixl_default"] > r["idle_cpu_pct_pair"]
+    results["cpu"] = r
 
 
 def test_report_and_plots(results: dict[str, dict[str, object]], tmp_path: Path) -> None:
@@ -349,23 +301,25 @@ def test_doctor_parses_ucx_output() -> None:
     assert out["protocols"]["get"] == []
 
 
-def test_layerwise() -> None:
+def test_layerwise(results: dict[str, dict[str, object]]) -> None:
     from benchmarks import layerwise
 
-    out = layerwise.run(quick=True)
+    out = layerwise.run(quick=True, progress=False)
     _finite(out["summary"], "layerwise_ttft_over_whole")
     assert [r["blocks"] for r in out["layerwise_rows"]] == [16, 64]
+    results["layerwise"] = out
 
 
-def test_multiturn_quick() -> None:
+def test_multiturn_quick(results: dict[str, dict[str, object]]) -> None:
     from benchmarks import multiturn
 
     out = multiturn.run(quick=True, progress=False)
     _finite(out["summary"], "multiturn_ttft_speedup")
     assert out["summary"]["multiturn_ttft_speedup"] > 1  # reuse never slower than none
+    results["multiturn"] = out
 
 
-def test_containment() -> None:
+def test_containment(results: dict[str, dict[str, object]]) -> None:
     from benchmarks import containment
 
     r = containment.run(quick=True, progress=False, small_reps=2, big_reps=1)
@@ -373,3 +327,40 @@ def test_containment() -> None:
             "contained_write_vs_inprocess", "contained_read_vs_inprocess",
             "contained_pull_handover_over_inprocess")
     assert [row["mode"] for row in r["rows"]] == ["inprocess", "child"]
+    results["containment"] = r
+
+
+def test_every_suite_ran_and_documents_its_summary_keys(
+        results: dict[str, dict[str, object]]) -> None:
+    """Each registered suite ran above, and every key it put in the summary is one its
+    module documents (``SUMMARY_KEYS``), so ``--list --verbose`` explains every figure."""
+    missing = [name for name in suites.ORDER if name not in results]
+    if len(missing) == len(suites.ORDER):
+        pytest.skip("needs the suites above")
+    assert not missing, f"no smoke run of {missing}"
+    for suite in suites.load_all():
+        summary = results[suite.name]["summary"]
+        assert summary, suite.name
+        assert suite.undocumented(summary) == [], suite.name  # type: ignore[arg-type]
+
+
+def test_suite_keys_name_families_with_placeholders() -> None:
+    suite = suites.Suite("s", "d", {"a_{side}_b": "", "exact": ""}, lambda q, p: {})
+    assert suite.undocumented({"a_prefill_b": 1, "a_x_y_b": 2, "exact": 3}) == []
+    assert suite.undocumented({"a__b": 1, "exactly": 2, "a_prefill_b_c": 3}) == [
+        "a__b", "exactly", "a_prefill_b_c"]
+    with pytest.raises(ValueError, match="no benchmark suite 'nope'; the suites are desc_prep"):
+        suites.load("nope")
+
+
+def test_list_names_every_suite_and_its_keys() -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--list", "--verbose"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for suite in suites.load_all():
+        assert f"{suite.name} " in proc.stdout and suite.description in proc.stdout
+        for key in suite.summary_keys:
+            assert f"    {key}: " in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=90)
+    assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
