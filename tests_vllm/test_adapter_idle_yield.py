@@ -1,6 +1,6 @@
 """An engine step with no forward pass waits for kvpush (a result or release queued, or
 ``AdapterConfig.idle_yield_s`` passed), only while a request is pending on that side; why,
-and its measured effect: ``benchmarks/spinning_engine.py``."""
+and its measured effect: ``docs/VLLM.md`` ("Why ``idle_yield_s``")."""
 
 from __future__ import annotations
 

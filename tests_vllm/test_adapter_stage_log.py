@@ -1,5 +1,5 @@
 """``AdapterConfig.stage_log``: one line per request stage on each rank, on the clock that
-``benchmarks/vllm_stages.py`` lines up with the router's (``time.monotonic``); off by
+``benchmarks/vllm/stages.py`` lines up with the router's (``time.monotonic``); off by
 default."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Start and stop vLLM servers (and the example router) for kvpush's vLLM example, its tests
-(``tests_vllm/``) and ``benchmarks/vllm_compare.py``. Standard library only.
+(``tests_vllm/``) and ``benchmarks/vllm/compare.py``. Standard library only.
 
 Every server runs in its own session (process group) pinned to its own cores: ``taskset``
 for all its processes, ``VLLM_CPU_OMP_THREADS_BIND`` for vLLM's model threads (see

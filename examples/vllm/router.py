@@ -193,7 +193,7 @@ class Router:
 
     def _stage(self, stage: str, rid: str, detail: str = "") -> None:
         """``--stage-log``: one line per stage, on the clock the adapter's ``stage_log``
-        uses (``time.monotonic``; see ``benchmarks/vllm_stages.py``)."""
+        uses (``time.monotonic``; see ``benchmarks/vllm/stages.py``)."""
         if self.stage_log:
             log.info("kvpush stage %.6f %s %s router %s", time.monotonic(), stage, rid,
                      detail)
@@ -424,7 +424,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request limit (s)")
     p.add_argument("--stage-log", action="store_true",
                    help="log each request's stages (kvpush stage lines; with the adapter's "
-                        "stage_log, benchmarks/vllm_stages.py lines them up)")
+                        "stage_log, benchmarks/vllm/stages.py lines them up)")
     args = p.parse_args(argv)
     if args.protocol == "kvpush" and args.mode == "push" and not args.producers:
         p.error("kvpush push needs --producers (the prefill instance's kvpush address)")
