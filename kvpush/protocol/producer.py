@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
 from .. import messages as m
@@ -214,6 +215,14 @@ class _Request:
     # RELEASED_EARLY: engine calls made (their ``called`` stamp) before this belong to the
     # released use; the record stays a while longer for calls a stalled loop takes late
     use_deadline: float | None = None
+    # The engine aborted this use: its prefill_done, even one made after the abort, is
+    # still this use's (it never starts a new use here).
+    aborted: bool = False
+    released: tuple[int, np.ndarray] | None = None      # (sid, blocks) of the use released
+    # Registrations (and push claims) of the next use of this id from endpoints that took
+    # their share of the live one already: (peer, message, when it came). They wait for
+    # the live use's release, then start the next use.
+    queued: list[tuple[str, m.Register | m.Claim, float]] = field(default_factory=list)
 
     def live(self) -> list[_Share]:
         return [s for s in self.shares.values() if s.state in _LIVE]
@@ -353,6 +362,7 @@ class ProducerCore:
         """Release every held source CLOSED (the driver releases NIXL handles itself)."""
         self._now = now
         for req in list(self._requests.values()):
+            req.queued = []
             for share in req.shares.values():
                 # A WRITE in flight (its handle is released, not stopped), a READ inside
                 # the hold its PullHeld promised, an abandoned WRITE not acknowledged: the
@@ -386,6 +396,7 @@ class ProducerCore:
         self._now = now
         self._peers.pop(peer, None)
         for req in list(self._requests.values()):
+            self._unqueue(req, lambda p, xid: p == peer)
             for share in list(req.shares.values()):
                 if share.peer != peer or share.state not in _LIVE:
                     continue
@@ -545,6 +556,9 @@ class ProducerCore:
         share.state = state
 
     def _add_share(self, req: _Request, share: _Share) -> None:
+        # A retry takes the place of its endpoint's share given up (see _admit).
+        for key in [k for k, s in req.shares.items() if s.peer == share.peer]:
+            del req.shares[key]
         state, share.state = share.state, ShareState.GONE
         req.shares[(share.peer, share.xid)] = share
         req.sharers = share.sharers
@@ -572,8 +586,8 @@ class ProducerCore:
                                           mode=mode)))
             self.stats["blocks_released"] += len(ids)
             return
-        if state is State.RELEASED_EARLY and (req.use_deadline is None
-                                              or stamps["prefill_done"] <= req.use_deadline):
+        if state is State.RELEASED_EARLY and self._same_use(req, ids, sid) and (
+                req.use_deadline is None or stamps["prefill_done"] <= req.use_deadline):
             req.state = State.ENDED    # the late prefill_done of a use released already
             self._tomb(req, req.code, req.why)
             return
@@ -585,6 +599,11 @@ class ProducerCore:
             state = req.state
         if state in (State.HELD, State.ENDING):
             assert req.source is not None
+            if not req.source.complete and np.array_equal(ids, req.source.ids):
+                # An aborted layer-wise use's own prefill_done, while its WRITEs end.
+                req.source.complete = True
+                req.source.stamps.update(stamps)
+                return
             # The same blocks twice are held once (and released once); blocks this use
             # does not hold go back at once.
             extra = np.setdiff1d(ids, req.source.ids)
@@ -626,6 +645,15 @@ class ProducerCore:
         req.source.lease = self._after(self.config.lease_s, self._lease_expired_fn(req))
         self._advance(req)
 
+    @staticmethod
+    def _same_use(req: _Request, ids: np.ndarray, sid: int) -> bool:
+        """Whether an engine call naming ``ids`` and ``sid`` is of the use released early:
+        the same source use id, or (an engine that does not name its uses) the same
+        blocks. Other blocks are another use's."""
+        if req.released is None:
+            return True
+        return sid == req.released[0] or np.array_equal(ids, req.released[1])
+
     def _on_layer_done(self, req: _Request, ids: np.ndarray, layer: int, sid: int) -> None:
         if req.state in (State.RELEASED_EARLY, State.ABORTED_EARLY):
             return  # swallowed: prefill_done settles the use
@@ -646,10 +674,12 @@ class ProducerCore:
         self._advance(req)
 
     def _on_engine_abort(self, req: _Request, reason: str) -> None:
+        req.aborted = True
         if req.state is State.RELEASED_EARLY:
-            # The engine ends this use instead of calling prefill_done: the record becomes a
-            # tombstone that expires, so a later use's prefill_done is not swallowed.
-            self._tomb(req, req.code, req.why)
+            # The engine ends this use instead of (or before) calling prefill_done: the
+            # use stays released, a prefill_done it still makes is this use's (not a new
+            # use held and released again), and the record goes tombstone_s from now.
+            self._tomb(req, req.code, req.why, state=State.RELEASED_EARLY)
             return
         if req.state is State.WAITING:
             for share in req.live():
@@ -661,17 +691,28 @@ class ProducerCore:
         self._give_up(req, ReleaseReason.ABORTED, reason, code="aborted")
 
     # -- consumer event handlers -------------------------------------------------------------
-    def _admit(self, req: _Request, peer: str, xid: int, sharers: int) -> str:
-        """Whether (peer, xid) may own a share of ``req``: "" or a Failed code."""
+    def _admit(self, req: _Request, peer: str, xid: int, sharers: int, *,
+               next_use: bool = False) -> str:
+        """Whether (peer, xid) may own a share of ``req``'s live use: "" or a Failed code.
+
+        Each consumer endpoint owns at most one share of one use. An endpoint whose share
+        ended without the data (it gave up, timed out, failed) may take it again under a
+        new xid: that is its engine's retry of the same use, and it replaces the share
+        given up. An endpoint whose share was served has no second one: a new xid from it
+        is a use to come ("next_use" when ``next_use``, else "not_owner"), never a sharer
+        of this one (it got this use's bytes, and the genuine sharer the next use's)."""
         if not 1 <= sharers <= m.MAX_SHARERS:
             return "sharers"
         if (peer, xid) in req.shares:
             return "duplicate"
-        if any(s.peer == peer and s.state in _LIVE for s in req.shares.values()):
+        mine = [s for s in req.shares.values() if s.peer == peer]
+        if any(s.state in _LIVE for s in mine):
             return "duplicate"
+        if any(s.state is ShareState.DONE for s in mine):
+            return "next_use" if next_use else "not_owner"
         if req.sharers is not None and sharers != req.sharers:
             return "sharers"
-        if len(req.shares) >= sharers:
+        if len(req.shares) - len(mine) >= sharers:
             return "not_owner"
         if self._waiting.get(peer, 0) >= MAX_WAITING_PER_PEER:
             return "too_many"
@@ -682,12 +723,15 @@ class ProducerCore:
         "duplicate": "this consumer already has this request registered",
         "not_owner": "every share of this request is taken",
         "too_many": "too many requests waiting from this consumer",
+        "next_use": "this consumer took its share of the live use already",
     }
 
-    def _push_owner(self, req: _Request, peer: str, xid: int, sharers: int) -> bool:
-        """Whether (peer, xid) may become a push owner of ``req`` (a registration or a push
-        claim); if not, the consumer is told why. An ended use that went well makes way for
-        a new one; one that ended badly answers its code."""
+    def _push_owner(self, req: _Request, peer: str, msg: m.Register | m.Claim) -> bool:
+        """Whether (peer, msg.xid) may become a push owner of ``req`` (a registration or a
+        push claim); if not, the consumer is told why, or -- a registration of the next
+        use while this one is held -- it waits for this use's release. An ended use that
+        went well makes way for a new one; one that ended badly answers its code."""
+        xid, sharers = msg.xid, msg.sharers
         if req.state is State.ENDED:
             if req.code:  # late: a use that ended badly
                 self._fail(peer, req.rid, xid, *self._refusal(req))
@@ -697,7 +741,11 @@ class ProducerCore:
             self._fail(peer, req.rid, xid, "mode_conflict",
                        "the producer exposed this request for pull")
             return False
-        code = self._admit(req, peer, xid, sharers)
+        code = self._admit(req, peer, xid, sharers, next_use=True)
+        if code == "next_use" and req.state is State.HELD \
+                and len(req.queued) < m.MAX_SHARERS:
+            req.queued.append((peer, msg, self._now))
+            return False
         if code:
             self._fail(peer, req.rid, xid, code, self._ADMIT_REASON[code])
             return False
@@ -711,7 +759,7 @@ class ProducerCore:
             # The registration of a push claim: the claim's place is this registration's.
             self._share_gone(req, claimed, ReleaseReason.ABORTED, "registered")
             del req.shares[(peer, msg.xid)]
-        if not self._push_owner(req, peer, msg.xid, msg.sharers):
+        if not self._push_owner(req, peer, msg):
             return
         layers = self.layout.num_layers
         if msg.groups != 1 and (msg.groups != layers or self.layout.layers_per_region != 1):
@@ -767,7 +815,7 @@ class ProducerCore:
         keeps the source past its lease until it registers, gives up, is lost, or
         ``max_wait_s`` ends; before prefill_done it holds nothing yet."""
         rid = req.rid
-        if not self._push_owner(req, peer, msg.xid, msg.sharers):
+        if not self._push_owner(req, peer, msg):
             return
         owner = (peer, msg.xid)
         share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.CLAIMED, msg.sharers)
@@ -848,6 +896,7 @@ class ProducerCore:
 
     def _on_consumer_abort(self, req: _Request, peer: str, msg: m.Abort) -> None:
         owner = (peer, msg.xid)
+        self._unqueue(req, lambda p, xid: (p, xid) == owner)
         share = req.shares.get(owner)
         why = f"consumer: {msg.reason}"
         if share is not None and share.state is ShareState.FENCING:
@@ -874,6 +923,12 @@ class ProducerCore:
             return
         self._share_gone(req, share, ReleaseReason.ABORTED, why)
         self._send(peer, m.AbortAck(req.rid, msg.xid))
+
+    @staticmethod
+    def _unqueue(req: _Request, which: Callable[[str, int], bool]) -> None:
+        """Forget the next use's registrations that ``which(peer, xid)`` names."""
+        if req.queued:
+            req.queued = [q for q in req.queued if not which(q[0], q[1].xid)]
 
     # -- timers ------------------------------------------------------------------------------
     def _after(self, delay: float, fn: Callable[[float], None]) -> _Timer:
@@ -1161,7 +1216,12 @@ class ProducerCore:
                                       blocks_safe=not req.unsafe, quarantine_s=hold,
                                       mode=source.mode, xids=xids)))
         req.unsafe = False
-        early = req.state is State.PARTIAL
+        # A use whose prefill_done has not come (layer-wise, released early or aborted)
+        # stays RELEASED_EARLY: its prefill_done, whenever the engine makes it, is this
+        # use's and is swallowed -- never a new use whose blocks are held and released again.
+        early = not source.complete
+        req.released = (source.sid, source.ids)
+        queued, req.queued = req.queued, []
         if not code and reason is not ReleaseReason.TRANSFERRED:
             code = "aborted" if reason is ReleaseReason.ABORTED else "failed"
         why = why or detail
@@ -1169,6 +1229,13 @@ class ProducerCore:
         req.shares = {}
         req.ending = None
         self._tomb(req, code, why, state=State.RELEASED_EARLY if early else State.ENDED)
+        if queued:
+            # The registrations of the next use: they start it (whatever this use's end).
+            self._reuse(req)
+            for peer, msg, came in queued:
+                if isinstance(msg, m.Register):
+                    msg = msgspec.structs.replace(msg, wait_s=msg.wait_s - (self._now - came))
+                self.on_message(self._now, peer, msg)
 
     def _tomb(self, req: _Request, code: str, why: str, state: State = State.ENDED) -> None:
         req.state, req.code, req.why = state, code, why
@@ -1187,7 +1254,8 @@ class ProducerCore:
     def _expire_tomb(self, req: _Request, now: float) -> None:
         if self._requests.get(req.rid) is not req:
             return
-        if req.state is State.RELEASED_EARLY and req.use_deadline is None:
+        if req.state is State.RELEASED_EARLY and req.use_deadline is None \
+                and not req.aborted:
             # A prefill_done the engine calls more than tombstone_s after its use's early
             # release is a new use; one it called before, but that a stalled loop takes only
             # now, is still the old one's (decided by its call time), so the record stays
@@ -1205,6 +1273,7 @@ class ProducerCore:
         req.use_deadline = None
         req.state, req.code, req.why = State.WAITING, "", ""
         req.shares, req.sharers, req.done_owners = {}, None, set()
+        req.aborted, req.released = False, None
 
     # -- sending -----------------------------------------------------------------------------
     def _send(self, peer: str, msg: m.Message) -> None:
