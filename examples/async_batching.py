@@ -15,9 +15,10 @@ processes, over the tiny transformer of ``examples/multiturn/``.
   ``async for release in producer.releases()`` yields them.
 
 Greedy decoding gives exactly the tokens of :func:`colocated` (the same model calls in one
-process over one cache): ``tests/test_async_batching.py`` checks it.
+process over one cache): ``tests/tooling/test_example_async_batching.py`` checks it. From
+the repository root::
 
-    python examples/async_batching.py --requests 16 --max-new 8 [--uvloop]
+    python -m examples.async_batching --requests 16 --max-new 8 [--uvloop]
 """
 
 from __future__ import annotations
@@ -33,12 +34,9 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvpush
 from examples.multiturn.model import ModelConfig, PagedKVCache, TinyTransformer

@@ -10,4 +10,4 @@ echo "== push vs pull (examples/demo.py)"
 .venv/bin/python examples/demo.py "$@"
 echo
 echo "== multi-turn with a real model (examples/multiturn/demo.py)"
-.venv/bin/python examples/multiturn/demo.py
+.venv/bin/python -m examples.multiturn.demo

@@ -21,11 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from examples.vllm import launch
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "examples" / "vllm"))
-
-import launch  # noqa: E402
 
 MAX_TOKENS = 16
 BLOCK = 32

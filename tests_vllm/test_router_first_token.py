@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,8 +21,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "vllm"))
-import router as router_mod  # noqa: E402
+from examples.vllm import router as router_mod  # noqa: E402
 
 PROMPT = [5, 6, 7]
 TOKENS = [11, 12, 13]

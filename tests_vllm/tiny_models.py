@@ -23,8 +23,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "vllm"))
-from make_tiny_model import SPECIAL, make_tokenizer
+from examples.vllm.make_tiny_model import SPECIAL, make_tokenizer
 
 VOCAB = 2048
 #: Sliding window of the gemma2 model, in tokens (two 32-token blocks).

@@ -8,7 +8,8 @@ only its new tokens. A few conversations are served three ways -- without reuse 
 recomputes its whole prompt), with reuse by pull (NIXL READ), with reuse by push (NIXL
 WRITE) -- and the greedy tokens are checked against prefill + decode in this one process.
 
-Run ``python examples/multiturn/demo.py`` (``--help`` for the knobs). Takes ~20-30 s here.
+Run ``python -m examples.multiturn.demo`` from the repository root (``--help`` for the
+knobs). Takes ~20-30 s here.
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make ``examples.multiturn`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 

@@ -5,7 +5,7 @@ prefill server runs alone (colocated), and stop everything.
 
 Run (after ``bash .ci/bootstrap-vllm``)::
 
-    .venv-vllm/bin/python examples/vllm/demo.py [--workdir /tmp/kvpush-vllm-demo]
+    .venv-vllm/bin/python -m examples.vllm.demo [--workdir /tmp/kvpush-vllm-demo]
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from examples.vllm import launch
 
-import launch  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 PROMPTS = [
     "Kalo mine ruvi sato zupe quador lin mar tek sol bri gan hu je fo wy xi cre",
