@@ -1,8 +1,8 @@
 """kvpush: move LLM KV-cache blocks between a prefill engine and a decode engine over NIXL.
 
-Push (the producer WRITEs into blocks the consumer registered early, triggered by whichever
-of registration and prefill-done comes second) and pull (the consumer READs), per request.
-See ``docs/ARCHITECTURE.md``.
+Push (the producer WRITEs into blocks the consumer registered early) and pull (the consumer
+READs), per request. What each side does with a request: ``docs/PROTOCOL.md``; the layers
+around it: ``docs/ARCHITECTURE.md``; which call any thread may make: ``docs/API.md``.
 """
 
 from __future__ import annotations

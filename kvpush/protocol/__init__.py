@@ -11,7 +11,8 @@ timers are deadlines it keeps itself: the driver asks :meth:`next_deadline` and 
 
 Because a core has no I/O, :mod:`kvpush.testing.sim` can drive many producers and consumers
 through reordered, dropped, duplicated and delayed messages, stalls, kills and link cuts, and
-check the invariants after every step; a failing seed replays exactly.
+check the invariants after every step; a failing seed replays exactly. The states, the wire
+identities and the invariants: ``docs/PROTOCOL.md``.
 
 * :mod:`kvpush.protocol.producer` -- the prefill side (sources, owners, WRITEs, leases).
 * :mod:`kvpush.protocol.consumer` -- the decode side (registrations, READs, completion).

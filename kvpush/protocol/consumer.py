@@ -1,30 +1,11 @@
 """The decode side's protocol core: what a Consumer does with each request, without I/O.
 
-One record per live request use (``request_id`` + the ``xid`` this side chose), with an
-explicit :class:`Phase` and one transition table, :data:`TRANSITIONS`: for every phase, the
+One record per live request use (``request_id`` + the ``xid`` this side chose) in an
+explicit :class:`Phase`, and one transition table, :data:`TRANSITIONS`: for every phase, the
 events allowed in it and what each does. An event that the table does not allow in the
 request's phase changes nothing; it is counted (``stats.events_refused``) and logged. A
-message whose ``(request_id, xid)`` names no live use is counted as ``stale_messages``.
-
-::
-
-                 expect                                pull
-                   |                                     |
-                   v          every part landed          v       READs done + PullHeld
-               PUSHING  ------------------------>  (READY)  <------------------- PULLING
-                   |                                                                |
-    Failed, Abort, deadline, engine abort, peer lost, close                 (same) |
-                   v                                                                v
-             PUSH_CLOSING  --- nothing can land any more --->  (result)  <---  PULL_CLOSING
-                   |                                                                |
-                   +------ abort_grace_s passed: result with blocks_safe=False ------+
-
-A closing push waits for each producer's word that its WRITEs ended (``AbortAck``, or its
-``Failed``) and then for the ``Landed`` of every part it had announced (``Posted``): the
-notification travels behind the bytes. A closing pull waits for its READs to end. Nothing
-is cancelled (NIXL's release of a transfer in progress does not stop its bytes): where the
-end cannot be learnt in ``abort_grace_s``, or a producer is lost with parts not landed, or
-the consumer closes, the result says ``blocks_safe=False``.
+message whose ``(request_id, xid)`` names no live use is counted as ``stale_messages``. The
+phases, their diagram and what ends a request: ``docs/PROTOCOL.md``.
 
 The driver (:class:`kvpush.Consumer`) owns sockets, the NIXL agent, the handshake,
 authentication and heartbeats; it feeds events in with its ``now`` (monotonic seconds) and

@@ -4,29 +4,9 @@ One record per request id (:class:`_Request`) with an explicit state (:class:`St
 event goes through :meth:`ProducerCore._dispatch`, which looks the (state, event) pair up in
 :data:`TRANSITIONS`. A pair not in the table is refused: counted (``stats["refused"]``),
 logged, and never acted on -- except that a consumer waiting for an answer gets the true one
-(a ``Failed`` naming the state, or an ``AbortAck`` with nothing in flight).
-
-States of a request id on this side::
-
-    WAITING        push registrations are here, prefill is not done
-    PARTIAL        some layers are final (layer_done), prefill is not done
-    HELD           prefill done: the source blocks are held for their owners
-    ENDING         given up (abort, failure): held until no transfer can read them
-    RELEASED_EARLY a layer-wise push ended before prefill_done: the blocks went back already;
-                   the rest of this use's layer_done/prefill_done calls are swallowed
-    ENDED          released; remembered until ``tombstone_s`` so that late messages of
-                   this use are answered truly (a late registration after an abort or a
-                   lease expiry fails fast); a new prefill_done or registration after a
-                   successful transfer starts a new use at once
-    ABORTED_EARLY  the engine aborted an id with no use here: its next prefill_done
-                   (within ``tombstone_s``, once) is released ABORTED at once
-
-``Producer.abort`` acts on the live use; an abort of an ended use changes nothing.
-
-A source has **owners** (:class:`_Share`, keyed by (consumer agent name, xid)): the consumer
-endpoints that take a share of it, up to ``sharers`` of them (heterogeneous TP). The source is
-released exactly once: when every owner has finished or given up and no transfer can still
-read it, or when its lease ends with no owner left to come and nothing in flight.
+(a ``Failed`` naming the state, or an ``AbortAck`` with nothing in flight). A source has
+owners (:class:`_Share`, keyed by (consumer agent name, xid)), each with its own state. What
+each state means, the owners and when a source is released: ``docs/PROTOCOL.md``.
 """
 
 from __future__ import annotations
