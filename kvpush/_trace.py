@@ -1,4 +1,4 @@
-"""Stage stamps of kvpush's hot path, for ``benchmarks/hot_path.py`` (not public).
+"""Stage stamps of kvpush's hot path, for the benchmarks (not public).
 
 Off by default: every stamp site is ``if _trace.ON: _trace.stamp(...)``, one module
 attribute test (tens of ns) when off. On (:func:`enable`), each site appends

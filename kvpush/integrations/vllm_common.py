@@ -142,9 +142,9 @@ class AdapterConfig:
         has passed: the engine stops spinning a core, and kvpush's loop thread has the GIL
         at once instead of after CPython's switch interval (5 ms) each time it wakes. A
         new request reaching an engine in such a wait is seen at most this late. 0 turns
-        it off. The default is short: a 1 ms bound used a fifth of the CPU in
-        ``benchmarks/spinning_engine.py``, but A/B runs in real vLLM servers moved decode
-        TPOT either way within their noise (``docs/VLLM.md``).
+        it off. The default is short: a longer bound saves more CPU in a spinning engine,
+        but in real vLLM servers it moves decode TPOT either way within the noise of a run
+        (the figures: ``docs/VLLM.md``, "Why idle_yield_s").
     stage_log
         Log one INFO line per request stage on each rank (``kvpush stage <monotonic time>
         <stage> <transfer id> r<rank> ...``): prefill side ``send_planned`` (its last
@@ -152,7 +152,7 @@ class AdapterConfig:
         ``registered`` / ``pull_started``, ``loaded`` (vLLM's worker picks the result up;
         ``elapsed`` from the registration or READ to the result on kvpush's loop),
         ``reported`` (vLLM is told). ``time.monotonic`` is one clock for the processes of a
-        host, so ``benchmarks/vllm_stages.py`` lines them up (with the router's
+        host, so ``python -m benchmarks.vllm.stages`` lines them up (with the router's
         ``--stage-log``) into where a request's time to first token goes. Off by default.
     """
 

@@ -701,7 +701,7 @@ class KVPushWorker:
         queued (the endpoints' descriptors) or ``idle_yield_s`` passes, whichever comes
         first; a handshake or a staged device copy, which no descriptor announces, gets a
         short sleep (:data:`SHORT_YIELD_S`). Steps that run a forward pass never wait.
-        (``benchmarks/spinning_engine.py``.)"""
+        (Measured: ``docs/VLLM.md``, "Why idle_yield_s".)"""
         bound = self.config.idle_yield_s
         if not (bound and self._idle_step):
             return
