@@ -5,14 +5,11 @@ from __future__ import annotations
 import io
 import re
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvpush import messages as m
-from kvpush.protocol.effects import Emit, XferEnd
-from kvpush.request import RequestState, TransferMode, TransferResult
+from kvpush.protocol.effects import XferEnd
 from kvpush.testing import (
     FakeMemory,
     FakeNixl,
@@ -25,19 +22,7 @@ from kvpush.testing import (
 )
 from kvpush.testing.sim import main
 from tests.support import ROOT
-from tests.support.sim_doubles import EarlyReleaseProducer, standin_consumer
-
-
-def _consumers() -> list[object]:
-    """The consumer cores to run against: the stand-in, and the real one once it exists."""
-    makers: list[object] = [pytest.param(standin_consumer, id="standin-consumer")]
-    try:
-        import kvpush.protocol.consumer  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        makers.append(pytest.param(None, id="real-consumer"))
-    return makers
+from tests.support.sim_doubles import EagerConsumer, EarlyReleaseProducer, HastyConsumer
 
 
 # -- the fakes ---------------------------------------------------------------------------
@@ -126,30 +111,26 @@ def test_control_frames_are_fifo_per_pair_and_a_long_cut_loses_them() -> None:
 
 
 def test_frames_and_notifications_race_but_both_arrive() -> None:
-    sim = Simulation(5, requests=300, faults=Faults.parse("none"),
-                     make_consumer=standin_consumer)
+    sim = Simulation(5, requests=300, faults=Faults.parse("none"))
     assert sim.run() == 0
     assert sim.stats["results_ready"] > 250
 
 
 # -- runs --------------------------------------------------------------------------------
-@pytest.mark.parametrize("make_consumer", _consumers())
 @pytest.mark.parametrize("faults", ["none", "dup,abort,pabort,reuse,double,sharers,late"])
-def test_short_seeded_run_has_no_violations(make_consumer: object, faults: str) -> None:
+def test_short_seeded_run_has_no_violations(faults: str) -> None:
     out = io.StringIO()
     sim = Simulation(11, requests=1500, producers=2, consumers=3, faults=Faults.parse(faults),
-                     make_consumer=make_consumer, out=out, epoch=500)  # type: ignore[arg-type]
+                     out=out, epoch=500)
     violations = sim.run()
     assert violations == 0, out.getvalue()
     assert sim.issued == 1500
     assert sim.stats["results_ready"] > 500
 
 
-@pytest.mark.parametrize("make_consumer", _consumers())
-def test_same_seed_replays_the_same_trace(make_consumer: object) -> None:
+def test_same_seed_replays_the_same_trace() -> None:
     def run(seed: int) -> tuple[int, int, int]:
-        sim = Simulation(seed, requests=600, make_consumer=make_consumer,  # type: ignore[arg-type]
-                         out=io.StringIO())
+        sim = Simulation(seed, requests=600, out=io.StringIO())
         sim.run()
         return sim.checker.trace_hash, sim.sched.steps, len(sim.checker.violations)
 
@@ -186,8 +167,7 @@ def test_a_seed_replays_in_another_process(args: list[str]) -> None:
 def test_sixteen_by_sixteen_runs() -> None:
     out = io.StringIO()
     sim = Simulation(3, requests=800, producers=16, consumers=16,
-                     faults=Faults.parse("dup,abort,reuse,double,sharers"),
-                     make_consumer=standin_consumer, out=out)
+                     faults=Faults.parse("dup,abort,reuse,double,sharers"), out=out)
     assert sim.run() == 0, out.getvalue()
     assert sim.issued == 800 and len(sim.endpoints) == 32
 
@@ -196,18 +176,10 @@ def test_sixteen_by_sixteen_runs() -> None:
 def test_no_violations_under_every_fault_but_cuts(seed: int) -> None:
     out = io.StringIO()
     faults = Faults.parse("stall,kill,dup,xerr,slow,abort,pabort,reuse,double,late,sharers")
-    sim = Simulation(seed, requests=1500, faults=faults, make_consumer=standin_consumer,
+    sim = Simulation(seed, requests=1500, faults=faults,
                      out=out)
     assert sim.run() == 0, out.getvalue()
     assert sim.faults_injected > 100
-
-
-def _real_cores() -> bool:
-    try:
-        import kvpush.protocol.consumer  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _first(kind: str, mode: str, faults: Faults, requests: int, seeds: int,
@@ -225,17 +197,15 @@ def _first(kind: str, mode: str, faults: Faults, requests: int, seeds: int,
     return ""
 
 
-@pytest.mark.parametrize("make_consumer", _consumers())
-def test_regression_abandoned_write_landing_after_release(make_consumer: object) -> None:
+def test_regression_abandoned_write_landing_after_release() -> None:
     """F1 (fixed on main, 77f8d90): a WRITE abandoned at transfer_timeout_s during a short
     link cut resumed after its source was released and reused; its Landed overtook the
     Failed(unfenced) and the consumer reported READY with the reuse's bytes."""
     found = _first("ready_wrong_bytes", "push", Faults(enabled=frozenset({"cut"}), rate=3.0),
-                   300, 10, make_consumer=make_consumer)
+                   300, 10)
     assert not found, found
 
 
-@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
 def test_regression_close_releases_a_source_being_written() -> None:
     """F1b (fixed: the Release says blocks_safe=False, the engine keeps the blocks):
     Producer.close() released the source of a WRITE in flight; the engine reused the
@@ -245,7 +215,6 @@ def test_regression_close_releases_a_source_being_written() -> None:
     assert not found, found
 
 
-@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
 def test_regression_close_breaks_the_pullheld_promise() -> None:
     """F2 (fixed as F1b): Producer.close() released a pulled source inside the hold_s its
     PullHeld promised, with the READ in flight; the READ read the reuse."""
@@ -255,7 +224,6 @@ def test_regression_close_breaks_the_pullheld_promise() -> None:
         assert not found, found
 
 
-@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
 @pytest.mark.parametrize(("tp", "ctp"), [(2, 1), (2, 2), (1, 4), (4, 2)])
 def test_sixteen_by_sixteen_with_ranks_real_cores(tp: int, ctp: int) -> None:
     out = io.StringIO()
@@ -289,7 +257,6 @@ def test_regression_fence_of_a_consumer_lost_before_its_write_was_abandoned() ->
     assert not found, found
 
 
-@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
 def test_regression_close_quarantine_shorter_than_a_cut() -> None:
     """Simulator finding F4: a Release with blocks_safe=False kept the blocks for
     transfer_timeout_s only, but a cut shorter than peer_timeout_s held the WRITE and the
@@ -333,8 +300,7 @@ def test_a_double_release_is_caught() -> None:
             return out
 
     sim = Simulation(33, requests=50, faults=Faults.parse("none"), out=io.StringIO(),
-                     make_producer=lambda ep: Twice(default_producer(ep)),
-                     make_consumer=standin_consumer)
+                     make_producer=lambda ep: Twice(default_producer(ep)))
     assert sim.run() > 0
     assert "release_not_held" in sim.checker.kinds()
 
@@ -351,30 +317,20 @@ def test_a_source_never_released_is_caught() -> None:
                             and e.item.request_id == "r7")]
 
     sim = Simulation(34, requests=60, faults=Faults.parse("none"), out=io.StringIO(),
-                     make_producer=lambda ep: Swallow(default_producer(ep)),
-                     make_consumer=standin_consumer)
+                     make_producer=lambda ep: Swallow(default_producer(ep)))
     assert sim.run() > 0
     assert "never_released" in sim.checker.kinds()
 
 
 def test_a_safe_result_before_the_bytes_stop_is_caught() -> None:
-    class Hasty(_Wrap):
-        """Gives up (blocks_safe=True) as soon as the producer says it is posting."""
-
-        def on_message(self, now: float, peer: str, msg: object) -> None:
-            self._inner.on_message(now, peer, msg)  # type: ignore[attr-defined]
-            if isinstance(msg, m.Posted):
-                use = self._inner._uses.get(msg.xid)  # type: ignore[attr-defined]
-                if use is not None:
-                    self._inner._finish(now, use, RequestState.FAILED)  # type: ignore[attr-defined]
+    from kvpush.testing.sim import default_consumer
 
     sim = Simulation(35, requests=100, faults=Faults.parse("none"), out=io.StringIO(),
-                     make_consumer=lambda ep: Hasty(standin_consumer(ep)))
+                     make_consumer=lambda ep: HastyConsumer(default_consumer(ep)))
     assert sim.run() > 0
     assert "landed_after_safe" in sim.checker.kinds()
 
 
-@pytest.mark.skipif(not _real_cores(), reason="needs kvpush.protocol.consumer")
 def test_regression_a_late_register_outlives_its_request() -> None:
     """Seed 53 (20,000 requests; 4,000 reach it): a Register reached the producer late,
     its consumer's request ended and the Abort was lost; the producer waited its own
@@ -387,15 +343,17 @@ def test_regression_a_late_register_outlives_its_request() -> None:
 
 
 def test_records_left_past_tombstone_s_are_caught() -> None:
+    from kvpush import RequestStatus
     from kvpush.testing.sim import default_producer
 
     class Hoarder(_Wrap):
-        def status(self, rid: str) -> str:
-            return "ended"
+        """Reports a record for every request id, long after it ended."""
+
+        def snapshot(self, rid: str) -> RequestStatus:
+            return RequestStatus(rid, "ended")
 
     sim = Simulation(36, requests=30, faults=Faults.parse("none"), out=io.StringIO(),
-                     make_producer=lambda ep: Hoarder(default_producer(ep)),
-                     make_consumer=standin_consumer)
+                     make_producer=lambda ep: Hoarder(default_producer(ep)))
     assert sim.run() > 0
     assert "state_unbounded" in sim.checker.kinds()
 
@@ -405,8 +363,7 @@ def test_a_source_released_before_its_write_ends_is_caught() -> None:
 
     out = io.StringIO()
     sim = Simulation(31, requests=200, faults=Faults.parse("none"),
-                     make_producer=lambda ep: EarlyReleaseProducer(default_producer(ep)),
-                     make_consumer=standin_consumer, out=out)
+                     make_producer=lambda ep: EarlyReleaseProducer(default_producer(ep)), out=out)
     assert sim.run() > 0
     kinds = set(sim.checker.kinds())
     assert "release_while_writing" in kinds, kinds
@@ -414,32 +371,10 @@ def test_a_source_released_before_its_write_ends_is_caught() -> None:
 
 
 def test_ready_before_the_bytes_landed_is_caught() -> None:
-    class Eager:
-        """Reports READY as soon as the producer says it is posting."""
+    from kvpush.testing.sim import default_consumer
 
-        def __init__(self, inner: object) -> None:
-            self._inner = inner
-            self._extra: list[object] = []
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self._inner, name)
-
-        def on_message(self, now: float, peer: str, msg: object) -> None:
-            use = self._inner._uses.get(getattr(msg, "xid", 0))  # type: ignore[attr-defined]
-            if isinstance(msg, m.Posted) and use is not None:
-                self._extra.append(Emit(TransferResult(use.rid, RequestState.READY,
-                                                       TransferMode.PUSH, None, 0.0, 0,
-                                                       block_ids=use.ids, xid=use.xid)))
-                self._inner._uses.pop(use.xid)  # type: ignore[attr-defined]
-                return
-            self._inner.on_message(now, peer, msg)  # type: ignore[attr-defined]
-
-        def drain(self) -> list[object]:
-            out, self._extra = self._extra + self._inner.drain(), []  # type: ignore[attr-defined]
-            return out
-
-    sim = Simulation(32, requests=100, faults=Faults.parse("none"),
-                     make_consumer=lambda ep: Eager(standin_consumer(ep)), out=io.StringIO())
+    sim = Simulation(32, requests=100, faults=Faults.parse("none"), out=io.StringIO(),
+                     make_consumer=lambda ep: EagerConsumer(default_consumer(ep)))
     assert sim.run() > 0
     assert "ready_wrong_bytes" in sim.checker.kinds()
 
@@ -447,7 +382,7 @@ def test_ready_before_the_bytes_landed_is_caught() -> None:
 # -- CLI ---------------------------------------------------------------------------------
 def test_cli_last_line(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["--requests", "300", "--seed", "5", "--faults", "none",
-               "--consumer-core", str(Path(__file__).parent / "sim_doubles.py:standin_consumer")])
+               "--consumer-core", f"{ROOT / 'tests' / 'support' / 'sim_doubles.py'}:real_consumer"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"requests=300 faults=0 violations=0", lines[-1]), lines[-3:]
     assert rc == 0
