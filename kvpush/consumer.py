@@ -1,14 +1,9 @@
 """The decode side: connects to producers, registers destination blocks early (push) or
 READs source blocks (pull), counts completions, and reports each request exactly once.
 
-A result is reported only when the request's transfers have really ended: READY once every
-expected part has landed (push: a ``Landed`` notification per producer part, counted in the
-compiled completion table; pull: NIXL reports the READ done and the producer confirmed with
-``PullHeld`` that it held the blocks), any other state once nothing can land any more (the
-producer's WRITEs ended -- its AbortAck/Failed, then the Landed notification of every part it
-had posted -- and this side's READs were polled to their end). Nothing is cancelled: NIXL's
-release of a transfer in progress does not stop its bytes. Where that end cannot be learnt
-(a producer lost, ``abort_grace_s`` passed) the result says ``blocks_safe=False``.
+A result is reported only when the request's transfers have really ended, or says
+``blocks_safe=False`` where that cannot be learnt: nothing is cancelled, since NIXL's
+release of a transfer in progress does not stop its bytes (``docs/PROTOCOL.md``).
 
 This module is a facade and an I/O driver: the public methods validate on the engine's
 thread and hand the call to the loop thread, which owns the handshake (layouts,

@@ -6,14 +6,9 @@ caller's thread, owns the control socket, the handshake and the NIXL agent on it
 thread, feeds every event to the protocol core (:class:`kvpush.protocol.producer.ProducerCore`,
 where each request's state machine lives) and carries out the effects the core returns.
 
-Push rendezvous. A request needs two events: the consumer's *registration* (destination
-blocks, sent as soon as the decode engine allocated them) and the engine's ``prefill_done``
-(source blocks). Whichever comes second triggers the WRITE at once, on the loop thread:
-ids -> descriptor indices in C++, ``make_prepped_xfer(WRITE)`` with a ``Landed``
-notification, a ``Posted`` hint to the consumer, then polling until NIXL reports the WRITE
-done, when the source blocks are released. Deadlines bound both waits: a registration waits
-``wait_s`` (chosen by the consumer, capped) for prefill; finished blocks wait ``lease_s``
-for a registration.
+Push rendezvous: of the consumer's registration and the engine's ``prefill_done``, whichever
+comes second triggers the WRITE at once, on the loop thread. The protocol, step by step and
+on each failure: ``docs/PROTOCOL.md``.
 """
 
 from __future__ import annotations
