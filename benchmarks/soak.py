@@ -2,9 +2,9 @@
 
 ``python -m benchmarks.soak --requests 100000`` (or ``run(requests=...)`` from Python).
 
-Two "hosts" joined by a veth pair (``tests/netns.py``; UCX over TCP only): producers
+Two "hosts" joined by a veth pair (``tests/support/netns.py``; UCX over TCP only): producers
 ``p0`` and ``p1`` in one namespace, consumers ``c0`` and ``c1`` in the other, each a child
-process (``tests/netns_node.py``). ``p0`` and ``c0`` are never killed (their RSS and open
+process (``tests/support/netns_node.py``). ``p0`` and ``c0`` are never killed (their RSS and open
 file descriptors are measured after warm-up and at the end); ``p1`` and ``c1`` are killed
 and restarted under the same name. ``c1`` runs with ``verify=True`` (both producers put
 checksums in tickets), so about half the requests are verified by kvpush as well.

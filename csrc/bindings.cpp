@@ -1,7 +1,7 @@
 // kvpush._core: the Python face of csrc/kvpush. Only argument conversion and error
 // translation live here; every rule about what is valid lives in the core, which
 // reports it as a Status. The typed interface is kvpush/_core.pyi; a pure-Python twin
-// that must behave identically is kvpush/_reference.py.
+// that must behave identically is tests/support/reference.py (test support).
 #include <pybind11/native_enum.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

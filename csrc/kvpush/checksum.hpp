@@ -12,7 +12,7 @@
 // h ^= h >> 32; h *= kMul2; h ^= h >> 29; h *= kMul1; h ^= h >> 32. All arithmetic is
 // modulo 2^64. Four lanes let the CPU overlap the multiplies (one lane is bound by
 // multiply latency); restarting k per region keeps the lanes numpy-computable, which
-// kvpush._reference relies on. Any change here must be made there too.
+// tests/support/reference.py relies on. Any change here must be made there too.
 #pragma once
 
 #include <cstddef>

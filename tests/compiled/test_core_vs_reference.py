@@ -1,4 +1,4 @@
-"""kvpush._core (C++) against kvpush._reference (numpy): same results, same errors.
+"""kvpush._core (C++) against tests.support.reference (numpy): same results, same errors.
 
 Generated inputs go through both implementations; where one raises, the other must raise
 the same class with the same message. The Python-free C++ core has its own test,

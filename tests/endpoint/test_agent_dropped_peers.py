@@ -1,9 +1,8 @@
 """kvpush.agent.Agent keeps a dropped peer's NIXL metadata until a peer of that name comes
-back (issue 15, bug 12: NIXL's ``remove_remote_agent`` closes the UCX endpoint in flush
-mode, and such a close of a connection a cut or a kill left behind is where UCX aborted
-the process in the soak). Real NIXL agents in this process; a peer's "new incarnation" is
-a new agent under the same name (new metadata, which NIXL refuses while the old is
-loaded)."""
+back (NIXL's ``remove_remote_agent`` closes the UCX endpoint in flush mode, and such a close
+of a connection a cut or a kill left behind is where UCX can abort the process). Real NIXL
+agents in this process; a peer's "new incarnation" is a new agent under the same name (new
+metadata, which NIXL refuses while the old is loaded)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The API for engines with an event loop (issue 18): ``await handle``, done callbacks,
+"""The API for engines with an event loop: ``await handle``, done callbacks,
 async iterators over results and releases, ``fileno()``, non-blocking connect and pull, on
 the stock asyncio loop and on uvloop; and the callback rules (a blocking kvpush call on a
 loop thread raises at once)."""

@@ -131,7 +131,7 @@ def _ticket(address: str, lease_s: float, age_s: float) -> kvpush.PullTicket:
 
 def test_pull_waits_for_a_handshake_no_longer_than_its_lease() -> None:
     """A pull connects to its ticket's producer first, on the loop thread: the call returns
-    at once, and the handshake is part of the request (issue 18). A handshake that outlasts
+    at once, and the handshake is part of the request. A handshake that outlasts
     the ticket's lease cannot make the pull succeed, so it is given no longer than that (not
     connect_timeout_s), and none at all once the lease is over."""
     dst = make_cache(num_blocks=8)
@@ -330,10 +330,9 @@ def test_pull_begin_overtaking_its_prefill_done(pair: tuple,
 
 
 def test_callbacks_may_not_block_but_may_close_and_nothing_is_dropped() -> None:
-    """Issue 13, bug 8: a blocking call (connect) from inside a callback stalled the loop
-    that had to answer it; close() from a callback joined its own thread; undrained results
-    were dropped past 65,536. Now the blocking call raises at once, close() from a callback
-    ends the loop after it, and nothing is dropped."""
+    """A blocking call (connect) from inside a callback would stall the loop that has to
+    answer it: it raises at once. close() from a callback ends the loop after the callback
+    (it cannot join its own thread), and undrained results are kept past 65,536."""
     from collections import deque
 
     from kvpush import endpoint

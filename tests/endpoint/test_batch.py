@@ -1,4 +1,4 @@
-"""Batch calls (issue 18): ``prefill_done_many``, ``expect_many``, ``pull_many`` validate
+"""Batch calls: ``prefill_done_many``, ``expect_many``, ``pull_many`` validate
 each item on its own, hand the valid ones to the loop thread in one go, and return per item
 a handle/ticket or the exception a single call would have raised."""
 

@@ -4,7 +4,7 @@ ROUTER and a NIXL agent over real DRAM, driven message by message by the test (n
 
 What it pins: a fresh ``xid`` per use in every message; a message of another use changes
 nothing (``stale_messages``); ``sid``/``sharers`` in pull messages; ``PullHeld.hold_s``
-bounds when a READ may end; identical Hello retransmits (issue 13, bug 2); results that name
+bounds when a READ may end; identical Hello retransmits; results that name
 their blocks and xid; claims.
 """
 
@@ -417,9 +417,9 @@ def test_close_marks_push_parts_not_announced_unsafe(
 
 
 def test_hello_retransmits_are_identical_and_a_slow_answer_still_authenticates() -> None:
-    """Issue 13, bug 2: a producer slow to answer gets several Hellos; they must be one
-    Hello re-sent (same nonce, same time, same bytes), so the one session key it derives
-    is the one this side uses for every later frame."""
+    """A producer slow to answer gets several Hellos; they must be one Hello re-sent (same
+    nonce, same time, same bytes), so the one session key it derives is the one this side
+    uses for every later frame."""
     prod = ScriptedProducer(auth_key=KEY)
     dst = make_cache(**CACHE)
     consumer = kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(auth_key=KEY))
@@ -448,9 +448,9 @@ def test_hello_retransmits_are_identical_and_a_slow_answer_still_authenticates()
 
 
 def test_a_landed_overtaken_by_thousands_of_notifications_still_counts() -> None:
-    """Issue 13, bug 7: the notification of a large WRITE, overtaken by more than the
-    4096-counter replay window of later notifications, was refused as a replay and the
-    request timed out. A Landed counts once per (xid, part) instead."""
+    """The notification of a large WRITE, overtaken by more than the 4096-counter replay
+    window of later notifications, is not refused as a replay (the request would time out):
+    a Landed counts once per (xid, part)."""
     prod = ScriptedProducer(auth_key=KEY)
     dst = make_cache(**CACHE)
     consumer = kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(auth_key=KEY))

@@ -1,4 +1,4 @@
-"""kvpush[prometheus] (issue 18): the figures of the vLLM adapter's metrics for any engine,
+"""kvpush[prometheus]: the figures of the vLLM adapter's metrics for any engine,
 served over HTTP and scraped with a real HTTP client."""
 
 from __future__ import annotations

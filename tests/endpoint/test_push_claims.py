@@ -1,4 +1,4 @@
-"""Push claims (issue 14, "leases renewed while the decode side waits"): a decode engine that
+"""Push claims (leases renewed while the decode side waits): a decode engine that
 queues a request for blocks claims its push; the prefill keeps the source past its lease while
 the decode side lives, and lets it go when the decode side gives it up, closes, or dies.
 Real NIXL agents; the dying decode side is a spawned process killed with SIGKILL."""

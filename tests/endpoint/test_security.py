@@ -1,4 +1,4 @@
-"""The memory keys and what protects them (issue 13, item 5): with an auth_key the NIXL
+"""The memory keys and what protects them: with an auth_key the NIXL
 metadata (the keys of the whole cache) and pull tickets cannot be read or altered without the
 key, a Hello is bound to the producer it was meant for and to its sender's NIXL agent, a
 ZeroMQ identity cannot be taken over, and oversized inputs are refused before allocation.

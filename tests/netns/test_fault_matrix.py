@@ -405,9 +405,9 @@ def test_consumer_killed_mid_transfer(fx: Pair, mode: str) -> None:
 
 
 def test_pull_source_held_until_a_lost_pullers_hold_ends(fx: Pair) -> None:
-    """A silent puller may only be stalled (issue 13, bug 5: released at once, a consumer
-    that resumed finished its READ over reused blocks and reported READY): its blocks stay
-    held until the hold its PullHeld promised is over, then are released once."""
+    """A silent puller may only be stalled (released at once, a consumer that resumes would
+    finish its READ over reused blocks and report READY): its blocks stay held until the
+    hold its PullHeld promised is over, then are released once."""
     rid = fx.big("pull", "ckill-prompt")
     t0 = time.monotonic()
     fx.c.kill()
@@ -665,7 +665,7 @@ def cut_and_reconnect_twice(fx: Pair) -> None:
 def test_control_connection_of_a_vanished_consumer_is_closed(fx: Pair) -> None:
     """The consumer's host vanishes behind a cut (its FIN never arrives): the producer's end
     of the control connection must not stay open for ever. TCP keepalive closes it once the
-    peer has been silent for peer_timeout_s + 3 probes (bug 10, its ZeroMQ part)."""
+    peer has been silent for peer_timeout_s + 3 probes (the ZeroMQ side of a cut's leak)."""
     fx.smoke("before-vanish")
     assert control_connections(fx) >= 1  # the consumer's (earlier cells may leave more)
     fx.cut_link()
@@ -675,9 +675,10 @@ def test_control_connection_of_a_vanished_consumer_is_closed(fx: Pair) -> None:
 
 
 def test_link_cut_leaves_no_sockets_behind(fx: Pair) -> None:
-    """Bug 10, UCX part: NIXL's remove_remote_agent left each cut's UCX TCP connection open
-    (one socket per side per cut). The agent now keeps a dropped peer's endpoint, and the
-    same peer back after the cut gets it again: nothing new is opened, nothing leaks."""
+    """The UCX side of a cut's leak: NIXL's remove_remote_agent would leave each cut's UCX
+    TCP connection open (one socket per side per cut). The agent keeps a dropped peer's
+    endpoint, and the same peer back after the cut gets it again: nothing new is opened,
+    nothing leaks."""
     fx.smoke("before-leak")
     before = (sockets(fx.p), sockets(fx.c))
     cut_and_reconnect_twice(fx)
@@ -721,7 +722,7 @@ def test_no_byte_lands_after_the_result(fx: Pair, mode: str) -> None:
     the consumer waits for the WRITE's Landed notification, which travels behind its bytes;
     pull: the consumer polls its READ to its end. Either way the result comes once the link
     is back and says the blocks are safe; nothing may land in them after that, once the
-    consumer progresses NIXL again. (This was bug 3: cancelling was taken for a fence.)"""
+    consumer progresses NIXL again (cancelling a transfer is no fence)."""
     rid = fx.rid(f"late-{mode}")
     fx.start_short(mode, rid)
     fx.cut_link()
@@ -788,8 +789,8 @@ def test_consumer_stalled_past_peer_timeout(fx: Pair, mode: str) -> None:
     fx.c.cont()
     res = fx.result(rid, 3.0)  # on waking, the consumer finds its producer silent too
     # ... or, pull, finds its READ done first: the producer, whose NIXL keeps a dropped
-    # peer's endpoint (bug 12), served it from the source it still holds, inside the hold
-    # its PullHeld promised; then the bytes must be exact.
+    # peer's endpoint (see test_agent_dropped_peers), served it from the source it still
+    # holds, inside the hold its PullHeld promised; then the bytes must be exact.
     ready = mode == "pull" and res["state"] == "ready"
     assert ready or res["state"] in ("failed", "timed_out"), str(res)
     if ready:
@@ -885,7 +886,7 @@ def test_producer_restarted_elsewhere_before_loss_noticed(fx: Pair) -> None:
 def test_pull_after_lease_expiry_with_clock_skew(fx: Pair) -> None:
     """The consumer's clock lets it start a READ of blocks the producer already released:
     the READ may finish first, but READY waits for the producer's PullHeld, and the producer
-    answers Failed (lease_expired) instead (bug 4b)."""
+    answers Failed (lease_expired) instead."""
     rid = fx.rid("skew")
     ticket = fx.prefill(rid, [50, 51], "pull")
     assert ticket is not None

@@ -1,6 +1,7 @@
-"""The contained data plane (``TransportConfig(data_plane="child")``, issue 15): the NIXL
-agent runs in a child process per endpoint, so an abort inside UCX (bug 12) costs that
-endpoint's requests and a restart, never the engine's process.
+"""The contained data plane (``TransportConfig(data_plane="child")``): the NIXL agent runs
+in a child process per endpoint, so an abort inside UCX (docs/RELIABILITY.md, "UCX's
+Endpoint timeout abort") costs that endpoint's requests and a restart, never the engine's
+process.
 
 Real Producer and Consumer in this process (the "engine"), each with a real data-plane
 child running a real NIXL agent; UCX over TCP loopback only, so a transfer cannot finish
@@ -146,7 +147,8 @@ def test_sigkill_of_the_data_plane_mid_transfer(pair, mode: TransferMode,  # typ
     # The other side's data plane may have died too: UCX aborts a worker that meets a
     # connection its peer reset with an operation outstanding (pull, consumer killed: the
     # producer's child logs "ucp_request.inl:356 Fatal: unexpected error: Connection reset
-    # by remote peer", the in-process abort of bug 12). Contained, that is one more restart.
+    # by remote peer", the abort an in-process agent brings down the engine with). Contained,
+    # that is one more restart.
     other = c if victim is p else p
     assert other.stats()["data_plane_restarts"] <= 1
 
@@ -178,7 +180,7 @@ def test_shared_allocators() -> None:
     assert float(t.sum()) == 10.0
 
 
-@pytest.mark.xfail(strict=True, reason="bug 12 (RELIABILITY.md): UCX aborts a worker that "
+@pytest.mark.xfail(strict=True, reason="RELIABILITY.md, UCX's abort: UCX aborts a worker that "
                    "meets a connection its peer reset under an outstanding READ; in process, "
                    "that is the engine")
 def test_inprocess_producer_survives_a_reader_killed_mid_read(

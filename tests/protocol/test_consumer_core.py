@@ -275,7 +275,7 @@ def test_a_claim_becomes_the_pull_or_is_dropped_when_refused() -> None:
 
 
 def test_notification_opener_accepts_old_counters_but_not_repeats_or_forgeries() -> None:
-    """Issue 13, bug 7: a big WRITE's Landed overtaken by 4096 later notifications."""
+    """A big WRITE's Landed, overtaken by 4096 later notifications, still opens."""
     key = b"s" * 32
     sealer = Sealer(key, b"p2c-notif")
     first = sealer.seal(b"late landed")
@@ -402,7 +402,7 @@ def test_random_events_never_break_the_promises(seed: int) -> None:
 
 
 def test_a_push_claim_becomes_the_registration_or_is_given_up() -> None:
-    """Issue 14: claim_push announces the push (no blocks yet); the expect with its xid
+    """claim_push announces the push (no blocks yet); the expect with its xid
     continues it; an expect that cannot start gives the held source up at the producer."""
     c = core()
     assert c.claim_push(0.0, "p", [P], 2, 21) == 21

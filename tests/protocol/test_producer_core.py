@@ -1,7 +1,8 @@
-"""The producer's protocol core, sans-IO: each bug of issue 13 that lived on the producer side
-(tombstones honoured forever, nobody owning a source, layer-wise double release, freed while
-being read, a second prefill_done) as the event sequence that showed it, checked on the
-effects the core returns. No sockets, NIXL or threads: events in, effects out."""
+"""The producer's protocol core, sans-IO: tombstones that expire, sources owned by the
+consumers that registered or pulled them, layer-wise sources released once, sources held
+while a transfer may still read them, a second prefill_done, push claims -- each as the
+event sequence that pins it, checked on the effects the core returns. No sockets, NIXL or
+threads: events in, effects out."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def test_push_releases_once_after_the_write() -> None:
     assert h.core.held() == 0 and h.core.in_flight() == 0
 
 
-def test_bug1_a_tombstone_expires_and_the_id_is_usable_again() -> None:
-    """Issue 13, bug 1: a reuse after the tombstone's expiry got its prefill_done swallowed
-    (blocks never released) and its registration failed indefinitely."""
+def test_a_tombstone_expires_and_the_id_is_usable_again() -> None:
+    """A use of the id after its tombstone expired has its prefill_done taken (its blocks
+    released) and its registration served: tombstones are not honoured forever."""
     h = Harness(tombstone_s=0.5)
     h.core.abort(h.now, "r", "engine gave up")       # no use yet: the next one is aborted
     h.prefill("r", [1])
@@ -51,7 +52,7 @@ def test_bug1_a_tombstone_expires_and_the_id_is_usable_again() -> None:
     assert h.sent(m.Failed) == []
 
 
-def test_bug1_an_abort_after_a_finished_request_does_not_block_later_uses() -> None:
+def test_an_abort_after_a_finished_request_does_not_block_later_uses() -> None:
     h = Harness()
     h.register("A", "r", 1, [3])
     h.prefill("r", [2])
@@ -65,9 +66,9 @@ def test_bug1_an_abort_after_a_finished_request_does_not_block_later_uses() -> N
     assert h.sent(m.Failed) == []
 
 
-def test_bug3_a_message_of_a_non_owner_changes_nothing() -> None:
-    """Issue 13, bug 3: consumer B's Abort or PullDone released the source consumer A was
-    reading; A then reported READY over blocks the engine had reused."""
+def test_a_message_of_a_non_owner_changes_nothing() -> None:
+    """Consumer B's Abort or PullDone does not release the source consumer A is reading
+    (else A reports READY over blocks the engine has reused)."""
     h = Harness()
     h.prefill("r", [1, 2, 3], TransferMode.PULL, sid=99)
     h.core.on_message(h.now, "A", m.PullBegin("r", 21, 99))
@@ -85,7 +86,7 @@ def test_bug3_a_message_of_a_non_owner_changes_nothing() -> None:
     assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
 
 
-def test_bug3_a_source_shared_by_two_decode_ranks_waits_for_both() -> None:
+def test_a_source_shared_by_two_decode_ranks_waits_for_both() -> None:
     """Heterogeneous TP: two decode ranks each read their share of one prefill request
     under one request id; the source is held until both are done."""
     h = Harness()
@@ -102,7 +103,7 @@ def test_bug3_a_source_shared_by_two_decode_ranks_waits_for_both() -> None:
     assert [p.xid for p in h.sent(m.PullHeld, "B")] == [2]
 
 
-def test_bug3_push_to_two_sharers_and_a_third_is_refused() -> None:
+def test_push_to_two_sharers_and_a_third_is_refused() -> None:
     h = Harness()
     h.register("A", "r", 1, [1], sharers=2)
     h.core.peer_up(h.now, "C", layout())
@@ -115,9 +116,9 @@ def test_bug3_push_to_two_sharers_and_a_third_is_refused() -> None:
     assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
 
 
-def test_bug4_layerwise_failure_before_prefill_done_releases_once() -> None:
-    """Issue 13, bug 4: a planning failure released FAILED while prefill still wrote layers;
-    the next layer_done held the blocks again and they were released a second time."""
+def test_layerwise_failure_before_prefill_done_releases_once() -> None:
+    """A planning failure while prefill still writes layers releases FAILED once: the next
+    layer_done does not hold the blocks again (which would release them a second time)."""
     h = Harness()
     h.register("A", "r", 1, [NUM_BLOCKS + 5], groups=LAYERS)   # an id out of range
     h.core.layer_done(h.now, "r", np.array([1]), 0, 3)
@@ -128,7 +129,7 @@ def test_bug4_layerwise_failure_before_prefill_done_releases_once() -> None:
     assert [f.code for f in h.sent(m.Failed)] == ["invalid_ids"]
 
 
-def test_bug4_no_lease_runs_out_during_a_long_layerwise_prefill() -> None:
+def test_no_lease_runs_out_during_a_long_layerwise_prefill() -> None:
     h = Harness(lease_s=1.0)
     h.core.layer_done(h.now, "r", np.array([1]), 0, 3)
     h.run()
@@ -141,9 +142,9 @@ def test_bug4_no_lease_runs_out_during_a_long_layerwise_prefill() -> None:
     assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
 
 
-def test_bug5_a_lost_reader_keeps_the_blocks_until_its_hold_ends() -> None:
-    """Issue 13, bug 5: the producer released the sources a silent consumer was reading; a
-    consumer whose loop had stalled finished its READ on resume and reported READY."""
+def test_a_lost_reader_keeps_the_blocks_until_its_hold_ends() -> None:
+    """A silent consumer's READ keeps its source until the hold its PullHeld promised ends:
+    a consumer whose loop stalled may finish the READ on resume and report READY."""
     h = Harness(transfer_timeout_s=3.0)
     h.prefill("r", [1], TransferMode.PULL, sid=4)
     h.core.on_message(h.now, "A", m.PullBegin("r", 1, 4))
@@ -183,10 +184,9 @@ def abandon_write(h: Harness) -> None:
 
 
 def test_an_abandoned_write_holds_its_source_until_the_consumer_acknowledges() -> None:
-    """Simulator finding F1: the source of an abandoned WRITE was released at once; when a
-    cut healed, the WRITE resumed, copied the engine's reuse of the blocks, and its Landed
-    reached the consumer before the Failed: READY with wrong bytes. Now the blocks stay
-    until the consumer's Abort says it will not trust that WRITE."""
+    """An abandoned WRITE may resume when a cut heals, copy the engine's reuse of the
+    blocks, and its Landed reach the consumer before the Failed (READY with wrong bytes):
+    its source stays until the consumer's Abort says it will not trust that WRITE."""
     h = Harness(transfer_timeout_s=2.0)
     abandon_write(h)
     assert h.releases() == []
@@ -205,8 +205,9 @@ def test_an_abandoned_write_never_acknowledged_is_released_unsafe() -> None:
 
 @pytest.mark.parametrize("what", ["write", "pull"])
 def test_close_with_a_transfer_that_may_still_read_releases_unsafe(what: str) -> None:
-    """Simulator findings F1b/F2: close() released a source a WRITE was still reading, or a
-    pulled one inside the hold its PullHeld promised; the consumer got the reuse's bytes."""
+    """close() releases a source a WRITE may still read, or a pulled one inside the hold its
+    PullHeld promised, as unsafe: the engine keeps the blocks, the consumer never reads a
+    reuse's bytes."""
     h = Harness()
     if what == "write":
         h.register("A", "r", 1, [2])
@@ -220,9 +221,9 @@ def test_close_with_a_transfer_that_may_still_read_releases_unsafe(what: str) ->
     assert {r.request_id: r.blocks_safe for r in h.releases()} == {"r": False, "quiet": True}
 
 
-def test_bug8_a_second_prefill_done_releases_nothing_still_held() -> None:
-    """Issue 13, bug 8: a second prefill_done released the blocks still held (two Releases
-    of the same blocks, the first while they were still to be written from)."""
+def test_a_second_prefill_done_releases_nothing_still_held() -> None:
+    """A second prefill_done of one use releases only the blocks the first did not name:
+    never a second Release of blocks still to be written from."""
     h = Harness()
     h.prefill("r", [1, 2])
     h.prefill("r", [1, 2, 3])
@@ -296,8 +297,9 @@ def test_a_claimer_lost_gives_its_share_up() -> None:
 @pytest.mark.parametrize("claim_first", [True, False])
 def test_a_push_claim_holds_the_source_past_its_lease_until_it_registers(
         claim_first: bool) -> None:
-    """Issue 14 (leases renewed): a decode request queued for blocks claims its push; the
-    source outlives the lease, and the registration with the claim's xid takes it."""
+    """A decode request queued for blocks claims its push (leases renewed while the decode
+    side waits); the source outlives the lease, and the registration with the claim's xid
+    takes it."""
     h = Harness(lease_s=1.0)
     claim = m.Claim("r", 4, 0, push=True)
     if claim_first:                        # claimed while prefill is still running
@@ -327,7 +329,7 @@ def test_without_a_claim_the_same_wait_loses_the_source() -> None:
 
 @pytest.mark.parametrize("how", ["lost", "abort", "max_wait"])
 def test_a_push_claimer_that_goes_releases_the_source(how: str) -> None:
-    """Issue 14: the decode side dies (or gives up, or never comes within max_wait_s): the
+    """The decode side dies (or gives up, or never comes within max_wait_s): the
     claimed source is released, once."""
     h = Harness(lease_s=1.0, max_wait_s=20.0)
     h.prefill("r", [5, 6])
@@ -423,10 +425,10 @@ def test_a_registration_that_expires_gives_the_owner_up_like_its_abort() -> None
 
 
 def test_a_prefill_done_called_in_time_but_taken_late_is_still_the_released_uses() -> None:
-    """Found by the 1M-request simulation (seed 11): a layer-wise source released early;
-    the engine's prefill_done came 0.6 s later, but the producer's loop was stalled and
-    took it after the record's tombstone_s: taken as a new use, the blocks were held and
-    released a second time. The engine's call time decides now."""
+    """A layer-wise source released early; the engine's prefill_done comes 0.6 s later, but
+    the producer's loop is stalled and takes it after the record's tombstone_s. The
+    engine's call time decides: it belongs to the use that ended (taken as a new use, the
+    blocks would be held and released a second time)."""
     h = Harness(tombstone_s=2.0)
     h.register("A", "r", 1, [NUM_BLOCKS + 5], groups=LAYERS)    # fails at once: released
     h.core.layer_done(h.now, "r", np.array([1]), 0, 3)
@@ -480,12 +482,11 @@ def test_a_registration_before_prefill_done_is_stamped_in_the_release() -> None:
 
 @pytest.mark.parametrize("aborted", [True, False])
 def test_a_write_abandoned_after_its_consumer_was_lost_is_not_fenced(aborted: bool) -> None:
-    """The soak's lost s1641 (seed 506; transfer_timeout_s 4 > peer_timeout_s 1.5): the
-    engine aborted a push whose WRITE hung in a link cut, the consumer was then lost
-    (silent), and the WRITE was abandoned later; the abort's Failed(unfenced) went to no
-    one and the owner waited in FENCING for an Abort that cannot come: the source was held
-    max_wait_s past its loss. It goes at once now, unsafe (the consumer may only be cut off
-    and see that WRITE land), as a FENCING owner lost does; without the abort too."""
+    """With transfer_timeout_s (4) above peer_timeout_s (1.5), as in the soak: the engine
+    aborts a push whose WRITE hangs in a link cut, the consumer is then lost (silent), and
+    the WRITE is abandoned later. The abort's Failed(unfenced) goes to no one, so no Abort
+    can come to end the fence: the source goes at once, unsafe (the consumer may only be
+    cut off and see that WRITE land), as a FENCING owner lost does; without the abort too."""
     h = Harness(transfer_timeout_s=4.0, max_wait_s=30.0, peer_timeout_s=1.5)
     h.register("A", "r", 1, [2])
     h.prefill("r", [1])

@@ -1,6 +1,6 @@
-"""The simulator finds the bugs that the protocol core fixed (issue 13): each fix is
-reverted here by patching the real ProducerCore, and the CI-sized run of `.ci/run-sim`
-(20,000 requests, seed 1, every fault) must report a violation. A mutant the simulator did
+"""The simulator finds the bugs the protocol core guards against: each guard is reverted here
+by patching the real ProducerCore, and the CI-sized runs of `.ci/run-sim` (``CI_RUNS``,
+every fault) must report a violation. A mutant the simulator did
 not catch would mean its faults or invariants miss that class of bug."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ P = core.ProducerCore
 
 
 def tombstones_forever(mp: pytest.MonkeyPatch) -> None:
-    """Bug 1: tombstones are honoured forever (their expiry never removes them)."""
+    """Tombstones are honoured forever (their expiry never removes them)."""
     orig = P._tomb
 
     def tomb(self: Any, req: Any, code: str, why: str, state: Any = core.State.ENDED) -> None:
@@ -31,7 +31,7 @@ def tombstones_forever(mp: pytest.MonkeyPatch) -> None:
 
 
 def nobody_owns(mp: pytest.MonkeyPatch) -> None:
-    """Bug 3: a PullDone from any consumer ends the source, whoever else still reads it."""
+    """A PullDone from any consumer ends the source, whoever else still reads it."""
     orig = P._on_pull_done
 
     def pull_done(self: Any, req: Any, peer: str, msg: Any) -> None:
@@ -42,7 +42,7 @@ def nobody_owns(mp: pytest.MonkeyPatch) -> None:
 
 
 def layerwise_held_again(mp: pytest.MonkeyPatch) -> None:
-    """Bug 4: a layer_done after a layer-wise push ended holds the blocks again."""
+    """A layer_done after a layer-wise push ended holds the blocks again."""
     orig = P._on_layer_done
 
     def layer_done(self: Any, req: Any, ids: np.ndarray, layer: int, sid: int) -> None:
@@ -53,7 +53,7 @@ def layerwise_held_again(mp: pytest.MonkeyPatch) -> None:
 
 
 def freed_while_read(mp: pytest.MonkeyPatch) -> None:
-    """Bug 5: a silent consumer's READs are given up at once (its blocks freed), and no
+    """A silent consumer's READs are given up at once (its blocks freed), and no
     hold is promised (the consumer trusts a READ however late it ends)."""
     orig = P.peer_lost
     mp.setattr(P, "peer_lost", lambda self, now, peer, why, abandon=False:
@@ -62,7 +62,7 @@ def freed_while_read(mp: pytest.MonkeyPatch) -> None:
 
 
 def second_prefill_releases(mp: pytest.MonkeyPatch) -> None:
-    """Bug 8: a second prefill_done releases the blocks it names, held or not."""
+    """A second prefill_done releases the blocks it names, held or not."""
     orig = P._on_prefill_done
 
     def prefill_done(self: Any, req: Any, ids: np.ndarray, *args: Any) -> None:
@@ -74,7 +74,7 @@ def second_prefill_releases(mp: pytest.MonkeyPatch) -> None:
 
 
 def abandoned_write_released(mp: pytest.MonkeyPatch) -> None:
-    """Simulator finding F1: an abandoned WRITE's source goes back at once (no fence)."""
+    """An abandoned WRITE's source goes back at once (no fence)."""
     orig = P.transfer_ended
 
     def transfer_ended(self: Any, now: float, key: int, end: XferEnd) -> None:

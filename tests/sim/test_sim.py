@@ -198,26 +198,26 @@ def _first(kind: str, mode: str, faults: Faults, requests: int, seeds: int,
 
 
 def test_regression_abandoned_write_landing_after_release() -> None:
-    """F1 (fixed on main, 77f8d90): a WRITE abandoned at transfer_timeout_s during a short
-    link cut resumed after its source was released and reused; its Landed overtook the
-    Failed(unfenced) and the consumer reported READY with the reuse's bytes."""
+    """A WRITE abandoned at transfer_timeout_s during a short link cut may resume later and
+    its Landed overtake the Failed(unfenced): its source is not released and reused before
+    the consumer acknowledges, so no push ends READY with a reuse's bytes."""
     found = _first("ready_wrong_bytes", "push", Faults(enabled=frozenset({"cut"}), rate=3.0),
                    300, 10)
     assert not found, found
 
 
 def test_regression_close_releases_a_source_being_written() -> None:
-    """F1b (fixed: the Release says blocks_safe=False, the engine keeps the blocks):
-    Producer.close() released the source of a WRITE in flight; the engine reused the
-    blocks, the WRITE copied the reuse and its Landed beat the Bye: READY, wrong bytes."""
+    """Producer.close() with a WRITE in flight releases its source with blocks_safe=False:
+    the engine keeps the blocks, so the WRITE cannot copy a reuse whose Landed beats the
+    Bye (READY, wrong bytes)."""
     found = _first("ready_wrong_bytes", "push",
                    Faults(enabled=frozenset({"close"}), rate=4.0), 400, 30)
     assert not found, found
 
 
 def test_regression_close_breaks_the_pullheld_promise() -> None:
-    """F2 (fixed as F1b): Producer.close() released a pulled source inside the hold_s its
-    PullHeld promised, with the READ in flight; the READ read the reuse."""
+    """Producer.close() inside the hold_s a PullHeld promised, with the READ in flight,
+    releases the pulled source unsafe: the READ never reads a reuse."""
     faults = Faults(enabled=frozenset({"close", "slow"}), rate=4.0)
     for kind in ("release_while_held", "ready_wrong_bytes"):
         found = _first(kind, "", faults, 600, 10)
@@ -235,9 +235,9 @@ def test_sixteen_by_sixteen_with_ranks_real_cores(tp: int, ctp: int) -> None:
 
 
 def test_regression_released_early_then_aborted() -> None:
-    """Simulator finding F3: after a layer-wise source was released early, an engine abort
-    was refused in RELEASED_EARLY and the record never expired; a later use of the id had
-    its prefill_done swallowed (never released)."""
+    """An engine abort after a layer-wise source was released early is taken in
+    RELEASED_EARLY: the record expires, and a later use of the id has its prefill_done
+    taken (its blocks released)."""
     faults = Faults(enabled=frozenset({"late", "pabort", "reuse"}), late_p=0.3, pabort_p=0.3,
                     reuse_p=0.5)
     for kind in ("state_unbounded", "never_released"):
@@ -246,11 +246,10 @@ def test_regression_released_early_then_aborted() -> None:
 
 
 def test_regression_fence_of_a_consumer_lost_before_its_write_was_abandoned() -> None:
-    """F6 (the soak's lost s1641): with transfer_timeout_s above peer_timeout_s (the
-    library's defaults and the soak's), an engine abort's WRITE hung in a cut was abandoned
-    after its consumer was lost; the owner was fenced for max_wait_s waiting for an Abort
-    that cannot come. Seeds 1 and 6 of these, and `python -m kvpush.testing.sim --requests
-    10000 --seed 16 --faults cut,pabort --fault-rate 6 --transfer-timeout 1.5`, before."""
+    """With transfer_timeout_s above peer_timeout_s (the library's defaults and the
+    soak's), an engine abort's WRITE hung in a cut and abandoned after its consumer was
+    lost does not fence the owner for max_wait_s, waiting for an Abort that cannot come:
+    every source is released in time."""
     faults = Faults(enabled=frozenset({"cut", "pabort"}), rate=6.0, pabort_p=0.3)
     found = _first("never_released", "", faults, 2500, 8,
                    timings=Timings(transfer_timeout_s=1.5))
@@ -258,10 +257,10 @@ def test_regression_fence_of_a_consumer_lost_before_its_write_was_abandoned() ->
 
 
 def test_regression_close_quarantine_shorter_than_a_cut() -> None:
-    """Simulator finding F4: a Release with blocks_safe=False kept the blocks for
-    transfer_timeout_s only, but a cut shorter than peer_timeout_s held the WRITE and the
-    Bye longer; the WRITE copied the reuse and its Landed beat the Bye. The quarantine now
-    lasts until the consumer would give the producer up (Release.quarantine_s)."""
+    """A Release with blocks_safe=False keeps the blocks until the consumer would give the
+    producer up (Release.quarantine_s), not transfer_timeout_s only: a cut shorter than
+    peer_timeout_s holds the WRITE and the Bye longer, and the WRITE must not copy a reuse
+    whose Landed beats the Bye."""
 
 
     out = io.StringIO()
@@ -332,11 +331,11 @@ def test_a_safe_result_before_the_bytes_stop_is_caught() -> None:
 
 
 def test_regression_a_late_register_outlives_its_request() -> None:
-    """Seed 53 (20,000 requests; 4,000 reach it): a Register reached the producer late,
-    its consumer's request ended and the Abort was lost; the producer waited its own
-    wait_s, then kept the record tombstone_s -- as it should. The quiesce check looked
-    tombstone_s after the request's end only, and reported state_unbounded; it now waits
-    for the longest producer wait begun since (``Simulation._quiesce_check_at``)."""
+    """A Register reaches the producer late, its consumer's request ends and the Abort is
+    lost; the producer waits its own wait_s, then keeps the record tombstone_s, as it
+    should. The quiescence check waits for the longest producer wait begun since the
+    request ended (``Simulation._quiesce_check_at``), so it reports no state_unbounded.
+    This run reaches that case."""
     sim = Simulation(53, requests=4000, out=io.StringIO())
     sim.run()
     assert not sim.checker.violations, sim.checker.violations[0]

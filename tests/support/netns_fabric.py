@@ -1,6 +1,6 @@
 """Many hosts on one machine: N network namespaces, each with one veth into a bridge that
 lives in a hub namespace of its own (so nothing touches the host's namespace). Made and
-deleted by its owner; see tests/netns.py for the two-host link and the Node driver."""
+deleted by its owner; see tests/support/netns.py for the two-host link and the Node driver."""
 
 from __future__ import annotations
 

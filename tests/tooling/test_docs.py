@@ -1,4 +1,4 @@
-"""The reference matches the code (issue 18): the README's example code runs, and every
+"""The reference matches the code: the README's example code runs, and every
 public name of the library has a docstring (the API reference, ``bash .ci/docs``, is built
 from them)."""
 

@@ -1,4 +1,4 @@
-"""The asyncio continuous-batching example (issue 18): prefill and decode servers in two
+"""The asyncio continuous-batching example: prefill and decode servers in two
 processes, KV by push through the async and batch API, give exactly the tokens of the same
 model run colocated; requests arrive while others decode, so batches really change."""
 
