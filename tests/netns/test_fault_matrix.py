@@ -1,5 +1,8 @@
 """The fault matrix across two "hosts": a Producer in one network namespace, a Consumer in
-another, UCX forced onto TCP over the veth between them (see ``netns.py``).
+another, UCX forced onto TCP over the veth between them (see ``tests/support/netns.py``).
+Aborts, leases and lost peers are also pinned on the protocol cores (``tests/protocol``) and
+between two processes on one host (``tests/processes/test_failures.py``); here they meet a
+real network.
 
 Every cell injects one fault -- a killed peer, a missing registration or prefill, an abort at
 one protocol step, a cut or frozen link, a restarted peer -- in push and in pull, and checks

@@ -1,6 +1,10 @@
 """Every failure path of the protocol, across two processes: leases, deadlines, aborts from
 either side at each step, a producer that dies, a consumer that leaves. Each ends within its
-deadline with a defined state and the source blocks released exactly once."""
+deadline with a defined state and the source blocks released exactly once.
+
+The same paths are pinned at each layer on purpose: event by event on the protocol cores
+(``tests/protocol``), here between a Producer process and a Consumer over NIXL's local
+transports, and across two hosts with link faults (``tests/netns/test_fault_matrix.py``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 consumers that registered or pulled them, layer-wise sources released once, sources held
 while a transfer may still read them, a second prefill_done, push claims -- each as the
 event sequence that pins it, checked on the effects the core returns. No sockets, NIXL or
-threads: events in, effects out."""
+threads: events in, effects out. The same rules with real endpoints and NIXL:
+``tests/processes/test_failures.py`` and ``tests/netns/test_fault_matrix.py``."""
 
 from __future__ import annotations
 
