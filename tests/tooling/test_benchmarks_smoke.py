@@ -364,3 +364,28 @@ def test_list_names_every_suite_and_its_keys() -> None:
     bad = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nope"], cwd=ROOT,
                          capture_output=True, text=True, timeout=90)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
+
+
+def test_docs_name_only_benchmarks_that_exist() -> None:
+    """Every benchmark module or file the docs name exists, but where they cite a removed
+    probe by the commit that holds it (``git show <commit>:benchmarks/...``); the
+    benchmarks doc names every suite."""
+    import importlib.util
+    import re
+
+    cited = re.compile(r"(?<![\w:])benchmarks((?:[./][A-Za-z_]\w*)+)")
+    missing = []
+    for doc in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+        for match in cited.finditer(doc.read_text()):
+            rest = match.group(1)
+            if rest.startswith("/results"):
+                continue  # written by a run
+            if rest.startswith("/"):
+                found = (ROOT / f"benchmarks{rest}").exists()
+            else:
+                found = importlib.util.find_spec(f"benchmarks{rest}") is not None
+            if not found:
+                missing.append(f"{doc.name}: benchmarks{rest}")
+    assert missing == []
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert [name for name in suites.ORDER if f"| `{name}` |" not in text] == []
