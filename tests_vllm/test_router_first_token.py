@@ -218,7 +218,7 @@ def test_first_token_default_is_decode_and_bad_values_are_refused() -> None:
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_stage_log_stamps_each_step_of_a_request(mode: str, first_token: str,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    """``--stage-log``: the lines benchmarks/vllm_stages.py joins with the adapter's, on
+    """``--stage-log``: the lines benchmarks/vllm/stages.py joins with the adapter's, on
     the same clock (time.monotonic), in order; none without it."""
     caplog.set_level(logging.INFO, logger="router")
     t0 = time.monotonic()
