@@ -4,9 +4,10 @@
   idle or not). The kvpush loop thread drives progress instead (see :mod:`kvpush.progress`).
 * UCX error-handling mode defaults to ``none``: mode ``peer`` rules out UCX's shared-memory
   transports on a host and needs the *target* to progress for every transfer (TCP), which
-  measured ~27x worse small-transfer latency here. Liveness comes from kvpush's heartbeats and
-  deadlines instead; a post toward a dead peer still fails fast (NIXL raises
-  ``nixlRemoteDisconnectError``), which the fault tests check.
+  makes small transfers far slower (``docs/ARCHITECTURE.md``, "Transport choices").
+  Liveness comes from kvpush's heartbeats and deadlines instead; a post toward a dead peer
+  still fails fast (NIXL raises ``nixlRemoteDisconnectError``), which the fault tests
+  check.
 * Descriptor lists are prepared once per (layout, peer), region-major, and a request names
   descriptors by index (``make_prepped_xfer``) -- unless it is made of long runs of
   adjacent blocks: then it is posted as explicit merged descriptors, one per (region, run)
