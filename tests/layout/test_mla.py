@@ -1,8 +1,8 @@
 """MLA caches (``cache_kind="mla"``): one latent vector per token and layer, no K/V split, no
-heads to shard. Their layout, what a handshake with a K/V cache of the same byte size says
-(refused, naming ``cache_kind``), a real push and pull between a Producer and a Consumer
-whose blocks hold different token counts, and the routes that send each transfer's latent
-from one tensor-parallel rank only."""
+heads to shard. Their layout, what a K/V cache of the same byte size meets (refused, naming
+``cache_kind``: by ``check_compatible`` and by a handshake), and the routes that send each
+transfer's latent from one tensor-parallel rank only. A real push and pull of MLA blocks is
+``tests/endpoint/test_mla_transfer.py``."""
 
 from __future__ import annotations
 
@@ -13,25 +13,11 @@ import numpy as np
 import pytest
 
 import kvpush
-from kvpush import LayoutMismatch, RequestState, TransferMode, check_compatible
+from kvpush import LayoutMismatch, check_compatible
 from kvpush.layout import KVLayout, LayoutWire, replica_routes
-
-LATENT = 32          # elements per token (DeepSeek: kv_lora_rank 512 + rope 64 = 576)
-IDENTITY = (("model", "org/mla"), ("cache_kind", "mla"))
-
-
-def mla(tokens: int, num_blocks: int = 16, layers: int = 2, seed: int | None = None
-        ) -> tuple[list[np.ndarray], KVLayout]:
-    rng = np.random.default_rng(seed)
-    buffers = [np.zeros((num_blocks, tokens, LATENT), np.uint16) for _ in range(layers)]
-    if seed is not None:
-        for b in buffers:
-            b[:] = rng.integers(1, 65535, size=b.shape, dtype=np.uint16)
-    layout = KVLayout.from_buffers(buffers, num_layers=layers, num_blocks=num_blocks,
-                                   tokens_per_block=tokens, num_kv_heads=1,
-                                   head_size=LATENT, dtype="bfloat16", cache_kind="mla",
-                                   identity=IDENTITY)
-    return buffers, layout
+from tests.support.harness import MLA_IDENTITY as IDENTITY
+from tests.support.harness import MLA_LATENT as LATENT
+from tests.support.harness import make_mla_cache as mla
 
 
 def test_an_mla_block_is_its_latent_vectors_no_kv_pair() -> None:
@@ -79,30 +65,6 @@ def test_a_kv_cache_of_the_same_size_is_refused_naming_cache_kind() -> None:
         with pytest.raises(LayoutMismatch) as info:
             c.connect(p.address, timeout=10)
         assert info.value.field == "cache_kind" and c.producers() == []
-
-
-@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
-def test_mla_push_and_pull_across_block_sizes_exact_bytes(mode: TransferMode) -> None:
-    """Prefill blocks of 16 tokens, decode blocks of 32: every latent vector lands at its
-    token's place (token slots), nothing else is written."""
-    src, src_lay = mla(tokens=16, num_blocks=16, seed=3)
-    dst, dst_lay = mla(tokens=32, num_blocks=8)
-    src_ids, dst_ids = np.array([5, 2, 9, 14]), np.array([6, 1])
-    with kvpush.Producer(src_lay) as p, kvpush.Consumer(dst_lay) as c:
-        name = c.connect(p.address, timeout=10)
-        if mode is TransferMode.PUSH:
-            handle = c.expect("m", dst_ids, name)
-            p.prefill_done("m", src_ids)
-        else:
-            handle = c.pull(p.prefill_done("m", src_ids, mode), dst_ids)
-        result = handle.wait(30)
-        assert result.state is RequestState.READY, result.error
-        assert result.bytes_moved == len(src_ids) * src_lay.bytes_per_block_id
-    for s, d in zip(src, dst, strict=True):
-        tokens = s[src_ids].reshape(-1, LATENT)                 # the request's latents
-        assert np.array_equal(d[dst_ids].reshape(-1, LATENT), tokens)
-        others = np.setdiff1d(np.arange(8), dst_ids)
-        assert not d[others].any()
 
 
 def test_replica_routes_send_each_transfer_from_one_rank_spread_over_ranks() -> None:

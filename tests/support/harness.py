@@ -56,6 +56,29 @@ def make_cache(num_blocks: int = 64, num_layers: int = 2, kv_packed: bool = True
     return Cache(buffers, layout)
 
 
+#: Elements per token of the MLA caches :func:`make_mla_cache` makes (DeepSeek: kv_lora_rank
+#: 512 + rope 64 = 576).
+MLA_LATENT = 32
+MLA_IDENTITY = (("model", "org/mla"), ("cache_kind", "mla"))
+
+
+def make_mla_cache(tokens: int, num_blocks: int = 16, layers: int = 2, seed: int | None = None
+                   ) -> tuple[list[np.ndarray], KVLayout]:
+    """An MLA cache (``cache_kind="mla"``: one latent vector of :data:`MLA_LATENT` bfloat16
+    elements per token and layer) of ``tokens`` per block; random, nonzero elements when
+    ``seed`` is given, zeros otherwise."""
+    rng = np.random.default_rng(seed)
+    buffers = [np.zeros((num_blocks, tokens, MLA_LATENT), np.uint16) for _ in range(layers)]
+    if seed is not None:
+        for b in buffers:
+            b[:] = rng.integers(1, 65535, size=b.shape, dtype=np.uint16)
+    layout = KVLayout.from_buffers(buffers, num_layers=layers, num_blocks=num_blocks,
+                                   tokens_per_block=tokens, num_kv_heads=1,
+                                   head_size=MLA_LATENT, dtype="bfloat16", cache_kind="mla",
+                                   identity=MLA_IDENTITY)
+    return buffers, layout
+
+
 def expected_block(seed: int, region: int, block: int, nbytes: int) -> np.ndarray:
     out = ((np.arange(nbytes, dtype=np.uint32) * (2 * region + 3) + block * 131 + seed * 17)
            % 251).astype(np.uint8)
