@@ -28,7 +28,7 @@ def _nothing_left_behind() -> Iterator[None]:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) \
         -> Generator[None, Any, None]:
     """A failing test that holds node processes (a fixture with ``log_tails()``, e.g.
-    test_faults' Pair) shows their logs: they are deleted when the nodes close."""
+    the fault matrix's Pair) shows their logs: they are deleted when the nodes close."""
     outcome = yield
     report = outcome.get_result()
     if not report.failed:

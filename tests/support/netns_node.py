@@ -1,5 +1,5 @@
 """A kvpush Producer or Consumer in its own process, driven by one JSON object per line on
-stdin, answering one JSON object per line on stdout (see :class:`netns.Node`).
+stdin, answering one JSON object per line on stdout (see :class:`tests.support.netns.Node`).
 
 Run as ``ip netns exec NS python -m tests.support.netns_node`` (or without ``ip netns exec``). The
 real stdout is kept for the protocol only: fd 1 is pointed at stderr, so anything NIXL, UCX
