@@ -3,9 +3,13 @@
 With an ``auth_key`` configured on both sides, each frame carries a 64-bit counter and an
 HMAC-SHA256 tag over (direction label, counter, body):
 
-* the handshake is tagged with the shared key itself; the consumer's Hello carries a fresh
-  nonce and its wall-clock time (the producer refuses stale Hellos and nonces it has seen);
-  the producer's HelloAck echoes that nonce and adds its own;
+* the handshake is tagged with the shared key itself. The consumer's Probe asks who answers
+  at the address; the producer's Challenge names it and carries a nonce of its own that the
+  consumer's Hello must carry back (:class:`Challenges`: once, and only to the producer that
+  issued it, so a Hello captured on its way to one producer is refused by any other that
+  shares the key and port). The Hello carries a fresh nonce and its wall-clock time (the
+  producer refuses stale Hellos and nonces it has seen); the producer's HelloAck -- or its
+  HelloReject, so the consumer can trust a refusal -- echoes that nonce and adds its own;
 * every later frame is tagged with a per-connection session key,
   ``HMAC(key, "kvpush session" | consumer nonce | producer nonce)``, so frames of one
   connection cannot be replayed into another;
@@ -38,8 +42,8 @@ from typing import Any
 
 from .errors import AuthenticationError
 
-__all__ = ["HelloGuard", "Opener", "Sealer", "check_key", "decrypt", "encrypt", "new_nonce",
-           "session_key"]
+__all__ = ["Challenges", "HelloGuard", "Opener", "Sealer", "check_key", "decrypt", "encrypt",
+           "new_nonce", "session_key"]
 
 TAG_BYTES = 32
 COUNTER = struct.Struct(">Q")
@@ -189,3 +193,30 @@ class HelloGuard:
         if len(self._seen) > 10000:
             self._seen = {k: t for k, t in self._seen.items() if now - t < 2 * HELLO_MAX_SKEW_S}
         self._seen[nonce] = now
+
+
+class Challenges:
+    """Producer side: the nonces of the Challenges it issued; a Hello redeems one, once,
+    within :data:`HELLO_MAX_SKEW_S` of its issue. At most ``limit`` wait (the oldest go
+    first: a consumer whose challenge went is refused and probes again), so strangers that
+    probe and never say Hello cannot grow this side's memory."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._issued: dict[bytes, float] = {}
+        self._limit = limit
+
+    def issue(self) -> bytes:
+        """A fresh challenge nonce, remembered until redeemed, stale or pushed out."""
+        while len(self._issued) >= self._limit:
+            del self._issued[next(iter(self._issued))]
+        nonce = new_nonce()
+        self._issued[nonce] = time.monotonic()
+        return nonce
+
+    def redeem(self, nonce: bytes) -> None:
+        """Accept ``nonce`` once; AuthenticationError if this side did not issue it (a Hello
+        meant for another producer), or it was redeemed already or is stale."""
+        issued = self._issued.pop(nonce, None)
+        if issued is None or time.monotonic() - issued > HELLO_MAX_SKEW_S:
+            raise AuthenticationError("Hello does not answer a challenge of this producer "
+                                      "(meant for another, replayed, or stale)")

@@ -44,6 +44,7 @@ from .auth import (
 )
 from .dataplane import ChildAgent
 from .endpoint import (
+    STRANGER_FRAME_BYTES,
     Endpoint,
     Timer,
     check_durations,
@@ -167,10 +168,14 @@ class _Producer:
     # (seq, when sent) of the oldest Heartbeat not answered yet: silence is counted from a
     # question this side asked, never across a stretch in which its loop could not ask.
     unanswered: tuple[int, float] | None = None
-    # The Hello of this connection attempt: every retransmit is the same message (same
-    # nonce and time), so a producer answers retransmits as duplicates of one Hello and
-    # derives one session key (a new nonce per retransmit would give the producer a new
-    # key per Hello while this side keeps the first answer's).
+    deadline: float = 0.0     # of the handshake
+    # This connection attempt: its nonce (the Probe's and the Hello's), the producer's
+    # Challenge, and the Hello. Every retransmit is the same message (same nonce and
+    # time), so a producer answers retransmits as duplicates of one Hello and derives one
+    # session key (a new nonce per retransmit would give the producer a new key per Hello
+    # while this side keeps the first answer's).
+    nonce: bytes = b""
+    challenge: m.Challenge | None = None
     hello: m.Hello | None = None
     hello_made: float = 0.0
     sealer: Sealer | None = None
@@ -645,7 +650,7 @@ class Consumer(Endpoint):
     # -- loop: connections -----------------------------------------------------------------
     def _connect(self, address: str, timeout: float,
                  on_result: Callable[[str | None, KvpushError | None], None]) -> None:
-        peer = self._producers.get(address)
+        peer = self._producers.get(address)  # (a producer's every address that was dialled)
         if peer is not None and peer.agent_name:
             on_result(peer.agent_name, None)
             return
@@ -657,11 +662,18 @@ class Consumer(Endpoint):
             # restarted consumer by the name in its Hello).
             sock.setsockopt(zmq.IDENTITY, b"k" + os.urandom(15))
             sock.connect(address)
-            peer = _Producer(address, sock)
+            peer = _Producer(address, sock, deadline=time.monotonic() + timeout)
             self._producers[address] = peer
             self._add_socket(sock, self._dealer_handler(peer))
-            self._send_hello(peer, time.monotonic() + timeout, 0.05)
+            peer.waiters.append(on_result)
+            self._send_hello(peer, peer.deadline, 0.05)
+            return
         peer.waiters.append(on_result)
+
+    def _unmap(self, peer: _Producer) -> None:
+        """``peer`` is gone: no address leads to it any more."""
+        for address in [a for a, p in self._producers.items() if p is peer]:
+            del self._producers[address]
 
     def _dealer_handler(self, peer: _Producer) -> Callable[[zmq.Socket[Any]], None]:
         return lambda sock: self._on_dealer(peer, sock)
@@ -673,44 +685,53 @@ class Consumer(Endpoint):
         if now >= deadline:
             self._connect_failed(peer, PeerUnavailable(f"no answer from {peer.address}"))
             return
-        # One Hello per connection attempt, re-sent as is; renewed only before the
-        # producer would find it stale (an attempt longer than HELLO_MAX_SKEW_S / 2).
-        if peer.hello is None or now - peer.hello_made > HELLO_MAX_SKEW_S / 2:
-            peer.hello_made = now
-            if self._key is None:
-                peer.hello = m.Hello(self.name, self._agent.metadata(),
-                                     self._agent.layout.to_wire(), to=peer.address)
-            else:  # the NIXL metadata (this side's memory keys) travels encrypted
-                nonce = new_nonce()
-                peer.hello = m.Hello(self.name, encrypt(self._key, b"hello-metadata",
-                                                        nonce + self.name.encode(),
-                                                        self._agent.metadata()),
-                                     self._agent.layout.to_wire(), nonce, time.time(), peer.address)
+        # One attempt (a nonce: a Probe, then one Hello), re-sent as is; renewed only
+        # before the producer would find it stale (longer than HELLO_MAX_SKEW_S / 2), or
+        # when the producer no longer knows its challenge.
+        if not peer.nonce or now - peer.hello_made > HELLO_MAX_SKEW_S / 2:
+            peer.hello_made, peer.nonce = now, new_nonce()
+            peer.challenge = peer.hello = None
+        msg: m.Message
+        if peer.challenge is None:  # first, who answers at this address
+            msg = m.Probe(peer.nonce)
+        else:
+            if peer.hello is None:
+                metadata = self._agent.metadata()
+                if self._key is not None:  # this side's memory keys travel encrypted
+                    metadata = encrypt(self._key, b"hello-metadata",
+                                       peer.nonce + self.name.encode(), metadata)
+                peer.hello = m.Hello(self.name, metadata, self._agent.layout.to_wire(),
+                                     peer.nonce, time.time(), peer.address,
+                                     peer.challenge.nonce)
+            msg = peer.hello
         # A fresh Sealer each time: counter 1 again, so a retransmit is the same frame.
-        self._send(peer.socket, peer.hello,
+        self._send(peer.socket, msg,
                    sealer=None if self._key is None else Sealer(self._key, b"hello"))
         # Re-send with backoff: the producer may not be up yet, or a starved host may have
-        # missed it; a Hello is idempotent (the producer answers a duplicate as the first).
+        # missed it; a Probe and a Hello are idempotent (a duplicate is answered as the
+        # first).
         peer.hello_timer = self._at(min(deadline, now + delay),
                                     lambda: self._send_hello(peer, deadline, min(delay * 2, 2.0)))
 
     def _connect_failed(self, peer: _Producer, error: KvpushError) -> None:
         if peer.hello_timer is not None:
             peer.hello_timer.cancel()
-        self._producers.pop(peer.address, None)
+        self._unmap(peer)
         self._remove_socket(peer.socket)
         for waiter in peer.waiters:
             waiter(None, error)
         peer.waiters.clear()
 
     def _on_dealer(self, peer: _Producer, sock: zmq.Socket[Any]) -> None:
-        for frames in self._recv_all(sock):
+        for frames in self._read_frames(sock):
             if self._producers.get(peer.address) is not peer:
                 return
             try:
                 if len(frames) != 1:
                     raise ProtocolError("expected one frame")
-                msg = self._decode(peer, frames[0])
+                if not peer.agent_name and len(frames[0]) > STRANGER_FRAME_BYTES:
+                    raise ProtocolError("handshake frame too large")  # dropped unread
+                msg = self._decode(peer, frames[0].buffer)
             except AuthenticationError as exc:
                 self._stats.auth_rejected += 1
                 log.warning("%s: rejected control frame: %s", self.name, exc)
@@ -719,10 +740,15 @@ class Consumer(Endpoint):
                 self._stats.messages_rejected += 1
                 log.warning("%s: rejected control frame: %s", self.name, exc)
                 continue
-            if isinstance(msg, m.HelloAck):
+            if isinstance(msg, m.Challenge):
+                self._on_challenge(peer, msg)
+            elif isinstance(msg, m.HelloAck):
                 self._on_hello_ack(peer, msg)
             elif isinstance(msg, m.HelloReject):
                 if peer.agent_name:
+                    continue
+                if msg.field == "challenge":  # it no longer knows ours: probe again
+                    peer.nonce = b""           # (the next retransmit starts an attempt)
                     continue
                 error: KvpushError
                 if msg.field == "auth_key":
@@ -754,7 +780,7 @@ class Consumer(Endpoint):
             else:
                 self._stats.messages_rejected += 1
 
-    def _decode(self, peer: _Producer, frame: bytes) -> m.Message:
+    def _decode(self, peer: _Producer, frame: memoryview) -> m.Message:
         if self._key is None:
             return m.decode(frame)
         if peer.agent_name:
@@ -763,29 +789,68 @@ class Consumer(Endpoint):
             except AuthenticationError:
                 if not m.is_sealed(frame):
                     raise
-                # The producer's answer to a re-sent Hello, the same as the first (sealed
-                # with the key, not the session's): ignored, and not an attack.
+                # The producer's answer to a re-sent Probe or Hello, the same as the first
+                # (sealed with the key, not the session's): ignored, and not an attack.
                 try:
-                    return self._hello_answer(peer, frame)
+                    return self._handshake_answer(peer, frame)
                 except AuthenticationError:
                     pass
                 raise
-        # Handshake with a key: a sealed HelloAck echoing one of our nonces, or a plain
+        # Handshake with a key: a sealed answer echoing this attempt's nonce, or a plain
         # HelloReject (a producer without our key can only say no).
         if not m.is_sealed(frame):
             msg = m.decode(frame)
             if not isinstance(msg, m.HelloReject):
                 raise AuthenticationError(f"unauthenticated {type(msg).__name__}")
             return msg
-        return self._hello_answer(peer, frame)
+        return self._handshake_answer(peer, frame)
 
-    def _hello_answer(self, peer: _Producer, frame: bytes) -> m.HelloAck:
+    def _handshake_answer(self, peer: _Producer, frame: memoryview) -> m.Message:
+        """A producer's answer sealed with the key: a Challenge, a HelloAck or a HelloReject
+        that echoes this attempt's nonce."""
         assert self._key is not None
-        msg = m.decode(frame, Opener(self._key, b"hello-ack", replay=False))
-        if not isinstance(msg, m.HelloAck) or peer.hello is None \
-                or msg.echo != peer.hello.nonce:
-            raise AuthenticationError("handshake answer does not match our Hello")
-        return msg
+        for label, kinds in ((b"hello-ack", (m.HelloAck, m.HelloReject)),
+                             (b"challenge", (m.Challenge,))):
+            try:
+                msg = m.decode(frame, Opener(self._key, label, replay=False))
+            except AuthenticationError:
+                continue
+            if isinstance(msg, kinds) and peer.nonce and msg.echo == peer.nonce:
+                return msg
+            break
+        raise AuthenticationError("handshake answer does not match our Hello")
+
+    def _on_challenge(self, peer: _Producer, msg: m.Challenge) -> None:
+        """The producer at ``peer.address`` said who it is: one this side is connected to
+        (or connecting to) under another address joins that connection (one connection per
+        producer, however its address is spelt); any other is sent the Hello."""
+        if peer.agent_name or peer.challenge is not None or msg.echo != peer.nonce:
+            return  # an answer to a re-sent Probe, or to an earlier attempt
+        for twin in list(self._producers.values()):
+            if twin is not peer and twin.challenge is not None \
+                    and twin.challenge.name == msg.name \
+                    and twin.challenge.instance == msg.instance:
+                self._join(peer, twin)
+                return
+        peer.challenge = msg
+        if peer.hello_timer is not None:
+            peer.hello_timer.cancel()
+        self._send_hello(peer, peer.deadline, 0.05)
+
+    def _join(self, peer: _Producer, twin: _Producer) -> None:
+        """``peer``'s address reaches the producer of ``twin``'s connection: it becomes
+        another address of that connection, and its own socket goes."""
+        if peer.hello_timer is not None:
+            peer.hello_timer.cancel()
+        self._remove_socket(peer.socket)
+        for address in [a for a, p in self._producers.items() if p is peer]:
+            self._producers[address] = twin
+        waiters, peer.waiters = peer.waiters, []
+        if twin.agent_name:
+            for waiter in waiters:
+                waiter(twin.agent_name, None)
+        else:
+            twin.waiters.extend(waiters)
 
     def _claim_refused(self, name: str, rid: str, xid: int) -> None:
         """A producer's Failed or Abort of a claim's xid: a later pull starts anew (the
@@ -801,6 +866,9 @@ class Consumer(Endpoint):
     def _on_hello_ack(self, peer: _Producer, msg: m.HelloAck) -> None:
         if peer.agent_name:
             return  # a duplicate answer to a re-sent Hello
+        if peer.challenge is None or msg.name != peer.challenge.name:
+            self._stats.messages_rejected += 1  # not the answer to our Hello
+            return
         old = self._by_name.get(msg.name)
         if old is not None and old is not peer:
             # The same producer, restarted at another address before we noticed: its old
@@ -867,7 +935,7 @@ class Consumer(Endpoint):
         log.info("%s: lost producer %s: %s", self.name, peer.agent_name or peer.address, why)
         self._stats.peers_lost += 1
         name = peer.agent_name
-        del self._producers[peer.address]
+        self._unmap(peer)
         self._by_name.pop(name, None)
         self._remove_socket(peer.socket)
         with self._claims_lock:  # its claims cannot be held any more; a pull starts anew

@@ -20,7 +20,7 @@ import time
 import uuid
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -53,6 +53,20 @@ SEND_HWM = 1 << 14
 #: Bytes of control frames that may wait for one peer; past it the peer is given up
 #: (its requests fail with a clear status) rather than memory growing without bound.
 OUTBOX_BYTES = 64 << 20
+#: Messages one socket's handler reads per loop iteration, and their bytes (a first message
+#: is read whatever its size): the rest wait in ZeroMQ for the next iteration, so NIXL polls,
+#: timers and the other sockets get their turn in between. A ROUTER hands its peers'
+#: messages out in turn (ZeroMQ fair-queues them), so a peer that floods the socket gets
+#: its share of each iteration's budget, not the whole of it.
+READ_MESSAGES = 256
+READ_BYTES = 64 << 20
+#: Largest frame read from a peer that has not authenticated (a Hello and its NIXL metadata
+#: with room to spare); a larger one is dropped unread: neither copied nor checked.
+STRANGER_FRAME_BYTES = 1 << 20
+#: Bytes of frames from peers that have not authenticated read per loop iteration, and per
+#: such peer: past them, their frames are dropped unread (a handshake is re-sent).
+STRANGER_BYTES = 4 << 20
+STRANGER_PEER_BYTES = 2 * STRANGER_FRAME_BYTES
 #: One loop iteration (commands, messages, NIXL polls, timers) longer than this is logged,
 #: with where its time went: every request of the endpoint waited meanwhile.
 LOOP_STALL_S = 0.1
@@ -443,7 +457,7 @@ class Endpoint:
     def _notifications(self) -> list[tuple[str, m.Message]]:
         """New NIXL notifications (this also progresses the agent), decoded and, with a
         key, authenticated; rejects are counted, never returned. Commands queued before they
-        were received have run (see :meth:`_recv_all`)."""
+        were received have run (see :meth:`_read_frames`)."""
         out: list[tuple[str, m.Message]] = []
         notifs = self._agent.notifications()
         self._drain_commands()
@@ -664,7 +678,7 @@ class Endpoint:
         """The role: handshake with the peers again."""
 
     def _drain_commands(self) -> None:
-        # Called on every receive and poll (see _recv_all): an empty queue costs one
+        # Called on every receive and poll (see _read_frames): an empty queue costs one
         # empty() (~50 ns), not a raised queue.Empty (~700 ns). Only this thread takes.
         while not self._commands.empty():
             fn = self._commands.get_nowait()
@@ -685,21 +699,26 @@ class Endpoint:
             self._core.tick(now)
             self._apply()
 
-    def _recv_all(self, sock: zmq.Socket[Any]) -> list[list[bytes]]:
-        """Every frame waiting on ``sock``, once the commands queued before they were
-        received have run. A message can be caused by a command's effect (a pull ticket
-        leaves ``prefill_done`` before the loop runs the hold that call queued; its
-        PullBegin can be here in the same loop iteration, after this iteration's drain):
-        running the queue after receiving means a message never finds that effect
-        missing."""
-        frames = []
-        while True:
+    def _read_frames(self, sock: zmq.Socket[Any]) -> Iterator[list[zmq.Frame]]:
+        """The messages waiting on ``sock``, read one at a time (not copied: a frame
+        dropped unread costs nothing) up to this iteration's budget (:data:`READ_MESSAGES`,
+        :data:`READ_BYTES`); the rest stay in ZeroMQ for the next iteration. Before each
+        is handed out, the commands queued before it was received run: a message can be
+        caused by a command's effect (a pull ticket leaves ``prefill_done`` before the loop
+        runs the hold that call queued; its PullBegin can be here in the same iteration),
+        and running the queue after receiving means a message never finds that effect
+        missing. Stops once the socket was closed meanwhile (its peer given up)."""
+        count = nbytes = 0
+        while count < READ_MESSAGES and nbytes < READ_BYTES and not sock.closed:
             try:
-                frames.append(sock.recv_multipart(zmq.NOBLOCK))
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                break
-        self._drain_commands()
-        return frames
+                return
+            count += 1
+            for frame in frames:
+                nbytes += len(frame)
+            self._drain_commands()
+            yield frames
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "Abort",
     "AbortAck",
     "Bye",
+    "Challenge",
     "Claim",
     "Failed",
     "Heartbeat",
@@ -44,6 +45,7 @@ __all__ = [
     "Landed",
     "Message",
     "Posted",
+    "Probe",
     "PullBegin",
     "PullDone",
     "PullHeld",
@@ -57,7 +59,7 @@ __all__ = [
     "new_id",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _PLAIN = bytes([PROTOCOL_VERSION, 0])
 _SEALED = bytes([PROTOCOL_VERSION, 1])
 
@@ -85,6 +87,28 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=Tru
     pass
 
 
+class Probe(_Msg, tag="probe", frozen=True):
+    """Consumer -> producer, first: who answers at this address? Answered by
+    :class:`Challenge`. With authentication, sealed with the key (a peer without it learns
+    nothing and makes the producer sign nothing)."""
+
+    nonce: bytes = b""        # fresh per connection attempt; the Hello carries it again
+
+
+class Challenge(_Msg, tag="challenge", frozen=True):
+    """Producer -> consumer, the answer to :class:`Probe`: which producer this is, before
+    the consumer commits to a connection (a second address of a producer it is connected
+    to joins that connection), and the nonce its Hello must carry. With authentication,
+    sealed with the key: a Hello is then bound to the producer that issued its challenge,
+    not only to an address, so one captured on its way to one producer is refused by
+    every other."""
+
+    name: str                 # the producer's NIXL agent name
+    instance: bytes           # random per Producer object: same name and instance, same producer
+    nonce: bytes              # the Hello must carry it (``Hello.challenge``), once
+    echo: bytes = b""         # the Probe's nonce
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     """Consumer -> producer: open a connection."""
 
@@ -94,6 +118,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     nonce: bytes = b""        # with authentication: fresh per connection attempt
     sent_at: float = 0.0      # wall clock, with authentication
     to: str = ""              # the address the consumer dialed (the producer checks it)
+    challenge: bytes = b""    # the Challenge's nonce (required with authentication)
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):
@@ -114,6 +139,7 @@ class HelloReject(_Msg, tag="hello_reject", frozen=True):
     field: str = ""
     local: str = ""
     remote: str = ""
+    echo: bytes = b""         # the refused Hello's nonce (sealed with the key, if it had one)
 
 
 class Register(_Msg, tag="register", frozen=True):
@@ -346,8 +372,8 @@ class PullTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 Message = Union[  # noqa: UP007 - msgspec needs a runtime Union here
-    Hello, HelloAck, HelloReject, Register, Posted, Failed, Abort, AbortAck, PullBegin,
-    PullHeld, Claim, Heartbeat, HeartbeatAck, Bye, Landed, PullDone,
+    Probe, Challenge, Hello, HelloAck, HelloReject, Register, Posted, Failed, Abort, AbortAck,
+    PullBegin, PullHeld, Claim, Heartbeat, HeartbeatAck, Bye, Landed, PullDone,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -363,12 +389,12 @@ def encode(msg: Message, sealer: Sealer | None = None) -> bytes:
     return _SEALED + sealer.seal(body)
 
 
-def is_sealed(frame: bytes) -> bool:
+def is_sealed(frame: bytes | memoryview) -> bool:
     """True if ``frame`` is sealed (authenticated with a key)."""
     return len(frame) >= 2 and frame[1] == 1
 
 
-def decode(frame: bytes, opener: Opener | None = None) -> Message:
+def decode(frame: bytes | memoryview, opener: Opener | None = None) -> Message:
     """Parse a frame. Anything but a well-formed message of this version raises
     :class:`~kvpush.errors.ProtocolError`; with ``opener``, an unauthenticated, forged or
     replayed frame raises :class:`~kvpush.errors.AuthenticationError` (and without one, an

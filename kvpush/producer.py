@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -29,6 +30,7 @@ from . import messages as m
 from .agent import TransportConfig
 from .aio import DrainQueue, drain_iter
 from .auth import (
+    Challenges,
     HelloGuard,
     Opener,
     Sealer,
@@ -39,6 +41,9 @@ from .auth import (
     session_key,
 )
 from .endpoint import (
+    STRANGER_BYTES,
+    STRANGER_FRAME_BYTES,
+    STRANGER_PEER_BYTES,
     Endpoint,
     check_durations,
     control_socket,
@@ -140,6 +145,8 @@ class _Consumer:
     hello_nonce: bytes = b""
     hello_metadata: bytes = b""
     ack_frame: bytes = b""
+    # Dropped by a data-plane restart: told to connect again (Bye(rejoin=True))
+    rejoin: bool = False
 
 
 class _Links:
@@ -190,8 +197,14 @@ class Producer(Endpoint):
         self._observers: list[Callable[[Release], None]] = []
         self._consumers: dict[bytes, _Consumer] = {}
         self._by_agent: dict[str, _Consumer] = {}
-        # connections dropped by a data-plane restart (answered Bye(rejoin=True)); bounded
-        self._rejoiners: set[bytes] = set()
+        # Connections this side dropped, by identity (bounded): what their consumer still
+        # sends is answered -- sealed under its session, so it can trust the answer -- with
+        # a Bye (connect again) or a Failed("not_connected").
+        self._departed: dict[bytes, _Consumer] = {}
+        # What this Producer object answers a Probe with: a consumer that reaches it under
+        # two addresses knows it is one producer (and keeps one connection).
+        self._instance = new_nonce()
+        self._challenges = Challenges()
         # each consumer name's last NIXL metadata (a digest; bounded): a Hello under a known
         # name with other metadata is a new incarnation of that consumer, even once the old
         # one was dropped and forgotten
@@ -399,49 +412,74 @@ class Producer(Endpoint):
 
     # -- loop: control messages ------------------------------------------------------------
     def _on_router(self, sock: zmq.Socket[Any]) -> None:
-        for frames in self._recv_all(sock):
+        strangers = 0                   # bytes read this iteration from strangers,
+        read: dict[bytes, int] = {}     # and from each of them
+        for frames in self._read_frames(sock):
             if len(frames) != 2:
                 self._stats.messages_rejected += 1
                 continue
-            identity, frame = frames
+            identity, frame = frames[0].bytes, frames[1].buffer
             peer = self._consumers.get(identity)
-            try:
-                msg = self._decode(peer, frame)
-            except AuthenticationError as exc:
-                self._stats.auth_rejected += 1
-                log.warning("%s: rejected control frame: %s", self.name, exc)
-                if peer is None:  # tell a would-be peer why its handshake fails
-                    self._send(sock, m.HelloReject(str(exc), "auth_key"), identity,
-                               best_effort=True)
-                continue
-            except ProtocolError as exc:
-                self._stats.messages_rejected += 1
-                log.warning("%s: rejected control frame: %s", self.name, exc)
-                continue
-            if peer is not None:
-                peer.last_seen = time.monotonic()
-            if isinstance(msg, m.Hello):
-                self._on_hello(identity, msg)
-            elif peer is None:
-                self._stats.messages_rejected += 1
-                if isinstance(msg, (m.Register, m.PullBegin, m.Claim)):
-                    self._send(sock, m.Failed(msg.request_id, msg.xid, "not_connected",
-                                              "no handshake from this consumer"), identity,
-                               best_effort=True)
-                elif isinstance(msg, m.Heartbeat):  # we dropped it; it should know
-                    # (dropped by a data-plane restart: it should connect again)
-                    rejoin = identity in self._rejoiners
-                    self._send(sock, m.Bye(self.name, rejoin=rejoin), identity,
-                               best_effort=True)
-            elif isinstance(msg, m.Heartbeat):
-                self._tell(peer, m.HeartbeatAck(msg.seq))
-            elif isinstance(msg, m.Bye):
-                self._drop_consumer(peer, "consumer closed")
-            else:
-                self._core.on_message(time.monotonic(), peer.agent_name, msg)
+            if peer is None:  # not authenticated: small frames, and few of them
+                size = len(frame)
+                spent = read.get(identity, 0) + size
+                if size > STRANGER_FRAME_BYTES or spent > STRANGER_PEER_BYTES \
+                        or strangers + size > STRANGER_BYTES:
+                    self._stats.messages_rejected += 1  # dropped unread
+                    continue
+                read[identity] = spent
+                strangers += size
+            self._on_frame(identity, peer, frame)
         self._apply()
 
-    def _decode(self, peer: _Consumer | None, frame: bytes) -> m.Message:
+    def _on_frame(self, identity: bytes, peer: _Consumer | None,
+                  frame: memoryview) -> None:
+        departed = self._departed.get(identity) if peer is None else None
+        try:
+            msg = self._decode(peer or departed, frame)
+        except AuthenticationError as exc:
+            self._stats.auth_rejected += 1
+            log.warning("%s: rejected control frame: %s", self.name, exc)
+            if peer is None:  # tell a would-be peer why its handshake fails
+                self._send(self._router, m.HelloReject(str(exc), "auth_key"), identity,
+                           best_effort=True)
+            return
+        except ProtocolError as exc:
+            self._stats.messages_rejected += 1
+            log.warning("%s: rejected control frame: %s", self.name, exc)
+            return
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        if isinstance(msg, m.Probe):
+            self._send(self._router, m.Challenge(self.name, self._instance,
+                                                 self._challenges.issue(), msg.nonce),
+                       identity, None if self._key is None else Sealer(self._key, b"challenge"),
+                       best_effort=True)
+        elif isinstance(msg, m.Hello):
+            self._on_hello(identity, msg)
+        elif peer is None:
+            # Not connected (dropped, or never): it should know, under its session if it
+            # had one (a refusal it could not authenticate would be discarded).
+            self._stats.messages_rejected += 1
+            sealer = departed.sealer if departed is not None else None
+            if isinstance(msg, (m.Register, m.PullBegin, m.Claim)):
+                self._send(self._router, m.Failed(msg.request_id, msg.xid, "not_connected",
+                                                  "no handshake from this consumer"),
+                           identity, sealer, best_effort=True)
+            elif isinstance(msg, m.Heartbeat):
+                rejoin = departed is not None and departed.rejoin
+                self._send(self._router, m.Bye(self.name, rejoin=rejoin), identity, sealer,
+                           best_effort=True)
+        elif isinstance(msg, m.Heartbeat):
+            self._tell(peer, m.HeartbeatAck(msg.seq))
+        elif isinstance(msg, m.Bye):
+            self._drop_consumer(peer, "consumer closed")
+        else:
+            self._core.on_message(time.monotonic(), peer.agent_name, msg)
+
+    def _decode(self, peer: _Consumer | None, frame: memoryview) -> m.Message:
+        """A frame from ``peer`` (connected or departed; None: a stranger). With a key,
+        anything but the session's frames must be a Probe or a Hello sealed with the key."""
         if self._key is None:
             return m.decode(frame)
         if peer is not None and peer.opener is not None and m.is_sealed(frame):
@@ -450,6 +488,8 @@ class Producer(Endpoint):
             except AuthenticationError:
                 pass  # maybe a Hello from the same peer, restarted: sealed with the key
         msg = m.decode(frame, Opener(self._key, b"hello", replay=False))
+        if isinstance(msg, m.Probe):
+            return msg
         if not isinstance(msg, m.Hello):
             raise AuthenticationError(f"{type(msg).__name__} sealed with the handshake key")
         if peer is None or msg.nonce != peer.hello_nonce:  # a retransmit is answered again
@@ -487,23 +527,27 @@ class Producer(Endpoint):
                 if not self._addressed_here(msg.to):
                     raise AuthenticationError(f"Hello meant for {msg.to!r}, not this producer "
                                               f"({self.address})")
+                try:
+                    self._challenges.redeem(msg.challenge)
+                except AuthenticationError as exc:
+                    self._stats.auth_rejected += 1
+                    self._refuse(identity, msg, m.HelloReject(str(exc), "challenge"))
+                    return
                 metadata = decrypt(self._key, b"hello-metadata",
                                    msg.nonce + msg.name.encode(), msg.agent_metadata)
         except AuthenticationError as exc:
             self._stats.auth_rejected += 1
-            self._send(self._router, m.HelloReject(str(exc), "auth_key"), identity,
-                       best_effort=True)
+            self._refuse(identity, msg, m.HelloReject(str(exc), "auth_key"))
             return
         try:
             remote = KVLayout.from_wire(msg.layout)
             check_compatible(self.layout, remote)
         except LayoutMismatch as exc:
-            self._send(self._router, m.HelloReject(str(exc), exc.field, repr(exc.local),
-                                                   repr(exc.remote)), identity,
-                       best_effort=True)
+            self._refuse(identity, msg, m.HelloReject(str(exc), exc.field, repr(exc.local),
+                                                      repr(exc.remote)))
             return
         except ProtocolError as exc:
-            self._send(self._router, m.HelloReject(str(exc)), identity, best_effort=True)
+            self._refuse(identity, msg, m.HelloReject(str(exc)))
             return
         # A restarted consumer (its new connection, or the same one) replaces the old
         # incarnation: that one's transfers are given up before NIXL takes the new metadata.
@@ -525,13 +569,12 @@ class Producer(Endpoint):
         try:
             agent_name = self._agent.add_peer(metadata, remote, msg.name)
         except PeerUnavailable as exc:
-            self._send(self._router, m.HelloReject(str(exc)), identity, best_effort=True)
+            self._refuse(identity, msg, m.HelloReject(str(exc)))
             return
         if agent_name != msg.name:  # the Hello is bound to the sender's NIXL agent
             self._agent.remove_peer(agent_name)
-            self._send(self._router, m.HelloReject(
-                f"Hello from {msg.name!r} carries the NIXL metadata of {agent_name!r}"),
-                identity, best_effort=True)
+            self._refuse(identity, msg, m.HelloReject(
+                f"Hello from {msg.name!r} carries the NIXL metadata of {agent_name!r}"))
             return
         if msg.name not in self._incarnations and len(self._incarnations) >= 4096:
             del self._incarnations[next(iter(self._incarnations))]
@@ -558,6 +601,15 @@ class Producer(Endpoint):
         self._core.peer_up(time.monotonic(), agent_name, remote)
         self._send_frame(self._router, peer.ack_frame, identity)
 
+
+    def _refuse(self, identity: bytes, hello: m.Hello, reject: m.HelloReject) -> None:
+        """Refuse a Hello, once. With a key the refusal is sealed with it and echoes the
+        Hello's nonce, so its consumer can tell it from a stranger's say-so."""
+        sealer = None
+        if self._key is not None:
+            reject = msgspec.structs.replace(reject, echo=hello.nonce)
+            sealer = Sealer(self._key, b"hello-ack")
+        self._send(self._router, reject, identity, sealer, best_effort=True)
 
     def _tell(self, peer: _Consumer, msg: m.Message) -> None:
         self._send(self._router, msg, peer.identity, peer.sealer)
@@ -600,6 +652,10 @@ class Producer(Endpoint):
         log.info("%s: dropping consumer %s: %s", self.name, peer.agent_name, why)
         self._stats.peers_lost += 1
         del self._consumers[peer.identity]
+        while len(self._departed) >= 4096:
+            del self._departed[next(iter(self._departed))]
+        self._departed[peer.identity] = peer
+        peer.ack_frame = peer.hello_metadata = b""  # its session is all that is kept
         self._drop_outbox((self._router, peer.identity))
         self._core.peer_lost(time.monotonic(), peer.agent_name, why, abandon=abandon)
         self._apply()
@@ -622,9 +678,7 @@ class Producer(Endpoint):
         connect again (it needs the new NIXL metadata)."""
         for peer in list(self._consumers.values()):
             self._tell(peer, m.Bye(self.name, rejoin=True))
-            if len(self._rejoiners) >= 4096:
-                self._rejoiners.clear()
-            self._rejoiners.add(peer.identity)  # in case this Bye is lost
+            peer.rejoin = True  # told again if this Bye is lost (it is departed)
             self._drop_consumer(peer, why, abandon=True)
 
     def _debug_state(self, rid: str) -> str:

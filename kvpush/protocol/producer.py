@@ -40,6 +40,10 @@ MAX_PARTS = 1 << 20
 #: Bound on registrations and claims waiting per consumer (a misbehaving peer cannot grow
 #: this side's memory without bound).
 MAX_WAITING_PER_PEER = 1 << 16
+#: Bound on block ids held in registrations waiting per consumer: four times its cache (a
+#: consumer's live registrations name its own allocated blocks), at least ``1 << 16``, at
+#: most this many (8 bytes each), whatever cache its Hello claims.
+MAX_IDS_PER_PEER = 1 << 22
 
 
 class State(enum.Enum):
@@ -230,6 +234,7 @@ class ProducerCore:
              "transfers_abandoned", "stale_messages", "refused"), 0)
         self._requests: dict[str, _Request] = {}
         self._waiting: dict[str, int] = {}       # REGISTERED/CLAIMED shares by peer
+        self._waiting_ids: dict[str, int] = {}   # their block ids (REGISTERED) by peer
         self._pulling = 0                        # PULLING shares
         #: Gauges for :data:`kvpush.metrics.LIVE` (the facade publishes their changes).
         self.gauges = {"sources_held": 0, "registrations_waiting": 0}
@@ -530,6 +535,13 @@ class ProducerCore:
                 del self._waiting[share.peer]
         if state in (ShareState.REGISTERED, ShareState.CLAIMED):
             self._waiting[share.peer] = self._waiting.get(share.peer, 0) + 1
+        if ShareState.REGISTERED in (old, state) and share.ids is not None:
+            n = len(share.ids) if state is ShareState.REGISTERED else -len(share.ids)
+            held = self._waiting_ids.get(share.peer, 0) + n
+            if held:
+                self._waiting_ids[share.peer] = held
+            else:
+                self._waiting_ids.pop(share.peer, None)
         self._pulling += (state is ShareState.PULLING) - (old is ShareState.PULLING)
         self.gauges["registrations_waiting"] += (state is ShareState.REGISTERED) - (
             old is ShareState.REGISTERED)
@@ -698,6 +710,25 @@ class ProducerCore:
             return "too_many"
         return ""
 
+    def _ids_refused(self, peer: str, n: int) -> tuple[str, str] | None:
+        """Why a registration of ``n`` block ids from ``peer`` is refused, if it is: more
+        than one request can name (a request's blocks on either side: this side's cache, in
+        the consumer's blocks, and the consumer's), or more ids than ``peer`` may have
+        waiting here (:data:`MAX_IDS_PER_PEER`)."""
+        theirs = self._peers.get(peer)
+        if theirs is None:
+            return None
+        ours = -(-self.layout.num_blocks * self.layout.tokens_per_block
+                 // theirs.tokens_per_block)
+        most = min(ours, theirs.num_blocks)
+        if n > most:
+            return "invalid_ids", f"{n} block ids; a request here names at most {most}"
+        budget = min(max(4 * theirs.num_blocks, 1 << 16), MAX_IDS_PER_PEER)
+        if self._waiting_ids.get(peer, 0) + n > budget:
+            return "too_many", (f"more than {budget} block ids waiting from this consumer "
+                                f"({n} more asked)")
+        return None
+
     _ADMIT_REASON = {
         "sharers": "the number of sharers differs from the other owners' (or is out of range)",
         "duplicate": "this consumer already has this request registered",
@@ -754,6 +785,10 @@ class ProducerCore:
             ids = m.decode_ids(msg.block_ids)
         except KvpushError as exc:
             self._fail(peer, rid, msg.xid, "invalid_ids", str(exc))
+            return
+        refused = self._ids_refused(peer, len(ids))
+        if refused is not None:
+            self._fail(peer, rid, msg.xid, *refused)
             return
         wait = min(max(msg.wait_s, 0.0), self.config.max_wait_s) \
             if math.isfinite(msg.wait_s) else self.config.max_wait_s

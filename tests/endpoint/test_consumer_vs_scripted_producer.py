@@ -76,24 +76,46 @@ class ScriptedProducer:
             try:
                 msg = m.decode(frame, self.opener)
             except AuthenticationError:
-                # A Hello retransmit that crossed our HelloAck: sealed with the key itself.
+                # A Probe or Hello retransmit that crossed our answer: sealed with the key.
                 assert self.key is not None
                 msg = m.decode(frame, Opener(self.key, b"hello", replay=False))
-                assert isinstance(msg, m.Hello)
-            if not isinstance(msg, (*skip, m.Hello)):
+                assert isinstance(msg, (m.Probe, m.Hello))
+            if not isinstance(msg, (*skip, m.Probe, m.Hello)):
                 return msg
 
     def send(self, msg: m.Message) -> None:
         self.sock.send_multipart([self.identity, m.encode(msg, self.sealer)])
 
+    def _handshake(self, frame: bytes) -> m.Message:
+        return m.decode(frame) if self.key is None else \
+            m.decode(frame, Opener(self.key, b"hello", replay=False))
+
+    def challenge(self, frame: bytes) -> None:
+        """Answer the consumer's Probe ``frame`` with a Challenge."""
+        probe = self._handshake(frame)
+        assert isinstance(probe, m.Probe)
+        answer = m.Challenge(self.name, b"scripted", new_nonce(), probe.nonce)
+        self.sock.send_multipart([self.identity, m.encode(
+            answer, None if self.key is None else Sealer(self.key, b"challenge"))])
+
+    def next_hello(self) -> bytes:
+        """The consumer's next Hello frame (Probe retransmits that crossed the Challenge
+        skipped)."""
+        while True:
+            self.identity, frame = self.recv_frame()
+            if isinstance(self._handshake(frame), m.Hello):
+                return frame
+
     def accept(self, frame: bytes | None = None) -> bytes:
-        """Answer the consumer's (next) Hello with a HelloAck; returns the answer's frame."""
+        """Answer the consumer's Probe with a Challenge and its Hello with a HelloAck
+        (``frame``: the Probe or the Hello, already received); returns the HelloAck's
+        frame."""
         if frame is None:
             self.identity, frame = self.recv_frame()
-        if self.key is None:
-            hello = m.decode(frame)
-        else:
-            hello = m.decode(frame, Opener(self.key, b"hello", replay=False))
+        if isinstance(self._handshake(frame), m.Probe):
+            self.challenge(frame)
+            frame = self.next_hello()
+        hello = self._handshake(frame)
         assert isinstance(hello, m.Hello)
         layout = kvpush.KVLayout.from_wire(hello.layout)
         metadata = hello.agent_metadata if self.key is None else decrypt(
@@ -427,10 +449,12 @@ def test_hello_retransmits_are_identical_and_a_slow_answer_still_authenticates()
         box: list[str] = []
         t = threading.Thread(target=lambda: box.append(consumer.connect(prod.address, 10)))
         t.start()
-        got = [prod.recv_frame() for _ in range(4)]  # sent at 0, 50, 150, 350 ms
-        frames = [frame for _, frame in got]
-        assert len(set(frames)) == 1, "Hello retransmits differ"
+        got = [prod.recv_frame() for _ in range(3)]  # sent at 0, 50, 150 ms
+        assert len({frame for _, frame in got}) == 1, "Probe retransmits differ"
         prod.identity = got[0][0]
+        prod.challenge(got[0][1])
+        frames = [prod.next_hello() for _ in range(3)]  # sent at 0, 50, 150 ms
+        assert len(set(frames)) == 1, "Hello retransmits differ"
         ack = prod.accept(frames[-1])
         t.join(10)
         assert box == [prod.name]

@@ -15,7 +15,7 @@ import zmq
 
 import kvpush
 from kvpush import messages as m
-from kvpush.auth import Opener, decrypt, encrypt
+from kvpush.auth import Opener, Sealer, decrypt, encrypt
 from kvpush.errors import AuthenticationError, InvalidBlockIds, ProtocolError
 from tests.support.harness import fill, make_cache
 
@@ -61,7 +61,8 @@ class Sniffer:
 
 
 def hello_to(sniffer: Sniffer, c: kvpush.Consumer) -> tuple[bytes, bytes]:
-    """The Hello ``c`` sends when it dials ``sniffer`` (the connect then times out)."""
+    """The Hello ``c`` sends when it dials ``sniffer``, which answers its Probe as a
+    producer would (the connect then times out)."""
     import threading
 
     def dial() -> None:
@@ -70,7 +71,18 @@ def hello_to(sniffer: Sniffer, c: kvpush.Consumer) -> tuple[bytes, bytes]:
     t = threading.Thread(target=dial, daemon=True)
     t.start()
     try:
-        return sniffer.frame()
+        identity, frame = sniffer.frame()
+        key = c.config.auth_key
+        probe = m.decode(frame, None if key is None else Opener(key, b"hello", replay=False))
+        assert isinstance(probe, m.Probe)
+        challenge = m.Challenge("sniffed", b"i", b"c" * 16, probe.nonce)
+        sniffer.sock.send_multipart([identity, m.encode(
+            challenge, None if key is None else Sealer(key, b"challenge"))])
+        while True:  # its Hello, after any Probe re-sent meanwhile
+            identity, frame = sniffer.frame()
+            opener = None if key is None else Opener(key, b"hello", replay=False)
+            if isinstance(m.decode(frame, opener), m.Hello):
+                return identity, frame
     finally:
         t.join(8)
 
@@ -113,7 +125,7 @@ def test_a_hello_replayed_to_another_producer_is_refused() -> None:
         attacker.connect(p2.address)
         attacker.send(frame)
         assert attacker.poll(5000), "no answer"
-        answer = m.decode(attacker.recv())
+        answer = m.decode(attacker.recv(), Opener(KEY, b"hello-ack", replay=False))
         assert isinstance(answer, m.HelloReject) and "meant for" in answer.reason
         assert p2.stats()["auth_rejected"] >= 1
     finally:
@@ -204,18 +216,22 @@ def test_a_hello_with_another_agents_metadata_is_refused() -> None:
     ctx = zmq.Context()
     attacker = ctx.socket(zmq.DEALER)
     try:
+        attacker.setsockopt(zmq.LINGER, 0)
+        attacker.connect(p.address)
         nonce = b"n" * 16
+        attacker.send(m.encode(m.Probe(nonce), Sealer(KEY, b"hello")))
+        assert attacker.poll(5000)
+        challenge = m.decode(attacker.recv(), Opener(KEY, b"challenge", replay=False))
+        assert isinstance(challenge, m.Challenge) and challenge.name == p.name
         metadata = encrypt(KEY, b"hello-metadata", nonce + b"someone-else",
                            c._agent.metadata())
         hello = m.Hello("someone-else", metadata, c.layout.to_wire(), nonce, time.time(),
-                        p.address)
-        from kvpush.auth import Sealer
-        attacker.setsockopt(zmq.LINGER, 0)
-        attacker.connect(p.address)
+                        p.address, challenge.nonce)
         attacker.send(m.encode(hello, Sealer(KEY, b"hello")))
         assert attacker.poll(5000)
-        answer = m.decode(attacker.recv())
+        answer = m.decode(attacker.recv(), Opener(KEY, b"hello-ack", replay=False))
         assert isinstance(answer, m.HelloReject) and "NIXL metadata of" in answer.reason
+        assert answer.echo == nonce  # sealed, and bound to the Hello it refuses
     finally:
         attacker.close()
         ctx.destroy(linger=0)
