@@ -154,6 +154,10 @@ class Register(_Msg, tag="register", frozen=True):
     groups: int = 1           # WRITEs (and Landed parts) per producer: 1, or one per layer
     tail: bool = False        # the consumer wants only the last len(block_ids) source blocks
     sharers: Sharers = 1          # consumer endpoints that take a share of this source
+    # The source use (the producer's sid) this registration is for, when the consumer knows
+    # it (the router relays it, as in a pull ticket); 0: the use the producer holds or
+    # starts next. A named registration never attaches to another use.
+    sid: Id = 0
 
 
 class Posted(_Msg, tag="posted", frozen=True):

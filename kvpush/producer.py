@@ -267,11 +267,14 @@ class Producer(Endpoint):
         check_request_id(request_id)
         mode = TransferMode(mode)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
+        named = sid is not None
         if sid is None:
             sid = new_id()
         elif isinstance(sid, bool) or not isinstance(sid, int) or not 0 < sid < 1 << 63:
             raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
-        use = sid
+        # An unnamed push use goes to the core as sid 0: it tells this use's late calls
+        # from a new use's by their blocks (a pull's sid is in its ticket: named).
+        use = sid if named or mode is TransferMode.PULL else 0
 
         def run() -> None:
             self._event(lambda now: self._core.prefill_done(now, request_id, ids, mode, use,
@@ -305,22 +308,29 @@ class Producer(Endpoint):
 
         return self._batch(items, prepare)
 
-    def layer_done(self, request_id: str, block_ids: Any, layer: int) -> None:
+    def layer_done(self, request_id: str, block_ids: Any, layer: int, *,
+                   sid: int | None = None) -> None:
         """Layer-wise push: layer ``layer``'s KV for ``request_id`` is final in
         ``block_ids``. A consumer that registered layer by layer (``expect(...,
         layerwise=True)``) gets that layer written at once, while later layers compute.
         Call it for layers as they finish, then :meth:`prefill_done` with the same blocks as
         usual (which also covers any layer not reported). Whole-request registrations just
-        wait for ``prefill_done``. The lease starts at ``prefill_done``."""
+        wait for ``prefill_done``. The lease starts at ``prefill_done``.
+
+        ``sid`` names the use, as in :meth:`prefill_done` (pass the same to both); an
+        unnamed use is told from a later use of the id by its blocks."""
         check_request_id(request_id)
         if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer!r}")
         if self.layout.layers_per_region != 1:
             raise ValueError("layer_done needs one layer per region (layers_per_region == 1)")
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        sid = new_id()
+        if sid is not None and (isinstance(sid, bool) or not isinstance(sid, int)
+                                or not 0 < sid < 1 << 63):
+            raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
+        use = sid or 0
         self._call_soon(lambda: self._event(lambda now: self._core.layer_done(
-            now, request_id, ids, layer, sid)))
+            now, request_id, ids, layer, use)))
 
     def abort(self, request_id: str, reason: str = "aborted by producer") -> None:
         """Give up ``request_id``'s live use wherever it is: its owners are told, and its

@@ -362,11 +362,14 @@ class ConsumerCore:
     # -- engine events -----------------------------------------------------------------
     def expect(self, now: float, rid: str, ids: np.ndarray, producers: Sequence[str],
                timeout: float, groups: int = 1, tail: bool = False,
-               sharers: int | Sequence[int] = 1, xid: int | None = None) -> int:
+               sharers: int | Sequence[int] = 1, xid: int | None = None,
+               sids: Sequence[int] | None = None) -> int:
         """Push: register ``ids`` with each producer (part = its index); returns the use's
-        xid (``xid``, or a fresh one). A use that cannot start (id pending, producer not
-        connected) gets a FAILED result of its own."""
+        xid (``xid``, or a fresh one). ``sids``: each producer's source use, when known
+        (0 or None: the one it holds or starts next). A use that cannot start (id pending,
+        producer not connected) gets a FAILED result of its own."""
         names = list(producers)
+        uses = [0] * len(names) if sids is None else list(sids)
         xid = self._new_xid() if xid is None else xid
         shares = [sharers] * len(names) if isinstance(sharers, int) else list(sharers)
         claim = self._claims.get(rid)
@@ -392,9 +395,9 @@ class ConsumerCore:
         self._completions.expect(rid, req.parts)
         payload = m.encode_ids(ids)
         verify = self.config.verify and req.parts == 1
-        for index, (name, share) in enumerate(zip(names, shares, strict=True)):
+        for index, (name, share, sid) in enumerate(zip(names, shares, uses, strict=True)):
             self._out.append(Send(name, m.Register(rid, xid, payload, index, timeout, verify,
-                                                   groups, tail, share)))
+                                                   groups, tail, share, sid)))
         return xid
 
     def pull(self, now: float, tickets: Sequence[m.PullTicket], sources: Sequence[np.ndarray],

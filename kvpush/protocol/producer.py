@@ -146,6 +146,7 @@ class _Share:
     mode: TransferMode
     state: ShareState
     sharers: int
+    sid: int = 0            # push: the source use its registration names (0: none)
     # push
     ids: np.ndarray | None = None
     part: int = 0
@@ -174,6 +175,9 @@ class _Share:
 
 @dataclass
 class _Source:
+    """One use of a request id's blocks. ``sid`` 0 from the engine (it does not name its
+    uses) is replaced by a fresh one; ``named`` says the engine chose it."""
+
     ids: np.ndarray
     mode: TransferMode
     sid: int
@@ -181,6 +185,11 @@ class _Source:
     layers: set[int] = field(default_factory=set)
     lease: _Timer | None = None
     stamps: dict[str, float] = field(default_factory=dict)
+    named: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.sid:
+            self.sid, self.named = m.new_id(), False
 
 
 @dataclass
@@ -196,9 +205,9 @@ class _Request:
     done_owners: set[tuple[str, int]] = field(default_factory=set)
     tomb: _Timer | None = None
     unsafe: bool = False    # a transfer may still read the source when it is released
-    # RELEASED_EARLY: engine calls made (their ``called`` stamp) before this belong to the
-    # released use; the record stays a while longer for calls a stalled loop takes late
-    use_deadline: float | None = None
+    # RELEASED_EARLY: the record stays max_wait_s past its tombstone for a prefill_done
+    # that comes that late (a layer-wise prefill outlives its registration's wait)
+    extended: bool = False
     # The engine aborted this use: its prefill_done, even one made after the abort, is
     # still this use's (it never starts a new use here).
     aborted: bool = False
@@ -574,16 +583,19 @@ class ProducerCore:
                                                self._lease_expired_fn(req))
                 return
             self._out.append(Emit(Release(req.rid, ReleaseReason.ABORTED, ids, req.why,
-                                          {**stamps, "released": self._now}, sid,
-                                          mode=mode)))
+                                          {**stamps, "released": self._now},
+                                          sid or m.new_id(), mode=mode)))
             self.stats["blocks_released"] += len(ids)
             return
-        if state is State.RELEASED_EARLY and self._same_use(req, ids, sid) and (
-                req.use_deadline is None or stamps["prefill_done"] <= req.use_deadline):
-            req.state = State.ENDED    # the late prefill_done of a use released already
+        if state is State.RELEASED_EARLY and self._same_use(req, ids, sid):
+            # The prefill_done of the use released already (early or aborted), whenever it
+            # comes: swallowed. Deciding by the time it came took a late one (a prefill
+            # that outlived tombstone_s, or one the engine made after its abort) for a new
+            # use, whose blocks were held again and released a second time.
+            req.state = State.ENDED
             self._tomb(req, req.code, req.why)
             return
-        if state is State.RELEASED_EARLY:  # called after that use's window: a new use
+        if state is State.RELEASED_EARLY:  # another use's blocks: a new use
             self._reuse(req)
             state = req.state
         if state is State.ENDED:
@@ -633,18 +645,32 @@ class ProducerCore:
                                "the producer exposed this request for pull")
                     self._share_gone(req, share, ReleaseReason.FAILED, "mode conflict")
                 req.shares, req.sharers = {}, None
+            self._refuse_other_uses(req)
         req.state = State.HELD
         req.source.lease = self._after(self.config.lease_s, self._lease_expired_fn(req))
         self._advance(req)
 
+    def _refuse_other_uses(self, req: _Request) -> None:
+        """The source use has come: registrations waiting for it that name another (an
+        earlier use's, late) are told the truth, and take nothing of it."""
+        source = req.source
+        assert source is not None
+        for share in req.live():
+            if share.sid and (not source.named or share.sid != source.sid):
+                self._fail(share.peer, req.rid, share.xid, "not_held",
+                           "the producer holds another use of this request")
+                self._share_gone(req, share, ReleaseReason.FAILED, "another use")
+
     @staticmethod
     def _same_use(req: _Request, ids: np.ndarray, sid: int) -> bool:
         """Whether an engine call naming ``ids`` and ``sid`` is of the use released early:
-        the same source use id, or (an engine that does not name its uses) the same
-        blocks. Other blocks are another use's."""
+        the same source use id when both calls name one (``sid`` non-zero), else (an
+        engine that does not name its uses) the same blocks."""
         if req.released is None:
             return True
-        return sid == req.released[0] or np.array_equal(ids, req.released[1])
+        if sid and req.released[0]:
+            return sid == req.released[0]
+        return np.array_equal(ids, req.released[1])
 
     def _on_layer_done(self, req: _Request, ids: np.ndarray, layer: int, sid: int) -> None:
         if req.state in (State.RELEASED_EARLY, State.ABORTED_EARLY):
@@ -656,6 +682,7 @@ class ProducerCore:
                                  stamps={"held": self._now})
             self.gauges["sources_held"] += 1
             req.state = State.PARTIAL
+            self._refuse_other_uses(req)
         assert req.source is not None
         if not np.array_equal(req.source.ids, ids):
             log.warning("layer_done(%r, %d) names other blocks than before; ignored",
@@ -742,9 +769,11 @@ class ProducerCore:
         push claim); if not, the consumer is told why, or -- a registration of the next
         use while this one is held -- it waits for this use's release. An ended use that
         went well makes way for a new one; one that ended badly answers its code."""
-        xid, sharers = msg.xid, msg.sharers
+        xid, sharers, sid = msg.xid, msg.sharers, msg.sid
         if req.state is State.ENDED:
-            if req.code:  # late: a use that ended badly
+            if req.code and not (sid and (req.released is None or req.released[0] != sid)):
+                # late: a use that ended badly (a registration naming another use is for
+                # a new one)
                 self._fail(peer, req.rid, xid, *self._refusal(req))
                 return False
             self._reuse(req)
@@ -752,7 +781,9 @@ class ProducerCore:
             self._fail(peer, req.rid, xid, "mode_conflict",
                        "the producer exposed this request for pull")
             return False
-        code = self._admit(req, peer, xid, sharers, next_use=True)
+        source = req.source
+        other = sid and source is not None and (not source.named or source.sid != sid)
+        code = "next_use" if other else self._admit(req, peer, xid, sharers, next_use=True)
         if code == "next_use" and req.state is State.HELD \
                 and len(req.queued) < m.MAX_SHARERS:
             req.queued.append((peer, msg, self._now))
@@ -793,7 +824,7 @@ class ProducerCore:
         wait = min(max(msg.wait_s, 0.0), self.config.max_wait_s) \
             if math.isfinite(msg.wait_s) else self.config.max_wait_s
         share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.REGISTERED, msg.sharers,
-                       ids=ids, part=msg.part, groups=msg.groups, verify=msg.verify,
+                       msg.sid, ids=ids, part=msg.part, groups=msg.groups, verify=msg.verify,
                        tail=msg.tail, registered=self._now)
         owner = (peer, msg.xid)
         share.wait = self._after(wait, lambda now: self._wait_expired(rid, owner))
@@ -1235,7 +1266,7 @@ class ProducerCore:
         # stays RELEASED_EARLY: its prefill_done, whenever the engine makes it, is this
         # use's and is swallowed -- never a new use whose blocks are held and released again.
         early = not source.complete
-        req.released = (source.sid, source.ids)
+        req.released = (source.sid if source.named else 0, source.ids)
         queued, req.queued = req.queued, []
         if not code and reason is not ReleaseReason.TRANSFERRED:
             code = "aborted" if reason is ReleaseReason.ABORTED else "failed"
@@ -1254,7 +1285,7 @@ class ProducerCore:
 
     def _tomb(self, req: _Request, code: str, why: str, state: State = State.ENDED) -> None:
         req.state, req.code, req.why = state, code, why
-        req.use_deadline = None
+        req.extended = False
         _cancel(req.tomb)
         # Every ended use keeps a tombstone for tombstone_s (120 s): at a high request rate
         # a large population. Its timer holds the record and a method shared by all, not a
@@ -1269,14 +1300,12 @@ class ProducerCore:
     def _expire_tomb(self, req: _Request, now: float) -> None:
         if self._requests.get(req.rid) is not req:
             return
-        if req.state is State.RELEASED_EARLY and req.use_deadline is None \
-                and not req.aborted:
-            # A prefill_done the engine calls more than tombstone_s after its use's early
-            # release is a new use; one it called before, but that a stalled loop takes only
-            # now, is still the old one's (decided by its call time), so the record stays
-            # another tombstone_s.
-            req.use_deadline = now
-            self._arm_tomb(req, now)
+        if req.state is State.RELEASED_EARLY and not req.extended and not req.aborted:
+            # Its prefill_done is still to come (the engine neither made it nor aborted):
+            # the record waits max_wait_s more for it.
+            req.extended = True
+            req.tomb = self._timers.add(now + self.config.max_wait_s, self._expire_tomb_fn,
+                                        req)
             return
         if req.state in (State.ENDED, State.ABORTED_EARLY, State.RELEASED_EARLY) or (
                 req.state is State.WAITING and not req.live()):
@@ -1285,7 +1314,7 @@ class ProducerCore:
     def _reuse(self, req: _Request) -> None:
         """A new use of an ended request id: its tombstone goes."""
         _cancel(req.tomb)
-        req.use_deadline = None
+        req.extended = False
         req.state, req.code, req.why = State.WAITING, "", ""
         req.shares, req.sharers, req.done_owners = {}, None, set()
         req.aborted, req.released = False, None

@@ -310,6 +310,10 @@ class Endpoint:
         else:
             if isinstance(msg, (m.Register, m.Claim)):
                 self.sim.producer_wait_started(msg.request_id)
+            if isinstance(msg, m.Claim):     # it may hold the source up to max_wait_s
+                src = self.engine.sources.get(msg.request_id)
+                if src is not None:
+                    src.claimed_at = now
             self.core.on_message(now, sender, msg)
 
     def _consumer_frame(self, sender: str, msg: m.Message, now: float) -> None:

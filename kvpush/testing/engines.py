@@ -53,6 +53,8 @@ class Request:
     pending: int = 0              # engine calls scheduled and not yet made
     consumers: list[str] = field(default_factory=list)   # pull: who gets the ticket
     p_aborted: bool = False       # the prefill engine aborted it before prefill_done
+    order: bool = False           # ...and still calls prefill_done, or aborts twice
+    sids: dict[str, int] = field(default_factory=dict)   # source uses the router named
     finished: bool = False
 
 
@@ -75,6 +77,7 @@ class Source:
     engine_done: bool = False     # the engine writes no more into them (done or aborted)
     released_by: Endpoint | None = None
     quarantine_until: float = 0.0   # Release.blocks_safe False: unchanged until then
+    claimed_at: float = -1.0      # when the producer core last took a Claim of it
 
 
 @dataclass(eq=False)
@@ -319,6 +322,11 @@ class DecodeEngine:
         chk = self.sim.checker
         mem = self.ep.memory
         whole = mem.snapshot(use.ids)
+        if not use.req.sources:           # its prefill has not even started
+            chk.fail("ready_without_source",
+                     f"{self.ep.name}: {use.req.rid!r} (xid {use.xid:x}) READY before its "
+                     f"prefill engine took it (another use's bytes)")
+            return
         for src in use.req.sources:       # each rank's heads, from its source
             off, src_off, n = mem.overlap(src.ep.memory)
             if n == 0:

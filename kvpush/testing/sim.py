@@ -89,10 +89,42 @@ class Timings:
     # checks: slack on deadlines (timers fire at their time; messages take a little)
     slack_s: float = 0.05
 
+    #: ``--timings`` choices: these short ones (transfer_timeout_s < peer_timeout_s = lease_s
+    #: < max_wait_s = tombstone_s: faults outlast timeouts often), the library's defaults
+    #: scaled down (heartbeat_s < abort_grace_s < peer_timeout_s < transfer_timeout_s <
+    #: lease_s < request_timeout_s = tombstone_s < max_wait_s), or an order drawn per run.
+    KINDS = ("sim", "library", "drawn")
+
+    def with_order(self, kind: str, seed: int) -> Timings:
+        """These timings with the timeouts of ``kind`` (see :data:`KINDS`); "drawn" draws
+        each timeout from ``seed`` alone (the run's own random stream is left as it is)."""
+        if kind == "sim":
+            return self
+        if kind == "library":
+            # ProducerConfig / ConsumerConfig defaults / 60: 60 s of lease is 1 s here
+            return replace(self, heartbeat_s=1 / 60, abort_grace_s=5 / 60,
+                           peer_timeout_s=20 / 60, transfer_timeout_s=30 / 60, lease_s=1.0,
+                           request_timeout_s=2.0, tombstone_s=2.0, max_wait_s=10.0,
+                           lease_margin_s=1 / 60)
+        if kind != "drawn":
+            raise ValueError(f"timings are one of {', '.join(self.KINDS)}, got {kind!r}")
+        import random
+        rng = random.Random(seed * 7919 + 17)
+        peer = rng.uniform(0.3, 2.0)
+        lease = rng.uniform(0.3, 3.0)
+        return replace(self, peer_timeout_s=peer, heartbeat_s=peer / rng.uniform(3, 10),
+                       transfer_timeout_s=rng.uniform(0.2, 3.0), lease_s=lease,
+                       max_wait_s=rng.uniform(0.3, 10.0),
+                       tombstone_s=rng.uniform(0.3, 5.0),
+                       request_timeout_s=rng.uniform(0.5, 3.0),
+                       abort_grace_s=rng.uniform(0.05, 0.5),
+                       lease_margin_s=min(0.05, lease / 10))
+
 
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
-          "double", "late", "sharers", "skew", "claim", "close", "slownotif", "twice")
+          "double", "late", "sharers", "skew", "claim", "close", "slownotif", "twice",
+          "order", "inuse")
 
 
 @dataclass(frozen=True)
@@ -115,6 +147,9 @@ class Faults:
     claim_p: float = 0.1         # a pull or push is claimed first (the engine has no blocks)
     slownotif_p: float = 0.02    # a NIXL notification is read late (the target polls late)
     twice_p: float = 0.02        # the engine calls prefill_done twice for one use
+    order_p: float = 0.5         # an aborting engine aborts twice, or still calls
+                                 # prefill_done for the use it aborted (racing its abort)
+    inuse_p: float = 0.3         # a request id reused while its previous use is held
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -196,8 +231,10 @@ class Simulation:
         self.finished = 0
         self._number = 0
         self._epoch = _Epoch()
-        self._live_rids: set[str] = set()
+        self._live_rids: Counter[str] = Counter()     # requests open per id
+        self._latest: dict[str, Request] = {}          # the last request of each id
         self._reusable: deque[str] = deque(maxlen=256)
+        self._held_by_producer: deque[Request] = deque(maxlen=64)   # see _pick_in_use
         self._open: dict[Request, None] = {}   # ordered: requests hash by identity
         self._quiescing = False
         self._done = False
@@ -307,6 +344,9 @@ class Simulation:
         if self._epoch.issued >= self.epoch_size:
             self._quiesce()
             return
+        self.sched.after(self.rng.expovariate(self.rate), self._arrive)
+        if not self._new_request():
+            return             # skipped (no instance up, no free blocks): not a request
         self.issued += 1
         self._epoch.issued += 1
         if self.progress_every and self.issued % self.progress_every == 0:
@@ -314,8 +354,6 @@ class Simulation:
             print(f"progress: requests={self.issued} faults={self.faults_injected} "
                   f"violations={len(self.checker.violations)} sim_time={self.sched.now:.1f}s "
                   f"wall={wall:.1f}s", file=self.out, flush=True)
-        self.sched.after(self.rng.expovariate(self.rate), self._arrive)
-        self._new_request()
 
     def _pick_rid(self) -> str:
         if self.faults.on("reuse") and self._reusable and self.rng.random() < self.faults.reuse_p:
@@ -326,7 +364,22 @@ class Simulation:
         self._number += 1
         return f"r{self._number}"
 
-    def _new_request(self) -> None:
+    def _pick_in_use(self) -> Request | None:
+        """With ``inuse``: a push whose consumers are done with it while its producer still
+        holds the source (e.g. for a sharer that has not come), to send again under its id:
+        the router retries it, or reuses ids early."""
+        while self._held_by_producer:
+            old = self._held_by_producer.popleft()
+            if old.finished or old.producer_done or self._latest.get(old.rid) is not old \
+                    or not all(self.endpoints[n].open for n in old.producers + old.consumers):
+                continue
+            if self.rng.random() < self.faults.inuse_p:
+                self._fault("inuse")
+                return old
+        return None
+
+    def _new_request(self) -> bool:
+        """Start a request; False when it is skipped (nothing up, no free blocks)."""
         rng, f, t = self.rng, self.faults, self.timings
         # the router sends requests to instances that are up
         def live_groups(names: list[str], k: int) -> list[list[str]]:
@@ -337,7 +390,7 @@ class Simulation:
         live_cg = live_groups(self.consumer_names, t.ctp)
         if not live_g or not live_cg:
             self.stats["skipped"] += 1
-            return
+            return False
         group = rng.choice(live_g)
         mode = TransferMode.PUSH if rng.random() < 0.6 else TransferMode.PULL
         sharers = 1
@@ -349,22 +402,34 @@ class Simulation:
                 sharers = rng.randint(2, min(3, len(live_c)))   # whole copies, shared
                 self._fault("sharers")
             consumers = rng.sample(live_c, sharers)
-        rid = self._pick_rid()
+        old = self._pick_in_use() if f.on("inuse") else None
+        if old is not None:
+            # The router sends it again under its id, naming the new source use to both
+            # sides (as vLLM's scheduler does in tickets): a registration that does not
+            # name it cannot be told from a late one of the held use, or from a retry.
+            rid, group, consumers = old.rid, old.producers, old.consumers
+            mode, sharers = old.mode, old.sharers
+        else:
+            rid = self._pick_rid()
         self.reuse_tag += 1
         req = Request(rid, self.reuse_tag, mode, group[0], rng.randint(1, t.max_request_blocks),
                       sharers, producers=list(group), consumers=list(consumers))
-        for p in group:
-            src = self.endpoints[p].engine.allocate(req)
-            if src is None:
-                for s in req.sources:
-                    s.ep.engine.give_back(s)
-                self.stats["skipped"] += 1
-                return
-            req.sources.append(src)
-        req.open_sources = len(req.sources)
+        if old is not None:
+            req.sids = {p: rng.getrandbits(63) | 1 for p in group}
+        else:
+            for p in group:
+                src = self.endpoints[p].engine.allocate(req)
+                if src is None:
+                    for s in req.sources:
+                        s.ep.engine.give_back(s)
+                    self.stats["skipped"] += 1
+                    return False
+                req.sources.append(src)
+            req.open_sources = len(req.sources)
         if req.nblocks > 1 and rng.random() < t.tail_p:
             req.tail = rng.randint(1, req.nblocks - 1)      # source_tail: a prefix hit
-        self._live_rids.add(rid)
+        self._live_rids[rid] += 1
+        self._latest[rid] = req
         self._epoch.rids.add(rid)
         self._open[req] = None
         now = self.sched.now
@@ -375,14 +440,12 @@ class Simulation:
         layerwise = mode is TransferMode.PUSH and rng.random() < t.layerwise_p
         if layerwise:
             req.groups = t.num_regions                 # one region per layer here
-        for src in req.sources:                        # the ranks end at about one time
-            done = prefill + rng.uniform(0, 2e-3) * (len(req.sources) > 1)
+        if old is not None:
+            # the prefill engine starts it once the previous use's blocks are back
             req.pending += 1
-            self.sched.at(now + done, self._prefill_done, req, src)
-            for layer in range(req.groups - 1):        # the last is final at prefill_done
-                req.pending += 1
-                self.sched.at(now + done * rng.uniform(0.1, 0.9) ** (1 / (layer + 1)),
-                              self._layer_done, req, src, layer)
+            self.sched.after(0.0, self._start_sources, req, prefill, now)
+        else:
+            self._schedule_prefill(req, prefill)
         if mode is TransferMode.PUSH:
             for c in consumers:
                 req.pending += 1
@@ -396,11 +459,50 @@ class Simulation:
             self._fault("abort")
             self.sched.at(now + rng.uniform(0, prefill + 0.05), self._consumer_abort, req,
                           rng.choice(consumers))
-        if f.on("pabort") and rng.random() < f.pabort_p:
+        if f.on("pabort") and rng.random() < f.pabort_p and old is None:
             self._fault("pabort")
+            req.order = f.on("order") and rng.random() < f.order_p
             when = now + rng.uniform(0, prefill + 0.05)   # the engine aborts every rank
             for src in req.sources:
                 self.sched.at(when, self._producer_abort, req, src)
+        return True
+
+    def _start_sources(self, req: Request, prefill: float, since: float) -> None:
+        """An ``inuse`` request's prefill: its engine starts it once the previous use of
+        the id has its blocks back (it runs one use of an id at a time)."""
+        t = self.timings
+        busy = [p for p in req.producers if req.rid in self.endpoints[p].engine.sources]
+        gave_up = self.sched.now - since > t.max_wait_s + t.lease_s + t.request_timeout_s
+        if busy and not gave_up:
+            self.sched.after(0.02, self._start_sources, req, prefill, since)
+            return
+        req.pending -= 1
+        for p in [] if gave_up else req.producers:
+            src = self.endpoints[p].engine.allocate(req)
+            if src is None:
+                break
+            src.sid = req.sids.get(p, 0)
+            req.sources.append(src)
+        if len(req.sources) < len(req.producers) or not req.sources:
+            for s in req.sources:           # the router gives the request up
+                s.ep.engine.give_back(s)
+            req.sources.clear()
+            req.producer_done = True
+            self._maybe_finished(req)
+            return
+        req.open_sources = len(req.sources)
+        self._schedule_prefill(req, prefill)
+
+    def _schedule_prefill(self, req: Request, prefill: float) -> None:
+        rng, now = self.rng, self.sched.now
+        for src in req.sources:                        # the ranks end at about one time
+            done = prefill + rng.uniform(0, 2e-3) * (len(req.sources) > 1)
+            req.pending += 1
+            self.sched.at(now + done, self._prefill_done, req, src)
+            for layer in range(req.groups - 1):        # the last is final at prefill_done
+                req.pending += 1
+                self.sched.at(now + done * rng.uniform(0.1, 0.9) ** (1 / (layer + 1)),
+                              self._layer_done, req, src, layer)
 
     # -- producer engine calls ---------------------------------------------------------
     def _producer_now(self, src: Source) -> Endpoint:
@@ -428,6 +530,22 @@ class Simulation:
                 if src.released:
                     pe.engine.give_back(src)
                     self.source_ended(src)
+            self._maybe_finished(req)
+            return
+        if req.p_aborted and req.order:
+            # The engine's prefill_done for the use it aborted, made before it took the
+            # release from its queue: kvpush releases the blocks exactly once (a layer-wise
+            # use's, held since layer_done, by the abort already: this call changes
+            # nothing). Blocks it never handed over it hands now, and gets back.
+            self._fault("order")
+            if not src.released:
+                pe.engine.prefill_done(src)
+            if not src.sid:
+                src.sid = self.rng.getrandbits(63) | 1
+            self.checker.trace(f"{pe.name} engine prefill_done {req.rid} after its abort "
+                               f"sid={src.sid:x} ids={src.ids.tolist()}")
+            pe.run(lambda: pe.core.prefill_done(self.sched.now, req.rid, src.ids, req.mode,
+                                                src.sid))
             self._maybe_finished(req)
             return
         if req.p_aborted:
@@ -504,10 +622,13 @@ class Simulation:
             # must still be released exactly once.
             self._fault("twice")
             pe.core.prefill_done(now, req.rid, src.ids, req.mode, self.rng.getrandbits(63) | 1)
-        # Its release must come within the producer's documented bounds.
+        # Its release must come within the producer's documented bounds: an unclaimed
+        # source by its lease (then a READ begun inside it holds it transfer_timeout_s, an
+        # abandoned WRITE's fence until its consumer acknowledges or is lost); a claimed
+        # one by max_wait_s from its last claim (see _check_released).
         t = self.timings
-        bound = now + max(t.lease_s, t.max_wait_s) + t.transfer_timeout_s \
-            + t.peer_timeout_s + t.slack_s
+        bound = now + t.lease_s + t.transfer_timeout_s + t.peer_timeout_s + t.heartbeat_s \
+            + t.slack_s
         self.sched.at(bound, self._check_released, src, pe.stall_total, bound)
 
     def _producer_abort(self, req: Request, src: Source) -> None:
@@ -524,6 +645,10 @@ class Simulation:
                 self.source_ended(src)
         self.checker.trace(f"{pe.name} engine abort {req.rid}")
         pe.run(self._call_abort, pe, req, src)
+        if req.order and self.rng.random() < 0.3:
+            self._fault("order")
+            self.checker.trace(f"{pe.name} engine abort {req.rid} again")
+            pe.run(lambda: pe.core.abort(self.sched.now, req.rid, "aborted twice"))
 
     def _call_abort(self, pe: Endpoint, req: Request, src: Source) -> None:
         now = self.sched.now
@@ -546,6 +671,13 @@ class Simulation:
         pe = src.ep
         if src.released or pe.engine.dead or pe.engine.sources.get(src.req.rid) is not src:
             return
+        t = self.timings
+        if not since and src.claimed_at >= 0:
+            claimed = src.claimed_at + t.max_wait_s + t.transfer_timeout_s \
+                + t.peer_timeout_s + t.heartbeat_s + t.slack_s
+            if claimed > bound:
+                self.sched.at(claimed, self._check_released, src, stall0, claimed)
+                return
         ext = pe.stall_total - stall0 + max(0.0, pe.stalled_until - self.sched.now)
         if ext > 1e-9:
             self.sched.after(ext, self._check_released, src, pe.stall_total, bound + ext,
@@ -670,10 +802,11 @@ class Simulation:
     def _call_expect(self, ce: Endpoint, use: Use, claimed: int = 0) -> None:
         xid = claimed or self.rng.getrandbits(63) | 1   # the facade draws it (new_xid)
         producers, shares = self._share(use.req, ce.name)
+        named = {"sids": [use.req.sids[p] for p in producers]} if use.req.sids else {}
         try:
             xid = ce.core.expect(self.sched.now, use.req.rid, use.ids, producers,
                                  self.timings.request_timeout_s, use.req.groups,
-                                 use.req.tail > 0, shares, xid)
+                                 use.req.tail > 0, shares, xid, **named)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
@@ -744,8 +877,18 @@ class Simulation:
         self._maybe_finished(req)
 
     def consumer_ended(self, use: Use) -> None:
-        use.req.open_uses -= 1
-        self._maybe_finished(use.req)
+        req = use.req
+        req.open_uses -= 1
+        if req.open_uses == 0 and req.mode is TransferMode.PUSH and not req.producer_done \
+                and req.sources and all(s.done_at >= 0 for s in req.sources):
+            self._held_by_producer.append(req)     # its consumers are done with it
+        self._maybe_finished(req)
+
+    def _rid_closed(self, rid: str) -> None:
+        self._live_rids[rid] -= 1
+        if self._live_rids[rid] <= 0:
+            del self._live_rids[rid]
+            self._latest.pop(rid, None)
 
     def _maybe_finished(self, req: Request) -> None:
         if req.finished or not req.producer_done or req.open_uses > 0 \
@@ -754,7 +897,7 @@ class Simulation:
         req.finished = True
         self.finished += 1
         self._open.pop(req, None)
-        self._live_rids.discard(req.rid)
+        self._rid_closed(req.rid)
         self._reusable.append(req.rid)
 
     # -- transfers ---------------------------------------------------------------------
@@ -907,8 +1050,10 @@ class Simulation:
                               f"{req.rid!r} ({req.mode.value} from {req.producer}) has not "
                               f"ended: producer_done={req.producer_done} "
                               f"open_uses={req.open_uses}")
+            if not req.finished:
+                req.finished = True
+                self._rid_closed(req.rid)
             self._open.pop(req, None)
-            self._live_rids.discard(req.rid)
         self.sched.after(0.0, self._quiesce_check)
 
     def producer_wait_started(self, rid: str) -> None:
@@ -1051,6 +1196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the producer's transfer_timeout_s (default 0.4, below "
                          "peer_timeout_s 1.0; the library's defaults and the soak's have it "
                          "above: a silent consumer is lost before its WRITE is abandoned)")
+    ap.add_argument("--timings", choices=Timings.KINDS, default="sim",
+                    help="the timeouts' order: the simulator's short ones (default), the "
+                         "library's defaults scaled by 1/60 (peer < transfer < lease < "
+                         "max_wait), or drawn from the seed")
     ap.add_argument("--stop-after", type=int, default=0, metavar="N",
                     help="stop at the N-th violation (default 0: run to the end)")
     ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
@@ -1063,7 +1212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = args.progress or (args.requests // 10 if args.requests >= 20_000 else 0)
     if args.tp < 1 or args.producers % args.tp or args.ctp < 1 or args.consumers % args.ctp:
         raise SystemExit("--producers must be a multiple of --tp, --consumers of --ctp")
-    timings = Timings(verify=args.verify, tp=args.tp, ctp=args.ctp)
+    timings = Timings(verify=args.verify, tp=args.tp, ctp=args.ctp).with_order(
+        args.timings, args.seed)
     if args.transfer_timeout is not None:
         if not 0 < args.transfer_timeout < 60:
             raise SystemExit("--transfer-timeout takes seconds in (0, 60)")
@@ -1086,7 +1236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f" --tp {args.tp}" if args.tp > 1 else "")
               + (f" --ctp {args.ctp}" if args.ctp > 1 else "")
               + (f" --transfer-timeout {args.transfer_timeout}"
-                 if args.transfer_timeout is not None else ""))
+                 if args.transfer_timeout is not None else "")
+              + (f" --timings {args.timings}" if args.timings != "sim" else ""))
     print(sim.summary())
     return 1 if violations else 0
 

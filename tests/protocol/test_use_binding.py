@@ -141,3 +141,49 @@ def test_an_abort_while_writing_layers_then_prefill_done_releases_once() -> None
     assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]
     assert h.core.records() == 0 and h.core.held() == 0
     assert TransferMode.PUSH in {r.mode for r in h.releases()}
+
+
+def test_a_registration_naming_its_source_use_never_attaches_to_another() -> None:
+    """sharers=2, use 1 (sid 7) held for its second sharer. A registration that names use 2
+    (sid 8), from an endpoint with no share of use 1, waits for use 2 instead of taking
+    use 1's second share; use 1's own late sharer still gets use 1."""
+    h = Harness()
+    h.register("A", "r", 1, [1], sharers=2, sid=7)
+    h.prefill("r", [5], sid=7)
+    h.end_writes()
+    h.register("B", "r", 2, [3], sharers=2, sid=8)    # use 2, from B
+    assert len(h.posts()) == 1 and h.sent(m.Failed) == []
+    h.register("B", "r", 3, [4], sharers=2, sid=7)    # use 1's own second sharer
+    (write,) = h.posts()[1:]
+    assert write.notif.xid == 3
+    h.end_writes()
+    assert [(r.sid, set(r.xids)) for r in h.releases()] == [(7, {1, 3})]
+    h.prefill("r", [9], sid=8)
+    (write2,) = h.posts()[2:]
+    assert write2.notif.xid == 2 and write2.peer == "B"
+
+
+def test_a_registration_naming_an_earlier_use_is_refused_when_another_comes() -> None:
+    h = Harness()
+    h.register("A", "r", 1, [1], sid=7)
+    h.prefill("r", [5], sid=8)                        # another use of the id came
+    assert h.posts() == []
+    (failed,) = h.sent(m.Failed)
+    assert failed.xid == 1 and failed.code == "not_held"
+
+
+def test_a_prefill_done_later_than_tombstone_s_after_an_early_release_is_still_its_uses() -> None:
+    """A layer-wise prefill can outlive its registration's wait by more than tombstone_s
+    (the library's defaults: a 120 s request timeout, tombstone_s 120 s): its prefill_done
+    is that use's, not a new use whose blocks are held again and released twice."""
+    h = Harness(tombstone_s=0.5)
+    h.register("A", "r", 1, [1, 2], groups=LAYERS, wait_s=1.0)
+    h.core.layer_done(h.now, "r", np.array([5, 6]), 0, 7)
+    h.run()
+    h.end_writes()
+    h.advance(1.5)                                   # the wait runs out: released early
+    h.advance(0.6)                                   # past tombstone_s
+    h.advance(0.1)
+    h.prefill("r", [5, 6], sid=7)
+    h.advance(11.0)                                  # past a lease
+    assert len(h.releases()) == 1
