@@ -1,17 +1,9 @@
-"""kvpush benchmarks: ``python -m benchmarks [--quick]``.
+"""kvpush benchmarks: ``python -m benchmarks [--quick] [--only SUITE ...] [--list [--verbose]]``.
 
-Suites (one module each; each returns a dict of results and the figures it contributes to
-``summary.json``):
-
-* :mod:`benchmarks.desc_prep` -- block ids -> descriptor indices: the compiled planner
-  against numpy, on model-shaped caches.
-* :mod:`benchmarks.throughput` -- nixlbench-style GB/s sweep across two processes: memcpy,
-  raw NIXL (prep_xfer_dlist + make_prepped_xfer) and kvpush push (WRITE) / pull (READ) on
-  the same buffers; coalescing on/off.
-* :mod:`benchmarks.critical_path` -- 1 prefill + 1 decode engine + a router, Poisson
-  arrivals, push vs pull TTFT and handover overhead.
-* :mod:`benchmarks.cpu` -- "idle means idle": CPU of idle pairs, CPU-seconds per GiB moved,
-  and the latency cost of each :class:`kvpush.ProgressPolicy`.
+One module per suite, found by name (:mod:`benchmarks.suites` says what a suite declares and
+lists them in the order of a full run); :mod:`benchmarks.report` makes the tables, targets
+and ``summary.json``; :mod:`benchmarks.vllm` holds the benchmarks in real vLLM servers and
+:mod:`benchmarks.soak` the fault-injection soak, both run on their own.
 
 Every process a suite starts is a :class:`benchmarks._procs.Worker`, stopped by the suite
 (by pid, with timeouts), so nothing outlives a run.

@@ -1,5 +1,5 @@
 """What the contained data plane costs: ``TransportConfig(data_plane="child")`` beside the
-in-process agent, measured side by side (issue 15).
+in-process agent, measured side by side.
 
 Two producer processes (one per mode) and two consumers in this process (one per mode),
 each pair on one host (UCX's shared-memory transports, mode ``none``), every KV cache in

@@ -30,7 +30,7 @@ TARGETS: dict[str, tuple[str, float, str]] = {
                                                 "CPU-s/GiB <= 0.5x raw NIXL default"),
     "handover_latency_default_over_latency_first": ("<=", 1.2,
                                                     "handover default <= 1.2x latency-first"),
-    # issue 17
+    # the per-request fixed cost, by size, and the busy engine
     "write_vs_raw_nixl_1mib_plus": (">=", 0.9, "kvpush WRITE >= 0.9x raw NIXL, >= 1 MiB"),
     "read_vs_raw_nixl_1mib_plus": (">=", 0.9, "kvpush READ >= 0.9x raw NIXL, >= 1 MiB"),
     "write_vs_raw_nixl_64kib": (">=", 0.7, "kvpush WRITE >= 0.7x raw NIXL at 64 KiB"),

@@ -663,7 +663,8 @@ def run(requests: int, *, seed: int = 1, window: int = 48, fault_every: int = 15
     ``max_seconds``: stop beginning requests after this long (the report's ``requests``
     then says how many were run). ``error_mode``: UCX error-handling mode of every node.
     ``faults``: the kinds of global fault to draw from (default: all of GLOBAL_FAULTS);
-    ``["link_cut", "kill_consumer"]`` reproduces bug 12 in most short runs.
+    ``["link_cut", "kill_consumer"]`` reproduces UCX's "Endpoint timeout" abort
+    (``docs/RELIABILITY.md``) in most short runs, where its trigger is not avoided.
     ``data_plane``: ``TransportConfig.data_plane`` of every node (``"child"``: each node's
     NIXL agent in a data-plane child, its KV cache in shared memory; the report's
     ``data_plane_restarts`` counts the children lost, ``crashes`` the nodes).

@@ -55,11 +55,12 @@ def test_memory_flat(report: dict[str, Any]) -> None:
         assert growth <= 5.0, (label, report["rss_kb"][label])
 
 
-@pytest.mark.xfail(strict=False, reason="bug 12: UCX can abort the process (ucp_request.inl "
-                   "Fatal); the trigger the soak hit after link cuts is avoided (issue 15: 0 "
-                   "aborts in 12 reproducer runs, 26 before), but UCX aborts kvpush cannot "
-                   "avoid remain (test_dataplane.py's strict xfail; data_plane='child' "
-                   "contains them): not strict, it depends on what the random faults hit")
+@pytest.mark.xfail(strict=False, reason="RELIABILITY.md, UCX's 'Endpoint timeout' abort: UCX "
+                   "can abort the process (ucp_request.inl Fatal); the trigger the soak hit "
+                   "after link cuts is avoided (0 aborts in 12 reproducer runs, 26 before), "
+                   "but aborts kvpush cannot avoid remain (test_dataplane_child.py's strict "
+                   "xfail; data_plane='child' contains them): not strict, it depends on what "
+                   "the random faults hit")
 def test_no_process_crashed_by_itself(report: dict[str, Any]) -> None:
     assert report["crashes"] == [], [(c["node"], c["what"], c["log"][-200:])
                                      for c in report["crashes"]]
@@ -68,16 +69,16 @@ def test_no_process_crashed_by_itself(report: dict[str, Any]) -> None:
 @pytest.mark.xfail(strict=False, reason="NIXL 1.5.1: the flush-mode removal of a killed "
                    "peer's endpoint (when its new incarnation comes) can leave its TCP "
                    "connection open; a peer back after a cut keeps its endpoint and leaks "
-                   "nothing (test_faults.py::test_link_cut_leaves_no_sockets_behind). Depends "
-                   "on what the random faults hit, hence not strict")
+                   "nothing (test_fault_matrix.py::test_link_cut_leaves_no_sockets_behind). "
+                   "Depends on what the random faults hit, hence not strict")
 def test_descriptors_flat(report: dict[str, Any]) -> None:
     for label, (start, end) in report["fds"].items():
         assert end <= start + 2, (label, start, end)
 
 
 def test_no_corrupted_or_late_bytes(report: dict[str, Any]) -> None:
-    """Nothing lands after a result (bug 3, fixed: results wait for the transfer's real end;
-    blocks of results that could not be fenced are quarantined, never handed out again)."""
+    """Nothing lands after a result (results wait for the transfer's real end; blocks of
+    results that could not be fenced are quarantined, never handed out again)."""
     assert report["corrupted_bytes"] == 0 and report["late_landing_bytes"] == 0, (
         report["corrupted_bytes"], report["late_landing_bytes"])
     assert report["failed_unexpected"] == 0, report["examples"].get("unexpected")
