@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     plots = [] if args.no_plots else plot(results, args.out)
     print()
     print_tables(results, summary)
-    for suite in ran:
-        if suite.table is not None:
-            print(f"\n{suite.name}: {suite.description}\n{suite.table(results[suite.name])}")
+    # the suites that format their own tables (markdown), after the report's
+    own = "".join(f"\n{suite.name}: {suite.description}\n\n{suite.table(results[suite.name])}\n"
+                  for suite in ran if suite.table is not None)
+    print(own, end="")
     try:
         with open("/proc/loadavg") as f:
             info["loadavg_at_end"] = f.read().split()[:3]
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out / "summary.json", {**summary, "targets": targets(summary),
                                            "meta": meta})
     write_json(args.out / "results.json", {"meta": meta, **results})
-    (args.out / "tables.md").write_text(markdown_tables(results, summary))
+    (args.out / "tables.md").write_text(markdown_tables(results, summary) + own)
     print(f"\nwrote {args.out / 'summary.json'}, {args.out / 'results.json'}, "
           f"{args.out / 'tables.md'}" + "".join(f", {p}" for p in plots)
           + f"  ({elapsed:.0f} s)")
