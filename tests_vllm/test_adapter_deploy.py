@@ -224,7 +224,8 @@ def test_toy_proxy_pull_by_what_the_prefill_returns() -> None:
     rid = "cmpl-6f1c0e2a-0"  # vLLM's request id for X-Request-Id 6f1c0e2a, prompt 0
     params = prefill_body(BODY)["kv_transfer_params"]
     send, returned = run_prefill(p, f"{rid}-1a2b3c4d", params)
-    assert (send.transfer_id, send.mode) == (rid, kvpush.TransferMode.PULL)
+    # kvpush's id: the pairing name and the prompt (here only its length: no token ids)
+    assert (send.transfer_id, send.mode) == (f"{rid}#100", kvpush.TransferMode.PULL)
     # vLLM's keys, naming kvpush's endpoint of rank 0 and the blocks, beside kvpush's.
     assert returned["do_remote_prefill"] is True and returned["remote_host"] == "10.0.0.1"
     assert (returned["remote_port"], returned["tp_size"]) == (29600, 2)
@@ -236,7 +237,8 @@ def test_toy_proxy_pull_by_what_the_prefill_returns() -> None:
     assert recv.remote.mode is kvpush.TransferMode.PULL and recv.dst == [20, 21, 22, 23]
     tickets = [kvpush.PullTicket.from_bytes(t) for t in recv.remote.tickets]
     assert [(t.producer, t.address, t.request_id) for t in tickets] == \
-        [("p0", "tcp://10.0.0.1:29600", rid), ("p1", "tcp://10.0.0.1:29601", rid)]
+        [("p0", "tcp://10.0.0.1:29600", f"{rid}#100"),
+         ("p1", "tcp://10.0.0.1:29601", f"{rid}#100")]
     assert list(np.frombuffer(tickets[0].block_ids, "<i8")) == [3, 4, 5, 6]
 
 
@@ -249,7 +251,7 @@ def test_toy_proxy_pull_from_a_push_prefill_becomes_a_late_push() -> None:
                                                                      returned})
                        ["kv_transfer_params"])
     assert recv.remote.mode is kvpush.TransferMode.PUSH
-    assert recv.remote.transfer_id == send.transfer_id == "cmpl-1-0"
+    assert recv.remote.transfer_id == send.transfer_id == "cmpl-1-0#100"
     assert recv.remote.producers == ("tcp://10.0.0.1:29600", "tcp://10.0.0.1:29601")
 
 
@@ -261,7 +263,7 @@ def test_toy_proxy_push_pairs_the_halves_by_the_shared_request_id() -> None:
     params = decode_body_push(BODY, engine_id="prefill-engine", host="10.0.0.1", port=29600,
                               tp_size=2, request_id="77aa")["kv_transfer_params"]
     recv = decode_plan(f"{rid}-deadbeef", params)
-    assert recv.remote.transfer_id == send.transfer_id == rid
+    assert recv.remote.transfer_id == send.transfer_id == f"{rid}#100"
     assert recv.remote.mode is kvpush.TransferMode.PUSH
     assert recv.remote.producers == ("tcp://10.0.0.1:29600", "tcp://10.0.0.1:29601")
     assert recv.remote.for_rank(1).producers == ("tcp://10.0.0.1:29601",)

@@ -317,7 +317,7 @@ def test_prefill_holds_the_window_blocks_vllm_frees_until_kvpush_hands_them_back
     assert send.src == [30, 31, 41, 32, 42, 33, 43]     # tokens 36..99: blocks 1..3
     assert sorted(b.block_id for b in pool.blocks if b.ref_cnt) == [41, 42, 43]
     plan = s.build_plan(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids={"p2"}))
-    assert plan.send_preempted == [("p2", "t2")]
+    assert plan.send_preempted == [("p2", "t2#100")]
     assert not any(b.ref_cnt for b in pool.blocks)
 
 

@@ -12,9 +12,9 @@ import itertools
 
 import pytest
 import torch
-from test_adapter_tp import Flow, ranks, wait_reported
+from test_adapter_tp import PROMPT, Flow, ranks, wait_reported
 
-from kvpush.integrations.vllm_common import EngineFacts, RankCoords, decode_params
+from kvpush.integrations.vllm_common import EngineFacts, RankCoords, decode_params, wire_id
 from kvpush.integrations.vllm_worker import layout_from_kv_caches
 from kvpush.layout import replica_routes
 
@@ -48,7 +48,9 @@ def _tids(p_tp: int, d_tp: int, mode: str) -> list[str]:
     out: dict[int, str] = {}
     for i in itertools.count():
         tid = f"mla-{mode}-{p_tp}{d_tp}-{i}-{next(_ids)}"
-        out.setdefault(replica_routes(p_tp, d_tp, tid).producers[0][0], tid)
+        # the sender is chosen by kvpush's id (the name and the prompt's fingerprint)
+        out.setdefault(replica_routes(p_tp, d_tp, wire_id(tid, str(PROMPT))).producers[0][0],
+                       tid)
         if len(out) == p_tp:
             return [out[p] for p in range(p_tp)]
     raise AssertionError("unreachable")
@@ -63,7 +65,7 @@ def test_mla_tp_each_decode_rank_takes_one_copy_from_one_prefill_rank(p_tp: int,
         per_block = prefill[0].call("block_bytes")
         for mode, tid in [(m, t) for m in ("push", "pull") for t in _tids(p_tp, d_tp, m)]:
             src, dst = [9, 3, 4, 12], [1, 7, 8, 2]
-            sender = replica_routes(p_tp, d_tp, tid).producers[0][0]
+            sender = replica_routes(p_tp, d_tp, wire_id(tid, str(PROMPT))).producers[0][0]
             before = [r.call("bytes_moved") for r in prefill]
             if mode == "push":
                 r = flow.arrive(tid, decode_params(tid, [p.info["address"] for p in prefill]))

@@ -85,7 +85,7 @@ class Flow:
         self.p.on_new_request(r)
         self.p._kv_manager.blocks[rid] = src
         plan = self.p.build_plan(SimpleNamespace(num_scheduled_tokens={rid: PROMPT}))
-        assert [s.transfer_id for s in plan.send] == [tid]
+        assert [s.transfer_id for s in plan.send] == [f"{tid}#{PROMPT}"]
         step_all(self.prefill, plan)
         r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
         delay, out = self.p.request_finished(r, src)
@@ -272,9 +272,9 @@ def test_preempted_prefill_keeps_its_blocks_until_no_write_can_read_them(attempt
         flow = Flow(prefill, dec)
         src, dst = list(range(8, 56)), list(range(0, 48))
         tid = f"race-{attempt}-{next(_ids)}"
-        r = flow.arrive(tid, decode_params(tid, [prefill[0].info["address"]]))
+        r = request(f"d-{tid}", decode_params(tid, [prefill[0].info["address"]]), 48 * 32)
+        flow.d.on_new_request(r)
         flow.d.update_state_after_alloc(r, Blocks(dst), 48 * 32)
-        r.num_prompt_tokens = 48 * 32
         step_all(dec, flow.d.build_plan(SimpleNamespace(num_scheduled_tokens={})))
         time.sleep(0.3)             # the registration is at the producer
         rid = f"p-{tid}"
@@ -287,7 +287,7 @@ def test_preempted_prefill_keeps_its_blocks_until_no_write_can_read_them(attempt
         # ... but a prefix-cache reset does: the next step's plan ends the transfer first.
         plan = flow.p.build_plan(SimpleNamespace(num_scheduled_tokens={},
                                                  preempted_req_ids={rid}))
-        assert plan.send_preempted == [(rid, tid)]
+        assert plan.send_preempted == [(rid, f"{tid}#{48 * 32}")]
         step_all(prefill, plan)
         assert prefill[0].call("pending") == 0    # nothing can read the blocks any more
         prefill[0].call("scribble", src)          # this step's forward reuses them
@@ -298,6 +298,6 @@ def test_preempted_prefill_keeps_its_blocks_until_no_write_can_read_them(attempt
         assert rid not in prefill[0].reported[0]  # vLLM freed them itself: never reported
         # The request is recomputed and may hand off again, under a fresh source use.
         again = flow.p.build_plan(SimpleNamespace(num_scheduled_tokens={rid: 48 * 32}))
-        assert [s.transfer_id for s in again.send] == [tid]
+        assert [s.transfer_id for s in again.send] == [f"{tid}#{48 * 32}"]
         assert again.send[0].sid != plan.send[0].sid if plan.send else True
         assert not flow.p.has_pending_block_frees() or rid in flow.p._send_running

@@ -111,7 +111,8 @@ def test_decode_moves_only_blocks_missing_locally() -> None:
     plan = s.build_plan(SimpleNamespace(num_scheduled_tokens={}))
     (recv,) = plan.recv
     assert recv.dst == list(range(104, 110)) and recv.report
-    assert recv.remote.transfer_id == "t1" and recv.remote.mode is kvpush.TransferMode.PUSH
+    # kvpush's id names the prompt too (here only its length: no token ids)
+    assert recv.remote.transfer_id == "t1#300" and recv.remote.mode is kvpush.TransferMode.PUSH
     # One transfer per request: asked again (e.g. after a preemption), it computes locally.
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     # Finishing while the KV may still land keeps the blocks until kvpush reports.
@@ -148,7 +149,7 @@ def test_prefill_hands_over_after_its_last_chunk(mode: str) -> None:
     assert s.build_plan(SimpleNamespace(num_scheduled_tokens={"p1": 64})).send == []
     r.num_computed_tokens = 64                                     # second chunk: the last
     (send,) = s.build_plan(SimpleNamespace(num_scheduled_tokens={"p1": 36})).send
-    assert (send.transfer_id, send.src, send.mode.value) == ("t9", [7, 8, 9, 10], mode)
+    assert (send.transfer_id, send.src, send.mode.value) == ("t9#100", [7, 8, 9, 10], mode)
     r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     delay, params = s.request_finished(r, [7, 8, 9, 10])
     assert delay and params is not None
@@ -168,7 +169,7 @@ def test_prefill_abort_paths() -> None:
     r = request("p2", prefill_params("t2", "push"), 40, status="FINISHED_ABORTED")
     s.on_new_request(r)
     assert s.request_finished(r, [1]) == (False, None)
-    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={})).send_aborts == ["t2"]
+    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={})).send_aborts == ["t2#40"]
     # Aborted after prefill_done was issued: blocks stay until kvpush releases them.
     r = request("p3", prefill_params("t3", "push"), 40)
     s.on_new_request(r)
@@ -176,7 +177,7 @@ def test_prefill_abort_paths() -> None:
     assert s.build_plan(SimpleNamespace(num_scheduled_tokens={"p3": 40})).send
     r.status = SimpleNamespace(name="FINISHED_ABORTED")
     assert s.request_finished(r, [5, 6]) == (True, None)
-    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={})).send_aborts == ["t3"]
+    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={})).send_aborts == ["t3#40"]
 
 
 # -- push with a decode-side prefix hit: the producer moves the tail ------------------------

@@ -146,7 +146,9 @@ class Router:
             return web.json_response(
                 {"error": {"message": f"unknown first-token source {first_token!r}"}},
                 status=400)
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        # A client's X-Request-Id may repeat; the transfer's name must not: a nonce per request.
+        client_id = request.headers.get("X-Request-Id")
+        rid = f"{client_id}.{uuid.uuid4().hex[:12]}" if client_id else uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
         self._stage("router_in", rid, mode)
         path = request.path

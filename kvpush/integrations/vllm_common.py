@@ -7,14 +7,29 @@ side hands the worker side, and transfer statistics.
     router -> prefill   {"do_remote_decode": true, "kvpush_id": ID, "kvpush_mode": "push"|"pull"}
     prefill -> router   {"do_remote_prefill": true, "kvpush_id": ID, "kvpush_mode": ...,
                          "kvpush_producers": [addr per rank], "kvpush_num_tokens": N,
+                         "kvpush_prompt": PROMPT,
                          "kvpush_tickets": [base64 PullTicket per rank]}      (pull only)
     router -> decode    push: {"do_remote_prefill": true, "kvpush_id": ID, "kvpush_mode": "push",
                                "kvpush_producers": [addr per rank]}   (sent with the prefill)
                         pull: the prefill's response, as it came
 
 ``ID`` is the router's name for the request, shared by both instances (vLLM's own request
-ids differ between the two servers). ``do_remote_decode`` / ``do_remote_prefill`` are vLLM's
-own keys, so vLLM's serving layer treats kvpush requests as it treats its own connectors'.
+ids differ between the two servers); it must be unique per request (a client's
+``X-Request-Id`` may repeat: the router adds a nonce). Two requests of one instance naming
+the same ``ID`` at once do not share it: a prefill instance refuses the second push export
+(a second pull export gets a fresh name, in its response), a decode instance computes the
+second one's prompt itself, and neither one's finish touches the other's transfer.
+
+kvpush names the transfer ``ID#PROMPT`` (:func:`wire_id`), ``PROMPT`` being the prompt's
+fingerprint (:func:`prompt_fingerprint`: its token count and a hash of its token ids), so the
+two legs of a push pair only when they carry the same prompt; one that differs is never
+written over (the decode's registration finds no export, times out and the prompt is
+computed there). The prefill's response carries ``PROMPT``: a decode instance given it
+(pull, or push registered after the prefill answered) checks it against its own prompt and
+computes the prompt itself on a mismatch, releasing the prefill's blocks at once.
+
+``do_remote_decode`` / ``do_remote_prefill`` are vLLM's own keys, so vLLM's serving layer
+treats kvpush requests as it treats its own connectors'.
 
 vLLM's own NIXL schema works too (the ``kvpush_*`` keys are an extension), so proxies written
 for ``NixlConnector`` / ``NixlPushConnector`` drive kvpush unchanged::
@@ -40,12 +55,15 @@ configured ``mode``.
 from __future__ import annotations
 
 import base64
+import hashlib
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import numpy as np
 
 from ..agent import TransportConfig
 from ..consumer import ConsumerConfig
@@ -59,6 +77,7 @@ __all__ = [
     "PARAM_MODE",
     "PARAM_NUM_TOKENS",
     "PARAM_PRODUCERS",
+    "PARAM_PROMPT",
     "PARAM_TICKETS",
     "SUPPORTED_VLLM",
     "AdapterConfig",
@@ -75,7 +94,9 @@ __all__ = [
     "engine_identity",
     "kv_dtype",
     "prefill_params",
+    "prompt_fingerprint",
     "transfer_id_of",
+    "wire_id",
 ]
 
 PARAM_ID = "kvpush_id"
@@ -84,6 +105,7 @@ PARAM_PRODUCERS = "kvpush_producers"
 PARAM_TICKETS = "kvpush_tickets"
 PARAM_NUM_TOKENS = "kvpush_num_tokens"
 PARAM_LAYERWISE = "kvpush_layerwise"
+PARAM_PROMPT = "kvpush_prompt"
 
 
 @dataclass(frozen=True)
@@ -453,6 +475,23 @@ def transfer_id_of(request_id: str, params: Mapping[str, Any]) -> str:
     return transfer_id
 
 
+def prompt_fingerprint(num_tokens: int, token_ids: Sequence[int] | None) -> str:
+    """What a transfer's KV was computed from: the prompt's token count and a 64-bit hash
+    of its token ids (``"<count>.<16 hex>"``; ``"<count>"`` when the ids are not known, e.g.
+    a prompt given as embeddings)."""
+    if token_ids is None:
+        return str(int(num_tokens))
+    digest = hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=8)
+    return f"{int(num_tokens)}.{digest.hexdigest()}"
+
+
+def wire_id(name: str, prompt: str) -> str:
+    """kvpush's request id for the transfer the router named ``name`` of a prompt of
+    fingerprint ``prompt``: both legs derive it, so a registration for another prompt finds
+    no export under it (kvpush itself pairs by id only)."""
+    return f"{name}#{prompt}" if prompt else name
+
+
 def mode_of(params: Mapping[str, Any], default: TransferMode) -> TransferMode:
     """``kvpush_mode``, else vLLM's ``transfer_mode``, else ``default``."""
     value = params.get(PARAM_MODE) or params.get("transfer_mode") or default.value
@@ -486,10 +525,12 @@ def decode_params(transfer_id: str, producers: Sequence[str], *,
 def response_params(transfer_id: str, mode: TransferMode, producers: Sequence[str],
                     num_tokens: int, tickets: Sequence[bytes] = (), *,
                     request_id: str = "", engine_id: str = "", block_ids: Sequence[int] = (),
-                    layerwise: bool = False) -> dict[str, Any]:
+                    layerwise: bool = False, prompt: str = "") -> dict[str, Any]:
     """What the prefill instance returns (vLLM puts it in the response's
     ``kv_transfer_params``): kvpush's keys, and vLLM's NIXL keys naming the same things
-    (rank 0's host and port, the block ids, the TP size) for routers that read those."""
+    (rank 0's host and port, the block ids, the TP size) for routers that read those.
+    ``transfer_id`` is the router's name (not the :func:`wire_id`); ``prompt`` the prompt's
+    fingerprint."""
     out: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False,
                            PARAM_ID: transfer_id, PARAM_MODE: mode.value,
                            PARAM_PRODUCERS: list(producers), PARAM_NUM_TOKENS: num_tokens,
@@ -504,6 +545,8 @@ def response_params(transfer_id: str, mode: TransferMode, producers: Sequence[st
         out[PARAM_TICKETS] = [_encode_ticket(t) for t in tickets]
     if layerwise:
         out[PARAM_LAYERWISE] = True
+    if prompt:
+        out[PARAM_PROMPT] = prompt
     return out
 
 
@@ -525,22 +568,30 @@ def join_address(host: str, port: int) -> str:
 class RemotePrefill:
     """A decode-side request's view of its ``kv_transfer_params``."""
 
+    #: kvpush's request id (:func:`wire_id` of the router's name and the prompt)
     transfer_id: str
     mode: TransferMode
     producers: tuple[str, ...] = ()
     tickets: tuple[bytes, ...] = ()
     #: register layer by layer (push): the request's ``kvpush_layerwise``, None if absent
     layerwise: bool | None = None
+    #: the prefill's prompt fingerprint from its response (``kvpush_prompt``), "" if absent
+    remote_prompt: str = ""
 
     @classmethod
     def parse(cls, params: Mapping[str, Any], default_mode: TransferMode,
-              request_id: str = "") -> RemotePrefill:
+              request_id: str = "", prompt: str = "") -> RemotePrefill:
         """Raise ``ValueError`` naming what is missing or malformed. ``request_id`` (this
         instance's vLLM request id) names the transfer when ``kvpush_id`` is absent
-        (vLLM's own schema)."""
+        (vLLM's own schema). ``prompt``: this instance's prompt fingerprint, which names
+        the transfer unless the prefill's response names its own (``kvpush_prompt``,
+        which the caller compares with ``prompt``)."""
         if PARAM_ID not in params and not request_id:
             raise ValueError(f"kv_transfer_params needs a non-empty string {PARAM_ID!r}")
-        transfer_id = transfer_id_of(request_id, params)
+        remote_prompt = params.get(PARAM_PROMPT, "")
+        if not isinstance(remote_prompt, str):
+            raise ValueError(f"{PARAM_PROMPT!r} must be a string, got {remote_prompt!r}")
+        transfer_id = wire_id(transfer_id_of(request_id, params), remote_prompt or prompt)
         mode = mode_of(params, default_mode)
         producers = params.get(PARAM_PRODUCERS) or []
         if isinstance(producers, str):
@@ -563,7 +614,7 @@ class RemotePrefill:
         layerwise = params.get(PARAM_LAYERWISE)
         if layerwise is not None and not isinstance(layerwise, bool):
             raise ValueError(f"{PARAM_LAYERWISE!r} must be true or false, got {layerwise!r}")
-        return cls(transfer_id, mode, tuple(producers), tickets, layerwise)
+        return cls(transfer_id, mode, tuple(producers), tickets, layerwise, remote_prompt)
 
     @property
     def num_ranks(self) -> int:
@@ -594,9 +645,9 @@ class RemotePrefill:
                              f"{tp_rank} has none (prefill and decode TP sizes must match)")
         if self.mode is TransferMode.PULL:
             return RemotePrefill(self.transfer_id, self.mode, (), (self.tickets[tp_rank],),
-                                 self.layerwise)
+                                 self.layerwise, self.remote_prompt)
         return RemotePrefill(self.transfer_id, self.mode, (self.producers[tp_rank],), (),
-                             self.layerwise)
+                             self.layerwise, self.remote_prompt)
 
 
 def _vllm_producers(params: Mapping[str, Any]) -> list[str]:

@@ -34,6 +34,7 @@ from ..request import TransferMode
 from .vllm_common import (
     PARAM_MODE,
     PARAM_NUM_TOKENS,
+    PARAM_PROMPT,
     AdapterConfig,
     RecvPlan,
     RemotePrefill,
@@ -41,8 +42,10 @@ from .vllm_common import (
     StepPlan,
     mode_of,
     prompt_blocks,
+    prompt_fingerprint,
     response_params,
     transfer_id_of,
+    wire_id,
 )
 from .vllm_hybrid import cache_groups_of, state_backoff, transfer_blocks
 
@@ -71,12 +74,14 @@ class RankInfo:
 @dataclass
 class _Send:
     req_id: str
-    transfer_id: str
+    transfer_id: str          # kvpush's request id: wire_id(name, prompt)
     mode: TransferMode
     src: list[int]
     num_tokens: int
     issued_at: float          # wall clock, before prefill_done (a conservative lease start)
     sid: int                  # the source use, in the tickets and in every rank's prefill_done
+    name: str = ""            # the router's name for the transfer (in the response)
+    prompt: str = ""          # the prompt's fingerprint (in the response)
 
 
 class KVPushScheduler:
@@ -102,6 +107,7 @@ class KVPushScheduler:
         self._pins: dict[str, list[Any]] = {}
         self._kv_manager: Any = None
         self._ranks: dict[int, RankInfo] = {}
+        self._prompts: dict[str, str] = {}       # req id -> prompt fingerprint (both sides)
         # prefill side
         self._candidates: dict[str, Any] = {}    # req id -> Request, until its prefill is done
         self._sends: dict[str, _Send] = {}       # issued, not yet reported finished_sending
@@ -110,11 +116,18 @@ class KVPushScheduler:
         # blocks, which a preemption would free (see has_pending_block_frees)
         self._send_running: set[str] = set()
         self._sent_requests: dict[str, Any] = {}   # ... their vLLM Request objects
+        # kvpush request id of each live do_remote_decode request: another request's finish
+        # never aborts a transfer one of these holds
+        self._exports: dict[str, str] = {}
         # decode side
         self._claims_new: list[RecvPlan] = []    # pulls to claim (the request waits)
         self._recv_new: list[RecvPlan] = []
         self._recv_aborts: list[str] = []        # vLLM request ids
         self._recving: dict[str, str] = {}       # req id -> transfer id, reported loads
+        # a transfer id belongs to the first live request here that names it; any other
+        # computes its prompt here (two loads into one transfer would break each other)
+        self._owners: dict[str, str] = {}        # transfer id -> req id
+        self._owned: dict[str, str] = {}         # req id -> transfer id
 
     # -- set-up ----------------------------------------------------------------------------
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -135,6 +148,12 @@ class KVPushScheduler:
         params = request.kv_transfer_params
         if self.is_producer and params and params.get("do_remote_decode"):
             self._candidates[request.request_id] = request
+            prompt = self._prompt_of(request)  # the whole prompt: before any backoff
+            try:
+                self._exports[request.request_id] = wire_id(
+                    transfer_id_of(request.request_id, params), prompt)
+            except ValueError:
+                pass  # refused when its send is planned
             if self.backoff:
                 self._truncate(request)
         # Decode side: claim the prefill's blocks now. The request may wait for free blocks
@@ -187,29 +206,36 @@ class KVPushScheduler:
         params = request.kv_transfer_params or {}
         self._candidates.pop(req_id, None)
         self._full_tokens.pop(req_id, None)
+        owned = self._owned.pop(req_id, None)
+        if owned is not None:
+            del self._owners[owned]
         # Decode side: a load may still be writing into the blocks.
         if req_id in self._recving:
+            self._prompts.pop(req_id, None)
             self._recv_aborts.append(req_id)
             return True, None
         if params.get("do_remote_prefill") and self.is_consumer:
-            # Finished before it was scheduled: still tell the producer to let go.
-            remote = self._remote_prefill(request)
+            # Finished before it was scheduled: still tell the producer to let go (only
+            # the transfer's owner here speaks for it).
+            remote = self._parse_remote(request)
+            if remote is not None and self._owners.get(remote.transfer_id, req_id) != req_id:
+                remote = None
+            self._prompts.pop(req_id, None)
             params["do_remote_prefill"] = False
             if remote is not None:
                 self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
             return False, None
         # Prefill side.
+        self._prompts.pop(req_id, None)
         self._send_running.discard(req_id)
         self._sent_requests.pop(req_id, None)
+        transfer_id = self._exports.pop(req_id, None)
         send = self._sends.get(req_id)
         normal = getattr(request.status, "name", str(request.status)) in _NORMAL_FINISH
         if send is None:
-            if self.is_producer and params.get("do_remote_decode"):
-                try:
-                    transfer_id = transfer_id_of(req_id, params)
-                except ValueError:
-                    return False, None
-                # Its prefill never finished: a waiting registration should fail now.
+            if transfer_id is not None and not self._exported_elsewhere(transfer_id, req_id):
+                # Its prefill never finished: a waiting registration should fail now. (Not
+                # when another request here holds that id: the abort would end its use.)
                 self._send_aborts.append(transfer_id)
             return False, None
         if not normal:
@@ -235,10 +261,11 @@ class KVPushScheduler:
                                 lease_s=self.config.lease_s, issued_at=send.issued_at,
                                 sid=send.sid) for r in ranks]
             tickets = [(t if key is None else t.seal(key)).to_bytes() for t in plain]
-        return response_params(send.transfer_id, send.mode, producers, send.num_tokens, tickets,
-                               request_id=send.req_id, engine_id=self.engine_id,
-                               block_ids=send.src,
-                               layerwise=self.config.layerwise and send.mode is TransferMode.PUSH)
+        return response_params(send.name or send.transfer_id, send.mode, producers,
+                               send.num_tokens, tickets, request_id=send.req_id,
+                               engine_id=self.engine_id, block_ids=send.src,
+                               layerwise=self.config.layerwise and send.mode is TransferMode.PUSH,
+                               prompt=send.prompt)
 
     # -- per step --------------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
@@ -286,13 +313,9 @@ class KVPushScheduler:
         del self._candidates[req_id]
         params = request.kv_transfer_params
         try:
-            transfer_id = transfer_id_of(req_id, params)
+            name = transfer_id_of(req_id, params)
         except ValueError as exc:
             log.warning("kvpush: request %s: %s; its KV stays here", req_id, exc)
-            return None
-        if any(s.transfer_id == transfer_id for s in self._sends.values()):
-            log.error("kvpush: transfer id %r is already in use here; request %s is not "
-                      "exported", transfer_id, req_id)
             return None
         try:
             mode = mode_of(params, self.config.default_mode)
@@ -301,6 +324,23 @@ class KVPushScheduler:
                         params.get(PARAM_MODE) or params.get("transfer_mode"),
                         self.config.mode)
             mode = self.config.default_mode
+        prompt = self._prompt_of(request)
+        transfer_id = wire_id(name, prompt)
+        if any(s.transfer_id == transfer_id for s in self._sends.values()):
+            if mode is TransferMode.PUSH:
+                # The decode instance registers under this id: it pairs with the export
+                # already here, so this request's KV has nobody to go to.
+                log.error("kvpush: transfer %r is already exported here by another request; "
+                          "request %s (push) is not exported (the router must name each "
+                          "request uniquely)", transfer_id, req_id)
+                self._exports.pop(req_id, None)
+                return None
+            # Pull: the decode instance learns the name from this request's response.
+            taken, name = transfer_id, f"{name}.{new_id():016x}"
+            transfer_id = wire_id(name, prompt)
+            log.warning("kvpush: transfer %r is already exported here by another request; "
+                        "request %s is exported as %r", taken, req_id, transfer_id)
+        self._exports[req_id] = transfer_id
         if self.hybrid:
             per_group = self._kv_manager.get_block_ids(req_id)
             try:
@@ -321,7 +361,7 @@ class KVPushScheduler:
         # the decode instance checks the prompt's length: the whole one, before any backoff
         self._sends[req_id] = _Send(req_id, transfer_id, mode, src,
                                     self._full_tokens.pop(req_id, num_prompt), time.time(),
-                                    sid)
+                                    sid, name, prompt)
         self._send_running.add(req_id)
         self._sent_requests[req_id] = request
         return SendPlan(req_id, transfer_id, mode, src, sid)
@@ -387,21 +427,53 @@ class KVPushScheduler:
         if blocks:
             self._kv_manager.block_pool.free_blocks(blocks)
 
-    def _remote_prefill(self, request: Any) -> RemotePrefill | None:
+    def _prompt_of(self, request: Any) -> str:
+        """The request's prompt fingerprint (computed once: the prefill side's is taken
+        before any backoff shortens the prompt)."""
+        req_id = request.request_id
+        prompt = self._prompts.get(req_id)
+        if prompt is None:
+            ids = getattr(request, "prompt_token_ids", None)
+            prompt = prompt_fingerprint(int(request.num_prompt_tokens),
+                                        None if ids is None else list(ids))
+            self._prompts[req_id] = prompt
+        return prompt
+
+    def _exported_elsewhere(self, transfer_id: str, req_id: str) -> bool:
+        """Whether a request here other than ``req_id`` holds kvpush id ``transfer_id``."""
+        return (any(t == transfer_id for r, t in self._exports.items() if r != req_id)
+                or any(s.transfer_id == transfer_id for s in self._sends.values()
+                       if s.req_id != req_id))
+
+    def _parse_remote(self, request: Any) -> RemotePrefill | None:
         params = request.kv_transfer_params
         if not self.is_consumer or not params or not params.get("do_remote_prefill"):
             return None
         try:
             remote = RemotePrefill.parse(params, self.config.default_mode,
-                                         request.request_id)
+                                         request.request_id, self._prompt_of(request))
         except ValueError as exc:
             log.warning("kvpush: request %s: %s; computing its prompt here", request.request_id,
                         exc)
             return None
         return remote
 
-    @staticmethod
-    def _usable(request: Any) -> bool:
+    def _remote_prefill(self, request: Any) -> RemotePrefill | None:
+        """The request's remote prefill, if it names one and owns its transfer id here."""
+        remote = self._parse_remote(request)
+        if remote is None:
+            return None
+        req_id = request.request_id
+        owner = self._owners.setdefault(remote.transfer_id, req_id)
+        if owner != req_id:
+            log.warning("kvpush: request %s names transfer %r, which request %s here is "
+                        "loading; computing its prompt here (the router must name each request "
+                        "uniquely)", req_id, remote.transfer_id, owner)
+            return None
+        self._owned[req_id] = remote.transfer_id
+        return remote
+
+    def _usable(self, request: Any) -> bool:
         """False when the prefill instance saw a different prompt (its KV is no use here)."""
         params = request.kv_transfer_params
         num_tokens = params.get(PARAM_NUM_TOKENS, params.get("remote_num_tokens"))
@@ -409,6 +481,13 @@ class KVPushScheduler:
             log.warning("kvpush: request %s has %d prompt tokens here but %d on the prefill "
                         "instance (different tokenization?); computing its prompt here",
                         request.request_id, request.num_prompt_tokens, num_tokens)
+            return False
+        remote_prompt = params.get(PARAM_PROMPT)
+        if remote_prompt and remote_prompt != self._prompt_of(request):
+            log.warning("kvpush: request %s's prompt differs from the one the prefill "
+                        "instance computed (fingerprint %s here, %s there); computing its "
+                        "prompt here", request.request_id, self._prompt_of(request),
+                        remote_prompt)
             return False
         return True
 

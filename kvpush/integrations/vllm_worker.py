@@ -750,9 +750,11 @@ class KVPushWorker:
         return sending, recving
 
     def _stage(self, stage: str, request: str, detail: str = "") -> None:
-        """One ``stage_log`` line (see :class:`~.vllm_common.AdapterConfig`)."""
-        stage_log.info("kvpush stage %.6f %s %s r%d %s", time.monotonic(), stage, request,
-                       self.coords.tp_rank, detail)
+        """One ``stage_log`` line (see :class:`~.vllm_common.AdapterConfig`), naming a
+        transfer by the router's name (its kvpush id less the prompt's fingerprint, as the
+        router's own lines name it)."""
+        stage_log.info("kvpush stage %.6f %s %s r%d %s", time.monotonic(), stage,
+                       request.rpartition("#")[0] or request, self.coords.tp_rank, detail)
 
     def take_failed_recving(self, recving: set[str]) -> set[str]:
         """Of the loads reported ended (``recving``), those whose KV did not arrive (vLLM's
