@@ -47,6 +47,7 @@ from .vllm_common import (
     RankCoords,
     StepPlan,
     TransferStats,
+    check_parallelism,
     check_vllm_version,
     engine_identity,
 )
@@ -192,6 +193,13 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
         # The connector interface changes between vLLM minor releases: refuse the ones this
         # adapter was not written against, before anything starts.
         self._vllm_version = check_vllm_version(vllm.__version__)
+        # Pipeline and context parallelism are refused here, in kvpush's words, before
+        # vLLM's engine finds out at its handshake.
+        parallel = vllm_config.parallel_config
+        check_parallelism(
+            pipeline=int(getattr(parallel, "pipeline_parallel_size", 1) or 1),
+            prefill_context=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+            decode_context=int(getattr(parallel, "decode_context_parallel_size", 1) or 1))
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         config = AdapterConfig.from_extra_config(ktc.kv_connector_extra_config)
@@ -369,9 +377,25 @@ def _rank_coords(vllm_config: Any) -> RankCoords:
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     tp, pp = get_tp_group(), get_pp_group()
-    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     return RankCoords(tp_rank=tp.rank_in_group, tp_size=tp.world_size,
-                      pp_rank=pp.rank_in_group, pp_size=pp.world_size, dp_rank=dp_rank)
+                      pp_rank=pp.rank_in_group, pp_size=pp.world_size,
+                      dp_rank=dp_index(vllm_config.parallel_config))
+
+
+def dp_index(parallel_config: Any) -> int:
+    """This engine's data-parallel rank among every replica of the deployment.
+
+    Not ``data_parallel_rank``: vLLM sets that to 0 in each engine of a dense (non-MoE)
+    model, whose replicas it runs as independent engines
+    (``ParallelConfig.reconfigure_for_independent_dp_rank``), so every replica would take
+    the same ports. ``data_parallel_index`` keeps the original rank (vLLM's NIXL connector
+    offsets its side-channel port by it too)."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is not None:
+        return int(index)
+    if int(getattr(parallel_config, "data_parallel_size", 1) or 1) > 1:
+        return int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
+    return 0
 
 
 def _host_ip() -> str | None:

@@ -89,6 +89,7 @@ __all__ = [
     "StepPlan",
     "TransferStats",
     "base_request_id",
+    "check_parallelism",
     "check_vllm_version",
     "decode_params",
     "engine_identity",
@@ -333,6 +334,23 @@ def check_vllm_version(version: str) -> tuple[int, int]:
                            f"{version!r}. Install a supported vLLM or a kvpush that supports "
                            "this one.")
     return found
+
+
+def check_parallelism(*, pipeline: int = 1, prefill_context: int = 1,
+                      decode_context: int = 1) -> None:
+    """NotImplementedError naming what is not served: pipeline parallelism (each stage
+    holds other layers, and kvpush pairs one rank's layout with one peer rank's) and
+    prefill / decode context parallelism (each rank holds a share of every block's
+    tokens, which kvpush's layouts do not describe)."""
+    refused = [f"{flag} {size}" for flag, size in (
+        ("--pipeline-parallel-size", pipeline),
+        ("--prefill-context-parallel-size", prefill_context),
+        ("--decode-context-parallel-size", decode_context)) if size > 1]
+    if refused:
+        raise NotImplementedError(
+            f"kvpush's vLLM connector does not support {', '.join(refused)}: it moves KV "
+            "between instances of tensor (and data) parallelism only. Run both instances "
+            "with these sizes at 1.")
 
 
 #: vLLM ``--kv-cache-dtype`` -> the element type kvpush names in the layout. vLLM stores
