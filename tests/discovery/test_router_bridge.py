@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -34,6 +35,7 @@ from kvpush.discovery import (
     RouterBridge,
     Watcher,
 )
+from tests.support import ROOT
 
 
 def _free_port() -> int:
@@ -209,8 +211,8 @@ def _until(check: Any, timeout: float) -> Any:
         time.sleep(0.1)
 
 
-def test_vllm_router_follows_instances_through_the_bridge(client: EtcdClient, prefix: str,
-                                                         watcher: Watcher) -> None:
+def test_vllm_router_follows_instances_through_the_bridge(client: EtcdClient,
+                                                         prefix: str) -> None:
     binary = _router_binary()
     if binary is None:
         pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17, or set "
@@ -219,41 +221,49 @@ def test_vllm_router_follows_instances_through_the_bridge(client: EtcdClient, pr
                (("p0", Role.PREFILL), ("p1", Role.PREFILL), ("d0", Role.DECODE))}
     router = _VllmRouter(binary)
     pubs: list[Publisher] = []
+    # the bridge as docs/DEPLOY.md runs it
+    bridge = subprocess.Popen(
+        [sys.executable, "-m", "kvpush.discovery", "--etcd", client.endpoints[0],
+         "--prefix", prefix, "bridge", "--router", router.discovery, "--interval", "0.5"],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
     try:
-        with RouterBridge(watcher, router.discovery, interval_s=0.5):
-            assert router.complete()[0] != 200  # nobody registered yet
-            pubs = [Publisher(client, prefix, _prefill("p0", workers["p0"].address), ttl_s=3),
-                    Publisher(client, prefix, _decode("d0", workers["d0"].address), ttl_s=3)]
-            for pub in pubs:
-                pub.start()
-            answer = _until(lambda: (r := router.complete())[0] == 200 and r, 10)
-            assert answer, f"the router never routed: {router.complete()}"
-            assert json.loads(answer[1])["choices"][0]["text"] == " decoded"
-            headers, body = workers["p0"].requests[-1]
-            assert body["max_tokens"] == 1
-            assert body["kv_transfer_params"]["do_remote_decode"] is True
-            assert headers["x-request-id"].startswith("___prefill_addr_tcp://127.0.0.1:5600")
-            _, body = workers["d0"].requests[-1]
-            assert body["kv_transfer_params"] == {"kvpush_transfer_id": "t-1"}
-            assert body["max_tokens"] == 4
+        assert router.complete()[0] != 200  # nobody registered yet
+        pubs = [Publisher(client, prefix, _prefill("p0", workers["p0"].address), ttl_s=3),
+                Publisher(client, prefix, _decode("d0", workers["d0"].address), ttl_s=3)]
+        for pub in pubs:
+            pub.start()
+        answer = _until(lambda: (r := router.complete())[0] == 200 and r, 10)
+        assert answer, f"the router never routed: {router.complete()}"
+        assert json.loads(answer[1])["choices"][0]["text"] == " decoded"
+        headers, body = workers["p0"].requests[-1]
+        assert body["max_tokens"] == 1
+        assert body["kv_transfer_params"]["do_remote_decode"] is True
+        assert headers["x-request-id"].startswith("___prefill_addr_tcp://127.0.0.1:5600")
+        _, body = workers["d0"].requests[-1]
+        assert body["kv_transfer_params"] == {"kvpush_transfer_id": "t-1"}
+        assert body["max_tokens"] == 4
 
-            # a second prefill instance joins: the running router takes it
-            pubs.append(Publisher(client, prefix, _prefill("p1", workers["p1"].address),
-                                  ttl_s=3).start())
-            pubs[0].drain()
-            time.sleep(6)  # p0's last registration expires in the router
-            before = len(workers["p0"].requests)
-            for _ in range(3):
-                assert router.complete()[0] == 200
-            assert len(workers["p0"].requests) == before
-            assert len(workers["p1"].requests) >= 3
+        # a second prefill instance joins: the running router takes it
+        pubs.append(Publisher(client, prefix, _prefill("p1", workers["p1"].address),
+                              ttl_s=3).start())
+        pubs[0].drain()
+        time.sleep(6)  # p0's last registration expires in the router
+        before = len(workers["p0"].requests)
+        for _ in range(3):
+            assert router.complete()[0] == 200
+        assert len(workers["p0"].requests) == before
+        assert len(workers["p1"].requests) >= 3
 
-            # every prefill gone: the router has no pair within its 5 s expiry
-            pubs[2].close()
-            assert _until(lambda: router.complete()[0] != 200, 10)
+        # every prefill gone: the router has no pair within its 5 s expiry
+        pubs[2].close()
+        assert _until(lambda: router.complete()[0] != 200, 10)
     finally:
+        bridge.terminate()
+        returncode = bridge.wait(10)
         for pub in pubs:
             pub.close()
         router.close()
         for worker in workers.values():
             worker.close()
+    assert returncode == 0  # SIGTERM stops the bridge cleanly
