@@ -49,7 +49,9 @@ from .request import TransferMode
 
 if TYPE_CHECKING:
     from .consumer import Consumer
+    from .endpoint import Endpoint
     from .layout import KVLayout
+    from .producer import Producer
 
 __all__ = [
     "Advertisement",
@@ -64,7 +66,9 @@ __all__ = [
     "Role",
     "RouterBridge",
     "Watcher",
+    "advertise_producer",
     "compat_key",
+    "endpoint_health",
 ]
 
 log = logging.getLogger("kvpush.discovery")
@@ -220,6 +224,25 @@ def _host_port(text: str) -> bool:
     host, sep, port = text.rpartition(":")
     return bool(sep and host and "/" not in host and port.isdigit()
                 and 0 < int(port) < 65536)
+
+
+def advertise_producer(producer: Producer, instance: str, *, rank: int = 0,
+                       http_address: str = "",
+                       modes: Sequence[TransferMode] = (TransferMode.PUSH, TransferMode.PULL),
+                       ) -> Advertisement:
+    """The advertisement of a prefill rank whose kvpush side is ``producer``: its address
+    and the :func:`compat_key` of its layout."""
+    return Advertisement(instance, Role.PREFILL, compat_key(producer.layout), rank=rank,
+                         producer=producer.address, http_address=http_address,
+                         modes=tuple(modes))
+
+
+def endpoint_health(endpoint: Endpoint) -> Callable[[], bool]:
+    """A :class:`Publisher` health callback covering a kvpush endpoint: healthy while the
+    :class:`~kvpush.Producer` or :class:`~kvpush.Consumer` is open and its loop thread
+    runs (a dead loop answers no handshake and moves no request). Combine it with the
+    engine's own checks: ``health=lambda: ok() and engine_ok()``."""
+    return lambda: not endpoint.closed and endpoint._thread.is_alive()
 
 
 # -- etcd through its JSON gateway ---------------------------------------------------------
