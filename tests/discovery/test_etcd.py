@@ -267,3 +267,16 @@ def test_etcd_down_is_a_clear_error_and_everything_recovers() -> None:
             assert pub.last_error is None and pub.published
             with Publisher(client, prefix, _prefill("prefill-1"), ttl_s=3):
                 assert watcher.wait_for(lambda ads: len(ads) == 2, 5)
+
+
+def test_command_line_lists_the_records(etcd_server: EtcdServer, client: EtcdClient,
+                                        prefix: str) -> None:
+    ad = _prefill()
+    with Publisher(client, prefix, ad, ttl_s=3) as pub:
+        out = subprocess.run([sys.executable, "-m", "kvpush.discovery", "--etcd",
+                              etcd_server.url, "--prefix", prefix, "list"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    key, record = out.stdout.strip().split(" ", 1)
+    assert key == pub.key
+    assert Advertisement.from_json(record.encode()) == pub.advertisement
