@@ -86,6 +86,7 @@ class Timings:
     layerwise_p: float = 0.2      # share of pushes written layer by layer
     tail_p: float = 0.15          # share of requests whose consumers hold a prefix already
     inline_p: float = 0.2         # share of transfers done inside the post call
+    named_p: float = 0.5          # share of pushes whose source uses the router names
     # checks: slack on deadlines (timers fire at their time; messages take a little)
     slack_s: float = 0.05
 
@@ -365,9 +366,9 @@ class Simulation:
         return f"r{self._number}"
 
     def _pick_in_use(self) -> Request | None:
-        """With ``inuse``: a push whose consumers are done with it while its producer still
-        holds the source (e.g. for a sharer that has not come), to send again under its id:
-        the router retries it, or reuses ids early."""
+        """With ``inuse``: a push whose source uses the router named, whose consumers are
+        done with it while its producer still holds the source (e.g. for a sharer that has
+        not come), to send again under its id: the router reuses ids early."""
         while self._held_by_producer:
             old = self._held_by_producer.popleft()
             if old.finished or old.producer_done or self._latest.get(old.rid) is not old \
@@ -404,9 +405,10 @@ class Simulation:
             consumers = rng.sample(live_c, sharers)
         old = self._pick_in_use() if f.on("inuse") else None
         if old is not None:
-            # The router sends it again under its id, naming the new source use to both
-            # sides (as vLLM's scheduler does in tickets): a registration that does not
-            # name it cannot be told from a late one of the held use, or from a retry.
+            # The router sends it again under its id, naming the source uses to both
+            # sides (as vLLM's scheduler does in tickets), as it named the held one: a
+            # registration that names none cannot be told from a late one of the held use,
+            # or from a retry.
             rid, group, consumers = old.rid, old.producers, old.consumers
             mode, sharers = old.mode, old.sharers
         else:
@@ -414,9 +416,9 @@ class Simulation:
         self.reuse_tag += 1
         req = Request(rid, self.reuse_tag, mode, group[0], rng.randint(1, t.max_request_blocks),
                       sharers, producers=list(group), consumers=list(consumers))
-        if old is not None:
+        if mode is TransferMode.PUSH and (old is not None or rng.random() < t.named_p):
             req.sids = {p: rng.getrandbits(63) | 1 for p in group}
-        else:
+        if old is None:
             for p in group:
                 src = self.endpoints[p].engine.allocate(req)
                 if src is None:
@@ -424,6 +426,7 @@ class Simulation:
                         s.ep.engine.give_back(s)
                     self.stats["skipped"] += 1
                     return False
+                src.sid = req.sids.get(p, 0)
                 req.sources.append(src)
             req.open_sources = len(req.sources)
         if req.nblocks > 1 and rng.random() < t.tail_p:
@@ -879,9 +882,9 @@ class Simulation:
     def consumer_ended(self, use: Use) -> None:
         req = use.req
         req.open_uses -= 1
-        if req.open_uses == 0 and req.mode is TransferMode.PUSH and not req.producer_done \
+        if req.open_uses == 0 and req.sids and not req.producer_done \
                 and req.sources and all(s.done_at >= 0 for s in req.sources):
-            self._held_by_producer.append(req)     # its consumers are done with it
+            self._held_by_producer.append(req)  # its consumers are done (see _pick_in_use)
         self._maybe_finished(req)
 
     def _rid_closed(self, rid: str) -> None:
