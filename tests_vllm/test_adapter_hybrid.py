@@ -302,22 +302,27 @@ def test_prefill_holds_the_window_blocks_vllm_frees_until_kvpush_hands_them_back
     assert send.src == [1, 2, 3, 4, 5, 15, 6, 16, 7, 17]
     pool = s._kv_manager.block_pool
     held = [b for b in pool.blocks if b.ref_cnt]
-    assert [b.block_id for b in held] == [15, 16, 17]     # the window's sliding blocks
+    # every block the transfer reads, the window's sliding blocks among them
+    assert [b.block_id for b in held] == [1, 2, 3, 4, 5, 6, 7, 15, 16, 17]
     r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     delay, params = s.request_finished(r, [1])
     assert delay and params is not None
     s.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
     assert not any(b.ref_cnt for b in pool.blocks)
-    # preempted after its send was planned: the worker ends the transfer this step, and
-    # the reference goes with it (vLLM freed the request's blocks already)
+    # preempted after its send was planned: the worker ends the transfer, and the
+    # references go once it reports that nothing reads the blocks
     r2 = request("p2", prefill_params("t2", "pull"), 100)
     s.on_new_request(r2)
     s._kv_manager.tables["p2"] = ([30, 31, 32, 33], [40, 41, 42, 43])
     (send,) = s.build_plan(SimpleNamespace(num_scheduled_tokens={"p2": 100})).send
     assert send.src == [30, 31, 41, 32, 42, 33, 43]     # tokens 36..99: blocks 1..3
-    assert sorted(b.block_id for b in pool.blocks if b.ref_cnt) == [41, 42, 43]
+    assert sorted(b.block_id for b in pool.blocks if b.ref_cnt) == [30, 31, 32, 33, 41, 42, 43]
     plan = s.build_plan(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids={"p2"}))
     assert plan.send_preempted == [("p2", "t2#100")]
+    assert sorted(b.block_id for b in pool.blocks if b.ref_cnt) == [30, 31, 32, 33, 41, 42, 43]
+    s.update_connector_output(SimpleNamespace(
+        finished_sending=None, finished_recving=None,
+        kv_connector_worker_meta=SimpleNamespace(ended={"t2#100": 1})))
     assert not any(b.ref_cnt for b in pool.blocks)
 
 

@@ -261,12 +261,12 @@ def test_a_dead_push_claimer_releases_the_prefill_blocks() -> None:
 
 @pytest.mark.parametrize("attempt", range(3))
 def test_preempted_prefill_keeps_its_blocks_until_no_write_can_read_them(attempt: int) -> None:
-    """Item 7's race, forced: a WRITE of 48 blocks starts right after the prefill's forward;
-    in the next step vLLM preempts the request (as a prefix-cache reset does) and frees its
-    blocks, which that step's forward then overwrites. The worker must end the transfer
-    before the forward runs: once handle_preemptions returns, no transfer holds the blocks;
-    the decode side gets either the true bytes or a failed load, never the overwritten
-    ones; and the preempted request is never reported finished_sending."""
+    """A WRITE of 48 blocks starts right after the prefill's forward; in the next step vLLM
+    preempts the request and drops its hold on the blocks. The worker aborts the transfer
+    without waiting; the blocks stay pinned (vLLM cannot hand them out) until the rank
+    reports that nothing reads them, and only then are they reused (overwritten); the
+    decode side gets either the true bytes or a failed load, never the overwritten ones;
+    and the preempted request is never reported finished_sending."""
     with ranks("kv_producer", 1, 2, blocks=64) as prefill, \
             ranks("kv_consumer", 1, 2, blocks=64) as dec:
         flow = Flow(prefill, dec)
@@ -282,15 +282,31 @@ def test_preempted_prefill_keeps_its_blocks_until_no_write_can_read_them(attempt
         flow.p.on_new_request(rp)
         flow.p._kv_manager.blocks[rid] = src
         plan = flow.p.build_plan(SimpleNamespace(num_scheduled_tokens={rid: 48 * 32}))
-        assert flow.p.has_pending_block_frees()   # vLLM will not preempt it for blocks...
+        assert not flow.p.has_pending_block_frees()   # vLLM may preempt it for blocks
+        pool = flow.p._kv_manager.block_pool
+        assert pool.held() == src                 # the blocks the transfer reads are pinned
         step_all(prefill, plan)                   # forward + prefill_done: the WRITE goes
-        # ... but a prefix-cache reset does: the next step's plan ends the transfer first.
         plan = flow.p.build_plan(SimpleNamespace(num_scheduled_tokens={},
                                                  preempted_req_ids={rid}))
         assert plan.send_preempted == [(rid, f"{tid}#{48 * 32}")]
-        step_all(prefill, plan)
-        assert prefill[0].call("pending") == 0    # nothing can read the blocks any more
-        prefill[0].call("scribble", src)          # this step's forward reuses them
+        start = time.monotonic()
+        step_all(prefill, plan)                   # the abort: nothing waits for the WRITE
+        assert time.monotonic() - start < 2.0
+        assert flow.p.has_pending_block_frees() and pool.held() == src
+        ended: list[str] = []
+        deadline = time.monotonic() + 30
+        while not ended:
+            assert time.monotonic() < deadline, "the preempted transfer never ended"
+            prefill[0].call("poll", set())
+            ended = prefill[0].call("ended")
+            time.sleep(0.01)
+        assert ended == [plan.send_preempted[0][1]]
+        assert prefill[0].call("pending") == 0    # reported once nothing reads the blocks
+        flow.p.update_connector_output(SimpleNamespace(
+            finished_sending=None, finished_recving=None,
+            kv_connector_worker_meta=SimpleNamespace(ended={ended[0]: 1})))
+        assert pool.held() == [] and not flow.p.has_pending_block_frees()
+        prefill[0].call("scribble", src)          # vLLM hands them out again
         errors = wait_reported(dec, r.request_id, 1)
         if not errors[0]:                         # landed before the abort: the true bytes
             assert dec[0].call("check", (dst, src)) == []
@@ -300,4 +316,4 @@ def test_preempted_prefill_keeps_its_blocks_until_no_write_can_read_them(attempt
         again = flow.p.build_plan(SimpleNamespace(num_scheduled_tokens={rid: 48 * 32}))
         assert [s.transfer_id for s in again.send] == [f"{tid}#{48 * 32}"]
         assert again.send[0].sid != plan.send[0].sid if plan.send else True
-        assert not flow.p.has_pending_block_frees() or rid in flow.p._send_running
+        assert not flow.p.has_pending_block_frees()

@@ -79,9 +79,35 @@ class Blocks:
         return (list(self.ids),)
 
 
+class PoolBlock:
+    def __init__(self, block_id: int) -> None:
+        self.block_id, self.ref_cnt, self.is_null = block_id, 0, block_id == 0
+
+
+class Pool:
+    """vLLM's block pool as the scheduler side uses it: references taken and dropped."""
+
+    def __init__(self, n: int = 256) -> None:
+        self.blocks = [PoolBlock(i) for i in range(n)]
+        self.null_block = self.blocks[0]
+
+    def touch(self, blocks: list[PoolBlock]) -> None:
+        for b in blocks:
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks: list[PoolBlock]) -> None:
+        for b in blocks:
+            assert b.ref_cnt > 0
+            b.ref_cnt -= 1
+
+    def held(self) -> list[int]:
+        return [b.block_id for b in self.blocks if b.ref_cnt]
+
+
 class Manager:
     def __init__(self) -> None:
         self.blocks: dict[str, list[int]] = {}
+        self.block_pool = Pool()
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return (self.blocks[req_id],)

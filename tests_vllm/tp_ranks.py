@@ -89,6 +89,8 @@ def _serve(conn: Connection, role: str, tp_rank: int, tp_size: int, total: int,
                 conn.send(worker.get_finished(arg))
             elif cmd == "errors":
                 conn.send(worker.take_load_errors())
+            elif cmd == "ended":          # preempted sends' transfers that ended
+                conn.send(worker.take_ended())
             elif cmd == "poll":
                 conn.send(worker.get_finished(arg))
             elif cmd == "check":          # (dst blocks, src blocks): heads that differ

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -61,6 +62,7 @@ __all__ = [
     "KVPushHandshakeMetadata",
     "KVPushPromMetrics",
     "KVPushStats",
+    "KVPushWorkerMetadata",
 ]
 
 log = logging.getLogger("kvpush.vllm")
@@ -100,6 +102,20 @@ class KVPushHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[mis
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+
+
+@dataclass
+class KVPushWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc, unused-ignore]
+    """Worker -> scheduler, per engine step: the transfers of preempted requests' sends
+    that no longer read their blocks, counted over the ranks that said so (the scheduler
+    side unpins the blocks once every rank has)."""
+
+    ended: dict[str, int]
+
+    def aggregate(self, other: Any) -> KVPushWorkerMetadata:
+        for transfer_id, count in getattr(other, "ended", {}).items():
+            self.ended[transfer_id] = self.ended.get(transfer_id, 0) + count
+        return self
 
 
 @dataclass
@@ -265,8 +281,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
             self._w().bind(connector_metadata.plan)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        # Called before the forward pass that may overwrite the blocks of requests vLLM
-        # preempted: a transfer still reading them is ended first.
+        # Called before the forward pass: the transfers of requests vLLM preempted are
+        # aborted (their blocks stay pinned until they have ended; nothing waits here).
         if isinstance(kv_connector_metadata, KVPushConnectorMetadata):
             self._w().handle_preemptions(kv_connector_metadata.plan)
 
@@ -310,6 +326,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
             return None
         data = self._worker.take_stats()
         return None if data is None else KVPushStats(data=data)
+
+    def build_connector_worker_meta(self) -> KVPushWorkerMetadata | None:
+        ended = self._w().take_ended()
+        if not ended:
+            return None
+        counts: dict[str, int] = {}
+        for transfer_id in ended:
+            counts[transfer_id] = counts.get(transfer_id, 0) + 1
+        return KVPushWorkerMetadata(counts)
 
     def get_handshake_metadata(self) -> KVPushHandshakeMetadata | None:
         info = self._w().handshake()
@@ -366,8 +391,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def has_pending_block_frees(self) -> bool:
-        # True while a request whose KV kvpush may be reading still runs: vLLM then waits
-        # for blocks instead of preempting it (and freeing blocks a WRITE reads).
+        # True only while preempted sends' pinned blocks are about to come back: vLLM waits
+        # for those instead of preempting more (KVPushScheduler.has_pending_block_frees).
         return self._scheduler is not None and self._scheduler.has_pending_block_frees()
 
 

@@ -53,6 +53,10 @@ __all__ = ["KVPushScheduler", "RankInfo"]
 
 log = logging.getLogger("kvpush.vllm")
 
+#: Past ``transfer_timeout_s``, how long a preempted send's blocks stay pinned for want of
+#: every rank's report that its transfer ended.
+_ENDING_MARGIN_S = 5.0
+
 #: Request states in which a prefill finished normally (vLLM's ``RequestStatus`` names).
 _NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
 
@@ -69,6 +73,16 @@ class RankInfo:
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+
+
+@dataclass
+class _Ending:
+    """The pinned source blocks of a preempted request's send, until every worker rank
+    reports its transfer ended (``KVPushWorker.take_ended``) or ``deadline`` passes."""
+
+    blocks: list[Any]
+    deadline: float           # time.monotonic(): the longest a WRITE can still read them
+    reports: int = 0
 
 
 @dataclass
@@ -102,8 +116,8 @@ class KVPushScheduler:
         # Mamba state: the prefill stops one token short, the decode computes that token
         self.backoff = state_backoff(self.groups)
         self._full_tokens: dict[str, int] = {}   # prefill req id -> prompt before backoff
-        # prefill side, hybrid: sliding-window blocks vLLM frees as they leave the window
-        # (at the request's finish already) that a transfer still reads, held by kvpush
+        # prefill side: the blocks each planned send's transfer reads, held by kvpush (one
+        # reference in vLLM's block pool) until the source is handed back (see _maybe_send)
         self._pins: dict[str, list[Any]] = {}
         self._kv_manager: Any = None
         self._ranks: dict[int, RankInfo] = {}
@@ -112,10 +126,12 @@ class KVPushScheduler:
         self._candidates: dict[str, Any] = {}    # req id -> Request, until its prefill is done
         self._sends: dict[str, _Send] = {}       # issued, not yet reported finished_sending
         self._send_aborts: list[str] = []        # transfer ids
-        # requests whose send is planned and that vLLM still runs: a WRITE may read their
-        # blocks, which a preemption would free (see has_pending_block_frees)
-        self._send_running: set[str] = set()
-        self._sent_requests: dict[str, Any] = {}   # ... their vLLM Request objects
+        # requests whose send is planned and that vLLM still runs (their Request objects,
+        # to export again if vLLM preempts them)
+        self._sent_requests: dict[str, Any] = {}
+        # sends of preempted requests whose transfer is ending: their blocks stay pinned
+        # until every worker rank reports that no transfer reads them (see _Ending)
+        self._ending: dict[str, _Ending] = {}     # transfer id -> its pins
         # kvpush request id of each live do_remote_decode request: another request's finish
         # never aborts a transfer one of these holds
         self._exports: dict[str, str] = {}
@@ -227,7 +243,6 @@ class KVPushScheduler:
             return False, None
         # Prefill side.
         self._prompts.pop(req_id, None)
-        self._send_running.discard(req_id)
         self._sent_requests.pop(req_id, None)
         transfer_id = self._exports.pop(req_id, None)
         send = self._sends.get(req_id)
@@ -278,20 +293,20 @@ class KVPushScheduler:
         self._recv_new, self._recv_aborts, self._send_aborts = [], [], []
         self._claims_new = []
         if self.is_producer:
+            self._expire_endings()
             for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
                 send = self._sends.pop(req_id, None)
                 if send is None:
                     continue
-                # vLLM freed its blocks already (has_pending_block_frees kept the allocation
-                # path from doing so; a prefix-cache reset still does). The worker ends the
-                # transfer before this step's forward can overwrite them; the request is
-                # recomputed and may send again.
-                log.warning("kvpush: %s preempted after its prefill; ending transfer %r before "
-                            "its blocks are reused", req_id, send.transfer_id)
-                self._send_running.discard(req_id)
-                # the worker ends the transfer in this step, before any later schedule can
-                # hand these blocks out again
-                self._unpin(req_id)
+                # vLLM dropped the request's hold on its blocks; kvpush's pin keeps them out
+                # of vLLM's free queue while the transfer may read them. The worker aborts
+                # it (without waiting) and each rank reports when nothing reads them any
+                # more; the request is recomputed and may send again after that.
+                log.warning("kvpush: %s preempted after its prefill; ending transfer %r (its "
+                            "blocks stay held until it has ended)", req_id, send.transfer_id)
+                self._ending[send.transfer_id] = _Ending(
+                    self._pins.pop(req_id, []),
+                    time.monotonic() + self.config.transfer_timeout_s + _ENDING_MARGIN_S)
                 plan.send_preempted.append((req_id, send.transfer_id))
                 request = self._sent_requests.pop(req_id, None)
                 if request is not None:
@@ -326,6 +341,13 @@ class KVPushScheduler:
             mode = self.config.default_mode
         prompt = self._prompt_of(request)
         transfer_id = wire_id(name, prompt)
+        if transfer_id in self._ending:
+            # preempted earlier, its old transfer still ending: its blocks are recomputed
+            # here, and its decode instance was told the transfer failed
+            log.warning("kvpush: request %s is not exported again while its earlier "
+                        "transfer %r is ending", req_id, transfer_id)
+            self._exports.pop(req_id, None)
+            return None
         if any(s.transfer_id == transfer_id for s in self._sends.values()):
             if mode is TransferMode.PUSH:
                 # The decode instance registers under this id: it pairs with the export
@@ -349,20 +371,21 @@ class KVPushScheduler:
             except ValueError as exc:
                 log.error("kvpush: request %s: %s; its KV stays here", req_id, exc)
                 return None
-            # vLLM frees sliding-window blocks as they leave the window, at this request's
-            # finish already (before request_finished_all_groups): hold the ones the
-            # transfer reads until kvpush hands the source back.
-            self._pin(req_id, transfer_blocks(self.groups, per_group, num_prompt, 0,
-                                              self._null_block(), sliding_only=True))
         else:
             (block_ids,) = self._kv_manager.get_block_ids(req_id)
             src = [int(b) for b in block_ids[:prompt_blocks(num_prompt, self.block_size)]]
+        # Every block the transfer reads is pinned (one more reference in vLLM's block pool)
+        # until kvpush hands the source back: neither a preemption nor vLLM freeing
+        # sliding-window blocks as they leave the window (at the request's finish already,
+        # before request_finished_all_groups) lets vLLM reuse them while a WRITE or READ
+        # may read them, and the worker never has to wait for one to end.
+        null = self._null_block() if self.hybrid else -1
+        self._pin(req_id, [b for b in src if b != null])
         sid = new_id()
         # the decode instance checks the prompt's length: the whole one, before any backoff
         self._sends[req_id] = _Send(req_id, transfer_id, mode, src,
                                     self._full_tokens.pop(req_id, num_prompt), time.time(),
                                     sid, name, prompt)
-        self._send_running.add(req_id)
         self._sent_requests[req_id] = request
         return SendPlan(req_id, transfer_id, mode, src, sid)
 
@@ -370,22 +393,45 @@ class KVPushScheduler:
         for req_id in getattr(output, "finished_sending", None) or ():
             self._sends.pop(req_id, None)
             self._unpin(req_id)
+        # preempted sends whose transfer ended, counted over the worker ranks
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        for transfer_id, count in (getattr(meta, "ended", None) or {}).items():
+            ending = self._ending.get(transfer_id)
+            if ending is None:
+                continue
+            ending.reports += count
+            if ending.reports >= max(1, len(self._ranks)):
+                del self._ending[transfer_id]
+                self._free(ending.blocks)
         for req_id in getattr(output, "finished_recving", None) or ():
             self._recving.pop(req_id, None)
 
     def has_pending_work(self) -> bool:
         """Plans not yet handed to the worker: the engine must step once more."""
         return bool(self._recv_new or self._recv_aborts or self._send_aborts
-                    or self._claims_new)
+                    or self._claims_new or self._ending)
 
     def has_pending_block_frees(self) -> bool:
         """vLLM's scheduler asks this before it preempts a running request for blocks: True
-        makes it wait instead. While a request whose KV kvpush may be reading (its send is
-        planned: the WRITE/READ can start right after that step's forward) is still running
-        in vLLM, a preemption would free blocks a transfer reads, so none is made; once the
-        request finishes (one token, normally) its blocks are vLLM's delayed frees, which a
-        preemption never touches."""
-        return bool(self._send_running)
+        makes it wait instead. True only while blocks come back soon without a preemption:
+        those of preempted sends whose aborted transfer is ending (bounded by
+        ``transfer_timeout_s``). Sources held for a decode instance (a lease, a claim, a
+        transfer) do not make it wait -- their end is the decode instance's to choose -- so
+        this instance preempts as vLLM would without kvpush; a preempted request's
+        transfer still reads only pinned blocks."""
+        return bool(self._ending)
+
+    def _expire_endings(self) -> None:
+        """Unpin preempted sends whose ranks did not all report within the bound a WRITE
+        can last (a rank that died, a report lost)."""
+        now = time.monotonic()
+        for transfer_id, ending in list(self._ending.items()):
+            if ending.deadline <= now:
+                del self._ending[transfer_id]
+                log.error("kvpush: transfer %r of a preempted request was not reported ended "
+                          "within %.0f s; its blocks go back to vLLM", transfer_id,
+                          self.config.transfer_timeout_s + _ENDING_MARGIN_S)
+                self._free(ending.blocks)
 
     # -- helpers ---------------------------------------------------------------------------
     def _truncate(self, request: Any) -> None:
@@ -423,7 +469,9 @@ class KVPushScheduler:
         self._pins[req_id] = blocks
 
     def _unpin(self, req_id: str) -> None:
-        blocks = self._pins.pop(req_id, None)
+        self._free(self._pins.pop(req_id, []))
+
+    def _free(self, blocks: list[Any]) -> None:
         if blocks:
             self._kv_manager.block_pool.free_blocks(blocks)
 

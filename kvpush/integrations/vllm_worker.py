@@ -437,6 +437,12 @@ class KVPushWorker:
         self._quarantined: dict[str, float] = {}
         self._finished: set[str] = set()                       # req ids finished in vLLM
         self._issued: set[str] = set()                         # req ids not yet reported
+        # preempted requests' sends: transfer id -> req id, aborted, source not back yet;
+        # transfer id -> when a source handed back unsafe stops being read; transfer ids
+        # to report ended (take_ended)
+        self._preempted: dict[str, str] = {}
+        self._ending_until: dict[str, float] = {}
+        self._ended: list[str] = []
         # layer-wise push: vLLM layer name -> layer index, and this step's (transfer id,
         # source blocks) of the push sends this rank makes
         self._layers: dict[str, int] = {}
@@ -600,36 +606,52 @@ class KVPushWorker:
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the forward pass (vLLM calls this first): requests vLLM preempted after
-        their send was planned have had their blocks freed, and this step's forward may
-        overwrite them. End each one's transfer and wait (bounded) until kvpush says no
-        transfer can read the blocks any more; that release is not reported to vLLM (the
-        request is not finished: it is recomputed)."""
+        their send was planned. Their blocks stay pinned by the scheduler side while a
+        transfer may read them, so nothing here waits: each transfer is aborted, and once
+        kvpush hands its source back (or at once, when this rank holds none) the transfer
+        id is reported in :meth:`take_ended`, never as ``finished_sending`` (the request is
+        not finished: it is recomputed)."""
         if not plan.send_preempted or self.producer is None:
             return
-        waiting: dict[str, str] = {}
+        now = time.monotonic()
         for req_id, transfer_id in plan.send_preempted:
             self._issued.discard(req_id)
             self._released.discard(req_id)
+            self._finished.discard(req_id)
             self._to_send = [s for s in self._to_send if s.req_id != req_id]
+            until = self._quarantined.pop(req_id, None)
             if self._sending.get(transfer_id) == req_id:
                 self.producer.abort(transfer_id, "request preempted on the prefill instance")
-                waiting[transfer_id] = req_id
-        deadline = time.monotonic() + self.config.transfer_timeout_s + 5.0
-        while waiting and time.monotonic() < deadline:
-            for release in self.producer.get_released():
-                if waiting.pop(release.request_id, None) is not None:
-                    self._sending.pop(release.request_id, None)
-                    log.info("kvpush: transfer %r of a preempted request ended (%s); its "
-                             "blocks may be reused", release.request_id, release.reason.value)
-                else:
-                    self._on_release(release)
-            if waiting:
-                time.sleep(0.001)
-        for transfer_id, req_id in waiting.items():
-            self._sending.pop(transfer_id, None)
-            log.error("kvpush: the transfer %r of preempted request %s did not end within "
-                      "%.0f s; its blocks go back to vLLM while it may still read them",
-                      transfer_id, req_id, self.config.transfer_timeout_s + 5.0)
+                self._preempted[transfer_id] = req_id
+            elif until is not None and until > now:   # released, but a WRITE may still read
+                self._ending_until[transfer_id] = until
+            else:
+                self._ended.append(transfer_id)
+
+    def _on_preempted_release(self, release: Release) -> None:
+        """A preempted request's source came back: its transfer has ended (or, not
+        ``blocks_safe``, ends within ``quarantine_s``)."""
+        transfer_id = release.request_id
+        self._preempted.pop(transfer_id, None)
+        self._sending.pop(transfer_id, None)
+        log.info("kvpush: transfer %r of a preempted request ended (%s)", transfer_id,
+                 release.reason.value)
+        if release.blocks_safe:
+            self._ended.append(transfer_id)
+        else:
+            self._ending_until[transfer_id] = time.monotonic() + release.quarantine_s
+
+    def take_ended(self) -> list[str]:
+        """Transfer ids of preempted requests' sends that no transfer reads any more, since
+        the last call: the scheduler side unpins their blocks once every rank has said so
+        (vLLM's worker metadata)."""
+        now = time.monotonic()
+        for transfer_id, until in list(self._ending_until.items()):
+            if until <= now:
+                del self._ending_until[transfer_id]
+                self._ended.append(transfer_id)
+        ended, self._ended = self._ended, []
+        return ended
 
     def sends_from_here(self, num_prefill_ranks: int | None = None,
                         transfer_id: str = "") -> bool:
@@ -722,7 +744,10 @@ class KVPushWorker:
             self._drain_handover_failures()
             self._finished |= finished_req_ids & self._issued
             for release in self.producer.get_released():
-                self._on_release(release)
+                if release.request_id in self._preempted:
+                    self._on_preempted_release(release)
+                else:
+                    self._on_release(release)
             now = time.monotonic()
             for req_id, until in list(self._quarantined.items()):
                 if until <= now:
