@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from test_adapter_units import request, scheduler
+from test_adapter_units import Manager, request, scheduler
 
 import kvpush
 from kvpush.integrations import vllm_scheduler
@@ -88,6 +88,22 @@ def test_preempted_send_stays_pinned_until_every_rank_reports_its_end() -> None:
     s.on_new_request(r)
     (again,) = s.build_plan(SimpleNamespace(num_scheduled_tokens={"p1": 96})).send
     assert again.transfer_id == send.transfer_id and again.sid != send.sid
+
+
+def test_every_tensor_parallel_rank_reports_even_without_handshake_metadata() -> None:
+    ktc = SimpleNamespace(engine_id="e1", is_kv_producer=True, is_kv_consumer=False)
+    s = KVPushScheduler(SimpleNamespace(kv_transfer_config=ktc,
+                                        cache_config=SimpleNamespace(block_size=32),
+                                        parallel_config=SimpleNamespace(tensor_parallel_size=2)),
+                        SimpleNamespace(kv_cache_groups=[object()]), AdapterConfig())
+    s.bind_kv_cache_manager(Manager())
+    pool = s._kv_manager.block_pool
+    _, send = plan_send(s, "p1", [5, 6])
+    preempt(s, "p1")
+    report(s, [send.transfer_id])
+    assert pool.held() == [5, 6]
+    report(s, [send.transfer_id])
+    assert pool.held() == []
 
 
 def test_preempted_send_pins_are_bounded_when_a_rank_never_reports(monkeypatch: Any) -> None:

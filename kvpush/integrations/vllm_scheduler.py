@@ -108,6 +108,10 @@ class KVPushScheduler:
         self.block_size: int = vllm_config.cache_config.block_size
         self.is_producer: bool = bool(ktc.is_kv_producer)
         self.is_consumer: bool = bool(ktc.is_kv_consumer)
+        # worker ranks that each report a preempted send's end (with or without their
+        # handshake metadata)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.num_workers = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         # Several groups (vLLM's hybrid allocator): full-attention, sliding-window and Mamba
         # state groups are moved as one flat block list per request
         # (kvpush.integrations.vllm_hybrid); other kinds are refused here, naming the group.
@@ -400,7 +404,7 @@ class KVPushScheduler:
             if ending is None:
                 continue
             ending.reports += count
-            if ending.reports >= max(1, len(self._ranks)):
+            if ending.reports >= max(self.num_workers, len(self._ranks)):
                 del self._ending[transfer_id]
                 self._free(ending.blocks)
         for req_id in getattr(output, "finished_recving", None) or ():
