@@ -21,9 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import launch
 import pytest
 from conftest import BLOCK, LENGTHS, PROMPTS, Pair, tokens_of
+
+from examples.vllm import launch
 
 #: Bytes moved per block id: 4 layers x (32 tokens x 2 heads x 2*64 x bf16).
 BYTES_PER_BLOCK = 4 * BLOCK * 2 * 128 * 2

@@ -25,10 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import launch
 import pytest
 import tiny_models
 from conftest import HERE, MAX_TOKENS, PROMPTS, Colocated, tokens_of
+
+from examples.vllm import launch
 
 NAMES = ("len40", "len200", "len650")
 

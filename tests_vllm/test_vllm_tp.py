@@ -27,9 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-import launch
 import pytest
 from conftest import MAX_TOKENS, PROMPTS, REPO, Colocated, tokens_of
+
+from examples.vllm import launch
 
 NAMES = ("len200", "len650")
 _ALL = os.environ.get("KVPUSH_VLLM_TP")
