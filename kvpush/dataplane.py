@@ -399,8 +399,13 @@ class ChildAgent:
             return XferState.IN_PROGRESS
         state = self._states.pop(handle, None)
         if state is None:
+            # Ask for the live handles with no state kept, and keep the answers beside the
+            # others: an ended state the child reported (and released the transfer at) is
+            # the only word on it -- asked again, the child knows no such handle, which
+            # read as ERROR (a spurious FAILED of a transfer that was done).
             try:
-                self._states = self._call("states", sorted(self._live))
+                self._states.update(self._call(
+                    "states", sorted(h for h in self._live if h not in self._states)))
             except DataPlaneLost:
                 return XferState.IN_PROGRESS
             state = self._states.pop(handle, XferState.ERROR.value)

@@ -79,6 +79,9 @@ class Event(enum.Enum):
 
 
 _IGNORE = "_ignore"  # allowed, and changes nothing (e.g. a second abort of a closing use)
+#: Graces a closing use waits for NIXL to let go of its READs (each asks it again) before
+#: it ends without them, unsafe.
+GRACE_ROUNDS = 3
 
 #: For each phase, the events allowed in it and the method of ConsumerCore that runs each.
 TRANSITIONS: dict[Phase, dict[Event, str]] = {
@@ -195,6 +198,7 @@ class _Request:
     end: RequestState | None = None       # closing: the state it will be reported in
     error: KvpushError | None = None
     grace: float | None = None    # closing: when abort_grace_s runs out
+    graces: int = 0               # closing: graces run out so far (see _on_grace_over)
     unsafe: bool = False          # a transfer may still land: blocks_safe=False
     checksums: bytes | None = None        # pull with verify: the ticket's source checksums
     # pull
@@ -763,7 +767,24 @@ class ConsumerCore:
 
     def _on_grace_over(self, now: float, req: _Request) -> None:
         """``abort_grace_s`` after the close began, something may still land: report with
-        ``blocks_safe=False`` (once any READ still in flight has been abandoned)."""
+        ``blocks_safe=False`` once any READ still in flight has been abandoned. NIXL may
+        refuse to let go of one (the driver then keeps polling it): the abandon is asked
+        again each grace, and after :data:`GRACE_ROUNDS` the use ends without it -- a
+        grace that fired once left such a use, and its engine's request, waiting forever."""
+        req.graces += 1
+        if req.graces > 1:
+            if req.graces >= GRACE_ROUNDS:
+                log.error("consumer core: %r: NIXL did not let go of %d READ(s) in %d "
+                          "graces; the use ends without them (blocks unsafe)", req.rid,
+                          len(req.reads), req.graces)
+                for key in req.reads:
+                    self._read_of.pop(key, None)
+                req.reads.clear()
+            for read in req.reads.values():
+                read.abandoning = False
+            self._abandon_reads(req, None)
+            self._rearm_grace(now, req)
+            return
         log.warning("consumer core: %r not fenced after %s s (READs from %s, no "
                     "confirmation from %s, Landed awaited for parts %s): its blocks are "
                     "reported unsafe", req.rid, self.config.abort_grace_s,
@@ -774,7 +795,12 @@ class ConsumerCore:
         req.waiting_acks.clear()
         req.fence.clear()
         self._abandon_reads(req, None)
-        self._try_finish(now, req)
+        self._rearm_grace(now, req)
+
+    def _rearm_grace(self, now: float, req: _Request) -> None:
+        if not self._try_finish(now, req):
+            req.grace = now + self.config.abort_grace_s
+            self._arm(req, req.grace, "grace")
 
     def _on_close(self, now: float, req: _Request) -> None:
         if req.mode is TransferMode.PUSH:
