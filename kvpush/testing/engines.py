@@ -55,6 +55,7 @@ class Request:
     p_aborted: bool = False       # the prefill engine aborted it before prefill_done
     order: bool = False           # ...and still calls prefill_done, or aborts twice
     sids: dict[str, int] = field(default_factory=dict)   # source uses the router named
+    retried: bool = False         # a consumer engine retried it (fault retry)
     finished: bool = False
 
 

@@ -320,6 +320,7 @@ class Network:
         self.slow_delay = 20e-3
         self.dup_p = 0.0            # chance of duplicating an idempotent frame
         self.reset_s = 1.0
+        self._gen: dict[tuple[str, str], int] = {}   # connection generation per pair
         self.sent = 0
         self.lost = 0
         self.duplicated = 0
@@ -341,6 +342,13 @@ class Network:
     def heal_all(self) -> None:
         self._cut.clear()
 
+    def reset(self, a: str, b: str) -> None:
+        """The connection between ``a`` and ``b`` breaks and ZeroMQ reconnects at once:
+        the frames in flight either way are lost (those in the broken TCP connection);
+        later ones arrive, so the stream has a gap while neither side notices a loss."""
+        for pair in ((a, b), (b, a)):
+            self._gen[pair] = self._gen.get(pair, 0) + 1
+
     def send(self, src: str, dst: str, frame: bytes, deliver: Callable[[str, bytes], None],
              idempotent: bool = False) -> None:
         self.sent += 1
@@ -358,10 +366,15 @@ class Network:
         pair = (src, dst)
         when = max(when, self._last.get(pair, 0.0))
         self._last[pair] = when
-        self.sched.at(when, self._arrive, src, dst, frame, deliver, held_since)
+        self.sched.at(when, self._arrive, src, dst, frame, deliver, held_since,
+                      self._gen.get(pair, 0))
 
     def _arrive(self, src: str, dst: str, frame: bytes,
-                deliver: Callable[[str, bytes], None], held_since: float) -> None:
+                deliver: Callable[[str, bytes], None], held_since: float,
+                gen: int = 0) -> None:
+        if gen != self._gen.get((src, dst), 0):
+            self.lost += 1                              # in the connection that broke
+            return
         entry = self._cut.get(frozenset((src, dst)))
         now = self.sched.now
         if entry is not None and entry[1] > now:       # held until the cut heals

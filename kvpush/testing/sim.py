@@ -125,7 +125,9 @@ class Timings:
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
           "double", "late", "sharers", "skew", "claim", "close", "slownotif", "twice",
-          "order", "inuse")
+          "order", "inuse", "reset", "retry")
+#: Faults that come at ``Faults.rate`` per simulated second rather than per request.
+_PROCESS_FAULTS = frozenset({"cut", "stall", "kill", "close", "reset"})
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class Faults:
     order_p: float = 0.5         # an aborting engine aborts twice, or still calls
                                  # prefill_done for the use it aborted (racing its abort)
     inuse_p: float = 0.3         # a request id reused while its previous use is held
+    retry_p: float = 0.3         # a decode engine retries a push that failed or timed out
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -299,7 +302,7 @@ class Simulation:
         for c in self.consumer_names:
             self._spawn(c, "consumer", 0)
         self.sched.after(0.2, self._arrive)          # handshakes first
-        if self.faults.enabled & {"cut", "stall", "kill", "close"} and self.faults.rate > 0:
+        if self.faults.enabled & _PROCESS_FAULTS and self.faults.rate > 0:
             self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
         chk = self.checker
         sched = self.sched
@@ -881,6 +884,17 @@ class Simulation:
 
     def consumer_ended(self, use: Use) -> None:
         req = use.req
+        f = self.faults
+        if f.on("retry") and use.result is not None and not use.result.ok \
+                and req.mode is TransferMode.PUSH and not req.retried \
+                and not req.producer_done and self.rng.random() < f.retry_p:
+            # The engine retries the same request (same bytes owed) under a new xid,
+            # while the producer may still hold its source: served, or failed, never
+            # another use's bytes.
+            self._fault("retry")
+            req.retried = True
+            req.pending += 1
+            self.sched.after(self.rng.uniform(0, 0.05), self._expect, req, use.ep.name)
         req.open_uses -= 1
         if req.open_uses == 0 and req.sids and not req.producer_done \
                 and req.sources and all(s.done_at >= 0 for s in req.sources):
@@ -995,10 +1009,16 @@ class Simulation:
         if self._quiescing or self._done:
             return
         rng, t = self.rng, self.timings
-        kinds = sorted(self.faults.enabled & {"cut", "stall", "kill", "close"})
+        kinds = sorted(self.faults.enabled & _PROCESS_FAULTS)
         kind = rng.choice(kinds)
         now = self.sched.now
-        if kind == "cut":
+        if kind == "reset":
+            # ZeroMQ over TCP loses frames only with a connection: those in flight when it
+            # breaks. Reconnected at once, neither side notices (no peer loss).
+            p, c = rng.choice(self.producer_names), rng.choice(self.consumer_names)
+            self.net.reset(p, c)
+            self.checker.trace(f"FAULT reset {p}-{c}")
+        elif kind == "cut":
             p, c = rng.choice(self.producer_names), rng.choice(self.consumer_names)
             dur = rng.uniform(0.01, 2.5 * t.peer_timeout_s)
             self.net.cut(p, c, now + dur)
@@ -1105,7 +1125,7 @@ class Simulation:
             self._done = True
             return
         self.sched.after(0.0, self._arrive)
-        if self.faults.enabled & {"cut", "stall", "kill", "close"} and self.faults.rate > 0:
+        if self.faults.enabled & _PROCESS_FAULTS and self.faults.rate > 0:
             self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
 
 
