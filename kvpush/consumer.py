@@ -305,7 +305,8 @@ class Consumer(Endpoint):
 
     def expect(self, request_id: str, block_ids: Any, producers: str | Sequence[str], *,
                timeout: float | None = None, layerwise: bool = False,
-               source_tail: bool = False, sharers: int | Sequence[int] = 1) -> TransferHandle:
+               source_tail: bool = False, sharers: int | Sequence[int] = 1,
+               sids: Sequence[int] | None = None) -> TransferHandle:
         """Push: the decode engine allocated ``block_ids`` for ``request_id``; register them
         with each producer (a producer name from :meth:`connect`, or one per rank that owes
         data). Returns at once; the handle reports the result.
@@ -323,15 +324,21 @@ class Consumer(Endpoint):
         one prefill request); one int for every producer, or one per producer. The
         producer holds its source until that many have finished or given up.
 
+        ``sids``: each producer's source use (the ``sid`` its engine named in
+        ``Producer.prefill_done``), when the router relays it: the registration then attaches
+        to that use only (docs/PROTOCOL.md, owners). Needed to reuse an id while a producer
+        may still hold its previous use.
+
         The handle's ``xid`` (and its result's) names this use of ``request_id``."""
         handle, run = self._prepare_expect(request_id, block_ids, producers, timeout,
-                                           layerwise, source_tail, sharers)
+                                           layerwise, source_tail, sharers, sids)
         self._call_soon(run)
         return handle
 
     def _prepare_expect(self, request_id: str, block_ids: Any,
                         producers: str | Sequence[str], timeout: float | None,
-                        layerwise: bool, source_tail: bool, sharers: int | Sequence[int]
+                        layerwise: bool, source_tail: bool, sharers: int | Sequence[int],
+                        sids: Sequence[int] | None = None
                         ) -> tuple[TransferHandle, Callable[[], None]]:
         """Validate an expect (caller's thread; raises on bad input) and make the closure
         that registers it on the loop thread."""
@@ -343,6 +350,11 @@ class Consumer(Endpoint):
         if not all(isinstance(n, str) for n in names):
             raise TypeError(f"producers must be names (str), got {producers!r}")
         shares = sharer_counts(sharers, len(names), "producers")
+        uses = None if sids is None else list(sids)
+        if uses is not None and (len(uses) != len(names) or not all(
+                isinstance(u, int) and not isinstance(u, bool) and 0 <= u < 1 << 63
+                for u in uses)):
+            raise ValueError(f"sids: one int in [0, 2**63) per producer, got {sids!r}")
         seconds = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "expect timeout")
         groups = self.layout.num_layers if layerwise else 1
@@ -357,7 +369,7 @@ class Consumer(Endpoint):
         def run() -> None:
             if stale is not None:  # give the other claim up
                 self._abort_claim(rid, stale, "claim superseded")
-            self._register(handle, ids, names, seconds, groups, source_tail, shares)
+            self._register(handle, ids, names, seconds, groups, source_tail, shares, uses)
 
         return handle, run
 
@@ -971,10 +983,11 @@ class Consumer(Endpoint):
 
     # -- loop: engine calls ----------------------------------------------------------------
     def _register(self, handle: TransferHandle, ids: np.ndarray, names: list[str],
-                  timeout: float, groups: int, tail: bool, sharers: list[int]) -> None:
+                  timeout: float, groups: int, tail: bool, sharers: list[int],
+                  sids: list[int] | None = None) -> None:
         self._handles[handle.xid] = handle
         self._core.expect(time.monotonic(), handle.request_id, ids, names, timeout, groups,
-                          tail, sharers, handle.xid)
+                          tail, sharers, handle.xid, sids)
         self._apply()
 
     def _read(self, handle: TransferHandle, tickets: list[m.PullTicket],
