@@ -177,6 +177,14 @@ class AdapterConfig:
         ``reported`` (vLLM is told). ``time.monotonic`` is one clock for the processes of a
         host, so ``python -m benchmarks.vllm.stages`` lines them up (with the router's
         ``--stage-log``) into where a request's time to first token goes. Off by default.
+    reuse
+        Multi-turn reuse (:mod:`kvpush.integrations.vllm_reuse`; both instances
+        ``kv_both``). Decode instance: a turn that ends normally keeps its KV (prompt and
+        generated tokens, full blocks) for ``lease_s`` and names it in its response
+        (``kvpush_reuse``, and vLLM's bidirectional keys). Prefill instance: a request
+        that carries ``kvpush_reuse`` loads the kept blocks its prefix cache lacks (its
+        ``request_timeout_s`` bounds that load; a failed load is recomputed when vLLM's
+        ``kv_load_failure_policy`` is ``recompute``). Off by default.
     """
 
     host: str = "127.0.0.1"
@@ -197,6 +205,7 @@ class AdapterConfig:
     layerwise: bool = False
     idle_yield_s: float = 50e-6
     stage_log: bool = False
+    reuse: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))
@@ -710,6 +719,8 @@ class SendPlan:
     mode: TransferMode
     src: list[int]
     sid: int = 0              # the source use id the scheduler put in the pull tickets
+    #: the KV is in ``src`` already (a kept turn): handed over at once, not after a forward
+    computed: bool = False
 
 
 @dataclass

@@ -48,6 +48,7 @@ from .vllm_common import (
     wire_id,
 )
 from .vllm_hybrid import cache_groups_of, state_backoff, transfer_blocks
+from .vllm_reuse import keep, kept_params, offer
 
 __all__ = ["KVPushScheduler", "RankInfo"]
 
@@ -148,6 +149,11 @@ class KVPushScheduler:
         # computes its prompt here (two loads into one transfer would break each other)
         self._owners: dict[str, str] = {}        # transfer id -> req id
         self._owned: dict[str, str] = {}         # req id -> transfer id
+        # multi-turn reuse (kvpush.integrations.vllm_reuse): kept turns to export in the
+        # next step (decode instance), kept prefixes to load (prefill instance)
+        self.reuse = config.reuse and self.is_producer and self.is_consumer \
+            and not self.hybrid
+        self._kept_new: list[SendPlan] = []
 
     # -- set-up ----------------------------------------------------------------------------
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -188,7 +194,7 @@ class KVPushScheduler:
                                    num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote_prefill(request)
         if remote is None or not self._usable(request):
-            return 0, False
+            return self._reuse_tokens(request, num_computed_tokens)
         count = int(request.num_prompt_tokens) - self.backoff - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -196,6 +202,7 @@ class KVPushScheduler:
                                  num_external_tokens: int) -> None:
         remote = self._remote_prefill(request)
         if remote is None:
+            self._reuse_alloc(request, blocks, num_external_tokens)
             return
         # One transfer per request: a request preempted after its load recomputes locally.
         request.kv_transfer_params["do_remote_prefill"] = False
@@ -245,6 +252,10 @@ class KVPushScheduler:
             if remote is not None:
                 self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
             return False, None
+        kept = self._keep(request, block_ids)
+        if kept is not None:
+            self._prompts.pop(req_id, None)
+            return True, kept
         # Prefill side.
         self._prompts.pop(req_id, None)
         self._sent_requests.pop(req_id, None)
@@ -296,6 +307,7 @@ class KVPushScheduler:
                         idle=_scheduled_tokens(scheduler_output) == 0)
         self._recv_new, self._recv_aborts, self._send_aborts = [], [], []
         self._claims_new = []
+        plan.send, self._kept_new = self._kept_new, []
         if self.is_producer:
             self._expire_endings()
             for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -413,7 +425,7 @@ class KVPushScheduler:
     def has_pending_work(self) -> bool:
         """Plans not yet handed to the worker: the engine must step once more."""
         return bool(self._recv_new or self._recv_aborts or self._send_aborts
-                    or self._claims_new or self._ending)
+                    or self._claims_new or self._ending or self._kept_new)
 
     def has_pending_block_frees(self) -> bool:
         """vLLM's scheduler asks this before it preempts a running request for blocks: True
@@ -436,6 +448,76 @@ class KVPushScheduler:
                           "within %.0f s; its blocks go back to vLLM", transfer_id,
                           self.config.transfer_timeout_s + _ENDING_MARGIN_S)
                 self._free(ending.blocks)
+
+    # -- multi-turn reuse (kvpush.integrations.vllm_reuse) ----------------------------------
+    def _keep(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
+        """Decode instance: keep a turn that ended normally and export it; its response's
+        ``kv_transfer_params`` (None: nothing kept, the blocks go back to vLLM)."""
+        params = request.kv_transfer_params
+        if not self.reuse or not params or params.get("do_remote_decode") \
+                or getattr(request.status, "name", str(request.status)) not in _NORMAL_FINISH:
+            return None
+        kept = keep(request, block_ids, self.block_size)
+        if kept is None:
+            return None
+        try:
+            mode = mode_of(params, self.config.default_mode)
+        except ValueError:
+            mode = self.config.default_mode
+        req_id = request.request_id
+        transfer_id = wire_id(kept.transfer_id, kept.prompt)
+        send = _Send(req_id, transfer_id, mode, kept.blocks, kept.tokens, time.time(),
+                     new_id(), kept.transfer_id, kept.prompt)
+        # vLLM holds the blocks (request_finished returns True) until the worker reports
+        # the Producer released them: after the next turn's load, or lease_s
+        self._sends[req_id] = send
+        self._kept_new.append(SendPlan(req_id, transfer_id, mode, kept.blocks, send.sid,
+                                       computed=True))
+        return kept_params(self._response(send), self.config.lease_s)
+
+    def _reuse_offer(self, request: Any) -> tuple[int, RemotePrefill] | None:
+        """Prefill instance: the kept prefix this request may load (tokens, source)."""
+        params = request.kv_transfer_params
+        if not self.reuse or not params or not params.get("do_remote_decode") \
+                or params.get("_kvpush_reused"):
+            return None
+        ids = getattr(request, "prompt_token_ids", None)
+        found = offer(params, ids, int(request.num_prompt_tokens), self.block_size)
+        if found is None:
+            return None
+        try:
+            remote = RemotePrefill.parse(found.params, self.config.default_mode, "",
+                                         found.prompt)
+        except ValueError as exc:
+            log.warning("kvpush: request %s: kept KV not usable (%s); computing it here",
+                        request.request_id, exc)
+            return None
+        return found.tokens, remote
+
+    def _reuse_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        found = self._reuse_offer(request)
+        if found is None:
+            return 0, False
+        count = found[0] - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _reuse_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        found = self._reuse_offer(request)
+        if found is None:
+            return
+        tokens, remote = found
+        # One load per request: a request preempted after it recomputes.
+        request.kv_transfer_params["_kvpush_reused"] = True
+        req_id = request.request_id
+        if num_external_tokens <= 0:
+            # The prefix cache holds the kept tokens: move nothing, let the source go.
+            self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
+            return
+        (block_ids,) = blocks.get_block_ids()
+        local_blocks = (tokens - num_external_tokens) // self.block_size
+        dst = [int(b) for b in block_ids[local_blocks:tokens // self.block_size]]
+        self._recving[req_id] = remote.transfer_id
+        self._recv_new.append(RecvPlan(req_id, remote, dst, report=True))
 
     # -- helpers ---------------------------------------------------------------------------
     def _truncate(self, request: Any) -> None:

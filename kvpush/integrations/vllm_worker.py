@@ -562,11 +562,13 @@ class KVPushWorker:
         if plan.send_aborts and self.producer is not None:
             for transfer_id in plan.send_aborts:
                 self.producer.abort(transfer_id, "request ended on the prefill instance")
-        self._to_send = list(plan.send)
+        self._to_send = [s for s in plan.send if not s.computed]
         if self.config.stage_log:
             for send in self._to_send:
                 self._stage("send_planned", send.transfer_id)
         self._idle_step = plan.idle
+        # kept turns (multi-turn reuse): their KV exists, no forward pass needs to run
+        self._issue([s for s in plan.send if s.computed])
         self._layer_sends = [
             (s.transfer_id, np.asarray(s.src, np.int64)) for s in self._to_send
             if self._layers and s.mode is TransferMode.PUSH and s.src
@@ -676,6 +678,10 @@ class KVPushWorker:
         """After the forward pass: this step's finished prefills hand their blocks over."""
         sends, self._to_send = self._to_send, []
         self._layer_sends = []
+        self._issue(sends)
+
+    def _issue(self, sends: list[Any]) -> None:
+        """Hand ``sends`` over to the Producer once their KV is in memory."""
         if not sends or self.producer is None:
             return
         # GPU: the forward may still be running; no stream is synchronised here: each

@@ -1,0 +1,120 @@
+"""Multi-turn KV reuse in the vLLM adapter: the conversation's KV goes back from the decode
+instance to the next turn's prefill instance, by pull (the prefill instance READs) or by
+push (the decode instance WRITEs into blocks the prefill instance registered).
+
+Both instances run ``kv_both`` with ``reuse`` on: each has a Producer and a Consumer. The
+reverse move is the forward protocol with the roles swapped, so it inherits its leases,
+claims, exactly-once releases and failure handling:
+
+- **Decode instance, a turn ends normally.** Its full blocks (prompt and generated tokens
+  that have KV) stay held by vLLM (``request_finished`` returns True) and are exported
+  under a fresh transfer name (:func:`keep`). The Producer holds them for ``lease_s``, then
+  releases them exactly once; vLLM frees them when the worker reports that release. The
+  response's ``kv_transfer_params`` name them in vLLM's ``NixlConnector`` bidirectional
+  schema (``do_remote_decode``, ``remote_block_ids``, ``remote_num_tokens``,
+  ``remote_blocks_expiry_time``, ...) and in kvpush's own (``kvpush_reuse``: the keys a
+  forward transfer's response has, for the kept tokens).
+- **Prefill instance, the next turn arrives** with those params (a proxy passes the decode
+  response's ``kv_transfer_params`` as they came, merged with its own forward keys).
+  :func:`offer` checks that the new prompt starts with the kept tokens (their fingerprint)
+  and the scheduler claims the tokens past its own prefix-cache hit, loaded asynchronously
+  into the newly allocated blocks (the tail of the kept blocks: the source is end-aligned).
+  A prefix cache that holds all of them loads nothing and lets the decode instance release
+  at once.
+- **A turn that cannot load** (lease expired, decode instance gone or restarted) fails its
+  load; the blocks it named are reported to vLLM as load errors and vLLM recomputes them
+  (``kv_load_failure_policy`` ``recompute`` on the prefill instance). Nothing reads a
+  released block: a source that was released is refused by its Producer.
+- **Forward again**: the prefill's hand-off to the decode side is unchanged; the decode
+  instance's prefix cache still holds the kept blocks, so only the tail it lacks moves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..messages import new_id
+from .vllm_common import PARAM_NUM_TOKENS, PARAM_PROMPT, prompt_fingerprint
+
+__all__ = ["PARAM_REUSE", "Kept", "Offer", "keep", "kept_params", "kept_tokens", "offer"]
+
+#: kvpush's key for a kept conversation in ``kv_transfer_params`` (decode response ->
+#: next turn's prefill request): a dict with the keys of a forward response.
+PARAM_REUSE = "kvpush_reuse"
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A finished turn's KV the decode instance keeps: ``tokens`` tokens in ``blocks``."""
+
+    transfer_id: str       # the router-free name: ``reuse.<16 hex>``
+    tokens: int
+    blocks: list[int]
+    prompt: str            # fingerprint of the kept tokens
+
+
+def kept_tokens(num_computed: int, block_size: int) -> int:
+    """Tokens of a finished request whose KV sits in full blocks (only those can be found
+    by the next turn's prefix cache)."""
+    return (max(0, int(num_computed)) // block_size) * block_size
+
+
+def keep(request: Any, block_ids: Sequence[int], block_size: int) -> Kept | None:
+    """What a finished decode request keeps, or None (less than one full block)."""
+    tokens = kept_tokens(getattr(request, "num_computed_tokens", 0), block_size)
+    ids = getattr(request, "all_token_ids", None)
+    if tokens <= 0 or ids is None or len(ids) < tokens:
+        return None
+    count = tokens // block_size
+    if len(block_ids) < count:
+        return None
+    prompt = prompt_fingerprint(tokens, list(ids[:tokens]))
+    return Kept(f"reuse.{new_id():016x}", tokens, [int(b) for b in block_ids[:count]],
+                prompt)
+
+
+def kept_params(response: Mapping[str, Any], lease_s: float) -> dict[str, Any]:
+    """The decode response's ``kv_transfer_params`` for a kept turn, from the forward-style
+    response of its export (:func:`~.vllm_common.response_params`): vLLM's bidirectional
+    keys at the top (no ``kvpush_id`` there: the next turn's own name is the proxy's to
+    give) and kvpush's under :data:`PARAM_REUSE`."""
+    out = {k: v for k, v in response.items() if not k.startswith("kvpush_")}
+    out["do_remote_prefill"], out["do_remote_decode"] = False, True
+    # vLLM's is on the decode instance's perf_counter; this one is wall-clock time
+    out["remote_blocks_expiry_time"] = time.time() + lease_s
+    out[PARAM_REUSE] = {k: v for k, v in response.items() if k.startswith("kvpush_")}
+    return out
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A prefill request's kept prefix: ``tokens`` tokens at the decode instance,
+    ``params`` to parse as a forward response (:class:`~.vllm_common.RemotePrefill`)."""
+
+    tokens: int
+    params: Mapping[str, Any]
+    prompt: str
+
+
+def offer(params: Mapping[str, Any] | None, prompt_ids: Sequence[int] | None,
+          num_prompt: int, block_size: int) -> Offer | None:
+    """The kept prefix a prefill request may load, or None: no ``kvpush_reuse``, a
+    malformed one, a prompt that does not start with the kept tokens, or nothing left to
+    compute after them (vLLM must compute at least one token)."""
+    if not params:
+        return None
+    inner = params.get(PARAM_REUSE)
+    if not isinstance(inner, Mapping):
+        return None
+    tokens = inner.get(PARAM_NUM_TOKENS)
+    prompt = inner.get(PARAM_PROMPT)
+    if (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0
+            or tokens % block_size or tokens >= num_prompt or not isinstance(prompt, str)
+            or prompt_ids is None or len(prompt_ids) < tokens):
+        return None
+    if prompt_fingerprint(tokens, list(prompt_ids[:tokens])) != prompt:
+        return None
+    return Offer(tokens, inner, prompt)

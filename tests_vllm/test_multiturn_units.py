@@ -1,0 +1,145 @@
+"""Multi-turn reuse in the adapter's scheduler side, without servers (stand-ins for vLLM's
+request and block objects): the decode instance keeps a finished turn and names it in both
+schemas; the next turn's prefill loads only what its prefix cache lacks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvpush.integrations.vllm_common import AdapterConfig, decode_params, prefill_params
+from kvpush.integrations.vllm_reuse import PARAM_REUSE, kept_tokens, offer
+from kvpush.integrations.vllm_scheduler import KVPushScheduler, RankInfo
+from kvpush.request import TransferMode
+
+BS = 32
+STEP = SimpleNamespace(num_scheduled_tokens={})
+
+
+class Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (list(self.ids),)
+
+
+def scheduler(reuse: bool = True) -> KVPushScheduler:
+    ktc = SimpleNamespace(engine_id="e1", is_kv_producer=True, is_kv_consumer=True)
+    cfg = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=BS))
+    s = KVPushScheduler(cfg, SimpleNamespace(kv_cache_groups=[object()]),
+                        AdapterConfig(reuse=reuse, lease_s=30.0))
+    s.bind_kv_cache_manager(SimpleNamespace())
+    s.set_handshake({0: RankInfo("both", "d0", "tcp://127.0.0.1:7001")})
+    return s
+
+
+def finished_turn(tokens: list[int], computed: int, params: dict[str, Any]) -> Any:
+    return SimpleNamespace(request_id="d1", kv_transfer_params=params, all_token_ids=tokens,
+                           num_prompt_tokens=len(tokens) - 10, num_computed_tokens=computed,
+                           prompt_token_ids=tokens[:-10],
+                           status=SimpleNamespace(name="FINISHED_STOPPED"))
+
+
+def next_turn(prompt: list[int], params: dict[str, Any]) -> Any:
+    return SimpleNamespace(request_id="p2", kv_transfer_params=params,
+                           prompt_token_ids=prompt, num_prompt_tokens=len(prompt),
+                           num_computed_tokens=0, status=SimpleNamespace(name="RUNNING"))
+
+
+def keep_turn(mode: str, history: list[int]) -> tuple[KVPushScheduler, dict[str, Any]]:
+    """A decode instance finishes a turn over ``history`` (all but its last token have KV)."""
+    d = scheduler()
+    params = decode_params("t1", ["tcp://127.0.0.1:7000"]) | {"kvpush_mode": mode}
+    params["do_remote_prefill"] = False          # its load is done
+    r = finished_turn(history, len(history) - 1, params)
+    hold, out = d.request_finished(r, list(range(10, 30)))
+    assert hold and out is not None
+    return d, out
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_decode_keeps_a_finished_turn_in_both_schemas(mode: str) -> None:
+    history = list(range(1000, 1000 + 170))      # 169 tokens with KV: 5 full blocks
+    d, out = keep_turn(mode, history)
+    # vLLM's NixlConnector bidirectional keys, at the top
+    assert out["do_remote_decode"] is True and out["do_remote_prefill"] is False
+    assert out["remote_block_ids"] == [list(range(10, 15))]
+    assert out["remote_num_tokens"] == 160 and out["remote_engine_id"] == "e1"
+    assert out["remote_host"] == "127.0.0.1" and out["remote_port"] == 7001
+    assert out["remote_blocks_expiry_time"] > 0 and out["transfer_mode"] == mode
+    assert "kvpush_id" not in out                # the next turn's name is the proxy's
+    inner = out[PARAM_REUSE]
+    assert inner["kvpush_num_tokens"] == 160 and inner["kvpush_id"].startswith("reuse.")
+    assert bool(inner.get("kvpush_tickets")) == (mode == "pull")
+    # the worker hands the kept blocks to its Producer in the next step, no forward needed
+    (send,) = d.build_plan(STEP).send
+    assert send.computed and send.src == list(range(10, 15))
+    assert send.mode is TransferMode(mode)
+    # released once (the worker's finished_sending): vLLM frees the blocks then
+    d.update_connector_output(SimpleNamespace(finished_sending={"d1"}))
+    assert not d.build_plan(STEP).send
+
+
+def test_reuse_off_keeps_nothing() -> None:
+    d = scheduler(reuse=False)
+    params = decode_params("t1", ["tcp://127.0.0.1:7000"]) | {"do_remote_prefill": False}
+    r = finished_turn(list(range(200)), 199, params)
+    assert d.request_finished(r, list(range(10, 20))) == (False, None)
+
+
+def test_aborted_turn_keeps_nothing() -> None:
+    d = scheduler()
+    params = decode_params("t1", ["tcp://127.0.0.1:7000"]) | {"do_remote_prefill": False}
+    r = finished_turn(list(range(200)), 199, params)
+    r.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert d.request_finished(r, list(range(10, 20))) == (False, None)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_next_turn_loads_only_what_its_prefix_cache_lacks(mode: str) -> None:
+    history = list(range(1000, 1170))
+    _, out = keep_turn(mode, history)
+    p = scheduler()
+    prompt = history + list(range(5000, 5040))   # the answer's last token, then new text
+    params = out | prefill_params("t2", mode)    # the proxy's keys for the new turn
+    r = next_turn(prompt, params)
+    # 2 blocks in the prefix cache: the 3 other kept blocks load
+    assert p.get_num_new_matched_tokens(r, 64) == (96, True)
+    p.update_state_after_alloc(r, Blocks(list(range(50, 57))), 96)
+    (recv,) = p.build_plan(STEP).recv
+    assert recv.dst == [52, 53, 54] and recv.report
+    assert recv.remote.mode is TransferMode(mode)
+    assert recv.remote.transfer_id.startswith(out[PARAM_REUSE]["kvpush_id"] + "#160.")
+    # one load per request: asked again (after a preemption), it computes
+    assert p.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_prefix_cache_holding_everything_moves_nothing() -> None:
+    history = list(range(1000, 1170))
+    _, out = keep_turn("pull", history)
+    p = scheduler()
+    r = next_turn(history + [7] * 40, out | prefill_params("t2", "pull"))
+    assert p.get_num_new_matched_tokens(r, 160) == (0, False)
+    p.update_state_after_alloc(r, Blocks(list(range(50, 57))), 0)
+    (recv,) = p.build_plan(STEP).recv
+    assert recv.dst == [] and not recv.report   # the decode instance lets go at once
+
+
+def test_a_prompt_that_does_not_continue_the_conversation_computes() -> None:
+    history = list(range(1000, 1170))
+    _, out = keep_turn("pull", history)
+    p = scheduler()
+    other = [1] + history[1:] + [7] * 40
+    r = next_turn(other, out | prefill_params("t2", "pull"))
+    assert p.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_offer_needs_a_token_left_to_compute() -> None:
+    history = list(range(1000, 1170))
+    _, out = keep_turn("pull", history)
+    assert offer(out, history[:160], 160, BS) is None
+    assert offer(out, history[:161], 161, BS) is not None
+    assert kept_tokens(169, BS) == 160 and kept_tokens(31, BS) == 0
