@@ -192,6 +192,7 @@ class Advertisement:
         return f"{self.role.value}/{self.instance}/{self.rank}"
 
     def to_json(self) -> bytes:
+        """The record's value in etcd (read back by :meth:`from_json`)."""
         return json.dumps({
             "version": RECORD_VERSION, "instance": self.instance, "role": self.role.value,
             "rank": self.rank, "compat": self.compat, "producer": self.producer,
@@ -317,8 +318,8 @@ class EtcdClient:
                     text = resp.read()
             except urllib.error.HTTPError as exc:
                 text = exc.read()
-                if exc.code >= 500 and exc.code != 503:
-                    failures.append(f"{url}: HTTP {exc.code}")
+                if exc.code >= 500:  # this member cannot serve now (no leader, ...)
+                    failures.append(f"{url}: HTTP {exc.code} {text[:200]!r}")
                     continue
                 self._first = self.endpoints.index(url)
                 raise self._refusal(path, exc.code, text) from None
@@ -341,8 +342,6 @@ class EtcdClient:
             message = repr(text[:200])
         if "lease not found" in message:
             return _LeaseGone(f"etcd {path}: {message}")
-        if status == 503:
-            return DiscoveryUnavailable(f"etcd {path}: HTTP 503 {message}")
         return DiscoveryError(f"etcd {path}: HTTP {status} {message}")
 
     # -- leases --
@@ -373,6 +372,7 @@ class EtcdClient:
         return int(reply.get("header", {}).get("revision", 0))
 
     def delete(self, key: str) -> None:
+        """Delete ``key`` (absent is fine)."""
         self.call("/v3/kv/deleterange", {"key": _b64(key.encode())})
 
     def get_prefix(self, prefix: str) -> tuple[int, list[_KeyValue]]:
@@ -502,10 +502,12 @@ class Publisher:
 
     @property
     def advertisement(self) -> Advertisement:
+        """The record as published (its epoch filled in; its state after :meth:`drain`)."""
         return self._ad
 
     @property
     def key(self) -> str:
+        """The record's full key in etcd."""
         return f"{self.prefix}/{self._ad.key}"
 
     @property
@@ -514,6 +516,8 @@ class Publisher:
         return self._lease != 0 and self._healthy
 
     def start(self) -> Publisher:
+        """Write the record and start renewing it; raises :class:`DiscoveryUnavailable`
+        when etcd cannot be reached."""
         if self._thread is not None:
             raise DiscoveryError("Publisher.start() called twice")
         if self._stop.is_set():
@@ -639,6 +643,8 @@ def _check_prefix(prefix: str) -> str:
 # -- following -----------------------------------------------------------------------------
 
 class ChangeKind(enum.Enum):
+    """What happened to a record, as a :class:`Watcher` reports it."""
+
     JOINED = "joined"        # a key not seen before
     UPDATED = "updated"      # same incarnation, something changed (e.g. draining)
     RESTARTED = "restarted"  # same key, a new epoch
@@ -647,6 +653,9 @@ class ChangeKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Change:
+    """One change a :class:`Watcher` saw: the record now (or, for LEFT, as last seen) and,
+    for UPDATED and RESTARTED, the record before."""
+
     kind: ChangeKind
     advertisement: Advertisement
     previous: Advertisement | None = None
@@ -701,6 +710,8 @@ class Watcher:
             self._listeners.append(listener)
 
     def start(self) -> Watcher:
+        """Start listing and following (a background thread); :attr:`connected` tells when
+        the first list is in."""
         if self._thread is not None:
             raise DiscoveryError("Watcher.start() called twice")
         self._thread = threading.Thread(target=self._run, name=f"kvpush-watch-{self.prefix}",
@@ -709,6 +720,7 @@ class Watcher:
         return self
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop following: wake the watch and join the thread within ``timeout``."""
         self._stop.set()
         with self._cond:
             stream = self._stream
@@ -991,6 +1003,7 @@ class RouterBridge:
         return out
 
     def start(self) -> RouterBridge:
+        """Start sending registrations (a background thread)."""
         if self._thread is not None:
             raise DiscoveryError("RouterBridge.start() called twice")
         self._thread = threading.Thread(target=self._run, name="kvpush-router-bridge",
@@ -999,6 +1012,7 @@ class RouterBridge:
         return self
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop sending (the router forgets the instances within 5 s) and join the thread."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)

@@ -16,7 +16,7 @@ from tests.support import ROOT
 PUBLIC_MODULES = ["kvpush", "kvpush.aio", "kvpush.prometheus", "kvpush.metrics",
                   "kvpush.request", "kvpush.producer", "kvpush.consumer", "kvpush.errors",
                   "kvpush.layout", "kvpush.messages", "kvpush.prefix", "kvpush.progress",
-                  "kvpush.auth", "kvpush.protocol"]
+                  "kvpush.auth", "kvpush.protocol", "kvpush.discovery"]
 
 
 def test_the_readmes_example_code_runs(capsys: pytest.CaptureFixture[str]) -> None:
