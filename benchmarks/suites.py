@@ -26,7 +26,7 @@ from typing import Any
 __all__ = ["ORDER", "Suite", "load", "load_all"]
 
 ORDER = ("desc_prep", "core_stream", "throughput", "hot_path", "critical_path", "busy_engine",
-         "engine_share", "cpu", "layerwise", "multiturn", "containment")
+         "engine_share", "cpu", "cpu_per_request", "layerwise", "multiturn", "containment")
 
 
 @dataclass(frozen=True)

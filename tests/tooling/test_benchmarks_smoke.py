@@ -21,6 +21,7 @@ from benchmarks import (
     busy_engine,
     core_stream,
     cpu,
+    cpu_per_request,
     critical_path,
     desc_prep,
     engine_share,
@@ -228,6 +229,25 @@ def test_cpu(results: dict[str, dict[str, object]]) -> None:
     # NIXL's default progress threads poll without pause: far above an idle kvpush pair.
     assert r["idle_cpu_pct_pair_raw_nixl_default"] > r["idle_cpu_pct_pair"]
     results["cpu"] = r
+
+
+def test_cpu_per_request(results: dict[str, dict[str, object]]) -> None:
+    r = cpu_per_request.run(quick=True, progress=False, requests=2, rounds=1, idle_s=0.3,
+                            sizes=("64kib",), split_size="64kib")
+    _finite(r["summary"], "cpu_us_per_request_push_64kib", "cpu_us_per_request_pull_64kib",
+            "raw_nixl_cpu_us_per_request_64kib", "raw_nixl_read_notif_cpu_us_per_request_64kib",
+            "cpu_per_request_pull_over_raw_nixl_64kib", "gil_us_per_request_push_64kib",
+            "cpu_us_per_idle_s")
+    rows = {row["variant"]: row for row in r["rows"]}
+    assert set(rows) == set(cpu_per_request.VARIANTS)
+    # the initiator's thread does a raw transfer's work; kvpush's work runs on its loops
+    assert rows["raw_write"]["p_engine_us"] > 0 and rows["raw_read"]["d_engine_us"] > 0
+    assert rows["push"]["p_loop_us"] > 0 and rows["pull"]["d_loop_us"] > 0
+    # the attribution pass saw the NIXL calls of each side's loop, then unwrapped them
+    split = {row["variant"]: row for row in r["split_rows"]}
+    assert split["push"]["p_nixl_calls"] >= 1 and split["pull"]["d_nixl_calls"] >= 1
+    assert "Where kvpush's CPU goes at 64kib" in cpu_per_request.table(r)
+    results["cpu_per_request"] = r
 
 
 def test_report_and_plots(results: dict[str, dict[str, object]], tmp_path: Path) -> None:

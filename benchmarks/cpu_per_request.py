@@ -1,0 +1,543 @@
+"""CPU time per request: kvpush against raw NIXL on the same descriptors, counted in CPU
+time of every thread of both processes, so a busy or shared host's scheduling does not
+change the figure the way it changes wall-clock ones.
+
+Two spawned engine processes, each holding the critical path's cache (16 regions of 4 KiB
+blocks: 8 layers, K and V apart) with a kvpush endpoint (a prefill Producer, a decode
+Consumer) and a raw NIXL agent configured as kvpush configures its own (progress thread off,
+``ucx_error_handling_mode=none``). Requests of 1, 16 and 256 blocks (64 KiB, 1 MiB, 16 MiB;
+16 to 4,096 descriptors) run on a fixed schedule on the shared monotonic clock, one every
+``period`` (longer than one request takes), so each starts from idle as an engine's does.
+Per size, six variants take turns in rounds, so a slow phase of the host hits them alike:
+
+* ``push`` -- the decode engine's thread calls ``expect`` at the request's instant, the
+  prefill engine's thread ``prefill_done`` 1 ms later; completions reach both engines
+  through the endpoints' callbacks (no engine thread wakes for them);
+* ``pull`` -- the prefill engine makes the tickets (``prefill_done(PULL)``) when the batch
+  starts, the decode engine's thread calls ``pull`` at each instant;
+* ``raw_write`` / ``raw_read`` -- one thread of the initiator (prefill for a WRITE, decode
+  for a READ) posts (``make_prepped_xfer`` + ``transfer``) and polls ``check_xfer_state``
+  back-to-back to DONE, then releases the handle; the other process does nothing;
+* ``raw_write_notif`` / ``raw_read_notif`` -- the same with a NIXL notification, and the
+  other process polling ``get_new_notifs`` back-to-back from the post's instant until the
+  notification arrives (what a target that knows a transfer is coming pays to learn it
+  landed, as kvpush's consumer learns of a push's post from its ``Posted`` hint).
+
+CPU is each thread's ``sum_exec_runtime`` (nanoseconds, Linux's ``/proc/PID/task/TID/
+schedstat``), read by the parent before and after each batch, all threads of both
+processes, and split by thread kind: the engine's thread (the worker's main thread, which
+makes the calls), kvpush's loop thread, ZeroMQ's I/O threads (``ZMQbg/*``), and the rest
+(UCX's and NIXL's own threads, Python's; none of them polls in kvpush's configuration). A
+batch's window includes its idle edges (a few hundred ms); ``cpu_us_per_idle_s`` says what
+they add (near zero).
+
+The GIL: the time kvpush holds it per request is taken as the CPU time of the two threads
+that run kvpush's Python -- the loop thread (all of its CPU) and the engine's thread inside
+kvpush's calls (``time.thread_time`` around each call) -- both processes. Error: it counts
+CPU those threads spend with the GIL released (the blocking poll's ``epoll_wait`` and the
+loop's sleeps: a few us per wake-up; compiled work long enough to release it), so it
+over-counts by that; it misses time a thread holds the GIL while preempted, bounded by
+those threads' run-queue wait, reported beside it (``gil_rq_us``).
+
+``python -m benchmarks.cpu_per_request [--quick] [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing.connection as mpc
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ._common import Progress, RawAgent, open_endpoint, save_json
+from ._procs import Worker, stop_all
+from .critical_path import _make_cache
+from .hot_path import SHAPES
+
+__all__ = ["run", "table"]
+
+NAME = "cpu_per_request"
+DESCRIPTION = ("CPU time per request of kvpush push and pull against raw NIXL on the same "
+               "descriptors, all threads of both processes, by thread kind; the GIL held per "
+               "request; CPU per idle second")
+SUMMARY_KEYS: dict[str, str] = {
+    "cpu_us_per_request_{mode}_{size}":
+        "kvpush push or pull, CPU us per request, all threads of both processes (size: "
+        "64kib, 1mib, 16mib)",
+    "raw_nixl_cpu_us_per_request_{size}":
+        "raw NIXL WRITE of the same descriptors, one thread posting and polling, CPU us per "
+        "request",
+    "raw_nixl_read_cpu_us_per_request_{size}": "the same for a raw READ",
+    "raw_nixl_notif_cpu_us_per_request_{size}":
+        "raw WRITE with a notification, the target polling for it from the post, CPU us",
+    "raw_nixl_read_notif_cpu_us_per_request_{size}": "the same for a raw READ",
+    "cpu_per_request_{mode}_over_raw_nixl_{size}":
+        "kvpush's CPU per request over raw NIXL's with a notification (push: WRITE, pull: "
+        "READ)",
+    "gil_us_per_request_{mode}":
+        "CPU of the threads running kvpush's Python per request (loop thread + the engine's "
+        "thread inside kvpush calls, both processes): the GIL held, us (bare: 1 MiB; "
+        "_{size}: that size)",
+    "cpu_us_per_idle_s": "both processes, endpoints connected and idle, CPU us per second",
+}
+
+_M = "benchmarks.cpu_per_request:"
+SHAPE = SHAPES["layers"]
+SIZES = {"64kib": 1, "1mib": 16, "16mib": 256}            # blocks per request
+VARIANTS = ("push", "pull", "raw_write", "raw_read", "raw_write_notif", "raw_read_notif")
+KINDS = ("engine", "loop", "zmq", "other")
+LAG_S = 1e-3     # prefill_done after expect: the registration is there first
+WAIT_S = 60.0
+
+
+# =========================================================================================
+# Side functions (run in the workers)
+# =========================================================================================
+def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
+               address: str = "") -> dict[str, Any]:
+    import kvpush
+
+    buffers, layout = _make_cache(SHAPE.num_blocks)
+    state.update(buffers=buffers, layout=layout, shape=SHAPE, role=role)
+    raw = RawAgent(f"cpr-raw-{role}", "kvpush")
+    raw.register(buffers)
+    state["raw"] = raw
+    state["cleanup"].append(raw.close)
+    done: dict[str, threading.Event] = {}
+
+    def event(rid: str) -> threading.Event:
+        return done.setdefault(rid, threading.Event())
+
+    state["event"] = event
+    out: dict[str, Any] = {"raw_md": raw.metadata(),
+                           "bases": [int(b.ctypes.data) for b in buffers],
+                           "engine_tid": threading.get_native_id()}
+    if role == "prefill":
+        out["address"] = open_endpoint(
+            state, role, layout, config=kvpush.ProducerConfig(lease_s=120.0),
+            on_release=lambda r: event(r.request_id).set())
+    else:
+        open_endpoint(state, role, layout, address,
+                      on_finished=lambda r: event(r.request_id).set())
+    out["loop_tid"] = state["endpoint"]._thread.native_id
+    return out
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _wait_all(state: dict[str, Any], rids: list[str]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    for rid in rids:
+        if not state["event"](rid).wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"{rid}: not finished in {WAIT_S} s")
+
+
+def side_expect(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
+                ids: np.ndarray, t0: float, period: float) -> float:
+    """Push, decode side: ``expect`` each request at its instant; waits for all; returns
+    the CPU seconds this thread spent inside the calls."""
+    consumer = state["endpoint"]
+    inside = 0.0
+    for i, rid in enumerate(rids):
+        _sleep_until(t0 + i * period)
+        c0 = time.thread_time()
+        consumer.expect(rid, ids, state["producer"], timeout=WAIT_S)
+        inside += time.thread_time() - c0
+    _wait_all(state, rids)
+    return inside
+
+
+def side_prefill_done(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
+                      ids: np.ndarray, t0: float, period: float) -> float:
+    """Push, prefill side: ``prefill_done`` each request ``LAG_S`` after its instant."""
+    producer = state["endpoint"]
+    inside = 0.0
+    for i, rid in enumerate(rids):
+        _sleep_until(t0 + i * period + LAG_S)
+        c0 = time.thread_time()
+        producer.prefill_done(rid, ids)
+        inside += time.thread_time() - c0
+    _wait_all(state, rids)
+    return inside
+
+
+def side_tickets(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
+                 ids: np.ndarray) -> tuple[list[bytes], float]:
+    """Pull, prefill side: every request's ticket at once; (tickets, CPU s in the calls)."""
+    import kvpush
+
+    producer = state["endpoint"]
+    c0 = time.thread_time()
+    tickets = [producer.prefill_done(rid, ids, kvpush.TransferMode.PULL).to_bytes()
+               for rid in rids]
+    return tickets, time.thread_time() - c0
+
+
+def side_wait(state: dict[str, Any], conn: mpc.Connection, rids: list[str]) -> float:
+    _wait_all(state, rids)
+    return 0.0
+
+
+def side_pull(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
+              tickets: list[bytes], ids: np.ndarray, t0: float, period: float) -> float:
+    """Pull, decode side: ``pull`` each ticket at its instant; waits for all."""
+    consumer = state["endpoint"]
+    inside = 0.0
+    for i, ticket in enumerate(tickets):
+        _sleep_until(t0 + i * period)
+        c0 = time.thread_time()
+        consumer.pull(ticket, ids, timeout=WAIT_S)
+        inside += time.thread_time() - c0
+    _wait_all(state, rids)
+    return inside
+
+
+def side_raw_post(state: dict[str, Any], conn: mpc.Connection, op: str, local: np.ndarray,
+                  remote: np.ndarray, t0: float, period: float, n: int,
+                  notif: bool) -> float:
+    """Raw NIXL initiator: at each instant post ``op`` (with a notification if ``notif``),
+    poll back-to-back to DONE, release the handle."""
+    raw: RawAgent = state["raw"]
+    for i in range(n):
+        _sleep_until(t0 + i * period)
+        raw.xfer(op, state["raw_local"], local, state["raw_remote"], remote,
+                 notif=f"cpr-{i}".encode() if notif else b"")
+    return 0.0
+
+
+def side_raw_listen(state: dict[str, Any], conn: mpc.Connection, t0: float, period: float,
+                    n: int) -> float:
+    """Raw NIXL target: from each post's instant, poll ``get_new_notifs`` back-to-back
+    until that transfer's notification is here."""
+    agent = state["raw"].agent
+    got = 0
+    deadline = time.monotonic() + n * period + WAIT_S
+    for i in range(n):
+        _sleep_until(t0 + i * period)
+        while got <= i:
+            for notes in agent.get_new_notifs().values():
+                got += len(notes)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"raw notifications: {got} of {n}")
+    return 0.0
+
+
+#: kvpush's NIXL wrapper (:class:`kvpush.agent.Agent`): the methods whose CPU the
+#: attribution pass counts as NIXL's (the binding, UCX and the copy they run inline).
+NIXL_CALLS = ("post", "state", "release", "notifications", "send_notification")
+
+
+def side_split(state: dict[str, Any], conn: mpc.Connection, on: bool) -> dict[str, int]:
+    """Attribution: ``on`` wraps the endpoint's NIXL calls in ``time.thread_time_ns`` (two
+    clock reads a call, counted as kvpush's); off restores them. Returns the NIXL CPU
+    ns and calls counted since the last switch."""
+    agent = state["endpoint"]._agent
+    count = state.setdefault("nixl", {"ns": 0, "calls": 0})
+    if on:
+        for name in NIXL_CALLS:
+            fn = getattr(agent, name)
+
+            def timed(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
+                c0 = time.thread_time_ns()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    count["ns"] += time.thread_time_ns() - c0
+                    count["calls"] += 1
+
+            setattr(agent, name, timed)
+    else:
+        for name in NIXL_CALLS:
+            agent.__dict__.pop(name, None)
+    out = dict(count)
+    count.update(ns=0, calls=0)
+    return out
+
+
+# =========================================================================================
+# Orchestration
+# =========================================================================================
+def _threads(pid: int) -> dict[int, tuple[str, int, int]]:
+    """Every thread of process ``pid``: tid -> (command name, ns on a CPU, ns runnable but
+    waiting for one), from ``/proc/PID/task/*/schedstat``."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+            with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
+                name = f.read().decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue   # the thread ended meanwhile
+        out[int(tid)] = (name, run_ns, wait_ns)
+    return out
+
+
+class _Side:
+    """One worker and its thread kinds."""
+
+    def __init__(self, worker: Worker, info: dict[str, Any]) -> None:
+        self.worker = worker
+        self.engine_tid = int(info["engine_tid"])
+        self.loop_tid = int(info["loop_tid"])
+
+    def kind(self, tid: int, name: str) -> str:
+        if tid == self.engine_tid:
+            return "engine"
+        if tid == self.loop_tid:
+            return "loop"
+        return "zmq" if name.startswith("ZMQbg") else "other"
+
+    def snapshot(self) -> dict[int, tuple[str, int, int]]:
+        return _threads(self.worker.pid)
+
+    def delta(self, before: dict[int, tuple[str, int, int]],
+              after: dict[int, tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
+        """(CPU ns, run-queue ns) by thread kind between two snapshots."""
+        out = dict.fromkeys(KINDS, (0, 0))
+        for tid, (name, run_ns, wait_ns) in after.items():
+            _, run0, wait0 = before.get(tid, (name, 0, 0))
+            kind = self.kind(tid, name)
+            cpu, rq = out[kind]
+            out[kind] = (cpu + run_ns - run0, rq + wait_ns - wait0)
+        return out
+
+
+def _raw_indices(op: str, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) descriptor indices of the initiator, ordered by local id as kvpush's
+    planner posts them (region-major)."""
+    local, remote = (src, dst) if op == "WRITE" else (dst, src)
+    order = np.argsort(local, kind="stable")
+    region = np.arange(SHAPE.regions)[:, None] * SHAPE.num_blocks
+    return ((region + local[order][None, :]).ravel().astype(np.int32),
+            (region + remote[order][None, :]).ravel().astype(np.int32))
+
+
+def _batch(variant: str, prefill: _Side, decode: _Side, rids: list[str], src: np.ndarray,
+           dst: np.ndarray, period: float) -> dict[str, Any]:
+    """One batch of ``len(rids)`` requests of ``variant``; CPU by side and thread kind."""
+    n = len(rids)
+    p, d = prefill.worker, decode.worker
+    before = (prefill.snapshot(), decode.snapshot())
+    t0 = time.monotonic() + 0.1
+    timeout = n * period + WAIT_S + 30
+    if variant == "push":
+        d.send_call(_M + "side_expect", rids=rids, ids=dst, t0=t0, period=period)
+        p.send_call(_M + "side_prefill_done", rids=rids, ids=src, t0=t0, period=period)
+    elif variant == "pull":
+        tickets, inside = p.call(_M + "side_tickets", rids=rids, ids=src)
+        d.send_call(_M + "side_pull", rids=rids, tickets=tickets, ids=dst, t0=t0,
+                    period=period)
+        p.send_call(_M + "side_wait", rids=rids)
+    else:
+        op = "WRITE" if "write" in variant else "READ"
+        notif = variant.endswith("_notif")
+        initiator, target = (p, d) if op == "WRITE" else (d, p)
+        local, remote = _raw_indices(op, src, dst)
+        if notif:
+            target.send_call(_M + "side_raw_listen", t0=t0, period=period, n=n)
+        initiator.send_call(_M + "side_raw_post", op=op, local=local, remote=remote, t0=t0,
+                            period=period, n=n, notif=notif)
+        if not notif:
+            target.send_call(_M + "side_wait", rids=[])
+    inside_d = d.result(timeout)
+    inside_p = p.result(timeout)
+    if variant == "pull":
+        inside_p = inside
+    after = (prefill.snapshot(), decode.snapshot())
+    return {"p": prefill.delta(before[0], after[0]), "d": decode.delta(before[1], after[1]),
+            "inside_ns": 1e9 * (inside_p + inside_d)}
+
+
+def _accumulate(slot: dict[str, Any], res: dict[str, Any], n: int) -> None:
+    slot["n"] = slot.get("n", 0) + n
+    slot["inside_ns"] = slot.get("inside_ns", 0.0) + res["inside_ns"]
+    for side in "pd":
+        for kind, (cpu, rq) in res[side].items():
+            slot[f"{side}_{kind}"] = slot.get(f"{side}_{kind}", 0) + cpu
+            slot[f"{side}_{kind}_rq"] = slot.get(f"{side}_{kind}_rq", 0) + rq
+
+
+def _row(variant: str, size: str, slot: dict[str, Any]) -> dict[str, Any]:
+    k = slot["n"]
+    row: dict[str, Any] = {"variant": variant, "size": size, "requests": k}
+    for side in "pd":
+        for kind in KINDS:
+            row[f"{side}_{kind}_us"] = slot[f"{side}_{kind}"] / 1e3 / k
+            row[f"{side}_{kind}_rq_us"] = slot[f"{side}_{kind}_rq"] / 1e3 / k
+    row["cpu_us"] = sum(row[f"{s}_{kind}_us"] for s in "pd" for kind in KINDS)
+    row["inside_us"] = slot["inside_ns"] / 1e3 / k
+    if variant in ("push", "pull"):
+        row["gil_us"] = row["p_loop_us"] + row["d_loop_us"] + row["inside_us"]
+        row["gil_rq_us"] = row["p_loop_rq_us"] + row["d_loop_rq_us"]
+    for side in "pd":
+        if f"{side}_nixl" in slot:
+            row[f"{side}_loop_nixl_us"] = slot[f"{side}_nixl"] / 1e3 / k
+            row[f"{side}_nixl_calls"] = slot[f"{side}_nixl_calls"] / k
+    return row
+
+
+def period_s(size: str) -> float:
+    """Seconds between a batch's requests: more than one takes on a shared 2-core host."""
+    return 5e-3 if SIZES[size] <= 16 else 25e-3
+
+
+def run(quick: bool, progress: bool = True, requests: int | None = None,
+        rounds: int | None = None, idle_s: float | None = None,
+        sizes: tuple[str, ...] = tuple(SIZES), split_size: str = "1mib") -> dict[str, Any]:
+    """``requests`` per (variant, size), in ``rounds`` batches each, the variants taking
+    turns; then the attribution pass (:func:`side_split`) of push and pull at
+    ``split_size``, ``requests`` each."""
+    requests = requests or (20 if quick else 200)
+    rounds = rounds or (2 if quick else 4)
+    idle_s = idle_s if idle_s is not None else (2.0 if quick else 10.0)
+    per_batch = max(1, requests // rounds)
+    bar = Progress("cpu-per-request", 4 + rounds * len(sizes), progress)
+    pw, dw = Worker("cpr-prefill"), Worker("cpr-decode")
+    acc: dict[tuple[str, str], dict[str, Any]] = {}
+    split: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {"requests_per_variant": per_batch * rounds,
+                           "load_avg_start": os.getloadavg()}
+    try:
+        a = pw.call(_M + "side_setup", role="prefill", timeout=120)
+        b = dw.call(_M + "side_setup", role="decode", address=a["address"], timeout=120)
+        pw.call("benchmarks.hot_path:side_raw_connect", md=b["raw_md"], bases=b["bases"])
+        dw.call("benchmarks.hot_path:side_raw_connect", md=a["raw_md"], bases=a["bases"])
+        prefill, decode = _Side(pw, a), _Side(dw, b)
+        rng = np.random.default_rng(0)
+        ids = {size: (rng.choice(SHAPE.num_blocks, nb, replace=False).astype(np.int64),
+                      rng.choice(SHAPE.num_blocks, nb, replace=False).astype(np.int64))
+               for size, nb in SIZES.items()}
+        n = 0
+
+        def batch(variant: str, size: str, count: int) -> dict[str, Any]:
+            nonlocal n
+            rids = [f"cpr-{n + i}" for i in range(count)]
+            n += count
+            return _batch(variant, prefill, decode, rids, *ids[size], period_s(size))
+
+        for size in sizes:  # connections, caches and code paths warm before anything counts
+            for variant in VARIANTS:
+                batch(variant, size, 2)
+        bar.step("engines up, warm")
+        # -- idle --------------------------------------------------------------------------
+        time.sleep(0.5)
+        before = (prefill.snapshot(), decode.snapshot())
+        t_idle = time.monotonic()
+        time.sleep(idle_s)
+        elapsed = time.monotonic() - t_idle
+        after = (prefill.snapshot(), decode.snapshot())
+        idle = {"p": prefill.delta(before[0], after[0]), "d": decode.delta(before[1], after[1])}
+        out["idle_us_per_s"] = {f"{side}_{kind}": cpu / 1e3 / elapsed
+                                for side in "pd" for kind, (cpu, _) in idle[side].items()}
+        out["cpu_us_per_idle_s"] = sum(out["idle_us_per_s"].values())
+        bar.step(f"idle: {out['cpu_us_per_idle_s']:.0f} us/s")
+        # -- requests ----------------------------------------------------------------------
+        for r in range(rounds):
+            for size in sizes:
+                for variant in VARIANTS:
+                    _accumulate(acc.setdefault((variant, size), {}),
+                                batch(variant, size, per_batch), per_batch)
+                bar.step(f"round {r + 1} {size}")
+        # -- attribution: the loop threads' NIXL calls apart -------------------------------
+        for variant in ("push", "pull"):
+            for w in (pw, dw):
+                w.call(_M + "side_split", on=True)
+            slot = split.setdefault(variant, {})
+            for _ in range(rounds):
+                _accumulate(slot, batch(variant, split_size, per_batch), per_batch)
+            for side, w in (("p", pw), ("d", dw)):
+                got = w.call(_M + "side_split", on=False)
+                slot[f"{side}_nixl"] = got["ns"]
+                slot[f"{side}_nixl_calls"] = got["calls"]
+            bar.step(f"attribution {variant} {split_size}")
+        out["load_avg_end"] = os.getloadavg()
+    finally:
+        stop_all([dw, pw])
+        bar.finish()
+    out["rows"] = [_row(variant, size, slot) for (variant, size), slot in acc.items()]
+    out["split_size"] = split_size
+    out["split_rows"] = [_row(variant, split_size, slot) for variant, slot in split.items()]
+    out["summary"] = _summary(out["rows"], out["cpu_us_per_idle_s"])
+    return out
+
+
+def _summary(rows: list[dict[str, Any]], idle: float) -> dict[str, float]:
+    by = {(r["variant"], r["size"]): r for r in rows}
+    summary: dict[str, float] = {}
+    raw_names = {"raw_write": "raw_nixl", "raw_read": "raw_nixl_read",
+                 "raw_write_notif": "raw_nixl_notif", "raw_read_notif": "raw_nixl_read_notif"}
+    for (variant, size), row in by.items():
+        if variant in raw_names:
+            summary[f"{raw_names[variant]}_cpu_us_per_request_{size}"] = row["cpu_us"]
+            continue
+        summary[f"cpu_us_per_request_{variant}_{size}"] = row["cpu_us"]
+        summary[f"gil_us_per_request_{variant}_{size}"] = row["gil_us"]
+        raw = by.get(("raw_write" if variant == "push" else "raw_read", size))
+        if raw is not None:
+            summary[f"cpu_per_request_{variant}_over_raw_nixl_{size}"] = (row["cpu_us"]
+                                                                          / raw["cpu_us"])
+        if size == "1mib":
+            summary[f"gil_us_per_request_{variant}"] = row["gil_us"]
+    summary["cpu_us_per_idle_s"] = idle
+    return summary
+
+
+def table(result: dict[str, Any]) -> str:
+    """CPU us per request by variant and size, split by process and thread kind
+    (p_: prefill process, d_: decode process); the attribution pass; idle CPU."""
+    cols = [f"{s}_{k}_us" for s in "pd" for k in KINDS]
+    lines = ["CPU us per request, by process (p_ prefill, d_ decode) and thread kind", "",
+             "| variant | size | " + " | ".join(c[:-3] for c in cols)
+             + " | total | GIL (loop run-queue) |", "|" + "---|" * (len(cols) + 4)]
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    sizes = list(SIZES)
+    for r in sorted(result["rows"], key=lambda r: (sizes.index(r["size"]),
+                                                   order[r["variant"]])):
+        gil = f"{r['gil_us']:.0f} ({r['gil_rq_us']:.0f})" if "gil_us" in r else "-"
+        lines.append(f"| {r['variant']} | {r['size']} | "
+                     + " | ".join(f"{r[c]:.0f}" for c in cols)
+                     + f" | {r['cpu_us']:.0f} | {gil} |")
+    lines += ["", f"Where kvpush's CPU goes at {result['split_size']}, us per request "
+              "(loop: NIXL = inside kvpush's NIXL calls: binding, UCX, the copy; loop: rest = "
+              "the protocol's Python, ZeroMQ sends, the poller)", "",
+              "| variant | side | engine thread (in kvpush calls) | loop: NIXL (calls) "
+              "| loop: rest | ZeroMQ I/O | other | total |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["split_rows"]:
+        for side, label in (("p", "prefill"), ("d", "decode")):
+            nixl = r[f"{side}_loop_nixl_us"]
+            lines.append(
+                f"| {r['variant']} | {label} | {r[f'{side}_engine_us']:.0f} | {nixl:.0f} "
+                f"({r[f'{side}_nixl_calls']:.1f}) | {r[f'{side}_loop_us'] - nixl:.0f} | "
+                f"{r[f'{side}_zmq_us']:.0f} | {r[f'{side}_other_us']:.0f} | "
+                f"{sum(r[f'{side}_{k}_us'] for k in KINDS):.0f} |")
+        lines.append(f"| {r['variant']} | engine threads inside kvpush calls, both | "
+                     f"{r['inside_us']:.0f} | | | | | |")
+    idle = result["idle_us_per_s"]
+    lines += ["", f"CPU per idle second, both processes: {result['cpu_us_per_idle_s']:.0f} us ("
+              + ", ".join(f"{k} {v:.0f}" for k, v in idle.items() if v >= 0.5) + ")"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    out = run(args.quick, requests=args.requests)
+    print(table(out))
+    print(f"load average: start {out['load_avg_start']}, end {out['load_avg_end']}")
+    save_json(out, args.json)
+
+
+if __name__ == "__main__":
+    main()
