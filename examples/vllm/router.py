@@ -28,6 +28,17 @@ error event, never with a text that mixes two continuations. The answer's
 ``X-KVPush-First-Token`` header says which instance gave the first token; ``GET /stats``
 counts both.
 
+**Conversations** (multi-turn reuse; the adapter's ``reuse`` on both instances): with
+several decode instances (``--decode URL URL ...``), the turns of one conversation go to the
+decode instance that holds its KV. A conversation is named by the client (an
+``X-Conversation-Id`` header or ``"kvpush_conversation"`` in the body), else by its first
+prompt tokens (or first chat message), which every later turn repeats. After a turn whose
+decode answer is not streamed, the router keeps the decode instance's ``kvpush_reuse``
+(vLLM returns ``kv_transfer_params`` only in non-streamed answers) and sends it with the
+next turn's prefill request, which then loads only what it lacks. A turn whose decode
+instance fails or answers with an error forgets the conversation: the next turn goes to
+any decode instance and its prefill computes everything, as without reuse.
+
 Usage::
 
     python examples/vllm/router.py --port 8000 --prefill http://127.0.0.1:8100 \\
@@ -41,10 +52,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -60,6 +74,41 @@ _FIRST_TOKEN_EXCLUDES = ("logprobs", "echo", "stop", "stop_token_ids", "best_of"
                          "prompt_logprobs", "min_tokens")
 
 
+#: Conversations remembered (least recently used forgotten first).
+MAX_CONVERSATIONS = 4096
+#: Tokens (or characters of text) of a prompt's start that name its conversation when
+#: the client names none.
+PREFIX_TOKENS = 64
+
+
+@dataclass
+class Conversation:
+    """Where a conversation's KV is: its decode instance and the ``kvpush_reuse`` of its
+    last turn there (None: nothing to load)."""
+
+    decode: str
+    kept: dict[str, Any] | None = None
+
+
+def conversation_key(headers: Any, body: dict[str, Any]) -> str | None:
+    """The conversation a request belongs to: the client's id, else a hash of its prompt's
+    start (None: no prompt to tell it by). Pops ``kvpush_conversation`` from ``body``."""
+    named = body.pop("kvpush_conversation", None) or headers.get("X-Conversation-Id")
+    if named:
+        return f"id:{named}"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        start: Any = prompt[:PREFIX_TOKENS]
+    elif isinstance(prompt, str) and prompt:
+        start = prompt[:4 * PREFIX_TOKENS]
+    elif isinstance(body.get("messages"), list) and body["messages"]:
+        start = body["messages"][0]
+    else:
+        return None
+    digest = hashlib.blake2b(json.dumps(start, sort_keys=True).encode(), digest_size=12)
+    return f"prefix:{digest.hexdigest()}"
+
+
 def _sse(event: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(event).encode() + b"\n\n"
 
@@ -67,7 +116,12 @@ def _sse(event: dict[str, Any]) -> bytes:
 class Router:
     def __init__(self, args: argparse.Namespace) -> None:
         self.prefill = args.prefill.rstrip("/")
-        self.decode = args.decode.rstrip("/")
+        decodes = args.decode if isinstance(args.decode, list) else [args.decode]
+        self.decodes = [d.rstrip("/") for d in decodes]
+        self.decode = self.decodes[0]            # passthrough requests
+        self._next_decode = 0
+        self.conversations: OrderedDict[str, Conversation] = OrderedDict()
+        self._turns: dict[str, tuple[str, Conversation]] = {}   # rid -> its conversation
         self.protocol = args.protocol
         self.mode = args.mode
         self.producers = list(args.producers or [])
@@ -151,10 +205,30 @@ class Router:
         rid = f"{client_id}.{uuid.uuid4().hex[:12]}" if client_id else uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
         self._stage("router_in", rid, mode)
+        key = conversation_key(request.headers, body)
+        conv = self._conversation(key)
+        decode_url = conv.decode if conv is not None else self._pick_decode()
+        if key is not None:
+            self._turns[rid] = (key, conv or Conversation(decode_url))
+        try:
+            return await self._turn(request, body, mode, first_token, rid, headers,
+                                    decode_url, conv)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            self._forget(rid)
+            raise
+        finally:
+            self._turns.pop(rid, None)
+
+    async def _turn(self, request: web.Request, body: dict[str, Any], mode: str,
+                    first_token: str, rid: str, headers: dict[str, str], decode_url: str,
+                    conv: Conversation | None) -> web.StreamResponse:
         path = request.path
         early = first_token == "prefill" and self._first_token_applies(path, body)
         layerwise = body.pop("kvpush_layerwise", None)
         prefill_params, decode_params = self._params(mode, rid)
+        if conv is not None and conv.kept and self.protocol == "kvpush":
+            # the decode instance's KV of the conversation: the prefill loads what it lacks
+            prefill_params["kvpush_reuse"] = conv.kept
         if layerwise is not None and decode_params is not None and self.protocol == "kvpush":
             decode_params["kvpush_layerwise"] = bool(layerwise)  # register layer by layer
         prefill_body = self._prefill_body(body, prefill_params)
@@ -171,9 +245,9 @@ class Router:
                 prefill.add_done_callback(lambda _: self._stage("prefill_answered", rid))
             try:
                 if early:
-                    return await self._relay_early(request, self.decode + path, decode_body,
+                    return await self._relay_early(request, decode_url + path, decode_body,
                                                    headers, prefill, body)
-                return await self._relay(request, self.decode + path, decode_body, headers,
+                return await self._relay(request, decode_url + path, decode_body, headers,
                                          prefill)
             finally:
                 if not prefill.done():
@@ -189,9 +263,60 @@ class Router:
             done: asyncio.Future[tuple[int, dict[str, Any]]] = \
                 asyncio.get_running_loop().create_future()
             done.set_result((status, data))
-            return await self._relay_early(request, self.decode + path, decode_body, headers,
+            return await self._relay_early(request, decode_url + path, decode_body, headers,
                                            done, body)
-        return await self._relay(request, self.decode + path, decode_body, headers, None)
+        return await self._relay(request, decode_url + path, decode_body, headers, None)
+
+    # -- conversations -----------------------------------------------------------------------
+    def _conversation(self, key: str | None) -> Conversation | None:
+        conv = self.conversations.get(key) if key is not None else None
+        if conv is not None:
+            self.conversations.move_to_end(key)  # type: ignore[arg-type]
+        return conv
+
+    def _pick_decode(self) -> str:
+        url = self.decodes[self._next_decode % len(self.decodes)]
+        self._next_decode += 1
+        return url
+
+    def _remember(self, rid: str, status: int, data: bytes) -> None:
+        """After a turn's non-streamed decode answer: keep where its KV is, or forget the
+        conversation if the turn failed."""
+        turn = self._turns.get(rid)
+        if turn is None:
+            return
+        if status != 200:
+            self._forget(rid)
+            return
+        key, conv = turn
+        try:
+            params = json.loads(data).get("kv_transfer_params") or {}
+        except (ValueError, AttributeError):
+            params = {}
+        kept = params.get("kvpush_reuse") if isinstance(params, dict) else None
+        conv.kept = kept if isinstance(kept, dict) else None
+        self.conversations[key] = conv
+        self.conversations.move_to_end(key)
+        while len(self.conversations) > MAX_CONVERSATIONS:
+            self.conversations.popitem(last=False)
+
+    def _remember_streamed(self, rid: str, status: int) -> None:
+        """A streamed answer carries no ``kv_transfer_params``: the conversation stays on
+        its decode instance (prefix caching there still helps), with nothing to load."""
+        turn = self._turns.get(rid)
+        if turn is None:
+            return
+        if status != 200:
+            self._forget(rid)
+            return
+        key, conv = turn
+        conv.kept = None
+        self.conversations[key] = conv
+
+    def _forget(self, rid: str) -> None:
+        turn = self._turns.get(rid)
+        if turn is not None:
+            self.conversations.pop(turn[0], None)
 
     def _stage(self, stage: str, rid: str, detail: str = "") -> None:
         """``--stage-log``: one line per stage, on the clock the adapter's ``stage_log``
@@ -249,6 +374,8 @@ class Router:
                                   keep_ids: bool) -> web.StreamResponse:
         """Stream the prefill's answer ``data`` as the first chunk, then ``resp`` (the
         decode instance's stream) without its first token, which must be ``first_id``."""
+        self._remember_streamed(str(resp.request_info.headers.get("X-Request-Id")),
+                                resp.status)
         if resp.status != 200:  # nothing was streamed yet: the decode's answer as it is
             return web.Response(body=await resp.read(), status=resp.status,
                                 content_type=resp.content_type or "application/json")
@@ -348,10 +475,13 @@ class Router:
     async def _pipe(self, request: web.Request, resp: aiohttp.ClientResponse,
                     body: dict[str, Any]) -> web.StreamResponse:
         """The decode instance's answer ``resp``, to the client as it comes."""
+        rid = str(resp.request_info.headers.get("X-Request-Id"))
         if not body.get("stream"):
             data = await resp.read()
+            self._remember(rid, resp.status, data)
             return web.Response(body=data, status=resp.status,
                                 content_type=resp.content_type or "application/json")
+        self._remember_streamed(rid, resp.status)
         out = web.StreamResponse(status=resp.status, headers={
             "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
         await out.prepare(request)
@@ -377,7 +507,7 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         assert self.session is not None
-        for url in (self.prefill, self.decode):
+        for url in (self.prefill, *self.decodes):
             try:
                 async with self.session.get(url + "/health") as resp:
                     if resp.status != 200:
@@ -410,7 +540,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill", required=True, help="prefill instance URL")
-    p.add_argument("--decode", required=True, help="decode instance URL")
+    p.add_argument("--decode", required=True, nargs="+",
+                   help="decode instance URL(s); a conversation's turns stay on one")
     p.add_argument("--protocol", choices=("kvpush", "nixl"), default="kvpush")
     p.add_argument("--mode", choices=MODES, default="push", help="default transfer mode")
     p.add_argument("--producers", nargs="*", default=[],
