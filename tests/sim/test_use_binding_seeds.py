@@ -64,3 +64,11 @@ def test_an_unclaimed_source_held_for_max_wait_s_is_caught_by_the_ci_run() -> No
     sim.run()
     assert sim.checker.kinds() == ["never_released"]
 
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_timeouts_in_an_order_drawn_from_the_seed(seed: int) -> None:
+    sim = _run(seed, Faults(), requests=1000, timings=Timings().with_order("drawn", seed))
+    assert sim.checker.kinds() == []
+    assert sim.finished == sim.issued == 1000      # requests that ran, not arrivals
+    assert sim.stats["skipped"] > 0
