@@ -788,6 +788,10 @@ class ProducerCore:
                 and len(req.queued) < m.MAX_SHARERS:
             req.queued.append((peer, msg, self._now))
             return False
+        if other:
+            self._fail(peer, req.rid, xid, "not_held",
+                       "the producer holds another use of this request")
+            return False
         if code:
             self._fail(peer, req.rid, xid, code, self._ADMIT_REASON[code])
             return False

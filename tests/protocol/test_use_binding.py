@@ -187,3 +187,13 @@ def test_a_prefill_done_later_than_tombstone_s_after_an_early_release_is_still_i
     h.prefill("r", [5, 6], sid=7)
     h.advance(11.0)                                  # past a lease
     assert len(h.releases()) == 1
+
+
+def test_a_registration_naming_another_use_than_a_partial_one_is_refused() -> None:
+    h = Harness()
+    h.core.layer_done(h.now, "r", np.array([5, 6]), 0, 7)    # use 7, layer by layer
+    h.run()
+    h.register("A", "r", 1, [1, 2], groups=LAYERS, sid=8)
+    assert h.posts() == []
+    (failed,) = h.sent(m.Failed)
+    assert (failed.xid, failed.code) == (1, "not_held")
