@@ -143,3 +143,25 @@ def test_offer_needs_a_token_left_to_compute() -> None:
     assert offer(out, history[:160], 160, BS) is None
     assert offer(out, history[:161], 161, BS) is not None
     assert kept_tokens(169, BS) == 160 and kept_tokens(31, BS) == 0
+
+
+def test_memory_pressure_gives_the_oldest_kept_turns_back_early() -> None:
+    d = scheduler()
+    pool = SimpleNamespace(num_gpu_blocks=100, free=50)
+    pool.get_num_free_blocks = lambda: pool.free
+    d.bind_kv_cache_manager(SimpleNamespace(block_pool=pool))
+    kept = []
+    for i in range(3):
+        params = decode_params(f"t{i}", ["tcp://127.0.0.1:7000"]) | {"do_remote_prefill": False}
+        r = finished_turn(list(range(1000 + i, 1170 + i)), 169, params)
+        r.request_id = f"d{i}"
+        kept.append(d.request_finished(r, list(range(10 * i, 10 * i + 6)))[1])
+    assert not d.build_plan(STEP).send_aborts            # 50 % free: all kept
+    pool.free = 4                                        # under the 10 % reserve
+    aborts = d.build_plan(STEP).send_aborts
+    # the oldest two go (5 blocks each): 4 + 5 + 5 >= 10
+    names = [k["kvpush_reuse"]["kvpush_id"] for k in kept]
+    assert [a.split("#")[0] for a in aborts] == names[:2]
+    assert not d.build_plan(STEP).send_aborts            # each given back once
+    with pytest.raises(ValueError, match="reuse_reserve"):
+        AdapterConfig(reuse_reserve=1.0)

@@ -185,6 +185,10 @@ class AdapterConfig:
         that carries ``kvpush_reuse`` loads the kept blocks its prefix cache lacks (its
         ``request_timeout_s`` bounds that load; a failed load is recomputed when vLLM's
         ``kv_load_failure_policy`` is ``recompute``). Off by default.
+    reuse_reserve
+        Decode instance with ``reuse``: while fewer than this share of vLLM's blocks is
+        free, the oldest kept turns are released before their lease ends (their next turns
+        recompute).
     """
 
     host: str = "127.0.0.1"
@@ -206,12 +210,16 @@ class AdapterConfig:
     idle_yield_s: float = 50e-6
     stage_log: bool = False
     reuse: bool = False
+    reuse_reserve: float = 0.1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))
         if not 0 <= self.idle_yield_s <= 0.01:
             raise ValueError(f"kvpush: idle_yield_s must be in [0, 0.01] s, got "
                              f"{self.idle_yield_s}")
+        if not 0 <= self.reuse_reserve < 1:
+            raise ValueError(f"kvpush: reuse_reserve must be in [0, 1), got "
+                             f"{self.reuse_reserve}")
         TransferMode(self.mode)  # raises ValueError naming the bad value
         if not 0 <= self.port <= 65535:
             raise ValueError(f"kvpush: port must be in [0, 65535], got {self.port}")

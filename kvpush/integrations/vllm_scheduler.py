@@ -154,6 +154,8 @@ class KVPushScheduler:
         self.reuse = config.reuse and self.is_producer and self.is_consumer \
             and not self.hybrid
         self._kept_new: list[SendPlan] = []
+        self._kept: dict[str, str] = {}          # req id -> transfer id, oldest first
+        self._giving: dict[str, int] = {}        # given back early: req id -> its blocks
 
     # -- set-up ----------------------------------------------------------------------------
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -308,6 +310,8 @@ class KVPushScheduler:
         self._recv_new, self._recv_aborts, self._send_aborts = [], [], []
         self._claims_new = []
         plan.send, self._kept_new = self._kept_new, []
+        if self._kept:
+            plan.send_aborts += self._give_back_kept()
         if self.is_producer:
             self._expire_endings()
             for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -408,6 +412,8 @@ class KVPushScheduler:
     def update_connector_output(self, output: Any) -> None:
         for req_id in getattr(output, "finished_sending", None) or ():
             self._sends.pop(req_id, None)
+            self._kept.pop(req_id, None)
+            self._giving.pop(req_id, None)
             self._unpin(req_id)
         # preempted sends whose transfer ended, counted over the worker ranks
         meta = getattr(output, "kv_connector_worker_meta", None)
@@ -471,9 +477,33 @@ class KVPushScheduler:
         # vLLM holds the blocks (request_finished returns True) until the worker reports
         # the Producer released them: after the next turn's load, or lease_s
         self._sends[req_id] = send
+        self._kept[req_id] = transfer_id
         self._kept_new.append(SendPlan(req_id, transfer_id, mode, kept.blocks, send.sid,
                                        computed=True))
         return kept_params(self._response(send), self.config.lease_s)
+
+    def _give_back_kept(self) -> list[str]:
+        """Under memory pressure (fewer free blocks than ``reuse_reserve`` of the pool), the
+        oldest kept turns are released early (their transfer ids, to abort): vLLM gets
+        their blocks back once the Producer has released them (a transfer that reads them
+        ends first); their next turns recompute."""
+        pool = getattr(self._kv_manager, "block_pool", None)
+        if pool is None:
+            return []
+        # blocks given back but not released yet count as free: they are on their way
+        free = int(pool.get_num_free_blocks()) + sum(self._giving.values())
+        want = self.config.reuse_reserve * int(pool.num_gpu_blocks)
+        ended = []
+        while self._kept and free < want:
+            req_id, transfer_id = next(iter(self._kept.items()))
+            del self._kept[req_id]
+            send = self._sends.get(req_id)
+            self._giving[req_id] = len(send.src) if send is not None else 0
+            free += self._giving[req_id]
+            log.info("kvpush: %d free blocks; the kept turn %r is given back early", free,
+                     transfer_id)
+            ended.append(transfer_id)
+        return ended
 
     def _reuse_offer(self, request: Any) -> tuple[int, RemotePrefill] | None:
         """Prefill instance: the kept prefix this request may load (tokens, source)."""
