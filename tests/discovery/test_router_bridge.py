@@ -103,7 +103,9 @@ def test_bridge_sends_what_vllm_router_reads(client: EtcdClient, prefix: str,
 # -- the real vllm-router ------------------------------------------------------------------
 
 def _router_binary() -> str | None:
-    path = os.environ.get("KVPUSH_VLLM_ROUTER") or shutil.which("vllm-router")
+    bundled = ROOT / ".venv-vllm" / "bin" / "vllm-router"  # .ci/bootstrap-vllm installs it
+    path = (os.environ.get("KVPUSH_VLLM_ROUTER") or shutil.which("vllm-router")
+            or (str(bundled) if bundled.exists() else None))
     return path if path and os.access(path, os.X_OK) else None
 
 
