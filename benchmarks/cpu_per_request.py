@@ -76,8 +76,8 @@ SUMMARY_KEYS: dict[str, str] = {
         "raw WRITE with a notification, the target polling for it from the post, CPU us",
     "raw_nixl_read_notif_cpu_us_per_request_{size}": "the same for a raw READ",
     "cpu_per_request_{mode}_over_raw_nixl_{size}":
-        "kvpush's CPU per request over raw NIXL's with a notification (push: WRITE, pull: "
-        "READ)",
+        "kvpush's CPU per request over raw NIXL's without a notification (push: WRITE, "
+        "pull: READ; the notified variants poll back-to-back, a dearer floor)",
     "gil_us_per_request_{mode}":
         "CPU of the threads running kvpush's Python per request (loop thread + the engine's "
         "thread inside kvpush calls, both processes): the GIL held, us (bare: 1 MiB; "
