@@ -444,9 +444,9 @@ class KVPushWorker:
         self._ending_until: dict[str, float] = {}
         self._ended: list[str] = []
         # layer-wise push: vLLM layer name -> layer index, and this step's (transfer id,
-        # source blocks) of the push sends this rank makes
+        # source blocks, source use id) of the push sends this rank makes
         self._layers: dict[str, int] = {}
-        self._layer_sends: list[tuple[str, np.ndarray]] = []
+        self._layer_sends: list[tuple[str, np.ndarray, int]] = []
         self._layer_logged = False
         self._idle_step = False                                # this step runs no forward
 
@@ -570,7 +570,7 @@ class KVPushWorker:
         # kept turns (multi-turn reuse): their KV exists, no forward pass needs to run
         self._issue([s for s in plan.send if s.computed])
         self._layer_sends = [
-            (s.transfer_id, np.asarray(s.src, np.int64)) for s in self._to_send
+            (s.transfer_id, np.asarray(s.src, np.int64), s.sid) for s in self._to_send
             if self._layers and s.mode is TransferMode.PUSH and s.src
             and self.sends_from_here(transfer_id=s.transfer_id)]
 
@@ -587,17 +587,18 @@ class KVPushWorker:
         # GPU: the layer's kernels may still be queued; its event says when it is written
         # (and, staged, copied to the host mirror).
         computed = record_event(self.device_type)
-        for transfer_id, src in self._layer_sends:
+        for transfer_id, src, sid in self._layer_sends:
             ready = computed if self.staging is None else self.staging.to_host(
                 src.tolist(), after=computed, layers=[layer_name])
             self._ready.when_ready(ready, partial(self._layer_over, transfer_id, src, layer,
-                                                  layer_name))
+                                                  layer_name, sid))
 
     def _layer_over(self, transfer_id: str, src: np.ndarray, layer: int,
-                    layer_name: str) -> None:
+                    layer_name: str, sid: int = 0) -> None:
         assert self.producer is not None
         try:
-            self.producer.layer_done(transfer_id, src, layer)
+            # the same use as this send's prefill_done: the core binds each use to its sid
+            self.producer.layer_done(transfer_id, src, layer, sid=sid or None)
         except (KvpushError, ValueError) as exc:  # prefill_done still sends it whole
             log.warning("kvpush: layer_done(%r, %d) failed: %s", transfer_id, layer, exc)
             return
