@@ -4,13 +4,14 @@ schemas; the next turn's prefill loads only what its prefix cache lacks."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kvpush.integrations.vllm_common import AdapterConfig, decode_params, prefill_params
-from kvpush.integrations.vllm_reuse import PARAM_REUSE, kept_tokens, offer
+from kvpush.integrations.vllm_reuse import PARAM_REUSE, ReuseCosts, kept_tokens, offer
 from kvpush.integrations.vllm_scheduler import KVPushScheduler, RankInfo
 from kvpush.request import TransferMode
 
@@ -165,3 +166,97 @@ def test_memory_pressure_gives_the_oldest_kept_turns_back_early() -> None:
     assert not d.build_plan(STEP).send_aborts            # each given back once
     with pytest.raises(ValueError, match="reuse_reserve"):
         AdapterConfig(reuse_reserve=1.0)
+
+
+# -- load or recompute, from measured costs ------------------------------------------------
+MB = 1 << 20
+
+
+def measured() -> ReuseCosts:
+    """A link of 10 ms per load plus 2 ms per MB, an engine of 2 ms per step plus
+    0.125 ms per token (the fits must find both terms from samples of several sizes)."""
+    c = ReuseCosts()
+    for mb in (1, 2, 4, 8):
+        c.observe_load(mb * MB, 0.010 + 0.002 * mb)
+    for tokens in (1, 64, 256, 512):
+        c.observe_step(tokens, 0.002 + 0.000125 * tokens)
+    return c
+
+
+def test_costs_fit_latency_and_bandwidth_from_samples() -> None:
+    c = measured()
+    assert c.load_s(3 * MB) == pytest.approx(0.016)
+    assert c.recompute_s(100) == pytest.approx(0.0125)
+
+
+def test_costs_choose_recompute_for_a_small_answer_and_load_for_a_long_history() -> None:
+    c = measured()
+    # 48 tokens (1.5 MB): 13 ms to load, 6 ms to compute
+    assert not c.should_load(48, 1.5 * MB)
+    # 600 tokens (19 MB): 48 ms to load, 75 ms to compute
+    assert c.should_load(600, 19 * MB)
+
+
+def test_costs_load_until_a_load_is_measured_and_never_assume_small_loads_cheaper() -> None:
+    c = ReuseCosts()
+    assert c.should_load(48, 1.5 * MB)              # nothing measured: load, to learn
+    c.observe_step(512, 0.066)
+    assert c.should_load(48, 1.5 * MB)              # still no load measured
+    c.observe_load(19 * MB, 0.030)                  # one size of load: 30 ms
+    assert c.load_s(1.5 * MB) == pytest.approx(0.030)   # not 30 ms x 1.5/19
+    assert c.load_s(38 * MB) == pytest.approx(0.060)
+    assert not c.should_load(48, 1.5 * MB)          # 30 ms against 6 ms
+
+
+def costed(costs: ReuseCosts) -> KVPushScheduler:
+    p = scheduler()
+    p.costs = costs
+    p._bytes_per_block = 0.5 * MB
+    return p
+
+
+@pytest.mark.parametrize("cached", [128, 0])
+def test_prefill_decides_per_request_from_its_costs(cached: int) -> None:
+    """The prefix cache holds the previous prompt (128 tokens): the 32 kept tokens past it
+    (1 block, 0.5 MB: 11 ms to load, 4 ms to compute) are computed and the decode instance
+    lets go at once. It holds nothing: the 160 kept tokens (5 blocks, 2.5 MB: 15 ms to
+    load, 20 ms to compute) load."""
+    history = list(range(1000, 1170))
+    _, out = keep_turn("push", history)
+    p = costed(measured())
+    r = next_turn(history + [7] * 40, out | prefill_params("t2", "push"))
+    want = (0, False) if cached else (160, True)
+    assert p.get_num_new_matched_tokens(r, cached) == want
+    p.update_state_after_alloc(r, Blocks(list(range(50, 57))), want[0])
+    (recv,) = p.build_plan(STEP).recv
+    assert recv.report == bool(want[0])
+    assert recv.dst == ([] if cached else [50, 51, 52, 53, 54])
+
+
+def test_scheduler_measures_its_steps_and_its_loads() -> None:
+    history = list(range(1000, 1170))
+    _, out = keep_turn("pull", history)
+    p = scheduler()
+    p._bytes_per_block = 1000.0
+    r = next_turn(history + [7] * 40, out | prefill_params("t2", "pull"))
+    assert p.get_num_new_matched_tokens(r, 0) == (160, True)
+    p.update_state_after_alloc(r, Blocks(list(range(50, 57))), 160)
+    p.build_plan(SimpleNamespace(num_scheduled_tokens={"other": 300}))
+    time.sleep(0.02)
+    # the step's output: the load is not reported yet
+    p.update_connector_output(SimpleNamespace(finished_recving=set()))
+    p.build_plan(SimpleNamespace(num_scheduled_tokens={}))   # nothing runs: no sample
+    time.sleep(0.01)
+    p.update_connector_output(SimpleNamespace(finished_recving={"p2"}))
+    (step,) = p.costs._steps
+    assert step[0] == 300 and 0.02 <= step[1] < 0.5
+    (load,) = p.costs._loads
+    assert load[0] == 5000.0 and 0.03 <= load[1] < 0.5
+    # a failed load is no sample of the link
+    p2 = scheduler()
+    r = next_turn(history + [7] * 40, out | prefill_params("t3", "pull"))
+    p2.get_num_new_matched_tokens(r, 0)
+    p2.update_state_after_alloc(r, Blocks(list(range(50, 57))), 160)
+    p2.update_connector_output(SimpleNamespace(finished_recving={"p2"},
+                                               invalid_block_ids={52}))
+    assert not p2.costs._loads

@@ -25,6 +25,13 @@ claims, exactly-once releases and failure handling:
   load; the blocks it named are reported to vLLM as load errors and vLLM recomputes them
   (``kv_load_failure_policy`` ``recompute`` on the prefill instance). Nothing reads a
   released block: a source that was released is refused by its Producer.
+- **Load or recompute**, per request: loading the kept tokens the prefix cache lacks must
+  beat computing them, or reuse would be slower than no reuse (a prefix cache that holds
+  the previous prompt leaves only the previous answer, often cheaper to compute than to
+  fetch). :class:`ReuseCosts` estimates both from what this instance measured: each
+  completed load (its bytes, and the time from its plan to vLLM learning it ended: the
+  link's per-transfer latency and bytes/s) and each engine step (its tokens and duration:
+  the prefill time per token). Until a load has been measured it loads, to learn.
 - **Forward again**: the prefill's hand-off to the decode side is unchanged; the decode
   instance's prefix cache still holds the kept blocks, so only the tail it lacks moves.
 """
@@ -32,14 +39,16 @@ claims, exactly-once releases and failure handling:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..messages import new_id
 from .vllm_common import PARAM_NUM_TOKENS, PARAM_PROMPT, prompt_fingerprint
 
-__all__ = ["PARAM_REUSE", "Kept", "Offer", "keep", "kept_params", "kept_tokens", "offer"]
+__all__ = ["PARAM_REUSE", "Kept", "Offer", "ReuseCosts", "keep", "kept_params", "kept_tokens",
+           "offer"]
 
 #: kvpush's key for a kept conversation in ``kv_transfer_params`` (decode response ->
 #: next turn's prefill request): a dict with the keys of a forward response.
@@ -118,3 +127,80 @@ def offer(params: Mapping[str, Any] | None, prompt_ids: Sequence[int] | None,
     if prompt_fingerprint(tokens, list(prompt_ids[:tokens])) != prompt:
         return None
     return Offer(tokens, inner, prompt)
+
+
+def _line(samples: Iterable[tuple[float, float]]) -> tuple[float, float, float, float] | None:
+    """Least squares ``y = a + b x`` over ``(x, y)`` samples: (a, b, mean x, mean y), a and
+    b clamped to >= 0; None without samples. ``b`` is -1 when the x values are too alike
+    (spread under 10 % of their mean) to tell a fixed cost from a per-unit one."""
+    pts = list(samples)
+    if not pts:
+        return None
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if n < 2 or sxx <= (0.1 * mx) ** 2 * n:       # spread under 10 % of the mean
+        return 0.0, -1.0, mx, my
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    a = my - b * mx
+    if b < 0:
+        return my, 0.0, mx, my
+    if a < 0:
+        return 0.0, my / mx if mx > 0 else 0.0, mx, my
+    return a, b, mx, my
+
+
+class ReuseCosts:
+    """The prefill instance's measured costs of loading kept tokens and of computing them.
+
+    ``observe_load(nbytes, seconds)``: a completed load, from its plan to vLLM learning it
+    ended (what the request waits). ``observe_step(tokens, seconds)``: an engine step that
+    ran ``tokens`` tokens. Each is fitted as a line over the last ``window`` samples: the
+    link's per-transfer latency and seconds per byte, the engine's fixed step cost and
+    seconds per token (computing ``n`` more tokens in a step costs ``n`` times that).
+
+    Where the samples cannot tell the two terms apart (their sizes too alike): a load
+    costs at least the measured mean, scaled up with size (a small load is not assumed
+    cheaper than the ones measured); a token costs its share of the mean step.
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        self._loads: deque[tuple[float, float]] = deque(maxlen=window)
+        self._steps: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def observe_load(self, nbytes: float, seconds: float) -> None:
+        if nbytes > 0 and seconds >= 0:
+            self._loads.append((float(nbytes), float(seconds)))
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds >= 0:
+            self._steps.append((float(tokens), float(seconds)))
+
+    def load_s(self, nbytes: float) -> float | None:
+        """Estimated seconds to load ``nbytes`` (None: no load measured yet)."""
+        fit = _line(self._loads)
+        if fit is None:
+            return None
+        a, b, mx, my = fit
+        if b < 0:
+            return my * max(1.0, nbytes / mx) if mx > 0 else my
+        return a + b * nbytes
+
+    def recompute_s(self, tokens: int) -> float | None:
+        """Estimated seconds ``tokens`` more tokens add to a step (None: no step measured)."""
+        fit = _line(self._steps)
+        if fit is None:
+            return None
+        _, b, mx, my = fit
+        if b < 0:
+            b = my / mx if mx > 0 else 0.0      # steps of one size: their per-token share
+        return b * tokens
+
+    def should_load(self, tokens: int, nbytes: float) -> bool:
+        """Load ``tokens`` kept tokens (``nbytes``) rather than compute them here: when no
+        load or no step has been measured yet (to learn), or when loading is cheaper."""
+        load, compute = self.load_s(nbytes), self.recompute_s(tokens)
+        if load is None or compute is None:
+            return True
+        return load < compute

@@ -48,7 +48,7 @@ from .vllm_common import (
     wire_id,
 )
 from .vllm_hybrid import cache_groups_of, state_backoff, transfer_blocks
-from .vllm_reuse import keep, kept_params, offer
+from .vllm_reuse import ReuseCosts, keep, kept_params, offer
 
 __all__ = ["KVPushScheduler", "RankInfo"]
 
@@ -156,6 +156,12 @@ class KVPushScheduler:
         self._kept_new: list[SendPlan] = []
         self._kept: dict[str, str] = {}          # req id -> transfer id, oldest first
         self._giving: dict[str, int] = {}        # given back early: req id -> its blocks
+        # load or recompute, from measured costs (vllm_reuse.ReuseCosts): loads being
+        # timed (req id -> plan time, bytes, blocks), the step running now (start, tokens)
+        self.costs = ReuseCosts()
+        self._bytes_per_block = _bytes_per_block(kv_cache_config)
+        self._timed: dict[str, tuple[float, float, list[int]]] = {}
+        self._step: tuple[float, int] | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -233,6 +239,9 @@ class KVPushScheduler:
                          ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         params = request.kv_transfer_params or {}
+        if self.reuse:
+            self._step_ended()
+            self._timed.pop(req_id, None)
         self._candidates.pop(req_id, None)
         self._full_tokens.pop(req_id, None)
         owned = self._owned.pop(req_id, None)
@@ -301,6 +310,10 @@ class KVPushScheduler:
 
     # -- per step --------------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
+        if self.reuse:
+            self._step_ended()
+            tokens = _scheduled_tokens(scheduler_output)
+            self._step = (time.monotonic(), tokens) if tokens else None
         # A claim is only worth its message when the READ does not start in this step.
         starting = {r.req_id for r in self._recv_new}
         claims = [c for c in self._claims_new if c.req_id not in starting]
@@ -410,6 +423,8 @@ class KVPushScheduler:
         return SendPlan(req_id, transfer_id, mode, src, sid)
 
     def update_connector_output(self, output: Any) -> None:
+        if self.reuse:
+            self._loads_ended(output)
         for req_id in getattr(output, "finished_sending", None) or ():
             self._sends.pop(req_id, None)
             self._kept.pop(req_id, None)
@@ -529,7 +544,17 @@ class KVPushScheduler:
         if found is None:
             return 0, False
         count = found[0] - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        # whole blocks past the prefix-cache hit (a partial one is loaded whole)
+        blocks = found[0] // self.block_size - num_computed_tokens // self.block_size
+        if not self.costs.should_load(count, blocks * self._bytes_per_block):
+            log.debug("kvpush: request %s computes its %d kept tokens here (load %.4f s, "
+                      "compute %.4f s)", request.request_id, count,
+                      self.costs.load_s(blocks * self._bytes_per_block) or 0.0,
+                      self.costs.recompute_s(count) or 0.0)
+            return 0, False
+        return count, True
 
     def _reuse_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         found = self._reuse_offer(request)
@@ -548,6 +573,27 @@ class KVPushScheduler:
         dst = [int(b) for b in block_ids[local_blocks:tokens // self.block_size]]
         self._recving[req_id] = remote.transfer_id
         self._recv_new.append(RecvPlan(req_id, remote, dst, report=True))
+        self._timed[req_id] = (time.monotonic(), len(dst) * self._bytes_per_block, dst)
+
+    def _step_ended(self) -> None:
+        """The step built last has run (vLLM hands its output back, finishes requests in
+        it, or schedules the next): its duration is a sample of the engine's cost."""
+        if self._step is not None:
+            start, tokens = self._step
+            self._step = None
+            self.costs.observe_step(tokens, time.monotonic() - start)
+
+    def _loads_ended(self, output: Any) -> None:
+        """Loads of kept tokens vLLM learns ended: each one that arrived is a sample of the
+        link's cost, from its plan to now (what the request waited)."""
+        self._step_ended()
+        failed = set(getattr(output, "failed_recving", None) or ())
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        now = time.monotonic()
+        for req_id in getattr(output, "finished_recving", None) or ():
+            timed = self._timed.pop(req_id, None)
+            if timed is not None and req_id not in failed and invalid.isdisjoint(timed[2]):
+                self.costs.observe_load(timed[1], now - timed[0])
 
     # -- helpers ---------------------------------------------------------------------------
     def _truncate(self, request: Any) -> None:
@@ -658,6 +704,18 @@ class KVPushScheduler:
 
 def _as_ids(ids: list[int]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
+
+
+def _bytes_per_block(kv_cache_config: Any) -> float:
+    """Bytes of one block over all layers of this rank (1.0 when vLLM's config does not
+    say: costs are then per block)."""
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None)
+    num_blocks = getattr(kv_cache_config, "num_blocks", None)
+    try:
+        total = sum(int(t.size) for t in tensors or ())
+        return total / int(num_blocks) if total > 0 and num_blocks else 1.0
+    except (TypeError, ValueError, AttributeError):
+        return 1.0
 
 
 def _scheduled_tokens(scheduler_output: Any) -> int | None:
