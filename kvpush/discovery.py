@@ -59,6 +59,7 @@ __all__ = [
     "ChangeKind",
     "DiscoveryError",
     "DiscoveryUnavailable",
+    "DrainListener",
     "EtcdClient",
     "InstanceState",
     "ProducerDirectory",
@@ -68,7 +69,12 @@ __all__ = [
     "Watcher",
     "advertise_producer",
     "compat_key",
+    "drain_reports",
     "endpoint_health",
+    "endpoint_problem",
+    "instance_records",
+    "report_drained",
+    "request_drain",
 ]
 
 log = logging.getLogger("kvpush.discovery")
@@ -238,12 +244,64 @@ def advertise_producer(producer: Producer, instance: str, *, rank: int = 0,
                          modes=tuple(modes))
 
 
-def endpoint_health(endpoint: Endpoint) -> Callable[[], bool]:
-    """A :class:`Publisher` health callback covering a kvpush endpoint: healthy while the
-    :class:`~kvpush.Producer` or :class:`~kvpush.Consumer` is open and its loop thread
-    runs (a dead loop answers no handshake and moves no request). Combine it with the
-    engine's own checks: ``health=lambda: ok() and engine_ok()``."""
-    return lambda: not endpoint.closed and endpoint._thread.is_alive()
+def endpoint_problem(endpoint: Endpoint, timeout: float = 2.0) -> str | None:
+    """What keeps a kvpush endpoint from serving now, or None when nothing does.
+
+    Checked, in order: the :class:`~kvpush.Producer` or :class:`~kvpush.Consumer` is open;
+    its loop thread runs; the loop answers a call within ``timeout`` (a loop stuck in a
+    transport call answers no handshake and moves no request); its data plane is up (a
+    data-plane child that died and is being restarted is not); and, for a Producer, its
+    control port accepts a TCP connection (the listener peers dial). Call it off the
+    endpoint's loop (a :class:`Publisher`'s thread does); it blocks up to ``timeout``
+    twice at most."""
+    from .dataplane import ChildAgent
+    from .producer import Producer
+
+    if endpoint.closed:
+        return "closed"
+    if not endpoint._thread.is_alive():
+        return f"loop thread exited ({endpoint._loop_error!r})"
+
+    def data_plane() -> str | None:
+        agent = endpoint._agent
+        if isinstance(agent, ChildAgent) and (agent.lost is not None or agent.pid is None):
+            return f"data plane down ({agent.lost or 'restarting'})"
+        return None
+
+    try:
+        problem: str | None = endpoint._call_and_wait(data_plane, timeout, "a health check")
+    except TimeoutError:
+        return f"loop did not answer within {timeout} s"
+    except KvpushError as exc:   # closed meanwhile
+        return f"loop refused a call: {exc}"
+    if problem is not None:
+        return problem
+    if isinstance(endpoint, Producer):
+        host, _, port = endpoint.address.rpartition("://")[2].rpartition(":")
+        host = "127.0.0.1" if host in ("*", "0.0.0.0", "") else host.strip("[]")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except OSError as exc:
+            return f"control port {endpoint.address} refuses connections: {exc}"
+    return None
+
+
+def endpoint_health(endpoint: Endpoint, timeout: float = 2.0) -> Callable[[], bool]:
+    """A :class:`Publisher` health callback covering a kvpush endpoint: healthy while
+    :func:`endpoint_problem` finds nothing (open, loop thread running and answering, data
+    plane up, a Producer's control port listening); a problem is logged once when it
+    starts. Combine it with the engine's own checks: ``health=lambda: ok() and
+    engine_ok()``."""
+    last: list[str | None] = [None]
+
+    def healthy() -> bool:
+        problem = endpoint_problem(endpoint, timeout)
+        if problem != last[0] and problem is not None:
+            log.warning("kvpush discovery: %s is unhealthy: %s", endpoint.name, problem)
+        last[0] = problem
+        return problem is None
+
+    return healthy
 
 
 # -- etcd through its JSON gateway ---------------------------------------------------------
@@ -845,6 +903,8 @@ class Watcher:
         return None
 
     def _parse(self, key: str, value: bytes) -> Advertisement | None:
+        if key.startswith(f"{self.prefix}/{CONTROL}/"):
+            return None  # drain requests and reports: not advertisements
         try:
             ad = Advertisement.from_json(value)
         except DiscoveryError as exc:
@@ -869,6 +929,165 @@ class Watcher:
                     listener(change)
                 except Exception:
                     log.exception("kvpush discovery: a listener raised on %s", change)
+
+
+# -- drain: asked through etcd, reported through etcd --------------------------------------
+
+#: Keys under ``{prefix}/control/`` are requests and reports, not advertisements.
+CONTROL = "control"
+
+
+def _drain_key(prefix: str, instance: str) -> str:
+    return f"{_check_prefix(prefix)}/{CONTROL}/drain/{instance}"
+
+
+def _drained_key(prefix: str, instance: str, rank: int) -> str:
+    return f"{_check_prefix(prefix)}/{CONTROL}/drained/{instance}/{rank}"
+
+
+def instance_records(client: EtcdClient, prefix: str, instance: str) -> list[Advertisement]:
+    """The records of one instance now (every role and rank), by role then rank."""
+    _, kvs = client.get_prefix(_check_prefix(prefix) + "/")
+    out = []
+    for kv in kvs:
+        if kv.key.startswith(f"{prefix}/{CONTROL}/"):
+            continue
+        with contextlib.suppress(DiscoveryError):
+            ad = Advertisement.from_json(kv.value)
+            if ad.instance == instance and kv.key == f"{prefix}/{ad.key}":
+                out.append(ad)
+    return sorted(out, key=lambda ad: (ad.role.value, ad.rank))
+
+
+def request_drain(client: EtcdClient, prefix: str, instance: str) -> list[Advertisement]:
+    """Ask every rank of ``instance`` as it runs now to drain: writes
+    ``{prefix}/control/drain/{instance}`` naming the ranks' epochs (a later incarnation,
+    with new epochs, does not drain for it). Returns the records asked; raises
+    :class:`DiscoveryError` when the instance has none."""
+    ads = instance_records(client, prefix, instance)
+    if not ads:
+        raise DiscoveryError(f"no records of instance {instance!r} under {prefix}")
+    body = {"epochs": sorted({ad.epoch for ad in ads}), "requested_ns": time.time_ns()}
+    client.put(_drain_key(prefix, instance), json.dumps(body).encode())
+    return ads
+
+
+def report_drained(client: EtcdClient, prefix: str, ad: Advertisement, *, held: int = 0,
+                   ttl_s: int = 600) -> None:
+    """A rank's word that it has drained (its record is withdrawn; ``held`` hand-offs were
+    still held when it gave up waiting, 0 when it finished them all): written under a
+    lease of ``ttl_s``, so old reports go by themselves."""
+    lease = client.grant(ttl_s)
+    body = {"epoch": ad.epoch, "held": held, "at_ns": time.time_ns()}
+    client.put(_drained_key(prefix, ad.instance, ad.rank), json.dumps(body).encode(), lease)
+
+
+def drain_reports(client: EtcdClient, prefix: str, ads: Sequence[Advertisement]
+                  ) -> dict[int, dict[str, Any]]:
+    """Of the ranks ``ads`` (as :func:`request_drain` returned them), the reports of those
+    that have drained, by rank."""
+    if not ads:
+        return {}
+    _, kvs = client.get_prefix(f"{_check_prefix(prefix)}/{CONTROL}/drained/{ads[0].instance}/")
+    found: dict[str, dict[str, Any]] = {}
+    for kv in kvs:
+        with contextlib.suppress(ValueError):
+            value = json.loads(kv.value)
+            if isinstance(value, dict):
+                found[kv.key] = value
+    out = {}
+    for ad in ads:
+        report = found.get(_drained_key(prefix, ad.instance, ad.rank))
+        if report is not None and report.get("epoch") == ad.epoch:
+            out[ad.rank] = report
+    return out
+
+
+class DrainListener:
+    """Calls ``on_drain`` once, on its own thread, when a drain of this incarnation
+    (``epoch``) of ``instance`` is asked (:func:`request_drain`). It reads the request key,
+    then follows an etcd watch on it (re-read after any break, with a backoff of at most
+    ``max_backoff_s``): the thread blocks on the watch socket; :meth:`close` wakes it."""
+
+    def __init__(self, client: EtcdClient, prefix: str, instance: str, epoch: int,
+                 on_drain: Callable[[], None], *, idle_s: float = 10.0,
+                 max_backoff_s: float = 2.0) -> None:
+        self._client = client
+        self.key = _drain_key(prefix, instance)
+        self.epoch = epoch
+        self._on_drain = on_drain
+        self.idle_s = float(idle_s)
+        self.max_backoff_s = float(max_backoff_s)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._stream: _WatchStream | None = None
+        self._thread: threading.Thread | None = None
+        self.asked = False
+
+    def start(self) -> DrainListener:
+        """Start following the request key (a background thread)."""
+        self._thread = threading.Thread(target=self._run, name=f"kvpush-drain-{self.key}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop following (a drain already begun goes on, on this thread: joined up to
+        ``timeout``)."""
+        self._stop.set()
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.interrupt()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _asked(self) -> tuple[bool, int]:
+        revision, kvs = self._client.get_prefix(self.key)
+        for kv in kvs:
+            if kv.key == self.key:
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    if self.epoch in json.loads(kv.value).get("epochs", ()):
+                        return True, revision
+        return False, revision
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while not self._stop.is_set():
+            try:
+                asked, revision = self._asked()
+                backoff = 0.0
+                if asked:
+                    self.asked = True
+                    try:
+                        self._on_drain()
+                    except Exception:
+                        log.exception("kvpush discovery: drain of %s failed", self.key)
+                    return
+                stream = _WatchStream(self._client._ordered()[0], self.key, revision + 1,
+                                      self._client.timeout, self.idle_s)
+                with self._lock:
+                    if self._stop.is_set():
+                        stream.close()
+                        return
+                    self._stream = stream
+                try:
+                    for result in stream.events():
+                        if result.get("events") or result.get("canceled"):
+                            break  # read the key again
+                finally:
+                    with self._lock:
+                        self._stream = None
+                    stream.close()
+            except _WatchIdle:
+                continue
+            except DiscoveryError as exc:
+                if self._stop.is_set():
+                    return
+                if not backoff:
+                    log.warning("kvpush discovery: following %s: %s", self.key, exc)
+                backoff = min(self.max_backoff_s, max(0.05, backoff * 2))
+                self._stop.wait(backoff)
 
 
 # -- users of the records ------------------------------------------------------------------
@@ -1065,14 +1284,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="host:port of vllm-router's --vllm-discovery-address")
     bridge.add_argument("--interval", type=float, default=1.0)
     bridge.add_argument("--compat", default=None)
+    health = sub.add_parser("health", help="exit 0 if every rank of INSTANCE is published "
+                            "and serving, 1 if it is draining, 2 if it has no complete record")
+    health.add_argument("instance")
+    drain = sub.add_parser("drain", help="ask every rank of INSTANCE to drain; with --wait, "
+                           "exit 0 once they all report drained, 1 if not within the wait")
+    drain.add_argument("instance")
+    drain.add_argument("--wait", type=float, default=0.0, metavar="SECONDS")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     client = EtcdClient(args.etcd)
+    prefix = _check_prefix(args.prefix)
     if args.command == "list":
-        _, kvs = client.get_prefix(_check_prefix(args.prefix) + "/")
+        _, kvs = client.get_prefix(prefix + "/")
         for kv in kvs:
             print(kv.key, kv.value.decode(errors="replace"), flush=True)
         return 0
+    if args.command == "health":
+        return _health_command(client, prefix, args.instance)
+    if args.command == "drain":
+        return _drain_command(client, prefix, args.instance, args.wait)
     with Watcher(client, args.prefix) as watcher, \
             RouterBridge(watcher, args.router, interval_s=args.interval, compat=args.compat):
         stop = threading.Event()
@@ -1081,6 +1312,49 @@ def main(argv: Sequence[str] | None = None) -> int:
             while not stop.wait(3600):
                 pass
     return 0
+
+
+def _health_command(client: EtcdClient, prefix: str, instance: str) -> int:
+    """Readiness as routers see it: the instance's records. A rank whose kvpush side is
+    unhealthy stops renewing, so its record is gone within the TTL."""
+    ads = instance_records(client, prefix, instance)
+    for ad in ads:
+        print(f"{ad.role.value} rank {ad.rank}: {ad.state.value} epoch {ad.epoch} "
+              f"{ad.producer or ad.http_address}", flush=True)
+    ranks = sorted(ad.rank for ad in ads)
+    if not ads or len({ad.role for ad in ads}) != 1 or ranks != list(range(len(ranks))):
+        print(f"{instance}: not ready (no complete set of records)", flush=True)
+        return 2
+    if any(ad.state is not InstanceState.SERVING for ad in ads):
+        print(f"{instance}: draining", flush=True)
+        return 1
+    print(f"{instance}: ready", flush=True)
+    return 0
+
+
+def _drain_command(client: EtcdClient, prefix: str, instance: str, wait: float) -> int:
+    try:
+        ads = request_drain(client, prefix, instance)
+    except DiscoveryUnavailable:
+        raise
+    except DiscoveryError as exc:
+        print(exc, flush=True)
+        return 2
+    print(f"{instance}: drain asked of {len(ads)} rank(s)", flush=True)
+    deadline = time.monotonic() + wait
+    while True:
+        reports = drain_reports(client, prefix, ads)
+        if len(reports) == len(ads):
+            held = sum(int(r.get("held", 0)) for r in reports.values())
+            print(f"{instance}: drained ({held} hand-off(s) still held when it stopped "
+                  "waiting); it may stop", flush=True)
+            return 0
+        if time.monotonic() >= deadline:
+            if wait:
+                print(f"{instance}: {len(reports)} of {len(ads)} rank(s) drained within "
+                      f"{wait} s", flush=True)
+            return 1 if wait else 0
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 if __name__ == "__main__":

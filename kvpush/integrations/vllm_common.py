@@ -189,6 +189,28 @@ class AdapterConfig:
         Decode instance with ``reuse``: while fewer than this share of vLLM's blocks is
         free, the oldest kept turns are released before their lease ends (their next turns
         recompute).
+    discovery_etcd
+        Comma-separated etcd client URLs (``http://host:port``): every rank publishes its
+        advertisement under ``discovery_prefix`` (:mod:`kvpush.discovery`) while its kvpush
+        side is healthy, decode ranks connect to the serving producers they find there,
+        and a drain asked through etcd is followed
+        (:mod:`kvpush.integrations.vllm_discovery`). Empty (default): no discovery.
+    discovery_prefix
+        The cluster's key prefix in etcd.
+    discovery_instance
+        This instance's name in the records (unique under the prefix); default: from
+        ``discovery_http_address`` (``host-port``), else this rank's advertised kvpush
+        address; ``-dp<N>`` is added for data-parallel engine ``N`` > 0.
+    discovery_http_address
+        ``host:port`` of this instance's OpenAI server as routers reach it (the router
+        bridge registers it with vllm-router); empty: routers are not told.
+    discovery_ttl_s
+        The records' lease (whole seconds): a killed or unhealthy rank's record is gone
+        within it.
+    discovery_drain_grace_s
+        A draining rank waits at least this long after marking its record ``draining``
+        (routers that still had it chosen send their last requests meanwhile: vllm-router
+        keeps an instance 5 s after its last registration) before it may withdraw.
     """
 
     host: str = "127.0.0.1"
@@ -211,6 +233,12 @@ class AdapterConfig:
     stage_log: bool = False
     reuse: bool = False
     reuse_reserve: float = 0.1
+    discovery_etcd: str = ""
+    discovery_prefix: str = "/kvpush/default"
+    discovery_instance: str = ""
+    discovery_http_address: str = ""
+    discovery_ttl_s: int = 10
+    discovery_drain_grace_s: float = 6.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "producers", tuple(self.producers))
@@ -221,6 +249,10 @@ class AdapterConfig:
             raise ValueError(f"kvpush: reuse_reserve must be in [0, 1), got "
                              f"{self.reuse_reserve}")
         TransferMode(self.mode)  # raises ValueError naming the bad value
+        if self.discovery_etcd:
+            from .vllm_discovery import check_discovery_config
+
+            check_discovery_config(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"kvpush: port must be in [0, 65535], got {self.port}")
         # The kvpush configs check their own ranges; building them here surfaces a bad

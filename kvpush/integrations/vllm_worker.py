@@ -52,6 +52,7 @@ from .vllm_common import (
     packed_order,
     split_address,
 )
+from .vllm_discovery import RankDiscovery
 from .vllm_staging import DONE, HostStaging, Readiness, record_event
 
 __all__ = ["KVPushWorker", "layout_from_kv_caches"]
@@ -449,6 +450,8 @@ class KVPushWorker:
         self._layer_sends: list[tuple[str, np.ndarray, int]] = []
         self._layer_logged = False
         self._idle_step = False                                # this step runs no forward
+        self.last_forward = 0.0                                # monotonic, last step with one
+        self.discovery: RankDiscovery | None = None            # discovery_etcd set
 
     # -- set-up ----------------------------------------------------------------------------
     @property
@@ -519,6 +522,8 @@ class KVPushWorker:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-vllm-conn")
             for address in self._startup_producers():
                 self._connect(address)
+        if self.config.discovery_etcd:
+            self.discovery = RankDiscovery(self).start()
 
     def _startup_producers(self) -> list[str]:
         """The configured ``producers`` (one per prefill rank, in rank order) this rank
@@ -567,6 +572,8 @@ class KVPushWorker:
             for send in self._to_send:
                 self._stage("send_planned", send.transfer_id)
         self._idle_step = plan.idle
+        if not plan.idle:
+            self.last_forward = time.monotonic()
         # kept turns (multi-turn reuse): their KV exists, no forward pass needs to run
         self._issue([s for s in plan.send if s.computed])
         self._layer_sends = [
@@ -806,7 +813,21 @@ class KVPushWorker:
     def take_stats(self) -> dict[str, list[float]] | None:
         return None if self._stats.is_empty() else self._stats.take()
 
+    def holding(self) -> int:
+        """Hand-offs this rank still holds (any thread; a draining rank waits for 0):
+        prefill side, sources kvpush holds and sends planned, handed over, quarantined or
+        ending; decode side, loads in flight or waiting for a connection."""
+        n = len(self._to_send) + len(self._sending) + len(self._quarantined) \
+            + len(self._preempted) + len(self._ending_until) + len(self._inflight) \
+            + sum(len(q) for q in list(self._queued.values()))
+        for endpoint in (self.producer, self.consumer):
+            if endpoint is not None and not endpoint.closed:
+                n += endpoint.pending
+        return n
+
     def shutdown(self) -> None:
+        if self.discovery is not None:
+            self.discovery.close()
         self._ready.close()
         for endpoint in (self.consumer, self.producer):
             if endpoint is not None:
