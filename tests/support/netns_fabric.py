@@ -17,13 +17,16 @@ def _ip(*args: str) -> None:
 
 class Fabric:
     """``n`` hosts ``ns[i]`` with device ``dev[i]`` and address ``ip[i]``, all on one
-    bridge. :meth:`close` deletes every namespace (and with them the veths and bridge)."""
+    bridge. :meth:`close` deletes every namespace (and with them the veths and bridge).
+    ``prefix`` starts every namespace and device name, so two users of fabrics (the library
+    tests, the vLLM deployment test) never make the same name; keep it to 3 characters,
+    since a device name is at most 15."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, prefix: str = "kvf") -> None:
         reason = netns_unavailable()
         if reason is not None:
             raise RuntimeError(f"network namespaces unavailable: {reason}")
-        tag = f"kvf{os.getpid()}{secrets.token_hex(1)}"
+        tag = f"{prefix}{os.getpid()}{secrets.token_hex(1)}"
         self._made: list[str] = []
         self.ns = [f"{tag}{i}" for i in range(n)]
         self.dev = [f"{tag}{i}e" for i in range(n)]
