@@ -260,3 +260,22 @@ def test_scheduler_measures_its_steps_and_its_loads() -> None:
     p2.update_connector_output(SimpleNamespace(finished_recving={"p2"},
                                                invalid_block_ids={52}))
     assert not p2.costs._loads
+
+
+def test_a_kept_turn_is_loaded_by_one_request_and_the_others_compute() -> None:
+    """Two turns of one conversation carry the same kept turn (sent at once, or a client's
+    retry): the first loads it; the second, in flight with it or after it, computes
+    instead of waiting on a source its decode instance let go."""
+    history = list(range(1000, 1170))
+    _, out = keep_turn("push", history)
+    p = scheduler()
+    a = next_turn(history + [7] * 40, out | prefill_params("t2", "push"))
+    b = next_turn(history + [8] * 40, out | prefill_params("t3", "push"))
+    b.request_id = "p3"
+    assert p.get_num_new_matched_tokens(a, 0) == (160, True)
+    assert p.get_num_new_matched_tokens(b, 0) == (160, True)    # a not allocated yet
+    p.update_state_after_alloc(a, Blocks(list(range(50, 57))), 160)
+    assert p.get_num_new_matched_tokens(b, 0) == (0, False)
+    p.update_state_after_alloc(b, Blocks(list(range(60, 67))), 0)
+    (recv,) = p.build_plan(STEP).recv
+    assert recv.req_id == "p2" and recv.report

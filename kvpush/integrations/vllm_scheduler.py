@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,9 @@ log = logging.getLogger("kvpush.vllm")
 #: Past ``transfer_timeout_s``, how long a preempted send's blocks stay pinned for want of
 #: every rank's report that its transfer ended.
 _ENDING_MARGIN_S = 5.0
+
+#: Kept turns remembered as taken (a conversation's next turns name newer ones).
+_USED_KEPT = 4096
 
 #: Request states in which a prefill finished normally (vLLM's ``RequestStatus`` names).
 _NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
@@ -161,6 +165,10 @@ class KVPushScheduler:
         self.costs = ReuseCosts()
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
         self._timed: dict[str, tuple[float, float, list[int]]] = {}
+        # kept turns a request here has loaded or let go (transfer ids, the latest
+        # _USED_KEPT): another request naming one computes instead of waiting on a source
+        # that is gone (two turns of one conversation sent at once, a client's retry)
+        self._used_kept: OrderedDict[str, None] = OrderedDict()
         self._step: tuple[float, int] | None = None
 
     # -- set-up ----------------------------------------------------------------------------
@@ -537,6 +545,10 @@ class KVPushScheduler:
             log.warning("kvpush: request %s: kept KV not usable (%s); computing it here",
                         request.request_id, exc)
             return None
+        if remote.transfer_id in self._used_kept:
+            log.info("kvpush: request %s: the kept turn %r is taken by another request "
+                     "here; computing it", request.request_id, remote.transfer_id)
+            return None
         return found.tokens, remote
 
     def _reuse_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -563,6 +575,9 @@ class KVPushScheduler:
         tokens, remote = found
         # One load per request: a request preempted after it recomputes.
         request.kv_transfer_params["_kvpush_reused"] = True
+        self._used_kept[remote.transfer_id] = None
+        while len(self._used_kept) > _USED_KEPT:
+            self._used_kept.popitem(last=False)
         req_id = request.request_id
         if num_external_tokens <= 0:
             # The prefix cache holds the kept tokens: move nothing, let the source go.
