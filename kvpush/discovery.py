@@ -1105,15 +1105,16 @@ class ProducerDirectory:
     watcher
         A started :class:`Watcher` of the cluster's prefix.
     compat
-        This side's :func:`compat_key`.
+        This side's :func:`compat_key` (None: any; for a router, which holds no KV and
+        leaves the check to the handshake).
     mode
         Only producers serving this mode (None: any).
     consumer
         Optional :class:`~kvpush.Consumer` to connect ahead of use.
     """
 
-    def __init__(self, watcher: Watcher, compat: str, *, mode: TransferMode | None = None,
-                 consumer: Consumer | None = None) -> None:
+    def __init__(self, watcher: Watcher, compat: str | None, *,
+                 mode: TransferMode | None = None, consumer: Consumer | None = None) -> None:
         self._watcher = watcher
         self.compat = compat
         self.mode = mode
@@ -1127,7 +1128,8 @@ class ProducerDirectory:
 
     def _usable(self, ad: Advertisement) -> bool:
         return (ad.role is Role.PREFILL and ad.state is InstanceState.SERVING
-                and ad.compat == self.compat and (self.mode is None or self.mode in ad.modes))
+                and (self.compat is None or ad.compat == self.compat)
+                and (self.mode is None or self.mode in ad.modes))
 
     def producers(self) -> list[Advertisement]:
         """Usable producer ranks now, by instance and rank."""
@@ -1147,6 +1149,15 @@ class ProducerDirectory:
                     and sorted(ranks) == list(range(len(ranks))):
                 out[name] = [ranks[r].producer for r in range(len(ranks))]
         return out
+
+    def at_http_address(self, http_address: str) -> list[str]:
+        """The producer addresses, in rank order, of the usable instance that serves HTTP
+        at ``http_address`` (``host:port``): what a router puts in a push request's decode
+        leg when it sends the prefill leg there; empty when none is usable now."""
+        names = {ad.instance for ad in self._watcher.snapshot()
+                 if ad.role is Role.PREFILL and ad.http_address == http_address}
+        usable = self.instances()
+        return next((usable[n] for n in sorted(names) if n in usable), [])
 
     def _on_change(self, change: Change) -> None:
         if change.kind is not ChangeKind.LEFT and self._usable(change.advertisement):

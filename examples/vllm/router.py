@@ -44,6 +44,12 @@ Usage::
     python examples/vllm/router.py --port 8000 --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --producers tcp://127.0.0.1:29600
 
+**Producers from etcd** (``--discovery-etcd URLS --discovery-prefix PREFIX`` instead of
+``--producers``): a push request's decode leg names the producers of the prefill instance
+whose record (:mod:`kvpush.discovery`, published by the adapter's ``discovery_*`` keys)
+serves HTTP at ``--prefill``'s address; while it has no serving record (draining, gone),
+push requests are answered 503.
+
 Only aiohttp (which vLLM already brings) and the standard library.
 """
 
@@ -125,6 +131,14 @@ class Router:
         self.protocol = args.protocol
         self.mode = args.mode
         self.producers = list(args.producers or [])
+        self.directory: Any = None                # producers from etcd (--discovery-etcd)
+        self._watcher: Any = None
+        if getattr(args, "discovery_etcd", None):
+            from kvpush.discovery import EtcdClient, ProducerDirectory, Watcher
+
+            client = EtcdClient([u.strip() for u in args.discovery_etcd.split(",")])
+            self._watcher = Watcher(client, args.discovery_prefix).start()
+            self.directory = ProducerDirectory(self._watcher, None)
         self.nixl_engine_id = args.nixl_engine_id
         self.nixl_host = args.nixl_host
         self.nixl_port = args.nixl_port
@@ -143,6 +157,15 @@ class Router:
     async def on_cleanup(self, app: web.Application) -> None:
         if self.session is not None:
             await self.session.close()
+        if self._watcher is not None:
+            self._watcher.close()
+
+    def push_producers(self) -> list[str]:
+        """The prefill instance's kvpush addresses a push names: from its etcd record when
+        the router follows one, else ``--producers``."""
+        if self.directory is None:
+            return self.producers
+        return list(self.directory.at_http_address(self.prefill.split("://")[-1]))
 
     # -- request shaping -------------------------------------------------------------------
     def _params(self, mode: str, rid: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -152,7 +175,7 @@ class Router:
             if mode == "pull":
                 return prefill, None
             return prefill, {"do_remote_prefill": True, "kvpush_id": rid, "kvpush_mode": "push",
-                             "kvpush_producers": self.producers}
+                             "kvpush_producers": self.push_producers()}
         # vLLM's NIXL connectors
         if mode == "pull":
             return {"do_remote_decode": True, "do_remote_prefill": False,
@@ -200,6 +223,10 @@ class Router:
             return web.json_response(
                 {"error": {"message": f"unknown first-token source {first_token!r}"}},
                 status=400)
+        if mode == "push" and self.protocol == "kvpush" and not self.push_producers():
+            return web.json_response(
+                {"error": {"message": f"no serving kvpush producer for {self.prefill}"}},
+                status=503)
         # A client's X-Request-Id may repeat; the transfer's name must not: a nonce per request.
         client_id = request.headers.get("X-Request-Id")
         rid = f"{client_id}.{uuid.uuid4().hex[:12]}" if client_id else uuid.uuid4().hex
@@ -546,6 +573,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="push", help="default transfer mode")
     p.add_argument("--producers", nargs="*", default=[],
                    help="kvpush push: the prefill instance's kvpush address, one per TP rank")
+    p.add_argument("--discovery-etcd", metavar="URLS",
+                   help="kvpush push: take the producers from etcd (comma-separated "
+                        "http://host:port) instead of --producers")
+    p.add_argument("--discovery-prefix", default="/kvpush/default",
+                   help="the cluster's key prefix in etcd")
     p.add_argument("--nixl-engine-id", help="nixl push: the prefill instance's engine_id")
     p.add_argument("--nixl-host", default="127.0.0.1",
                    help="nixl push: the prefill instance's side-channel host")
@@ -559,8 +591,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="log each request's stages (kvpush stage lines; with the adapter's "
                         "stage_log, benchmarks/vllm/stages.py lines them up)")
     args = p.parse_args(argv)
-    if args.protocol == "kvpush" and args.mode == "push" and not args.producers:
-        p.error("kvpush push needs --producers (the prefill instance's kvpush address)")
+    if args.protocol == "kvpush" and args.mode == "push" and not args.producers \
+            and not args.discovery_etcd:
+        p.error("kvpush push needs --producers (the prefill instance's kvpush address) or "
+                "--discovery-etcd")
     return args
 
 
