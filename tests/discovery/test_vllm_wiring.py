@@ -21,6 +21,7 @@ from kvpush.discovery import (
     ChangeKind,
     EtcdClient,
     InstanceState,
+    ProducerDirectory,
     Role,
     RouterBridge,
     Watcher,
@@ -166,6 +167,9 @@ def test_drain_finishes_what_the_rank_holds_then_withdraws_and_reports(
         assert watcher.wait_for(lambda ads: len(ads) == 2, 5)
         bridge = RouterBridge(watcher, "127.0.0.1:1")
         assert sorted(r["type"] for r in bridge.registrations()) == ["D", "P"]
+        routing = ProducerDirectory(watcher, None)    # a router's view: any compat
+        assert routing.at_http_address("127.0.0.1:8101") == [prefill.address]
+        assert routing.at_http_address("127.0.0.1:8201") == []   # a decode instance
         assert _cli(client, prefix, "health", "prefill-d") == 0
         # a hand-off held for a decode instance: the source waits for its READ
         ids = np.arange(4, dtype=np.int64)
@@ -182,6 +186,7 @@ def test_drain_finishes_what_the_rank_holds_then_withdraws_and_reports(
         # the router bridge stops registering it; decode ranks stop choosing it
         assert [r["type"] for r in bridge.registrations()] == ["D"]
         assert decode.discovery.directory.instances() == {}
+        assert routing.at_http_address("127.0.0.1:8101") == []
         assert _cli(client, prefix, "health", "prefill-d") == 1
         time.sleep(2.5)                        # past the grace: still held, still there
         assert not prefill.discovery.drained.is_set()
