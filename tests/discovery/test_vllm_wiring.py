@@ -217,3 +217,18 @@ def test_drain_finishes_what_the_rank_holds_then_withdraws_and_reports(
         for w in (prefill, decode, nxt):
             if w is not None:
                 w.shutdown()
+
+
+def test_a_producer_that_stops_listening_is_unhealthy(
+        client: EtcdClient, prefix: str, watcher: Watcher) -> None:
+    """The control port peers dial stops accepting (unbound here, as when the listener is
+    lost): the record goes, though the loop still runs."""
+    prefill = worker("kv_producer", client.endpoints[0], prefix, "prefill-l")
+    try:
+        assert watcher.wait_for(lambda ads: len(ads) == 1, 5)
+        router = prefill.producer._router
+        prefill.producer._call_and_wait(lambda: router.unbind(router.last_endpoint), 5)
+        assert "refuses connections" in (endpoint_problem(prefill.producer) or "")
+        assert watcher.wait_for(lambda ads: ads == [], TTL + 1.5)
+    finally:
+        prefill.shutdown()
