@@ -165,6 +165,9 @@ class KVPushScheduler:
         self.costs = ReuseCosts()
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
         self._timed: dict[str, tuple[float, float, list[int]]] = {}
+        # req id -> (kept tokens lacking, load them, estimated load s, compute s): logged
+        # once vLLM allocates the request
+        self._decided: dict[str, tuple[int, bool, float | None, float | None]] = {}
         # kept turns a request here has loaded or let go (transfer ids, the latest
         # _USED_KEPT): another request naming one computes instead of waiting on a source
         # that is gone (two turns of one conversation sent at once, a client's retry)
@@ -250,6 +253,7 @@ class KVPushScheduler:
         if self.reuse:
             self._step_ended()
             self._timed.pop(req_id, None)
+            self._decided.pop(req_id, None)
         self._candidates.pop(req_id, None)
         self._full_tokens.pop(req_id, None)
         owned = self._owned.pop(req_id, None)
@@ -560,19 +564,24 @@ class KVPushScheduler:
             return 0, False
         # whole blocks past the prefix-cache hit (a partial one is loaded whole)
         blocks = found[0] // self.block_size - num_computed_tokens // self.block_size
-        if not self.costs.should_load(count, blocks * self._bytes_per_block):
-            log.debug("kvpush: request %s computes its %d kept tokens here (load %.4f s, "
-                      "compute %.4f s)", request.request_id, count,
-                      self.costs.load_s(blocks * self._bytes_per_block) or 0.0,
-                      self.costs.recompute_s(count) or 0.0)
-            return 0, False
-        return count, True
+        nbytes = blocks * self._bytes_per_block
+        load = self.costs.should_load(count, nbytes)
+        self._decided[request.request_id] = (
+            count, load, self.costs.load_s(nbytes), self.costs.recompute_s(count))
+        return (count, True) if load else (0, False)
 
     def _reuse_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         found = self._reuse_offer(request)
         if found is None:
             return
         tokens, remote = found
+        decided = self._decided.pop(request.request_id, None)
+        if decided is not None:
+            lacking, load, load_s, compute_s = decided
+            log.info("kvpush: request %s: %s the %d kept tokens its prefix cache lacks "
+                     "(estimated load %s, compute %s)", request.request_id,
+                     "loads" if load and num_external_tokens > 0 else "computes", lacking,
+                     _ms(load_s), _ms(compute_s))
         # One load per request: a request preempted after it recomputes.
         request.kv_transfer_params["_kvpush_reused"] = True
         self._used_kept[remote.transfer_id] = None
@@ -719,6 +728,10 @@ class KVPushScheduler:
 
 def _as_ids(ids: list[int]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
+
+
+def _ms(seconds: float | None) -> str:
+    return "unmeasured" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 
 def _bytes_per_block(kv_cache_config: Any) -> float:
