@@ -44,4 +44,17 @@ core = Pybind11Extension(
     extra_link_args=link_args,
 )
 
-setup(ext_modules=[core], cmdclass={"build_ext": build_ext})
+# kvpush._nixlc: a NIXL agent over NIXL's C API without the GIL (TransportConfig.nixl_api =
+# "c"); it opens libnixl_capi.so at run time, so it builds without NIXL installed.
+nixlc = Pybind11Extension(
+    "kvpush._nixlc",
+    ["csrc/nixl_path.cpp"],
+    include_dirs=["csrc"],
+    cxx_std=17,
+    define_macros=macros,
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+    libraries=["dl"],
+)
+
+setup(ext_modules=[core, nixlc], cmdclass={"build_ext": build_ext})

@@ -72,6 +72,7 @@ def explicit_is_cheaper(indices: int, merged: int) -> bool:
 
 _ERROR_MODES = ("none", "peer")
 _DATA_PLANES = ("inprocess", "child")
+_NIXL_APIS = ("python", "c")
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,17 @@ class TransportConfig:
         UCX costs that endpoint's requests and a restart, not the engine; the KV cache
         must then come from :func:`kvpush.shared_array` / :func:`kvpush.shared_tensor`).
         See :mod:`kvpush.dataplane`.
+    nixl_api
+        ``"python"`` (default: NIXL's Python binding, which holds the GIL through every call,
+        a post's copy included) or ``"c"`` (``kvpush._nixlc``: NIXL's C API, every call
+        into NIXL without the GIL). With ``"c"`` NIXL's errors all read as
+        :class:`TransferFailed` (its C API does not say which), a dead peer's included.
     """
 
     backend: str = "UCX"
     ucx_error_mode: str = "none"
     data_plane: str = "inprocess"
+    nixl_api: str = "python"
 
     def __post_init__(self) -> None:
         if self.ucx_error_mode not in _ERROR_MODES:
@@ -110,6 +117,10 @@ class TransportConfig:
             )
         if not self.backend:
             raise ValueError("TransportConfig.backend must be a backend name")
+        if self.nixl_api not in _NIXL_APIS:
+            raise ValueError(
+                f"TransportConfig.nixl_api must be one of {_NIXL_APIS}, got {self.nixl_api!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,28 @@ def _nixl() -> Any:
     return nixl_api
 
 
+def nixl_c() -> Any:
+    """``kvpush._nixlc`` with NIXL's C API loaded: ``libnixl_capi.so`` from the libraries
+    of the nixl package that ``import nixl`` picks (the same ``libnixl.so`` its binding
+    loaded, which is loaded first). Raises :class:`TransferFailed` when either is missing."""
+    try:
+        from . import _nixlc
+    except ImportError as exc:
+        raise TransferFailed(f"kvpush._nixlc is not built: {exc}") from exc
+    if not _nixlc.loaded():
+        _nixl()
+        import nixl._bindings as binding
+
+        package = os.path.dirname(os.path.abspath(binding.__file__))
+        libs = os.path.join(os.path.dirname(package),
+                            f".{os.path.basename(package)}.mesonpy.libs", "libnixl_capi.so")
+        try:
+            _nixlc.load(libs)
+        except RuntimeError as exc:
+            raise TransferFailed(str(exc)) from exc
+    return _nixlc
+
+
 class Agent:
     """One NIXL agent with kvpush's configuration, its registered layout, and its peers.
 
@@ -202,13 +235,16 @@ class Agent:
     """
 
     def __init__(self, name: str, layout: KVLayout, config: TransportConfig) -> None:
-        api = _nixl()
-        self._api = api
         self.name = name
         self.layout = layout
-        conf = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                     backends=[])
-        self._agent = api.nixl_agent(name, conf)
+        if config.nixl_api == "c":
+            # Same calls, same results; no progress or listen thread either.
+            self._agent = nixl_c().NixlAgent(name)
+        else:
+            api = _nixl()
+            conf = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                         backends=[])
+            self._agent = api.nixl_agent(name, conf)
         params = {}
         if config.backend == "UCX":
             params["ucx_error_handling_mode"] = config.ucx_error_mode
