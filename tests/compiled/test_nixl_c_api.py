@@ -140,11 +140,12 @@ def test_endpoints_push_and_pull_alike(producer_api: str, consumer_api: str) -> 
     check_canaries(dst_cache, np.concatenate([dst, dst[:5] + 20]))
 
 
-def ticks_during_posts(api: str, posts: int = 5) -> list[int]:
-    """How far a thread counting in Python advanced while each of ``posts`` 16 MiB WRITEs
-    was inside :meth:`Agent.post` (the copy runs there on host memory). The switch interval
-    is raised so that the counter runs only when the posting thread lets the GIL go."""
-    nb = 64   # 2 regions x 64 blocks of 128 KiB: 16 MiB
+def ticks_during_posts(api: str, posts: int = 6) -> list[int]:
+    """How far a thread counting in Python advanced while each of ``posts`` 64 MiB WRITEs
+    was inside :meth:`Agent.post` (the copy runs there on host memory: ~10 ms, long enough
+    for the counter to be scheduled on a busy host). The switch interval is raised so that
+    the counter runs only when the posting thread lets the GIL go."""
+    nb = 256   # 2 regions x 256 blocks of 128 KiB: 64 MiB
     kw: dict[str, Any] = dict(num_blocks=nb, num_layers=1, kv_packed=False,
                               tokens_per_block=64, num_kv_heads=8, head_size=128)
     mine, theirs = make_cache(**kw), make_cache(**kw)
@@ -183,4 +184,4 @@ def ticks_during_posts(api: str, posts: int = 5) -> list[int]:
 
 def test_a_post_over_the_c_api_lets_other_threads_run() -> None:
     advanced = ticks_during_posts("c")
-    assert sum(1 for a in advanced if a > 0) >= 3, advanced
+    assert sum(1 for a in advanced if a > 0) >= len(advanced) // 2, advanced
