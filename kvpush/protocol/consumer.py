@@ -1,11 +1,13 @@
 """The decode side's protocol core: what a Consumer does with each request, without I/O.
 
-One record per live request use (``request_id`` + the ``xid`` this side chose) in an
-explicit :class:`Phase`, and one transition table, :data:`TRANSITIONS`: for every phase, the
-events allowed in it and what each does. An event that the table does not allow in the
-request's phase changes nothing; it is counted (``stats.events_refused``) and logged. A
-message whose ``(request_id, xid)`` names no live use is counted as ``stale_messages``. The
-phases, their diagram and what ends a request: ``docs/PROTOCOL.md``.
+One record per request use (``request_id`` + the ``xid`` this side chose), a claim not
+begun included, in an explicit :class:`Phase`, and one transition table, :data:`TABLE`
+(:mod:`kvpush.protocol.table`): for every phase, the events allowed in it, what each does
+and the phases it may lead to, checked after each. An event that the table does not allow
+in the request's phase changes nothing; it is counted (``stats.events_refused``) and
+logged. A message whose ``(request_id, xid)`` names no live use is counted as
+``stale_messages``. The phases and what ends a request: ``docs/PROTOCOL.md``; the diagram,
+generated from the table: ``docs/ARCHITECTURE.md``.
 
 The driver (:class:`kvpush.Consumer`) owns sockets, the NIXL agent, the handshake,
 authentication and heartbeats; it feeds events in with its ``now`` (monotonic seconds) and
@@ -41,9 +43,10 @@ from ..layout import KVLayout
 from ..metrics import LIVE, Stats
 from ..request import RequestState, RequestStatus, TransferMode, TransferResult
 from .effects import Abandon, Effect, Emit, Post, Send, XferEnd
+from .table import Table, row
 from .timers import COMPACT_MIN
 
-__all__ = ["TRANSITIONS", "ConsumerCore", "CoreConfig", "Event", "Links", "Phase", "Settings",
+__all__ = ["TABLE", "ConsumerCore", "CoreConfig", "Event", "Links", "Phase", "Settings",
            "new_xid"]
 
 log = logging.getLogger("kvpush.consumer")
@@ -55,12 +58,15 @@ def new_xid() -> int:
 
 
 class Phase(enum.Enum):
-    """Where a live request use is. A request that has its result has no record."""
+    """Where a request use is. A use that has its result (or a claim given up) is DONE, and
+    its record is gone."""
 
+    CLAIMED = "claimed"            # claimed (pull later, or push later): not begun
     PUSHING = "pushing"            # registered; waiting for every part's Landed
     PULLING = "pulling"            # READs posted; waiting for their end and PullHeld
     PUSH_CLOSING = "push_closing"  # ending without success; waiting until nothing lands
     PULL_CLOSING = "pull_closing"  # ending without success; waiting for the READs' end
+    DONE = "done"                  # reported (or the claim given up): the record is gone
 
 
 class Event(enum.Enum):
@@ -76,42 +82,62 @@ class Event(enum.Enum):
     PEER_LOST = "peer_lost"        # a producer of the request is gone
     GRACE_OVER = "grace_over"      # abort_grace_s after the close began
     CLOSE = "close"                # the consumer closes
+    EXPECT = "expect"              # the engine's expect continues a push claim
+    PULL = "pull"                  # the engine's pull continues a pull claim
 
 
-_IGNORE = "_ignore"  # allowed, and changes nothing (e.g. a second abort of a closing use)
 #: Graces a closing use waits for NIXL to let go of its READs (each asks it again) before
 #: it ends without them, unsafe.
 GRACE_ROUNDS = 3
 
-#: For each phase, the events allowed in it and the method of ConsumerCore that runs each.
-TRANSITIONS: dict[Phase, dict[Event, str]] = {
-    Phase.PUSHING: {
-        Event.POSTED: "_on_posted", Event.LANDED: "_on_landed", Event.FAILED: "_on_failed",
-        Event.PEER_ABORT: "_on_peer_abort", Event.DEADLINE: "_on_deadline",
-        Event.ABORT: "_on_abort", Event.PEER_LOST: "_on_peer_lost", Event.CLOSE: "_on_close",
+P, E = Phase, Event
+_PUSH_END = (P.PUSH_CLOSING, P.DONE)
+_PULL_END = (P.PULL_CLOSING, P.DONE)
+#: The request machine (:mod:`kvpush.protocol.table`): for each phase, the events allowed in
+#: it, the method of ConsumerCore that runs each (none: allowed, and changes nothing, e.g. a
+#: second abort of a closing use) and the phases it may lead to.
+TABLE: Table[Phase, Event] = Table("consumer request", {
+    P.CLAIMED: {
+        E.EXPECT: row("_continue_claim", P.PUSHING), E.PULL: row("_continue_claim", P.PULLING),
+        # the producer refused or gave up the claim, or is lost; the engine aborts; close
+        E.FAILED: row("_end_claim", P.DONE), E.PEER_ABORT: row("_end_claim", P.DONE),
+        E.PEER_LOST: row("_end_claim", P.DONE), E.ABORT: row("_end_claim", P.DONE),
+        E.CLOSE: row("_end_claim", P.DONE),
     },
-    Phase.PUSH_CLOSING: {
+    P.PUSHING: {
+        E.POSTED: row("_on_posted", P.PUSHING),
+        E.LANDED: row("_on_landed", P.PUSHING, *_PUSH_END),
+        E.FAILED: row("_on_failed", *_PUSH_END), E.PEER_ABORT: row("_on_peer_abort", *_PUSH_END),
+        E.DEADLINE: row("_on_deadline", *_PUSH_END), E.ABORT: row("_on_abort", *_PUSH_END),
+        E.PEER_LOST: row("_on_peer_lost", *_PUSH_END), E.CLOSE: row("_on_close", *_PUSH_END),
+    },
+    P.PUSH_CLOSING: {
         # A WRITE posted before our Abort reached the producer is announced late: wait
         # for its Landed too.
-        Event.POSTED: "_on_posted", Event.LANDED: "_on_landed", Event.FAILED: "_on_ack",
-        Event.ABORT_ACK: "_on_ack", Event.PEER_ABORT: _IGNORE, Event.ABORT: _IGNORE,
-        Event.PEER_LOST: "_on_peer_lost", Event.GRACE_OVER: "_on_grace_over",
-        Event.CLOSE: "_on_close",
+        E.POSTED: row("_on_posted", P.PUSH_CLOSING), E.LANDED: row("_on_landed", *_PUSH_END),
+        E.FAILED: row("_on_ack", *_PUSH_END), E.ABORT_ACK: row("_on_ack", *_PUSH_END),
+        E.PEER_ABORT: row(None, P.PUSH_CLOSING), E.ABORT: row(None, P.PUSH_CLOSING),
+        E.PEER_LOST: row("_on_peer_lost", *_PUSH_END),
+        E.GRACE_OVER: row("_on_grace_over", *_PUSH_END), E.CLOSE: row("_on_close", *_PUSH_END),
     },
-    Phase.PULLING: {
-        Event.PULL_HELD: "_on_held", Event.READ_ENDED: "_on_read_ended",
-        Event.FAILED: "_on_failed", Event.PEER_ABORT: "_on_peer_abort",
-        Event.DEADLINE: "_on_deadline", Event.ABORT: "_on_abort",
-        Event.PEER_LOST: "_on_peer_lost", Event.CLOSE: "_on_close",
+    P.PULLING: {
+        E.PULL_HELD: row("_on_held", P.PULLING, *_PULL_END),
+        E.READ_ENDED: row("_on_read_ended", P.PULLING, *_PULL_END),
+        E.FAILED: row("_on_failed", *_PULL_END), E.PEER_ABORT: row("_on_peer_abort", *_PULL_END),
+        E.DEADLINE: row("_on_deadline", *_PULL_END), E.ABORT: row("_on_abort", *_PULL_END),
+        E.PEER_LOST: row("_on_peer_lost", *_PULL_END), E.CLOSE: row("_on_close", *_PULL_END),
     },
-    Phase.PULL_CLOSING: {
+    P.PULL_CLOSING: {
         # The producer's answers to our PullBegin or Abort may still come: nothing to do.
-        Event.PULL_HELD: _IGNORE, Event.FAILED: _IGNORE, Event.ABORT_ACK: _IGNORE,
-        Event.PEER_ABORT: _IGNORE, Event.ABORT: _IGNORE,
-        Event.READ_ENDED: "_on_read_ended", Event.PEER_LOST: "_on_peer_lost",
-        Event.GRACE_OVER: "_on_grace_over", Event.CLOSE: "_on_close",
+        E.PULL_HELD: row(None, P.PULL_CLOSING), E.FAILED: row(None, P.PULL_CLOSING),
+        E.ABORT_ACK: row(None, P.PULL_CLOSING), E.PEER_ABORT: row(None, P.PULL_CLOSING),
+        E.ABORT: row(None, P.PULL_CLOSING),
+        E.READ_ENDED: row("_on_read_ended", *_PULL_END),
+        E.PEER_LOST: row("_on_peer_lost", *_PULL_END),
+        E.GRACE_OVER: row("_on_grace_over", *_PULL_END), E.CLOSE: row("_on_close", *_PULL_END),
     },
-}
+}, initial=[P.CLAIMED, P.PUSHING, P.PULLING], final=[P.DONE])
+del P, E, _PUSH_END, _PULL_END
 
 _CLOSING = {Phase.PUSHING: Phase.PUSH_CLOSING, Phase.PULLING: Phase.PULL_CLOSING,
             Phase.PUSH_CLOSING: Phase.PUSH_CLOSING, Phase.PULL_CLOSING: Phase.PULL_CLOSING}
@@ -225,14 +251,6 @@ class _Request:
         return all(part in self.settled for part in self.parts_of(name))
 
 
-@dataclass
-class _Claim:
-    xid: int
-    sids: dict[str, int]        # producer name -> source use (0: a push claim)
-    sharers: dict[str, int]
-    push: bool = False
-
-
 def _per_ticket(tickets: Sequence[m.PullTicket], sharers: int | Sequence[int]) -> dict[str, int]:
     """``sharers`` (one count for all, or one per ticket) by producer name."""
     counts = [sharers] * len(tickets) if isinstance(sharers, int) else list(sharers)
@@ -269,7 +287,7 @@ class ConsumerCore:
         self._out: list[Effect] = []
         self._peers: set[str] = set()
         self._requests: dict[str, _Request] = {}
-        self._claims: dict[str, _Claim] = {}
+        self._claims: dict[str, _Request] = {}     # CLAIMED uses, by request id
         self._completions = _core.CompletionTable()
         self._keys = itertools.count(1)
         self._read_of: dict[int, str] = {}          # transfer key -> request id
@@ -302,8 +320,7 @@ class ConsumerCore:
             claim = self._claims.get(rid)
             if claim is None:
                 return RequestStatus(rid, "none")
-            mode = TransferMode.PUSH if claim.push else TransferMode.PULL
-            return RequestStatus(rid, "claimed", mode, claim.xid,
+            return RequestStatus(rid, "claimed", claim.mode, claim.xid,
                                  next(iter(claim.sids.values())) if len(claim.sids) == 1
                                  else 0, parts=len(claim.sids))
         closing = req.phase in (Phase.PUSH_CLOSING, Phase.PULL_CLOSING)
@@ -357,8 +374,8 @@ class ConsumerCore:
     def peer_lost(self, now: float, peer: str, why: str) -> None:
         """``peer`` is gone (silent, Bye, NIXL disconnect, restarted elsewhere)."""
         self._peers.discard(peer)
-        for rid in [r for r, c in self._claims.items() if peer in c.sids]:
-            del self._claims[rid]
+        for claim in [c for c in self._claims.values() if peer in c.sids]:
+            self._event(now, claim, Event.PEER_LOST, why=f"producer {peer} lost: {why}")
         for req in list(self._requests.values()):
             if peer in req.producers:
                 self._event(now, req, Event.PEER_LOST, peer=peer, why=why)
@@ -377,8 +394,8 @@ class ConsumerCore:
         xid = self._new_xid() if xid is None else xid
         shares = [sharers] * len(names) if isinstance(sharers, int) else list(sharers)
         claim = self._claims.get(rid)
-        if claim is not None and claim.push and claim.xid == xid:
-            del self._claims[rid]  # the registration continues the claim
+        if claim is not None and claim.mode is TransferMode.PUSH and claim.xid == xid:
+            self._event(now, claim, Event.EXPECT)  # the registration continues the claim
             if rid in self._requests or any(n not in self._peers for n in names):
                 for name in claim.sids:   # it fails below: the held source goes
                     if name in self._peers:
@@ -414,9 +431,9 @@ class ConsumerCore:
         rid = tickets[0].request_id
         xid = self._new_xid() if xid is None else xid
         names = [t.producer for t in tickets]
-        claim = self._claims.get(rid)
-        if claim is not None and not claim.push and claim.xid == xid:
-            del self._claims[rid]  # the pull continues the claim
+        claim: _Request | None = self._claims.get(rid)
+        if claim is not None and claim.mode is TransferMode.PULL and claim.xid == xid:
+            self._event(now, claim, Event.PULL)  # the pull continues the claim
         else:
             claim = None
         error: KvpushError | None = None
@@ -485,7 +502,7 @@ class ConsumerCore:
         xid = self._new_xid() if xid is None else xid
         sids = {t.producer: t.sid for t in batch}
         counts = _per_ticket(batch, sharers)
-        self._claims[rid] = _Claim(xid, sids, counts)
+        self._claim(now, rid, xid, TransferMode.PULL, sids, counts)
         for name, sid in sids.items():
             if name in self._peers:
                 self._out.append(Send(name, m.Claim(rid, xid, sid, counts[name])))
@@ -502,7 +519,7 @@ class ConsumerCore:
         if len(counts) != len(names):
             raise ValueError(f"sharers names {len(counts)} counts for {len(names)} producers")
         per = dict(zip(names, counts, strict=True))
-        self._claims[rid] = _Claim(xid, dict.fromkeys(names, 0), per, push=True)
+        self._claim(now, rid, xid, TransferMode.PUSH, dict.fromkeys(names, 0), per)
         for name in names:
             if name in self._peers:
                 self._out.append(Send(name, m.Claim(rid, xid, 0, per[name], push=True)))
@@ -511,9 +528,9 @@ class ConsumerCore:
     def abort_claim(self, now: float, rid: str, xid: int, reason: str) -> None:
         """Give a claim up (the engine's abort, or a pull of another source use)."""
         claim = self._claims.get(rid)
-        if claim is not None and claim.xid == xid:
-            del self._claims[rid]
         sids = claim.sids if claim is not None and claim.xid == xid else {}
+        if claim is not None and claim.xid == xid:
+            self._event(now, claim, Event.ABORT, why=reason)
         for name in sids:
             if name in self._peers:
                 self._out.append(Send(name, m.Abort(rid, xid, reason)))
@@ -527,7 +544,8 @@ class ConsumerCore:
     def close(self, now: float) -> None:
         """The consumer closes: every use ends ABORTED (``ClosedError``) once its READs
         are abandoned; what may still land makes it ``blocks_safe=False``."""
-        self._claims.clear()
+        for claim in list(self._claims.values()):
+            self._event(now, claim, Event.CLOSE, why="consumer closed")
         for req in list(self._requests.values()):
             self._event(now, req, Event.CLOSE)
 
@@ -542,7 +560,7 @@ class ConsumerCore:
                 self._request_event(now, peer, msg.request_id, msg.xid, Event.POSTED,
                                     part=msg.part)
         elif isinstance(msg, m.Failed):
-            if not self._drop_claim(peer, msg.request_id, msg.xid, msg.reason):
+            if not self._drop_claim(now, peer, msg, Event.FAILED):
                 self._request_event(now, peer, msg.request_id, msg.xid, Event.FAILED,
                                     msg=msg)
         elif isinstance(msg, m.AbortAck):
@@ -550,7 +568,7 @@ class ConsumerCore:
         elif isinstance(msg, m.PullHeld):
             self._request_event(now, peer, msg.request_id, msg.xid, Event.PULL_HELD, msg=msg)
         elif isinstance(msg, m.Abort):
-            if not self._drop_claim(peer, msg.request_id, msg.xid, msg.reason):
+            if not self._drop_claim(now, peer, msg, Event.PEER_ABORT):
                 self._request_event(now, peer, msg.request_id, msg.xid, Event.PEER_ABORT,
                                     msg=msg)
         else:
@@ -604,12 +622,37 @@ class ConsumerCore:
         self._event(now, req, event, peer=peer, **args)
 
     def _event(self, now: float, req: _Request, event: Event, **args: Any) -> None:
-        handler = TRANSITIONS[req.phase].get(event)
-        if handler is None:
+        """Run ``event``'s row of ``req``'s phase (refused without one) and check the phase
+        it led to."""
+        before = req.phase
+        r = TABLE.row(before, event)
+        if r is None:
             self._refuse(req, event, "not allowed in this phase")
             return
-        if handler != _IGNORE:
-            getattr(self, handler)(now, req, **args)
+        if r.handler is not None:
+            getattr(self, r.handler)(now, req, **args)
+        if req.phase not in r.to:
+            TABLE.check(before, event, req.phase)
+
+    # claims
+    def _claim(self, now: float, rid: str, xid: int, mode: TransferMode,
+               sids: dict[str, int], sharers: dict[str, int]) -> None:
+        claim = _Request(rid, xid, mode, Phase.CLAIMED, np.empty(0, dtype=np.int64),
+                         list(sids), now, math.inf, sids=sids, sharers=sharers)
+        self._claims[rid] = claim
+
+    def _continue_claim(self, now: float, req: _Request) -> None:
+        """The engine's expect or pull continues the claim: its use begins (a record of its
+        own, under the claim's xid)."""
+        del self._claims[req.rid]
+        req.phase = Phase.PUSHING if req.mode is TransferMode.PUSH else Phase.PULLING
+
+    def _end_claim(self, now: float, req: _Request, why: str) -> None:
+        """The claim is given up (no result: nothing was begun)."""
+        if self._claims.get(req.rid) is req:
+            del self._claims[req.rid]
+        req.phase = Phase.DONE
+        log.info("consumer core: claim of %r dropped: %s", req.rid, why)
 
     def _refuse(self, req: _Request, event: Event, why: str) -> None:
         self.stats.events_refused += 1
@@ -875,6 +918,7 @@ class ConsumerCore:
     def _finish(self, now: float, req: _Request, state: RequestState,
                 error: KvpushError | None) -> None:
         del self._requests[req.rid]
+        req.phase = Phase.DONE
         self._posting.pop(req.rid, None)
         if req.mode is TransferMode.PUSH:
             self._completions.remove(req.rid)
@@ -942,13 +986,13 @@ class ConsumerCore:
             else:
                 self._settle(req, part)
 
-    def _drop_claim(self, peer: str, rid: str, xid: int, why: str) -> bool:
+    def _drop_claim(self, now: float, peer: str, msg: m.Failed | m.Abort,
+                    event: Event) -> bool:
         """A producer refused or gave up a claim: drop it, so a later pull starts anew."""
-        claim = self._claims.get(rid)
-        if claim is None or claim.xid != xid or peer not in claim.sids:
+        claim = self._claims.get(msg.request_id)
+        if claim is None or claim.xid != msg.xid or peer not in claim.sids:
             return False
-        del self._claims[rid]
-        log.info("consumer core: claim of %r dropped by %s: %s", rid, peer, why)
+        self._event(now, claim, event, why=f"by {peer}: {msg.reason}")
         return True
 
     def _verify(self, req: _Request, checksums: bytes | None) -> KvpushError | None:

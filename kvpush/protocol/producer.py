@@ -1,12 +1,15 @@
 """The prefill side's protocol core: sources, their owners, WRITEs, leases (sans-IO).
 
-One record per request id (:class:`_Request`) with an explicit state (:class:`State`); every
-event goes through :meth:`ProducerCore._dispatch`, which looks the (state, event) pair up in
-:data:`TRANSITIONS`. A pair not in the table is refused: counted (``stats["refused"]``),
-logged, and never acted on -- except that a consumer waiting for an answer gets the true one
-(a ``Failed`` naming the state, or an ``AbortAck`` with nothing in flight). A source has
-owners (:class:`_Share`, keyed by (consumer agent name, xid)), each with its own state. What
-each state means, the owners and when a source is released: ``docs/PROTOCOL.md``.
+One record per request id (:class:`_Request`) with an explicit state (:class:`State`), and
+two machines in the shape of :mod:`kvpush.protocol.table`: :data:`TABLE`, the request's
+(every event goes through :meth:`ProducerCore._dispatch`, which looks the (state, event)
+row up, runs its handler and checks where it led), and :data:`OWNER_TABLE`, the state of
+each owner of a source (:class:`_Share`, keyed by (consumer agent name, xid)), checked at
+every change. An event without a row is refused: counted (``stats["refused"]``), logged,
+and never acted on -- except that a consumer waiting for an answer gets the true one (a
+``Failed`` naming the state, or an ``AbortAck`` with nothing in flight). What each state
+means, the owners and when a source is released: ``docs/PROTOCOL.md``; the diagrams,
+generated from the tables: ``docs/ARCHITECTURE.md``.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from ..errors import KvpushError, PeerUnavailable
 from ..layout import KVLayout
 from ..request import OwnerStatus, Release, ReleaseReason, RequestStatus, TransferMode
 from .effects import Abandon, DropPeer, Effect, Emit, Post, Send, XferEnd
+from .table import Row, Table, TransitionError, row
 from .timers import Timer as _Timer
 from .timers import TimerHeap
 
-__all__ = ["TRANSITIONS", "CoreConfig", "Event", "Links", "ProducerCore", "ShareState",
-           "State"]
+__all__ = ["OWNER_TABLE", "TABLE", "CoreConfig", "Event", "Links", "ProducerCore",
+           "ShareState", "State"]
 
 log = logging.getLogger("kvpush.producer")
 
@@ -65,27 +69,108 @@ class Event(enum.Enum):
     PULL_BEGIN = "pull_begin"
     PULL_DONE = "pull_done"
     CONSUMER_ABORT = "consumer_abort"
+    WRITE_ENDED = "write_ended"    # a WRITE ended (done, in error, abandoned, lost)
+    PEER_LOST = "peer_lost"        # a consumer is gone
+    WAIT_OVER = "wait_over"        # an owner's wait (max_wait_s, the Register's wait_s) ran out
+    FENCE_OVER = "fence_over"      # a fenced owner's wait for its Abort ran out
+    HOLD_OVER = "hold_over"        # a pulling owner's hold ran out
+    LEASE_OVER = "lease_over"      # the source's lease ran out
+    TOMB_OVER = "tomb_over"        # the record's tombstone ran out
+    RELEASE = "release"            # owner machine only: the source was released
+    CLOSE = "close"                # owner machine only: the producer closes
 
 
 S, E = State, Event
-#: Which events each state accepts. Share-level events (a WRITE ending, a deadline, a lost
-#: peer) act on the owner they name and reach the request only through :meth:`_settle`.
-TRANSITIONS: dict[State, frozenset[Event]] = {
-    S.WAITING: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.ENGINE_ABORT, E.REGISTER,
-                          E.CLAIM, E.CONSUMER_ABORT}),
-    S.PARTIAL: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.ENGINE_ABORT, E.REGISTER,
-                          E.CLAIM, E.CONSUMER_ABORT}),
-    S.HELD: frozenset({E.ENGINE_ABORT, E.REGISTER, E.CLAIM, E.PULL_BEGIN, E.PULL_DONE,
-                       E.CONSUMER_ABORT, E.PREFILL_DONE}),
-    S.ENDING: frozenset({E.PULL_DONE, E.CONSUMER_ABORT, E.PREFILL_DONE}),
-    S.RELEASED_EARLY: frozenset({E.LAYER_DONE, E.PREFILL_DONE, E.CONSUMER_ABORT,
-                                 E.ENGINE_ABORT}),
+#: The request machine: for each state, the events it accepts, the handler of each and the
+#: states it may lead to (:mod:`kvpush.protocol.table`). After every event,
+#: :meth:`ProducerCore._settle` releases a source that is done with, or forgets a record
+#: with nothing left: the ``release`` row of the state the handler left says where that may
+#: lead (WAITING after a release: the next use's registrations were queued). An engine or
+#: consumer event without a row is refused; an internal one (a timer, a transfer's end, a
+#: lost peer) without a row is a bug. ``close`` forgets every record, outside the table.
+TABLE: Table[State, Event] = Table("producer request", {
+    S.WAITING: {
+        E.PREFILL_DONE: row("_on_prefill_done", S.HELD),
+        E.LAYER_DONE: row("_on_layer_done", S.PARTIAL),
+        E.ENGINE_ABORT: row("_on_engine_abort", S.ABORTED_EARLY),
+        E.REGISTER: row("_on_register", S.WAITING),
+        E.CLAIM: row("_on_claim", S.WAITING),
+        E.CONSUMER_ABORT: row("_on_consumer_abort", S.WAITING),
+        E.PEER_LOST: row("_on_peer_lost", S.WAITING),
+        E.WAIT_OVER: row("_on_wait_over", S.WAITING),
+        E.TOMB_OVER: row("_on_tomb_over", S.WAITING),
+        E.RELEASE: row("_settle", S.WAITING),
+    },
+    S.PARTIAL: {
+        E.PREFILL_DONE: row("_on_prefill_done", S.HELD),
+        E.LAYER_DONE: row("_on_layer_done", S.PARTIAL),
+        E.ENGINE_ABORT: row("_on_engine_abort", S.ENDING),
+        E.REGISTER: row("_on_register", S.PARTIAL),
+        E.CLAIM: row("_on_claim", S.PARTIAL),
+        E.CONSUMER_ABORT: row("_on_consumer_abort", S.PARTIAL),
+        E.WRITE_ENDED: row("_on_write_ended", S.PARTIAL),
+        E.PEER_LOST: row("_on_peer_lost", S.PARTIAL),
+        E.WAIT_OVER: row("_on_wait_over", S.PARTIAL),
+        E.FENCE_OVER: row("_on_fence_over", S.PARTIAL),
+        E.TOMB_OVER: row("_on_tomb_over", S.PARTIAL),
+        E.RELEASE: row("_settle", S.PARTIAL, S.RELEASED_EARLY),
+    },
+    S.HELD: {
+        E.ENGINE_ABORT: row("_on_engine_abort", S.ENDING),
+        E.REGISTER: row("_on_register", S.HELD),
+        E.CLAIM: row("_on_claim", S.HELD),
+        E.PULL_BEGIN: row("_on_pull_begin", S.HELD),
+        E.PULL_DONE: row("_on_pull_done", S.HELD),
+        E.CONSUMER_ABORT: row("_on_consumer_abort", S.HELD),
+        E.PREFILL_DONE: row("_on_prefill_done", S.HELD),   # a second one
+        E.WRITE_ENDED: row("_on_write_ended", S.HELD),
+        E.PEER_LOST: row("_on_peer_lost", S.HELD),
+        E.WAIT_OVER: row("_on_wait_over", S.HELD),
+        E.FENCE_OVER: row("_on_fence_over", S.HELD),
+        E.HOLD_OVER: row("_on_hold_over", S.HELD),
+        E.LEASE_OVER: row("_on_lease_over", S.HELD),
+        E.TOMB_OVER: row("_on_tomb_over", S.HELD),
+        E.RELEASE: row("_settle", S.HELD, S.ENDED, S.WAITING),
+    },
+    S.ENDING: {
+        E.PULL_DONE: row("_on_pull_done", S.ENDING),
+        E.CONSUMER_ABORT: row("_on_consumer_abort", S.ENDING),
+        E.PREFILL_DONE: row("_on_prefill_done", S.ENDING),
+        E.WRITE_ENDED: row("_on_write_ended", S.ENDING),
+        E.PEER_LOST: row("_on_peer_lost", S.ENDING),
+        E.WAIT_OVER: row("_on_wait_over", S.ENDING),
+        E.FENCE_OVER: row("_on_fence_over", S.ENDING),
+        E.HOLD_OVER: row("_on_hold_over", S.ENDING),
+        E.LEASE_OVER: row("_on_lease_over", S.ENDING),
+        E.TOMB_OVER: row("_on_tomb_over", S.ENDING),
+        E.RELEASE: row("_settle", S.ENDING, S.ENDED, S.RELEASED_EARLY, S.WAITING),
+    },
+    S.RELEASED_EARLY: {
+        # its own prefill_done settles the use; another use's starts a new one
+        E.PREFILL_DONE: row("_on_prefill_done", S.ENDED, S.HELD),
+        E.LAYER_DONE: row("_on_layer_done", S.RELEASED_EARLY),
+        E.CONSUMER_ABORT: row("_on_consumer_abort", S.RELEASED_EARLY),
+        E.ENGINE_ABORT: row("_on_engine_abort", S.RELEASED_EARLY),
+        E.TOMB_OVER: row("_on_tomb_over", S.RELEASED_EARLY),
+    },
     # ENDED: a register (or a push claim) is a new use unless the tombstone says late ones
     # must fail fast
-    S.ENDED: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.REGISTER, E.CLAIM,
-                        E.CONSUMER_ABORT}),
-    S.ABORTED_EARLY: frozenset({E.PREFILL_DONE, E.LAYER_DONE, E.CONSUMER_ABORT}),
-}
+    S.ENDED: {
+        E.PREFILL_DONE: row("_on_prefill_done", S.HELD),
+        E.LAYER_DONE: row("_on_layer_done", S.PARTIAL),
+        E.REGISTER: row("_on_register", S.ENDED, S.WAITING),
+        E.CLAIM: row("_on_claim", S.ENDED, S.WAITING),
+        E.CONSUMER_ABORT: row("_on_consumer_abort", S.ENDED),
+        E.TOMB_OVER: row("_on_tomb_over", S.ENDED),
+    },
+    S.ABORTED_EARLY: {
+        E.PREFILL_DONE: row("_on_prefill_done", S.ENDED, S.ENDING),
+        E.LAYER_DONE: row("_on_layer_done", S.ABORTED_EARLY),
+        E.CONSUMER_ABORT: row("_on_consumer_abort", S.ABORTED_EARLY),
+        E.TOMB_OVER: row("_on_tomb_over", S.ABORTED_EARLY),
+    },
+}, initial=[S.WAITING, S.ABORTED_EARLY],
+    final=[S.WAITING, S.RELEASED_EARLY, S.ENDED, S.ABORTED_EARLY])
 del S, E
 
 
@@ -102,10 +187,55 @@ class ShareState(enum.Enum):
     GONE = "gone"              # gave up, failed, expired or lost: it takes nothing more
 
 
+#: States in which :meth:`ProducerCore._settle` may act on a record.
+_SETTLES = frozenset({State.WAITING, State.PARTIAL, State.HELD, State.ENDING})
 _LIVE = frozenset({ShareState.REGISTERED, ShareState.WRITING, ShareState.CLAIMED,
                    ShareState.PULLING, ShareState.FENCING})
 #: Owners whose transfer may still read the source: it is not released while one exists.
 _READING = frozenset({ShareState.WRITING, ShareState.PULLING, ShareState.FENCING})
+
+OS, E = ShareState, Event
+_GONE = row("_share_gone", OS.GONE)
+#: The owner machine: an owner changes state only inside a request event (the row names the
+#: core method that makes the change), or when its source is released (``release``) or the
+#: producer closes (``close``). Every change is checked against this table
+#: (:meth:`ProducerCore._to`); an owner is created registered or claimed.
+OWNER_TABLE: Table[ShareState, Event] = Table("producer owner", {
+    OS.REGISTERED: {
+        E.PREFILL_DONE: row("_match", OS.WRITING, OS.GONE),
+        E.LAYER_DONE: row("_match", OS.WRITING, OS.GONE),
+        E.REGISTER: row("_match", OS.WRITING, OS.GONE),
+        E.ENGINE_ABORT: _GONE, E.CONSUMER_ABORT: _GONE, E.PEER_LOST: _GONE,
+        E.WAIT_OVER: _GONE, E.RELEASE: _GONE, E.CLOSE: _GONE,
+    },
+    OS.CLAIMED: {
+        E.REGISTER: _GONE,                       # its registration takes its place
+        E.PULL_BEGIN: row("_on_pull_begin", OS.PULLING),
+        E.PULL_DONE: row("_on_pull_done", OS.DONE, OS.GONE),
+        E.PREFILL_DONE: _GONE, E.LAYER_DONE: _GONE,   # another use, or a mode conflict
+        E.ENGINE_ABORT: _GONE, E.CONSUMER_ABORT: _GONE, E.PEER_LOST: _GONE,
+        E.WAIT_OVER: _GONE, E.RELEASE: _GONE, E.CLOSE: _GONE,
+    },
+    OS.WRITING: {
+        E.WRITE_ENDED: row("_conclude", OS.DONE, OS.FENCING, OS.GONE),
+        # nothing (more) to write: every group is posted and none moved bytes
+        E.PREFILL_DONE: row("_conclude", OS.DONE),
+        E.LAYER_DONE: row("_conclude", OS.DONE),
+        E.REGISTER: row("_conclude", OS.DONE),
+        E.ENGINE_ABORT: row("_conclude", OS.FENCING, OS.GONE),
+        E.WAIT_OVER: row("_conclude", OS.FENCING, OS.GONE),
+        E.CONSUMER_ABORT: _GONE, E.PEER_LOST: _GONE, E.CLOSE: _GONE,
+    },
+    OS.PULLING: {
+        E.PULL_DONE: row("_on_pull_done", OS.DONE, OS.GONE),
+        E.HOLD_OVER: _GONE, E.PEER_LOST: _GONE, E.CLOSE: _GONE,
+    },
+    OS.FENCING: {
+        E.CONSUMER_ABORT: _GONE, E.FENCE_OVER: _GONE, E.PEER_LOST: _GONE, E.CLOSE: _GONE,
+    },
+    OS.DONE: {E.RELEASE: _GONE, E.CLOSE: _GONE},
+}, initial=[OS.REGISTERED, OS.CLAIMED], final=[OS.GONE])
+del OS, E, _GONE
 
 
 class Links(Protocol):
@@ -255,6 +385,7 @@ class ProducerCore:
         self._expire_tomb_fn = self._expire_tomb   # one bound method for every tombstone
         self._out: list[Effect] = []
         self._now = 0.0
+        self._event: Event | None = None   # the event being run (owner changes name it)
 
     # -- the driver's side -------------------------------------------------------------------
     def drain(self) -> list[Effect]:
@@ -334,14 +465,12 @@ class ProducerCore:
                      sid: int, called: float | None = None) -> None:
         self._now = now
         stamps = {"prefill_done": now if called is None else called, "held": now}
-        self._dispatch(rid, Event.PREFILL_DONE, lambda req: self._on_prefill_done(
-            req, ids, mode, sid, stamps), new=lambda: self._new(rid, State.WAITING))
+        self._dispatch(rid, Event.PREFILL_DONE, (ids, mode, sid, stamps), new=True)
 
     def layer_done(self, now: float, rid: str, ids: np.ndarray, layer: int,
                    sid: int) -> None:
         self._now = now
-        self._dispatch(rid, Event.LAYER_DONE, lambda req: self._on_layer_done(
-            req, ids, layer, sid), new=lambda: self._new(rid, State.WAITING))
+        self._dispatch(rid, Event.LAYER_DONE, (ids, layer, sid), new=True)
 
     def abort(self, now: float, rid: str, reason: str) -> None:
         self._now = now
@@ -350,11 +479,12 @@ class ProducerCore:
             req = self._new(rid, State.ABORTED_EARLY)
             self._tomb(req, "aborted", reason, state=State.ABORTED_EARLY)
             return
-        self._dispatch(rid, Event.ENGINE_ABORT, lambda req: self._on_engine_abort(req, reason))
+        self._dispatch(rid, Event.ENGINE_ABORT, (reason,))
 
     def close(self, now: float) -> None:
         """Release every held source CLOSED (the driver releases NIXL handles itself)."""
         self._now = now
+        self._event = Event.CLOSE
         for req in list(self._requests.values()):
             req.queued = []
             for share in req.shares.values():
@@ -374,6 +504,7 @@ class ProducerCore:
         self._requests.clear()
         self._writes.clear()
         self._timers.clear()
+        self._event = None
 
     # -- network events ----------------------------------------------------------------------
     def peer_up(self, now: float, peer: str, layout: KVLayout) -> None:
@@ -390,29 +521,8 @@ class ProducerCore:
         self._now = now
         self._peers.pop(peer, None)
         for req in list(self._requests.values()):
-            self._unqueue(req, lambda p, xid: p == peer)
-            for share in list(req.shares.values()):
-                if share.peer != peer or share.state not in _LIVE:
-                    continue
-                if share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
-                    self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
-                elif share.state is ShareState.WRITING:
-                    share.lost = "dead" if abandon else "silent"
-                    self._end_push(req, share, "", ReleaseReason.FAILED,
-                                   f"consumer lost: {why}")
-                    if abandon:
-                        for write in list(share.writes.values()):
-                            self._out.append(Abandon(write.key))
-                    self._conclude(req, share)
-                elif share.state is ShareState.FENCING:
-                    # Never acknowledged the unfenced Failed: if it was only cut off, its
-                    # late WRITE may still read the blocks.
-                    req.unsafe = not abandon
-                    self._share_gone(req, share, share.reason, share.detail)
-                elif abandon:  # a new incarnation replaced it: its READs died with it
-                    self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
-                # else PULLING: a silent peer may only be stalled; its hold timer ends it
-            self._settle(req)
+            if req.shares or req.queued or req.state in _SETTLES:
+                self._internal(req, Event.PEER_LOST, peer, why, abandon)
         if any(owner[0] == peer for _, owner in self._writes.values()):
             self._lost[peer] = why       # DropPeer once its WRITEs have ended
         else:
@@ -422,27 +532,20 @@ class ProducerCore:
         """A decoded control frame from connected consumer ``peer``."""
         self._now = now
         if isinstance(msg, m.Register):
-            self._dispatch(msg.request_id, Event.REGISTER,
-                           lambda req: self._on_register(req, peer, msg),
-                           new=lambda: self._new(msg.request_id, State.WAITING),
+            self._dispatch(msg.request_id, Event.REGISTER, (peer, msg), new=True,
                            refuse=lambda req: self._fail(peer, msg.request_id, msg.xid,
                                                          *self._refusal(req)))
         elif isinstance(msg, m.Claim):
-            self._dispatch(msg.request_id, Event.CLAIM,
-                           lambda req: self._on_claim(req, peer, msg),
-                           new=(lambda: self._new(msg.request_id, State.WAITING))
-                           if msg.push else None,
+            self._dispatch(msg.request_id, Event.CLAIM, (peer, msg), new=msg.push,
                            refuse=lambda req: self._fail(peer, msg.request_id, msg.xid,
                                                          *self._refusal(req)))
         elif isinstance(msg, m.PullBegin):
-            self._dispatch(msg.request_id, Event.PULL_BEGIN,
-                           lambda req: self._on_pull_begin(req, peer, msg),
+            self._dispatch(msg.request_id, Event.PULL_BEGIN, (peer, msg),
                            refuse=lambda req: self._pull_refused(req, peer, msg))
         elif isinstance(msg, m.PullDone):
             self.on_notification(now, peer, msg)
         elif isinstance(msg, m.Abort):
-            self._dispatch(msg.request_id, Event.CONSUMER_ABORT,
-                           lambda req: self._on_consumer_abort(req, peer, msg),
+            self._dispatch(msg.request_id, Event.CONSUMER_ABORT, (peer, msg),
                            refuse=lambda req: self._send(peer, m.AbortAck(msg.request_id,
                                                                           msg.xid)))
         else:
@@ -457,8 +560,7 @@ class ProducerCore:
         if not isinstance(msg, m.PullDone):
             self.stats["messages_rejected"] += 1
             return
-        self._dispatch(msg.request_id, Event.PULL_DONE,
-                       lambda req: self._on_pull_done(req, peer, msg),
+        self._dispatch(msg.request_id, Event.PULL_DONE, (peer, msg),
                        refuse=lambda req: self._stale(msg))
 
     def transfer_ended(self, now: float, key: int, end: XferEnd) -> None:
@@ -471,10 +573,41 @@ class ProducerCore:
         req = self._requests[rid]
         share = req.shares[owner]
         write = next(w for w in share.writes.values() if w.key == key)
+        self._internal(req, Event.WRITE_ENDED, share, write, end)
+        if share.peer in self._lost and not any(
+                o[0] == share.peer for _, o in self._writes.values()):
+            self._out.append(DropPeer(share.peer, self._lost.pop(share.peer)))
+
+    def _on_peer_lost(self, req: _Request, peer: str, why: str, abandon: bool) -> None:
+        self._unqueue(req, lambda p, xid: p == peer)
+        for share in list(req.shares.values()):
+            if share.peer != peer or share.state not in _LIVE:
+                continue
+            if share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
+                self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
+            elif share.state is ShareState.WRITING:
+                share.lost = "dead" if abandon else "silent"
+                self._end_push(req, share, "", ReleaseReason.FAILED,
+                               f"consumer lost: {why}")
+                if abandon:
+                    for write in list(share.writes.values()):
+                        self._out.append(Abandon(write.key))
+                self._conclude(req, share)
+            elif share.state is ShareState.FENCING:
+                # Never acknowledged the unfenced Failed: if it was only cut off, its
+                # late WRITE may still read the blocks.
+                req.unsafe = not abandon
+                self._share_gone(req, share, share.reason, share.detail)
+            elif abandon:  # a new incarnation replaced it: its READs died with it
+                self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
+            # else PULLING: a silent peer may only be stalled; its hold timer ends it
+
+    def _on_write_ended(self, req: _Request, share: _Share, write: _Write,
+                        end: XferEnd) -> None:
         del share.writes[write.group]
         write.deadline.cancel()
         if req.source is not None:
-            req.source.stamps["written"] = now
+            req.source.stamps["written"] = self._now
         if end is XferEnd.DONE:
             self.stats["blocks_moved"] += write.nblocks if write.group == 0 else 0
             self.stats["bytes_moved"] += write.nbytes
@@ -490,10 +623,6 @@ class ProducerCore:
                 self.stats["requests_timed_out"] += end is XferEnd.ABANDONED
                 self._end_push(req, share, code, ReleaseReason.FAILED, f"WRITE {code}")
         self._conclude(req, share)
-        self._settle(req)
-        if share.peer in self._lost and not any(
-                o[0] == share.peer for _, o in self._writes.values()):
-            self._out.append(DropPeer(share.peer, self._lost.pop(share.peer)))
 
     # -- dispatch ----------------------------------------------------------------------------
     def _new(self, rid: str, state: State) -> _Request:
@@ -501,21 +630,54 @@ class ProducerCore:
         self._requests[rid] = req
         return req
 
-    def _dispatch(self, rid: str, event: Event, act: Callable[[_Request], None], *,
-                  new: Callable[[], _Request] | None = None,
+    def _dispatch(self, rid: str, event: Event, args: tuple[Any, ...], *, new: bool = False,
                   refuse: Callable[[_Request | None], None] | None = None) -> None:
+        """An engine or consumer event: refused (counted, logged, ``refuse`` answers the
+        consumer) when ``rid``'s state has no row for it; ``new``: a record is made
+        (WAITING) when there is none."""
         req = self._requests.get(rid)
-        if req is None and new is not None:
-            req = new()
-        if req is None or event not in TRANSITIONS[req.state]:
+        if req is None and new:
+            req = self._new(rid, State.WAITING)
+        r = None if req is None else TABLE.row(req.state, event)
+        if r is None:
             self.stats["refused"] += 1
             log.debug("refused %s for %r in state %s", event.value, rid,
                       "none" if req is None else req.state.value)
             if refuse is not None:
                 refuse(req)
             return
-        act(req)
-        self._settle(req)
+        assert req is not None
+        self._run(req, event, r, args)
+
+    def _internal(self, req: _Request, event: Event, *args: Any, settle: bool = True) -> None:
+        """A timer, a transfer's end or a lost peer: its row must exist (the core keeps
+        nothing that such an event could find in a state without one)."""
+        r = TABLE.row(req.state, event)
+        if r is None:
+            TABLE.check(req.state, event, req.state)   # raises: no row
+            return
+        self._run(req, event, r, args, settle)
+
+    def _run(self, req: _Request, event: Event, r: Row[State], args: tuple[Any, ...],
+             settle: bool = True) -> None:
+        """Run a row's handler and check where it went; then settle the request (its
+        state's ``release`` row) and check that too."""
+        before, outer = req.state, self._event
+        self._event = event
+        try:
+            if r.handler is not None:
+                getattr(self, r.handler)(req, *args)
+            if req.state not in r.to:
+                TABLE.check(before, event, req.state)
+            if settle:
+                mid = req.state
+                settled = TABLE.row(mid, Event.RELEASE)
+                if settled is not None:
+                    self._settle(req)
+                    if req.state not in settled.to:
+                        TABLE.check(mid, Event.RELEASE, req.state)
+        finally:
+            self._event = outer
 
     def _refusal(self, req: _Request | None) -> tuple[str, str]:
         if req is None:
@@ -533,11 +695,24 @@ class ProducerCore:
     def _stale(self, msg: m.PullDone) -> None:
         self.stats["stale_messages"] += 1
 
-    def _to(self, share: _Share, state: ShareState) -> None:
-        """Every share state change goes through here (it keeps the counters)."""
+    def _to(self, share: _Share, state: ShareState, event: Event | None = None, *,
+            created: bool = False) -> None:
+        """Every share state change goes through here: it is checked against
+        :data:`OWNER_TABLE` (``event``: the event being run, unless named), and it keeps
+        the counters. ``created``: a new owner enters its first state."""
         old = share.state
-        if old is state:
+        if old is state and not created:
             return
+        if created:
+            old = ShareState.GONE
+        else:
+            event = event or self._event
+            r = None if event is None else OWNER_TABLE.row(old, event)
+            if r is None or state not in r.to:
+                if event is None:
+                    raise TransitionError(f"producer owner: {old.name} -> {state.name} "
+                                          "outside any event")
+                OWNER_TABLE.check(old, event, state)
         if old in (ShareState.REGISTERED, ShareState.CLAIMED):
             self._waiting[share.peer] -= 1
             if not self._waiting[share.peer]:
@@ -560,10 +735,9 @@ class ProducerCore:
         # A retry takes the place of its endpoint's share given up (see _admit).
         for key in [k for k, s in req.shares.items() if s.peer == share.peer]:
             del req.shares[key]
-        state, share.state = share.state, ShareState.GONE
         req.shares[(share.peer, share.xid)] = share
         req.sharers = share.sharers
-        self._to(share, state)
+        self._to(share, share.state, created=True)
 
     # -- engine event handlers ---------------------------------------------------------------
     def _on_prefill_done(self, req: _Request, ids: np.ndarray, mode: TransferMode, sid: int,
@@ -990,14 +1164,22 @@ class ProducerCore:
     def _lease_expired_fn(self, req: _Request) -> Callable[[float], None]:
         def fire(now: float) -> None:
             if self._requests.get(req.rid) is req:
-                self._settle(req)
+                self._internal(req, Event.LEASE_OVER)
         return fire
+
+    def _on_lease_over(self, req: _Request) -> None:
+        """Nothing of its own: :meth:`_settle`, after it, releases a source whose lease is
+        over and that no owner still keeps."""
 
     def _wait_expired(self, rid: str, owner: tuple[str, int]) -> None:
         req = self._requests.get(rid)
         share = req.shares.get(owner) if req is not None else None
         if req is None or share is None or share.state not in _LIVE:
             return
+        self._internal(req, Event.WAIT_OVER, share)
+
+    def _on_wait_over(self, req: _Request, share: _Share) -> None:
+        rid = req.rid
         self.stats["requests_timed_out"] += 1
         if share.state is ShareState.WRITING:  # layer-wise: the last layers never came
             self._end_push(req, share, "timeout", ReleaseReason.FAILED,
@@ -1010,26 +1192,29 @@ class ProducerCore:
             # The owner stopped waiting (its deadline ends with this wait, and its own Abort
             # may come first or not): it gave up, whichever arrives first.
             self._share_gone(req, share, ReleaseReason.ABORTED, "registration expired")
-        self._settle(req)
 
     def _fence_expired(self, rid: str, owner: tuple[str, int]) -> None:
         req = self._requests.get(rid)
         share = req.shares.get(owner) if req is not None else None
         if req is None or share is None or share.state is not ShareState.FENCING:
             return
+        self._internal(req, Event.FENCE_OVER, share)
+
+    def _on_fence_over(self, req: _Request, share: _Share) -> None:
         req.unsafe = True
         self._share_gone(req, share, share.reason, share.detail)
-        self._settle(req)
 
     def _hold_over(self, rid: str, owner: tuple[str, int]) -> None:
         req = self._requests.get(rid)
         share = req.shares.get(owner) if req is not None else None
         if req is None or share is None or share.state is not ShareState.PULLING:
             return
+        self._internal(req, Event.HOLD_OVER, share)
+
+    def _on_hold_over(self, req: _Request, share: _Share) -> None:
         self.stats["requests_timed_out"] += share.end is None
         self._share_gone(req, share, share.end[1] if share.end else ReleaseReason.FAILED,
                          share.detail or "the READ did not end within its hold")
-        self._settle(req)
 
     def _write_expired(self, rid: str, owner: tuple[str, int], key: int) -> None:
         if key in self._writes:
@@ -1252,7 +1437,7 @@ class ProducerCore:
         for share in req.shares.values():
             _cancel(share.wait)
             _cancel(share.hold)
-            self._to(share, ShareState.GONE)
+            self._to(share, ShareState.GONE, Event.RELEASE)
         self.stats["blocks_released"] += len(source.ids)
         self.gauges["sources_held"] -= 1
         # Blocks a transfer may still read stay unchanged until it cannot any more: its
@@ -1302,8 +1487,10 @@ class ProducerCore:
                                     fifo=True)
 
     def _expire_tomb(self, req: _Request, now: float) -> None:
-        if self._requests.get(req.rid) is not req:
-            return
+        if self._requests.get(req.rid) is req:
+            self._internal(req, Event.TOMB_OVER, now, settle=False)
+
+    def _on_tomb_over(self, req: _Request, now: float) -> None:
         if req.state is State.RELEASED_EARLY and not req.extended and not req.aborted:
             # Its prefill_done is still to come (the engine neither made it nor aborted):
             # the record waits max_wait_s more for it.

@@ -14,19 +14,44 @@ import pytest
 from kvpush import messages as m
 from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError, RequestAborted
-from kvpush.protocol.consumer import TRANSITIONS, ConsumerCore, CoreConfig, Event, Phase
+from kvpush.protocol.consumer import TABLE, ConsumerCore, CoreConfig, Event, Phase
 from kvpush.protocol.effects import Abandon, Emit, Post, Send, XferEnd
+from kvpush.protocol.table import TransitionError
 from kvpush.request import RequestState, TransferResult
 from tests.support.cores import CORES, LAYOUT, FakeLinks, P, Q, core, expect, results, sends
 
 
 def test_the_table_names_a_handler_for_every_allowed_event() -> None:
-    assert set(TRANSITIONS) == set(Phase)
-    for phase, events in TRANSITIONS.items():
-        for event, handler in events.items():
-            assert handler == "_ignore" or callable(getattr(ConsumerCore, handler)), \
+    assert set(TABLE.rows) == set(Phase) - {Phase.DONE}
+    for phase, events in TABLE.rows.items():
+        for event, r in events.items():
+            assert r.handler is None or callable(getattr(ConsumerCore, r.handler)), \
                 (phase, event)
         assert Event.CLOSE in events and Event.PEER_LOST in events
+
+
+def test_a_handler_that_leaves_its_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Posted hint never ends a use: a handler that did would be a bug, raised (the
+    simulator reports it as a violation)."""
+    c = core()
+    expect(c, producers=(P,))
+
+    def ends(self: ConsumerCore, now: float, req: object, peer: str, part: int) -> None:
+        req.phase = Phase.PUSH_CLOSING  # type: ignore[attr-defined]
+    monkeypatch.setattr(ConsumerCore, "_on_posted", ends)
+    with pytest.raises(TransitionError, match="POSTED in PUSHING led to PUSH_CLOSING"):
+        c.on_message(0.1, P, m.Posted("r", 11, 0))
+
+
+def test_a_claim_is_a_use_in_the_claimed_phase() -> None:
+    """A claim is the use's first phase, in the same record and table: the pull that
+    continues it begins it, a producer's refusal ends it."""
+    c = core()
+    t = m.PullTicket(P, "tcp://x:1", "r", m.encode_ids(np.array([3, 4])), 30.0, 0.0, sid=7)
+    xid = c.claim(0.0, t)
+    assert c.status("r") == "claimed" and c.snapshot("r").xid == xid
+    c.on_message(0.1, P, m.Failed("r", xid, "not_held", "gone"))
+    assert c.status("r") == "none" and c.drain() == [Send(P, m.Claim("r", xid, 7, 1))]
 
 
 def test_push_ready_once_every_part_landed() -> None:

@@ -12,13 +12,40 @@ import pytest
 
 from kvpush import messages as m
 from kvpush.protocol.effects import Abandon, DropPeer, Send, XferEnd
-from kvpush.protocol.producer import TRANSITIONS, State
+from kvpush.protocol.producer import OWNER_TABLE, TABLE, ProducerCore, ShareState, State
+from kvpush.protocol.table import TransitionError
 from kvpush.request import ReleaseReason, TransferMode
 from tests.support.cores import LAYERS, NUM_BLOCKS, Harness, layout
 
 
 def test_every_state_has_a_row_in_the_transition_table() -> None:
-    assert set(TRANSITIONS) == set(State)
+    assert set(TABLE.rows) == set(State)
+    for table in (TABLE, OWNER_TABLE):
+        for state, event, r in table.edges():
+            assert r.handler is None or callable(getattr(ProducerCore, r.handler)), \
+                (table.name, state, event)
+
+
+def test_a_handler_that_leaves_its_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registration's handler may leave WAITING only where the table says: one that
+    ends the use is a bug, raised (the simulator reports it as a violation)."""
+    def ends(self: ProducerCore, req: object, peer: str, msg: m.Register) -> None:
+        req.state = State.ENDED  # type: ignore[attr-defined]
+    monkeypatch.setattr(ProducerCore, "_on_register", ends)
+    with pytest.raises(TransitionError, match="REGISTER in WAITING led to ENDED"):
+        Harness().register("A", "r", 11, [1, 2])
+
+
+def test_an_owner_change_outside_its_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner still registered cannot be done on the consumer's Abort: only gone."""
+    def done(self: ProducerCore, req: object, peer: str, msg: m.Abort) -> None:
+        for share in req.shares.values():  # type: ignore[attr-defined]
+            self._to(share, ShareState.DONE)
+    h = Harness()
+    h.register("A", "r", 11, [1, 2])
+    monkeypatch.setattr(ProducerCore, "_on_consumer_abort", done)
+    with pytest.raises(TransitionError, match="CONSUMER_ABORT in REGISTERED led to DONE"):
+        h.core.on_message(1.0, "A", m.Abort("r", 11, "gave up"))
 
 
 def test_push_releases_once_after_the_write() -> None:
