@@ -49,6 +49,8 @@ PREFIX = "kvd"
 HTTP_PORT = 8000
 KV_PORT = 29600
 ETCD_PORT = 2379
+#: The deployment's key prefix in etcd.
+ETCD_PREFIX = "/kvpush/deploy"
 REPO = Path(__file__).resolve().parent.parent
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -235,6 +237,9 @@ class Deployment:
     model: Path
     prefills: int
     decodes: int
+    #: every instance publishes its records in etcd (``discovery_*`` keys), and kvpush's
+    #: routers take a push's producers from them (``--discovery-etcd``)
+    discovery: bool = False
     fabric: Fabric = field(init=False)
     client_ns: str = field(init=False)
     instances: dict[str, Service] = field(default_factory=dict)
@@ -290,9 +295,17 @@ class Deployment:
         role = "kv_producer" if name.startswith("prefill") else "kv_consumer"
         cfg: dict[str, Any] = {"host": host.ip, "advertise_host": host.ip}
         if role == "kv_producer":
-            cfg["port"] = KV_PORT
+            # A decode peer that dies is noticed within seconds: its blocks go back.
+            cfg.update(port=KV_PORT, peer_timeout_s=5.0)
         else:
             cfg.update(peer_timeout_s=3.0, heartbeat_s=0.5, request_timeout_s=60.0)
+        if self.discovery:
+            # vllm-router keeps an instance 5 s after the bridge's last registration: a
+            # draining instance waits longer than that before it may stop.
+            cfg.update(discovery_etcd=self.etcd_url, discovery_prefix=ETCD_PREFIX,
+                       discovery_instance=name,
+                       discovery_http_address=f"{host.ip}:{HTTP_PORT}",
+                       discovery_ttl_s=3, discovery_drain_grace_s=6.0)
         cfg.update(extra_config or {})
         cmd = ["taskset", "-c", cores, sys.executable, "-m",
                "vllm.entrypoints.openai.api_server", "--model", str(self.model),
@@ -314,9 +327,13 @@ class Deployment:
         for j in range(self.decodes):
             self.start_instance(f"decode-{j}", str((j + 1) % 2))
 
+    @property
+    def etcd_url(self) -> str:
+        return f"http://{self.hosts['etcd'].ip}:{ETCD_PORT}"
+
     def start_etcd(self) -> Service:
         host = self.hosts["etcd"]
-        url = f"http://{host.ip}:{ETCD_PORT}"
+        url = self.etcd_url
         peer = f"http://{host.ip}:{ETCD_PORT + 1}"
         data = self.workdir / "etcd-data"
         cmd = ["etcd", "--name", "kvdep", "--data-dir", str(data),
@@ -348,6 +365,38 @@ class Deployment:
         self.routers[name] = service
         return service
 
+    def bridged_vllm_router(self, name: str, port: int) -> Service:
+        """vllm-router in P/D mode with no static worker: kvpush's bridge registers every
+        serving instance of the etcd records with it (``python -m kvpush.discovery
+        bridge``), so instances join and leave it while it runs."""
+        binary = vllm_router_binary()
+        if binary is None:
+            raise RuntimeError("vllm-router not found (.ci/bootstrap-vllm installs it)")
+        host = self.hosts["router"]
+        zmq = f"{host.ip}:{port + 2000}"
+        cmd = [binary, "--vllm-pd-disaggregation", "--vllm-discovery-address", zmq,
+               "--host", host.ip, "--port", str(port), "--policy", "round_robin",
+               "--prometheus-host", host.ip, "--prometheus-port", str(port + 1000)]
+        service = Service(name, host, port, self._spawn(name, host, cmd, dict(os.environ), port),
+                          health_path="/liveness")
+        self.routers[name] = service
+        bridge = self.discovery_cmd("bridge", "--router", zmq, "--interval", "0.5")
+        self.others.append(Service(f"{name}-bridge", host, 0, self._spawn(
+            f"{name}-bridge", host, bridge, dict(os.environ), 0)))
+        return service
+
+    def discovery_cmd(self, *args: str) -> list[str]:
+        """``python -m kvpush.discovery`` against this deployment's etcd and prefix."""
+        return [sys.executable, "-m", "kvpush.discovery", "--etcd", self.etcd_url,
+                "--prefix", ETCD_PREFIX, *args]
+
+    def run_discovery(self, *args: str, timeout: float = 150.0
+                      ) -> subprocess.CompletedProcess[str]:
+        """Run ``python -m kvpush.discovery ARGS`` on the router host."""
+        return subprocess.run(["ip", "netns", "exec", self.hosts["router"].ns,
+                               *self.discovery_cmd(*args)], capture_output=True, text=True,
+                              timeout=timeout, cwd=str(self.logs))
+
     def kvpush_router(self, name: str, port: int, prefill: str,
                       decodes: Sequence[str]) -> Service:
         """kvpush's router (``examples/vllm/router.py``): one prefill instance, decodes in
@@ -356,7 +405,11 @@ class Deployment:
         cmd = [sys.executable, str(REPO / "examples/vllm/router.py"), "--host", host.ip,
                "--port", str(port), "--prefill", self.instances[prefill].url,
                "--decode", *(self.instances[d].url for d in decodes),
-               "--producers", self.instances[prefill].producer, "--mode", "push"]
+               "--mode", "push"]
+        if self.discovery:  # the prefill's producers from its record
+            cmd += ["--discovery-etcd", self.etcd_url, "--discovery-prefix", ETCD_PREFIX]
+        else:
+            cmd += ["--producers", self.instances[prefill].producer]
         service = Service(name, host, port, self._spawn(name, host, cmd, dict(os.environ), port))
         self.routers[name] = service
         return service
@@ -389,6 +442,18 @@ class Deployment:
         out = subprocess.run(["ip", "-n", host.ns, "-j", "-s", "link", "show", "dev", host.dev],
                              capture_output=True, text=True, timeout=10, check=True).stdout
         return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+
+    def shape_into(self, name: str, rate: str | None) -> None:
+        """Limit what reaches ``name``'s host to ``rate`` (``tc tbf`` on its bridge port;
+        None lifts it)."""
+        i = self.fabric.ns.index(self.hosts[name].ns)
+        cmd = ["ip", "netns", "exec", self.fabric.hub, "tc", "qdisc"]
+        dev = ["dev", self.fabric.hub_dev[i], "root"]
+        if rate is None:
+            subprocess.run([*cmd, "del", *dev], capture_output=True, timeout=10)
+        else:
+            subprocess.run([*cmd, "replace", *dev, "tbf", "rate", rate, "burst", "32kbit",
+                            "latency", "400ms"], check=True, capture_output=True, timeout=10)
 
     def metrics(self, name: str) -> dict[str, float]:
         s = self.instances[name]

@@ -33,6 +33,9 @@ class Fabric:
         net = f"10.251.{os.getpid() % 250}"
         self.ip = [f"{net}.{i + 1}" for i in range(n)]
         hub = f"{tag}h"
+        #: the bridge's namespace, and in it each host's peer end (``tc`` there shapes
+        #: what reaches host i)
+        self.hub, self.hub_dev = hub, [f"{tag}{i}h" for i in range(n)]
         try:
             _ip("netns", "add", hub)
             self._made.append(hub)
