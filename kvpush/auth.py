@@ -181,9 +181,11 @@ class HelloGuard:
     def __init__(self) -> None:
         self._seen: dict[bytes, float] = {}
 
-    def check(self, nonce: bytes, sent_at: float) -> None:
-        """Refuse a Hello too old, from the future, or seen before (a replay)."""
-        now = time.time()
+    def check(self, nonce: bytes, sent_at: float, now: float | None = None) -> None:
+        """Refuse a Hello too old, from the future, or seen before (a replay). ``now``: this
+        side's wall clock (default ``time.time()``; the simulator passes its own)."""
+        if now is None:
+            now = time.time()
         if abs(now - sent_at) > HELLO_MAX_SKEW_S:
             raise AuthenticationError(f"Hello is {now - sent_at:.0f} s old (clock skew or replay)")
         if len(nonce) != 16:
@@ -205,18 +207,22 @@ class Challenges:
         self._issued: dict[bytes, float] = {}
         self._limit = limit
 
-    def issue(self) -> bytes:
-        """A fresh challenge nonce, remembered until redeemed, stale or pushed out."""
+    def issue(self, now: float | None = None, nonce: bytes | None = None) -> bytes:
+        """A fresh challenge nonce, remembered until redeemed, stale or pushed out. ``now``
+        (monotonic, default ``time.monotonic()``) and ``nonce`` (default random): the
+        simulator passes its own clock and seeded nonces."""
         while len(self._issued) >= self._limit:
             del self._issued[next(iter(self._issued))]
-        nonce = new_nonce()
-        self._issued[nonce] = time.monotonic()
+        nonce = new_nonce() if nonce is None else nonce
+        self._issued[nonce] = time.monotonic() if now is None else now
         return nonce
 
-    def redeem(self, nonce: bytes) -> None:
+    def redeem(self, nonce: bytes, now: float | None = None) -> None:
         """Accept ``nonce`` once; AuthenticationError if this side did not issue it (a Hello
         meant for another producer), or it was redeemed already or is stale."""
         issued = self._issued.pop(nonce, None)
-        if issued is None or time.monotonic() - issued > HELLO_MAX_SKEW_S:
+        if now is None:
+            now = time.monotonic()
+        if issued is None or now - issued > HELLO_MAX_SKEW_S:
             raise AuthenticationError("Hello does not answer a challenge of this producer "
                                       "(meant for another, replayed, or stale)")

@@ -15,15 +15,25 @@ import math
 import re
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from .. import messages as m
-from ..errors import ProtocolError
+from ..errors import AuthenticationError, ProtocolError
 from ..layout import KVLayout
 from ..protocol.effects import Abandon, DropPeer, Emit, Post, Send, XferEnd
+from ..protocol.session import (
+    AcceptConfig,
+    Acceptor,
+    Admit,
+    ConnectFailed,
+    DialConfig,
+    Dialers,
+    PeerDown,
+    PeerUp,
+    SessionEffect,
+    SessionStats,
+    Transmit,
+)
 from ..request import Release, TransferResult
 from .engines import DecodeEngine, PrefillEngine
 from .fakes import FakeMemory, SimLinks, Transfer
@@ -31,24 +41,9 @@ from .fakes import FakeMemory, SimLinks, Transfer
 if TYPE_CHECKING:
     from .sim import Simulation
 
-__all__ = ["Endpoint", "Peer"]
+__all__ = ["Endpoint"]
 
-_IDEMPOTENT = (m.Hello, m.HelloAck, m.Heartbeat, m.HeartbeatAck)
-
-
-@dataclass
-class Peer:
-    """This endpoint's view of one peer connection."""
-
-    name: str
-    up: bool = False
-    inc: int = -1                # the peer incarnation the connection is with
-    last_seen: float = 0.0
-    hello_backoff: float = 0.0
-    hello_armed: bool = False
-    # consumer: (seq, when sent) of the oldest Heartbeat not answered yet (as the facade:
-    # silence counts from a question asked, not across a stall of this side's loop)
-    unanswered: tuple[int, float] | None = None
+_IDEMPOTENT = (m.Probe, m.Challenge, m.Hello, m.HelloAck, m.Heartbeat, m.HeartbeatAck)
 
 
 class Endpoint:
@@ -75,18 +70,39 @@ class Endpoint:
                 else DecodeEngine(sim, self)
         self.layout: KVLayout = self.memory.layout
         self.links = SimLinks(self.memory, sim.peer_memory)
-        self.peers: dict[str, Peer] = {}
-        self.lingering: set[str] = set()   # producer: peers lost, their DropPeer to come
+        # The peer sessions: the real session machines (kvpush.protocol.session), over the
+        # simulated network, with the run's key (or none) and seeded nonces.
+        self.clock_skew = 0.0        # this process's wall clock minus simulated time
+        self.session_stats = SessionStats()
+        self._attack = False         # the frame being handled is an attacker's
+        self.peer_inc: dict[str, int] = {}   # each peer's incarnation, as last admitted
+        self.dialing: set[str] = set()       # consumer: producers it keeps connected
+        self.idents: dict[str, str] = {}     # consumer: producer -> its socket's identity
+        self._conns = 0
+        self._dial_armed = math.inf
+
+        def wall() -> float:
+            return sim.sched.now + self.clock_skew
+
+        if role == "producer":
+            # bound to every interface and dialled by a host name, so only the challenge
+            # tells a Hello meant for this producer from one meant for another
+            self.acceptor = Acceptor(AcceptConfig(name, self.layout, sim.auth_key,
+                                                  t.peer_timeout_s, _address(name),
+                                                  "tcp://0.0.0.0:5555", wall, sim.nonce),
+                                     lambda: _meta(name, inc), self.session_stats)
+        else:
+            self.dialers = Dialers(DialConfig(name, self.layout, sim.auth_key,
+                                              t.peer_timeout_s, t.hello_retry_s, 0.5, wall,
+                                              sim.nonce))
         self.xfers: dict[int, Transfer] = {}      # posted here, end not yet reported
         self.closing = False
-        self.clock_skew = 0.0        # this process's wall clock minus simulated time
         self.stalled_until = 0.0
         self.stall_total = 0.0
         self._stall_start = 0.0
         self.backlog: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._armed = math.inf
         self._same_deadline = 0
-        self._hb_seq = 0
         self.core: Any = None
         self.core = make_core(self)
 
@@ -209,9 +225,14 @@ class Endpoint:
         self._call(self.core.close, now)
         self.flush()
         self._release_handles()
-        for peer in self.peers.values():
-            if peer.up or self.role == "producer":
-                self.send(peer.name, m.Bye(self.name))
+        if self.role == "producer":
+            for tx in self.acceptor.close():
+                self._transmit(tx)
+        else:
+            for d in self.dialers:
+                if d.up:
+                    self._transmit(Transmit(d.address, d.seal(m.Bye(self.name)),
+                                            msg=m.Bye(self.name)))
         self.alive = False
         self.backlog.clear()
         then()
@@ -232,143 +253,182 @@ class Endpoint:
 
     # -- control frames ----------------------------------------------------------------
     def send(self, peer: str, msg: m.Message) -> None:
-        try:
-            frame = m.encode(msg)
-        except (msgspec.EncodeError, TypeError, ValueError) as exc:
-            self.sim.checker.fail("bad_frame", f"{self.name} -> {peer}: cannot encode {msg!r}: "
-                                  f"{exc}")
-            return
+        """A core's Send: sealed under the peer's session (dropped when not connected, as
+        the facades do)."""
+        if self.role == "producer":
+            tx = self.acceptor.seal(peer, msg)
+        else:
+            d = self.dialers.by_name.get(peer)
+            tx = None if d is None or not d.up else Transmit(d.address, d.seal(msg), msg=msg)
+        if tx is not None:
+            self._transmit(tx)
+
+    def _transmit(self, tx: Transmit) -> None:
+        """Send a frame on a connection. A consumer's connection to one producer is one
+        ZeroMQ socket with a routing identity of its own (``name/incarnation.n``): what the
+        producer sends to an identity whose socket was closed (a session that ended, or a
+        consumer that restarted) is lost, as in ZeroMQ."""
+        msg = tx.msg
+        if isinstance(tx.peer, bytes):          # producer -> a consumer connection
+            ident = tx.peer.decode()
+            peer = ident.partition("/")[0]
+        else:                                   # consumer -> the producer it dialled
+            peer = _host(tx.peer)
+            ident = self.idents.get(tx.peer, "")
         target = self.sim.endpoints.get(peer)
-        if target is None:
+        if target is None or not ident:
             return
-        if not isinstance(msg, _IDEMPOTENT):
+        idempotent = isinstance(msg, _IDEMPOTENT)
+        if not idempotent:
             self.sim.checker.trace(f"{self.name} > {peer} {_brief(msg)}")
         if isinstance(msg, m.PullHeld) and self.role == "producer":
             src = self.engine.sources.get(msg.request_id)
             if src is not None:
                 src.held_until[msg.xid] = self.sim.sched.now + msg.hold_s
-        self.sim.net.send(self.name, peer, frame, target.receive, isinstance(msg, _IDEMPOTENT))
-
-    def receive(self, sender: str, frame: bytes) -> None:
-        self.run(self._on_frame, sender, frame)
-
-    def _on_frame(self, sender: str, frame: bytes) -> None:
-        try:
-            msg = m.decode(frame)
-        except ProtocolError as exc:
-            self.sim.checker.fail("bad_frame", f"{sender} -> {self.name}: {exc}")
-            return
-        now = self.sim.sched.now
-        if not isinstance(msg, _IDEMPOTENT):
-            self.sim.checker.trace(f"{self.name} < {sender} {_brief(msg)}")
+        # what an attacker captures: frames once delivered (a copy that overtook the
+        # original would only deliver the genuine frame early)
+        hello = isinstance(msg, m.Hello)
         if self.role == "producer":
-            self._producer_frame(sender, msg, now)
+            def deliver(sender: str, frame: bytes) -> None:
+                self.sim.sent_frame(sender, peer, frame)
+                target.receive(sender, frame, ident)
         else:
-            self._consumer_frame(sender, msg, now)
+            def deliver(sender: str, frame: bytes) -> None:
+                self.sim.sent_frame(ident, peer, frame, hello)
+                target.receive(ident, frame)
+        self.sim.net.send(self.name, peer, tx.frame, deliver, idempotent)
 
-    def _producer_frame(self, sender: str, msg: m.Message, now: float) -> None:
-        if isinstance(msg, m.Hello):
-            inc = _inc(msg.agent_metadata)
-            peer = self.peers.get(sender)
-            if peer is not None and peer.up and peer.inc != inc:
-                # a restarted consumer under the same name: the old one's WRITEs are given
-                # up at once (as the facade does: its agent must be re-added)
-                self._peer_lost(sender, "consumer reconnected", abandon=True)
-                self.flush()
-                peer = None
-            if sender in self.lingering:
-                # dropped already (silent), its WRITEs left to end: given up now, before
-                # NIXL takes the new metadata (as the facade does)
-                self._peer_lost(sender, "consumer reconnected", abandon=True)
-                self.flush()
-            if peer is None or not peer.up:
-                peer = self.peers[sender] = Peer(sender, up=True, inc=inc, last_seen=now)
-                self.core.peer_up(now, sender, KVLayout.from_wire(msg.layout))
-                self.flush()
-            peer.last_seen = now
-            self.send(sender, m.HelloAck(self.name, _meta(self.name, self.inc),
-                                         self.layout.to_wire()))
-            return
-        peer = self.peers.get(sender)
-        if peer is None or not peer.up:
-            # as the facade: tell a consumer we do not know what is true
-            self.sim.stats["frames_from_unknown"] += 1
-            if isinstance(msg, (m.Register, m.PullBegin, m.Claim)):
-                self.send(sender, m.Failed(msg.request_id, msg.xid, "not_connected",
-                                           "no handshake from this consumer"))
-            elif isinstance(msg, m.Heartbeat):
-                self.send(sender, m.Bye(self.name))
-            return
-        peer.last_seen = now
-        if isinstance(msg, m.Heartbeat):
-            self.send(sender, m.HeartbeatAck(msg.seq))
-            if self.sim.timings.heartbeats_to_core:
-                self.core.on_message(now, sender, msg)
-        elif isinstance(msg, m.Bye):
-            del self.peers[sender]
-            self._peer_lost(sender, "bye")
-        else:
+    def receive(self, sender: str, frame: bytes, conn: str = "") -> None:
+        """A frame from ``sender`` (producer: a consumer connection's identity; consumer:
+        the producer's name, on connection ``conn``)."""
+        self.run(self._on_frame, sender, frame, conn, False)
+
+    def attacked(self, sender: str, frame: bytes) -> None:
+        """A frame from an attacker (forged, replayed or spliced into a live connection):
+        with a key, it may earn a refusal and nothing else."""
+        self.run(self._on_frame, sender, frame, "", True)
+
+    def _on_frame(self, sender: str, frame: bytes, conn: str, attack: bool) -> None:
+        now = self.sim.sched.now
+        self._attack = attack
+        try:
+            if self.role == "producer":
+                effects, got = self.acceptor.receive(now, sender.encode(), frame)
+            else:
+                address = _address(sender)
+                d = self.dialers.by_address.get(address)
+                if d is None or (conn and self.idents.get(address) != conn):
+                    self.sim.stats["frames_to_closed"] += 1   # its socket is gone
+                    return
+                try:
+                    effects, msg = self.dialers.receive(now, d, frame)
+                except (AuthenticationError, ProtocolError):
+                    self.sim.stats["frames_rejected"] += 1
+                    return
+                got = None if msg is None else (d.name, msg)
+            self._session(effects)
+            if got is None:
+                return
+            if attack:
+                self.sim.checker.fail("forged_accepted", f"{self.name} took {_brief(got[1])} "
+                                      f"from attacker {sender} as {got[0]}'s")
+                return
+            name, msg = got
+            if isinstance(msg, m.Heartbeat):
+                if self.sim.timings.heartbeats_to_core:
+                    self.core.on_message(now, name, msg)
+                return
+            self.sim.checker.trace(f"{self.name} < {name} {_brief(msg)}")
             if isinstance(msg, (m.Register, m.Claim)):
                 self.sim.producer_wait_started(msg.request_id)
             if isinstance(msg, m.Claim):     # it may hold the source up to max_wait_s
                 src = self.engine.sources.get(msg.request_id)
                 if src is not None:
                     src.claimed_at = now
-            self.core.on_message(now, sender, msg)
+            self.core.on_message(now, name, msg)
+        finally:
+            self._attack = False
 
-    def _consumer_frame(self, sender: str, msg: m.Message, now: float) -> None:
-        peer = self.peers.get(sender)
-        if peer is None:
-            return
-        if isinstance(msg, m.HelloAck):
-            inc = _inc(msg.agent_metadata)
-            if peer.up and peer.inc == inc:
-                peer.last_seen = now
-                return            # a duplicate answer
-            if peer.up:
-                self._peer_lost(sender, "replaced by a new incarnation")
+    def _session(self, effects: list[SessionEffect]) -> None:
+        """Carry out what a session machine asked, in order."""
+        now = self.sim.sched.now
+        for eff in effects:
+            if self._attack and not (isinstance(eff, Transmit)
+                                     and (eff.best_effort or eff.again)):
+                what = _brief(eff.msg) if isinstance(eff, Transmit) else f"{eff!r:.200}"
+                self.sim.checker.fail("forged_accepted", f"{self.name}: an attacker's frame "
+                                      f"made the session do {what}")
+            if isinstance(eff, Transmit):
+                self._transmit(eff)
+            elif isinstance(eff, Admit):
+                self._admit(now, eff)
+            elif isinstance(eff, PeerUp):
+                self.sim.checker.trace(f"{self.name} up {eff.name}")
+                if self.role == "producer":
+                    self.core.peer_up(now, eff.name, eff.layout)
+                else:
+                    self.core.peer_up(now, eff.name)   # the consumer core takes no layout
                 self.flush()
-            peer.up, peer.inc, peer.last_seen, peer.unanswered = True, inc, now, None
-            self.core.peer_up(now, sender)     # the consumer core takes no layout
-            return
-        if not peer.up:
-            self.sim.stats["frames_from_unknown"] += 1
-            return
-        peer.last_seen = now
-        if isinstance(msg, m.HeartbeatAck):
-            if peer.unanswered is not None and msg.seq >= peer.unanswered[0]:
-                peer.unanswered = None
-            return
-        if isinstance(msg, m.Bye):
-            self._lose(peer, "bye")
-            return
-        if isinstance(msg, m.HelloReject):
-            self.sim.checker.fail("hello_rejected", f"{sender} refused {self.name}: {msg}")
-            return
-        self.core.on_message(now, sender, msg)
+            elif isinstance(eff, PeerDown):
+                self.sim.checker.trace(f"{self.name} lost {eff.name}: {eff.why}")
+                if self.role == "producer":
+                    self.core.peer_lost(now, eff.name, eff.why, abandon=eff.abandon)
+                else:
+                    self.core.peer_lost(now, eff.name, eff.why)
+                self.flush()
+            elif isinstance(eff, ConnectFailed) and not self.closing:
+                self.sim.checker.fail("hello_rejected", f"{eff.address} refused "
+                                      f"{self.name}: {eff.error}")
+        if self.role == "consumer":
+            self._redial()
+
+    def _admit(self, now: float, eff: Admit) -> None:
+        """The fake agent takes the peer's metadata (``name#incarnation``)."""
+        agent = eff.metadata.rsplit(b"#", 1)[0].decode(errors="replace")
+        self.peer_inc[eff.name] = _inc(eff.metadata)
+        if self.role == "producer":
+            assert isinstance(eff.peer, bytes)
+            if eff.peer.decode().partition("/")[0] != eff.name:
+                self.sim.checker.fail("hello_forged", f"{self.name} admits {eff.name} on "
+                                      f"the connection of {eff.peer.decode()}")
+            self._session(self.acceptor.admitted(now, eff.peer, agent))
+        else:
+            d = self.dialers.by_address.get(str(eff.peer))
+            if d is None:
+                return
+            if agent != eff.name:
+                self._session(self.dialers.refused(now, d, ProtocolError("agent name")))
+            else:
+                self._session(self.dialers.admitted(now, d))
 
     # -- connections and liveness ------------------------------------------------------
     def connect(self, producer: str) -> None:
-        """Consumer: keep Hello-ing ``producer`` until it answers (and again after it is
-        lost), as the engine's connect() would."""
-        peer = self.peers.setdefault(producer, Peer(producer))
-        peer.hello_backoff = self.sim.timings.hello_retry_s
-        self._arm_hello(peer)
+        """Consumer: keep dialling ``producer`` (and again after it is lost), as an engine
+        that connects to every producer would."""
+        self.dialing.add(_address(producer))
+        self.sim.sched.after(0.0, self.run, self._redial)
 
-    def _arm_hello(self, peer: Peer) -> None:
-        if not peer.hello_armed:
-            peer.hello_armed = True
-            self.sim.sched.after(0.0, self.run, self._hello, peer)
-
-    def _hello(self, peer: Peer) -> None:
-        peer.hello_armed = False
-        if peer.up or self.peers.get(peer.name) is not peer:
+    def _redial(self) -> None:
+        if not self.open:
             return
-        self.send(peer.name, m.Hello(self.name, _meta(self.name, self.inc),
-                                     self.layout.to_wire()))
-        peer.hello_armed = True
-        self.sim.sched.after(peer.hello_backoff, self.run, self._hello, peer)
-        peer.hello_backoff = min(peer.hello_backoff * 2, 0.5)
+        now = self.sim.sched.now
+        for address in sorted(self.dialing):
+            if address not in self.dialers.by_address:
+                self._conns += 1   # a new socket, a new routing identity
+                self.idents[address] = f"{self.name}/{self.inc}.{self._conns}"
+                _, effects = self.dialers.dial(now, address, _meta(self.name, self.inc),
+                                               math.inf)
+                self._session(effects)
+        due = self.dialers.next_deadline()
+        if due is not None and due < self._dial_armed:
+            self._dial_armed = due
+            self.sim.sched.at(due, self.run, self._dial_tick, due)
+
+    def _dial_tick(self, due: float) -> None:
+        if due != self._dial_armed:
+            return
+        self._dial_armed = math.inf
+        self._session(self.dialers.tick(self.sim.sched.now))
 
     def start_liveness(self) -> None:
         self.sim.sched.after(self.sim.sched.rng.uniform(0, self.sim.timings.heartbeat_s),
@@ -376,43 +436,11 @@ class Endpoint:
 
     def _liveness(self) -> None:
         now = self.sim.sched.now
-        t = self.sim.timings
-        for peer in list(self.peers.values()):
-            if not peer.up:
-                continue
-            if self.role == "producer":
-                if now - peer.last_seen > t.peer_timeout_s:
-                    self._lose(peer, f"silent for {now - peer.last_seen:.3f} s")
-                continue
-            asked = peer.unanswered
-            if asked is not None and now - asked[1] > t.peer_timeout_s:
-                self._lose(peer, f"no answer for {now - asked[1]:.3f} s")
-                continue
-            self._hb_seq += 1
-            if asked is None:
-                peer.unanswered = (self._hb_seq, now)
-            self.send(peer.name, m.Heartbeat(self._hb_seq))
-        self.sim.sched.after(t.heartbeat_s, self.run, self._liveness)
-
-    def _lose(self, peer: Peer, why: str) -> None:
-        peer.up = False
-        self.sim.checker.trace(f"{self.name} lost {peer.name}: {why}")
-        self._peer_lost(peer.name, why)
-        self.flush()
         if self.role == "producer":
-            self.peers.pop(peer.name, None)
+            self._session(self.acceptor.check(now))
         else:
-            peer.hello_backoff = self.sim.timings.hello_retry_s
-            self._arm_hello(peer)
-
-    def _peer_lost(self, name: str, why: str, abandon: bool = False) -> None:
-        now = self.sim.sched.now
-        if self.role == "producer":
-            self.lingering.add(name)     # until the core's DropPeer
-        if abandon:
-            self.core.peer_lost(now, name, why, abandon=True)
-        else:
-            self.core.peer_lost(now, name, why)
+            self._session(self.dialers.heartbeat(now))
+        self.sim.sched.after(self.sim.timings.heartbeat_s, self.run, self._liveness)
 
     # -- effects -----------------------------------------------------------------------
     def _effect(self, eff: Any) -> None:
@@ -430,16 +458,14 @@ class Endpoint:
             else:
                 self.sim.checker.fail("bad_effect", f"{self.name}: {eff!r}")
         elif isinstance(eff, DropPeer):
-            peer = self.peers.get(eff.peer)
-            self.lingering.discard(eff.peer)
             self.sim.checker.trace(f"{self.name} drop {eff.peer}: {eff.why}")
-            if peer is not None:
-                if self.role == "producer":
-                    del self.peers[eff.peer]
-                elif peer.up:
-                    peer.up = False
-                    peer.hello_backoff = self.sim.timings.hello_retry_s
-                    self._arm_hello(peer)
+            if self.role == "producer":
+                self.acceptor.forget(eff.peer)
+            else:
+                d = self.dialers.by_name.get(eff.peer)
+                if d is not None:
+                    self._session([e for e in self.dialers.lose(self.sim.sched.now, d, eff.why)
+                                   if not isinstance(e, PeerDown)])
         else:
             self.sim.checker.fail("bad_effect", f"{self.name}: unknown effect {eff!r}")
 
@@ -449,10 +475,10 @@ class Endpoint:
         if eff.key in self.xfers:
             sim.checker.fail("bad_effect", f"{self.name}: transfer key {eff.key} posted twice")
             return
-        peer = self.peers.get(eff.peer)
+        sealer = self._notif_sealer(eff.peer)
         target = sim.endpoints.get(eff.peer)
-        if peer is None or not peer.up or target is None or not target.alive \
-                or target.inc != peer.inc:
+        if sealer is False or target is None or not target.alive \
+                or target.inc != self.peer_inc.get(eff.peer):
             sim.checker.trace(f"{self.name} post {eff.key} to {eff.peer}: LOST")
             self.core.transfer_ended(now, eff.key, XferEnd.LOST)
             return
@@ -466,7 +492,7 @@ class Endpoint:
                              f"indices out of range or of unequal length")
             self.core.transfer_ended(now, eff.key, XferEnd.ERROR)
             return
-        notif = m.encode(eff.notif)
+        notif = m.encode(eff.notif, sealer or None)
         xid = int(getattr(eff.notif, "xid", 0))
         if eff.op == "WRITE":
             src, dst, src_rows, dst_rows = self.memory, target.memory, local, remote
@@ -521,14 +547,42 @@ class Endpoint:
         self.sim.checker.trace(f"{self.name} xfer {xfer.key} ended {end.value}")
         self.core.transfer_ended(self.sim.sched.now, xfer.key, end)
 
+    def _notif_sealer(self, peer: str) -> Any:
+        """The sealer of notifications to connected ``peer`` (None without a key), or
+        False when it is not connected."""
+        if self.role == "producer":
+            p = self.acceptor.connected(peer)
+            return False if p is None else p.notif_sealer
+        d = self.dialers.by_name.get(peer)
+        return False if d is None or not d.up else d.notif_sealer
+
     def notification(self, sender: str, frame: bytes) -> None:
-        msg = m.decode(frame)
-        peer = self.peers.get(sender)
-        if peer is None or not peer.up:
+        if self.role == "producer":
+            p = self.acceptor.connected(sender)
+            known, opener = p is not None, None if p is None else p.notif_opener
+        else:
+            d = self.dialers.by_name.get(sender)
+            known = d is not None and d.up
+            opener = None if d is None else d.notif_opener
+        if not known:
             self.sim.stats["notifs_from_unknown"] += 1
+            return
+        try:
+            msg = m.decode(frame, opener)
+        except AuthenticationError:
+            self.sim.stats["notifs_rejected"] += 1
             return
         self.sim.checker.trace(f"{self.name} notif < {sender} {_brief(msg)}")
         self.core.on_notification(self.sim.sched.now, sender, msg)
+
+
+def _address(producer: str) -> str:
+    """The address consumers dial ``producer`` at (every producer listens on one port)."""
+    return f"tcp://{producer}:5555"
+
+
+def _host(address: str) -> str:
+    return address.removeprefix("tcp://").rpartition(":")[0]
 
 
 def _meta(name: str, inc: int) -> bytes:

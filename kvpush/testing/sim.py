@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import random
 import sys
 import time
 from collections import Counter, deque
@@ -125,7 +126,7 @@ class Timings:
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
           "double", "late", "sharers", "skew", "claim", "close", "slownotif", "twice",
-          "order", "inuse", "reset", "retry")
+          "order", "inuse", "reset", "retry", "forge")
 #: Faults that come at ``Faults.rate`` per simulated second rather than per request.
 _PROCESS_FAULTS = frozenset({"cut", "stall", "kill", "close", "reset"})
 
@@ -154,6 +155,7 @@ class Faults:
                                  # prefill_done for the use it aborted (racing its abort)
     inuse_p: float = 0.3         # a request id reused while its previous use is held
     retry_p: float = 0.3         # a decode engine retries a push that failed or timed out
+    forge_rate: float = 2.0      # attacker frames per simulated second (with a key)
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -195,10 +197,19 @@ class Simulation:
                  timings: Timings | None = None, faults: Faults | None = None,
                  epoch: int = 2000, make_producer: CoreFactory | None = None,
                  make_consumer: CoreFactory | None = None, out: Any = None,
-                 progress_every: int = 0, stop_after: int = 0) -> None:
+                 progress_every: int = 0, stop_after: int = 0, auth: bool = True) -> None:
         if isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0:
             raise ValueError(f"stop_after must be an int >= 0, got {stop_after!r}")
         self.seed = seed
+        # Every control frame and notification authenticated with a shared key (as with
+        # ProducerConfig.auth_key / ConsumerConfig.auth_key), or none; nonces are drawn from
+        # the seed, so a run replays exactly.
+        self.auth_key: bytes | None = b"kvpush-simulated-key" if auth else None
+        self._nonces = random.Random(seed * 104729 + 7)
+        # the last control frames sent, (sender, receiver, frame): what an attacker on the
+        # network could capture and replay ("forge")
+        self.captured: deque[tuple[str, str, bytes]] = deque(maxlen=64)
+        self.hellos: deque[tuple[str, str, bytes]] = deque(maxlen=8)
         self.timings = timings or Timings()
         self.faults = faults or Faults()
         self.sched = Scheduler(seed)
@@ -246,6 +257,14 @@ class Simulation:
         self._wall0 = 0.0
 
     # -- setup -------------------------------------------------------------------------
+    def nonce(self) -> bytes:
+        """A handshake nonce (16 bytes, from the seed)."""
+        return self._nonces.randbytes(16)
+
+    def sent_frame(self, src: str, dst: str, frame: bytes, hello: bool = False) -> None:
+        if "forge" in self.faults.enabled:
+            (self.hellos if hello else self.captured).append((src, dst, frame))
+
     def heads_of(self, name: str) -> tuple[int, int, int]:
         """(first head, heads, total heads) an endpoint holds. Producers form groups of
         ``tp`` ranks (p0..p{tp-1}, ...), consumers groups of ``ctp`` ranks; a rank holds its
@@ -287,8 +306,11 @@ class Simulation:
         self.endpoints[name] = ep
         ep.start_liveness()
         if role == "consumer":
+            # a producer holding none of its heads would refuse the handshake (the layouts
+            # cannot exchange blocks), as a real one does: it is not dialled
             for p in self.producer_names:
-                ep.connect(p)
+                if self._overlaps(p, name):
+                    ep.connect(p)
         return ep
 
     # -- the run -----------------------------------------------------------------------
@@ -304,6 +326,8 @@ class Simulation:
         self.sched.after(0.2, self._arrive)          # handshakes first
         if self.faults.enabled & _PROCESS_FAULTS and self.faults.rate > 0:
             self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
+        if self.faults.on("forge") and self.auth_key is not None:
+            self.sched.after(self.rng.expovariate(self.faults.forge_rate), self._forge)
         chk = self.checker
         sched = self.sched
         # The cores count live resources in the process-wide kvpush.metrics.LIVE; simulated
@@ -1050,6 +1074,41 @@ class Simulation:
         self._fault(kind)
         self.sched.after(rng.expovariate(self.faults.rate), self._process_fault)
 
+    def _forge(self) -> None:
+        """An attacker on the control network (it has no key): it replays a frame it
+        captured, to its receiver or to another endpoint of the same role, from its own
+        connection or spliced into the sender's; or it sends a frame of its own. With a key,
+        each may earn a refusal and nothing else (the driver checks); without one nothing is
+        claimed (the key is what authenticates), so the fault needs one."""
+        rng = self.rng
+        if self._quiescing or self._done:
+            return
+        self.sched.after(rng.expovariate(self.faults.forge_rate), self._forge)
+        hello = bool(self.hellos) and rng.random() < 0.5
+        pool = self.hellos if hello else self.captured
+        if not pool:
+            return
+        self._fault("forge")
+        src, dst, frame = pool[rng.randrange(len(pool))]
+        how = "elsewhere" if hello and rng.random() < 0.5 else \
+            rng.choice(("replay", "elsewhere", "splice", "tamper", "plain"))
+        sender = f"x{rng.randrange(4)}"
+        if how == "elsewhere":   # e.g. a Hello captured on its way to one producer
+            names = self.producer_names if dst in self.producer_names else self.consumer_names
+            dst = rng.choice(names)
+        elif how == "splice":    # replayed into the genuine sender's connection
+            sender = src
+        elif how == "tamper":
+            i = rng.randrange(len(frame))
+            frame = frame[:i] + bytes([frame[i] ^ (1 + rng.randrange(255))]) + frame[i + 1:]
+        elif how == "plain":     # a frame of its own, unsealed, naming a real peer
+            frame = m.encode(rng.choice((m.Bye(src), m.Heartbeat(1),
+                                         m.Abort(f"r{rng.randrange(99)}", 1, "forged"))))
+        target = self.endpoints.get(dst)
+        self.checker.trace(f"FAULT forge {how} {src}>{dst} as {sender}")
+        if target is not None and target.alive:
+            self.net.send(sender, dst, frame, target.attacked)
+
     def _restart(self, name: str, role: str, inc: int, reopen: Endpoint | None = None) -> None:
         self.checker.trace(f"FAULT restart {name}#{inc}")
         self._spawn(name, role, inc, reopen)
@@ -1127,6 +1186,8 @@ class Simulation:
         self.sched.after(0.0, self._arrive)
         if self.faults.enabled & _PROCESS_FAULTS and self.faults.rate > 0:
             self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
+        if self.faults.on("forge") and self.auth_key is not None:
+            self.sched.after(self.rng.expovariate(self.faults.forge_rate), self._forge)
 
 
 # -- the real cores ------------------------------------------------------------------------
@@ -1223,6 +1284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the timeouts' order: the simulator's short ones (default), the "
                          "library's defaults scaled by 1/60 (peer < transfer < lease < "
                          "max_wait), or drawn from the seed")
+    ap.add_argument("--auth", choices=("on", "off"), default="on",
+                    help="authenticate every frame with a shared key (default), or not; "
+                         "the forge fault needs a key")
     ap.add_argument("--stop-after", type=int, default=0, metavar="N",
                     help="stop at the N-th violation (default 0: run to the end)")
     ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
@@ -1247,7 +1311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      timings=timings,
                      requests=args.requests, rate=args.rate, faults=faults, epoch=args.epoch,
                      progress_every=progress, make_producer=_load(args.producer_core),
-                     make_consumer=_load(args.consumer_core), stop_after=args.stop_after)
+                     make_consumer=_load(args.consumer_core), stop_after=args.stop_after,
+                     auth=args.auth == "on")
     violations = sim.run()
     print(sim.details())
     if violations:
@@ -1260,7 +1325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f" --ctp {args.ctp}" if args.ctp > 1 else "")
               + (f" --transfer-timeout {args.transfer_timeout}"
                  if args.transfer_timeout is not None else "")
-              + (f" --timings {args.timings}" if args.timings != "sim" else ""))
+              + (f" --timings {args.timings}" if args.timings != "sim" else "")
+              + (" --auth off" if args.auth == "off" else ""))
     print(sim.summary())
     return 1 if violations else 0
 

@@ -1,0 +1,134 @@
+"""The peer-session machines (kvpush.protocol.session) on their own: a Dialer and an
+Acceptor handed each other's frames, with and without a key."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvpush import messages as m
+from kvpush.protocol import session as s
+from kvpush.protocol.table import mermaid
+from kvpush.testing.fakes import FakeMemory
+
+KEY = b"k" * 32
+
+
+def _nonces(seed: int):  # type: ignore[no-untyped-def]
+    counter = itertools.count(seed * 1000)
+    return lambda: next(counter).to_bytes(16, "big")
+
+
+def _pair(key: bytes | None, producer: str = "p0") -> tuple[s.Dialers, s.Acceptor]:
+    layout = FakeMemory(2, 16).layout
+    acc = s.Acceptor(s.AcceptConfig(producer, layout, key, 1.0, f"tcp://{producer}:1",
+                                    "tcp://0.0.0.0:1", lambda: 1000.0, _nonces(1)),
+                     lambda: b"pmeta")
+    dials = s.Dialers(s.DialConfig("c0", layout, key, 1.0, 0.05, 0.5, lambda: 1000.0,
+                                   _nonces(2)))
+    return dials, acc
+
+
+def _frames(effects: list[s.SessionEffect]) -> list[s.Transmit]:
+    return [e for e in effects if isinstance(e, s.Transmit)]
+
+
+def _connect(dials: s.Dialers, acc: s.Acceptor, address: str = "tcp://p0:1"
+             ) -> tuple[s.Dialer, list[s.SessionEffect]]:
+    """Run the handshake to the end; returns the dialer and every consumer effect."""
+    d, out = dials.dial(0.0, address, b"cmeta", 10.0)
+    seen = list(out)
+    for _ in range(4):
+        answers: list[s.SessionEffect] = []
+        for tx in _frames(out):
+            got, msg = acc.receive(0.0, b"id-c0", tx.frame)
+            assert msg is None
+            for e in got:
+                if isinstance(e, s.Admit):
+                    answers += acc.admitted(0.0, e.peer, e.name)  # type: ignore[arg-type]
+                else:
+                    answers.append(e)
+        out = []
+        for tx in _frames(answers):
+            got, msg = dials.receive(0.0, d, tx.frame)
+            for e in got:
+                if isinstance(e, s.Admit):
+                    got2 = dials.admitted(0.0, d)
+                    out += got2
+                    seen += got2
+            out += got
+            seen += got
+        if d.up:
+            break
+    return d, seen
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_handshake_brings_both_sides_up(key: bytes | None) -> None:
+    dials, acc = _pair(key)
+    d, seen = _connect(dials, acc)
+    assert d.up and d.name == "p0"
+    assert any(isinstance(e, s.PeerUp) and e.name == "p0" for e in seen)
+    assert acc.connected("c0") is not None
+    # a core's frame, sealed under the session, reaches the other side's core
+    tx = acc.seal("c0", m.Bye("p0", rejoin=False))
+    assert tx is not None
+
+
+def test_a_retransmitted_hello_crossing_a_producer_restart_starts_a_new_attempt() -> None:
+    """A Hello and its retransmit reach a producer that restarted since it issued the
+    challenge: the first is refused ("challenge"), and the second -- its nonce seen now --
+    is refused the same way, sealed and echoing the nonce, so the consumer probes again
+    instead of failing its connect() on an unsealed "replayed Hello"."""
+    dials, old = _pair(KEY)
+    d, out = dials.dial(0.0, "tcp://p0:1", b"cmeta", 10.0)
+    (probe,) = _frames(out)
+    got, _ = old.receive(0.0, b"id", probe.frame)
+    (challenge,) = _frames(got)
+    got, _ = dials.receive(0.0, d, challenge.frame)
+    (hello,) = _frames(got)
+    _, new = _pair(KEY)                       # the producer restarted
+    answers = []
+    for _ in range(2):                        # the Hello and its retransmit
+        got, _ = new.receive(0.01, b"id", hello.frame)
+        answers += _frames(got)
+    assert len(answers) == 2
+    for tx in answers:
+        assert isinstance(tx.msg, m.HelloReject) and tx.msg.field == "challenge"
+        assert m.is_sealed(tx.frame)
+    for tx in answers:
+        got, _ = dials.receive(0.01, d, tx.frame) if d.nonce else ([], None)
+        assert not any(isinstance(e, s.ConnectFailed) for e in got)
+    assert d.state is s.DialState.PROBING
+
+
+def test_a_hello_replayed_to_another_producer_is_refused() -> None:
+    """Two producers share the key and the port; a consumer dialled one by a host name.
+    Its Hello, captured and replayed to the other, answers no challenge of that one."""
+    dials, p0 = _pair(KEY, "p0")
+    _, p1 = _pair(KEY, "p1")
+    d, out = dials.dial(0.0, "tcp://shared-name:1", b"cmeta", 10.0)
+    got, _ = p0.receive(0.0, b"id", _frames(out)[0].frame)
+    got, _ = dials.receive(0.0, d, _frames(got)[0].frame)
+    (hello,) = _frames(got)
+    got, _ = p1.receive(0.0, b"attacker", hello.frame)
+    assert not any(isinstance(e, (s.Admit, s.PeerDown)) for e in got)
+    (tx,) = _frames(got)
+    assert isinstance(tx.msg, m.HelloReject) and tx.best_effort
+
+
+def test_heartbeats_unanswered_lose_the_producer() -> None:
+    dials, acc = _pair(None)
+    d, _ = _connect(dials, acc)
+    assert _frames(dials.heartbeat(1.0))          # asked at 1.0
+    assert _frames(dials.heartbeat(1.5))          # not answered yet, asked again
+    out = dials.heartbeat(2.1)                    # 1.1 s after the first question
+    assert [e for e in out if isinstance(e, s.PeerDown)]
+    assert not d.up and "tcp://p0:1" not in dials.by_address
+
+
+def test_tables_render() -> None:
+    for table in (s.DIAL_TABLE, s.LINK_TABLE):
+        text = mermaid(table)
+        assert text.startswith("stateDiagram-v2")
