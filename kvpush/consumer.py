@@ -254,8 +254,6 @@ class Consumer(Endpoint):
             layout, CoreConfig(config.abort_grace_s, config.verify, config.coalesce),
             _AgentLinks(self._agent, layout), self._stats)
         self._handles: dict[int, TransferHandle] = {}
-        # pulls in their handshake (loop thread): xid -> (handle, dst, started, deadline)
-        self._connecting: dict[int, tuple[TransferHandle, np.ndarray, float, float]] = {}
         # pulls claimed and not begun, by request id: written by the engine's threads
         # (claim, pull, abort) and by the loop (a producer lost), hence the lock
         self._claims: dict[str, _Claim] = {}
@@ -614,10 +612,6 @@ class Consumer(Endpoint):
         rid = self._check_request_id(request_id)
 
         def snap() -> RequestStatus:
-            for handle, dst, _, deadline in self._connecting.values():
-                if handle.request_id == rid:
-                    return RequestStatus(rid, "connecting", TransferMode.PULL, handle.xid,
-                                         0, dst, deadline=deadline)
             status: RequestStatus = self._core.snapshot(rid)
             if status.phase == "none":  # a claim whose producers are still connecting
                 with self._claims_lock:
@@ -640,7 +634,7 @@ class Consumer(Endpoint):
     @property
     def pending(self) -> int:
         """Requests with no result yet (handshakes of pulls included)."""
-        return self._core.pending + len(self._connecting)
+        return self._core.pending
 
     def producers(self) -> list[str]:
         """Names of producers connected now."""
@@ -1005,13 +999,14 @@ class Consumer(Endpoint):
         budget and ``connect_timeout_s``), then READ; a handshake that fails ends the pull
         FAILED with the handshake's error (nothing was posted: its blocks are safe)."""
         self._handles[handle.xid] = handle
-        self._connecting[handle.xid] = (handle, dst, started, time.monotonic() + budget())
+        rid = handle.request_id
+        self._core.connecting(started, rid, handle.xid, dst, time.monotonic() + budget())
         missing = {t.producer: (t, src) for t, src in zip(tickets, sources, strict=True)
                    if t.producer not in self._by_name}
         wait = min(self.config.connect_timeout_s, budget())
 
         def on_result(producer: str, name: str | None, error: KvpushError | None) -> None:
-            if handle.xid not in self._connecting:
+            if self._core.status(rid) != "connecting" or self._core.xid_of(rid) != handle.xid:
                 return  # ended already (aborted, or another handshake failed)
             t, src = missing.pop(producer)
             if error is None and name != t.producer:
@@ -1023,9 +1018,9 @@ class Consumer(Endpoint):
                 except InvalidBlockIds as exc:
                     error = exc
             if error is not None:
-                self._end_unstarted(handle.xid, RequestState.FAILED, error)
+                self._core.connect_failed(time.monotonic(), rid, handle.xid, error)
+                self._apply()
             elif not missing:
-                del self._connecting[handle.xid]
                 self._read(handle, tickets, sources, dst, budget(), sharers)
 
         def waiter(producer: str) -> Callable[[str | None, KvpushError | None], None]:
@@ -1033,15 +1028,6 @@ class Consumer(Endpoint):
 
         for producer, (t, _) in list(missing.items()):
             self._connect(t.address, wait, waiter(producer))
-
-    def _end_unstarted(self, xid: int, state: RequestState, error: KvpushError) -> None:
-        """A pull that ends before it began (in its handshake): reported at once."""
-        handle, dst, started, _ = self._connecting.pop(xid)
-        counter = {RequestState.FAILED: "requests_failed",
-                   RequestState.ABORTED: "requests_aborted"}[state]
-        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
-        self._emit(TransferResult(handle.request_id, state, TransferMode.PULL, error,
-                                  time.monotonic() - started, 0, True, dst, xid))
 
     def _claim(self, rid: str, tickets: list[m.PullTicket], claim: _Claim) -> None:
         """Send the claim to its producers, once they are all connected: those that are
@@ -1100,8 +1086,6 @@ class Consumer(Endpoint):
         self._apply()
 
     def _abort(self, rid: str, state: RequestState, error: KvpushError) -> None:
-        for xid in [x for x, entry in self._connecting.items() if entry[0].request_id == rid]:
-            self._end_unstarted(xid, state, error)
         self._core.abort(time.monotonic(), rid, state, error)
         self._apply()
 

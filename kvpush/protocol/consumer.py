@@ -62,6 +62,7 @@ class Phase(enum.Enum):
     its record is gone."""
 
     CLAIMED = "claimed"            # claimed (pull later, or push later): not begun
+    CONNECTING = "connecting"      # pull: the driver connects to its producers first
     PUSHING = "pushing"            # registered; waiting for every part's Landed
     PULLING = "pulling"            # READs posted; waiting for their end and PullHeld
     PUSH_CLOSING = "push_closing"  # ending without success; waiting until nothing lands
@@ -83,7 +84,8 @@ class Event(enum.Enum):
     GRACE_OVER = "grace_over"      # abort_grace_s after the close began
     CLOSE = "close"                # the consumer closes
     EXPECT = "expect"              # the engine's expect continues a push claim
-    PULL = "pull"                  # the engine's pull continues a pull claim
+    PULL = "pull"                  # the engine's pull continues a claim or a connecting use
+    CONNECT_FAILED = "connect_failed"  # the driver: a handshake with a producer failed
 
 
 #: Graces a closing use waits for NIXL to let go of its READs (each asks it again) before
@@ -103,6 +105,13 @@ TABLE: Table[Phase, Event] = Table("consumer request", {
         E.FAILED: row("_end_claim", P.DONE), E.PEER_ABORT: row("_end_claim", P.DONE),
         E.PEER_LOST: row("_end_claim", P.DONE), E.ABORT: row("_end_claim", P.DONE),
         E.CLOSE: row("_end_claim", P.DONE),
+    },
+    P.CONNECTING: {
+        # connected: the pull begins (a record of its own, under this xid)
+        E.PULL: row("_connected", P.PULLING),
+        # reported at once: nothing was posted, its blocks are safe
+        E.CONNECT_FAILED: row("_end_unstarted", P.DONE), E.ABORT: row("_end_unstarted", P.DONE),
+        E.CLOSE: row("_end_unstarted", P.DONE),
     },
     P.PUSHING: {
         E.POSTED: row("_on_posted", P.PUSHING),
@@ -136,7 +145,7 @@ TABLE: Table[Phase, Event] = Table("consumer request", {
         E.PEER_LOST: row("_on_peer_lost", *_PULL_END),
         E.GRACE_OVER: row("_on_grace_over", *_PULL_END), E.CLOSE: row("_on_close", *_PULL_END),
     },
-}, initial=[P.CLAIMED, P.PUSHING, P.PULLING], final=[P.DONE])
+}, initial=[P.CLAIMED, P.CONNECTING, P.PUSHING, P.PULLING], final=[P.DONE])
 del P, E, _PUSH_END, _PULL_END
 
 _CLOSING = {Phase.PUSHING: Phase.PUSH_CLOSING, Phase.PULLING: Phase.PULL_CLOSING,
@@ -323,6 +332,9 @@ class ConsumerCore:
             return RequestStatus(rid, "claimed", claim.mode, claim.xid,
                                  next(iter(claim.sids.values())) if len(claim.sids) == 1
                                  else 0, parts=len(claim.sids))
+        if req.phase is Phase.CONNECTING:
+            return RequestStatus(rid, "connecting", req.mode, req.xid, 0, req.ids,
+                                 deadline=req.deadline)
         closing = req.phase in (Phase.PUSH_CLOSING, Phase.PULL_CLOSING)
         return RequestStatus(
             rid, req.phase.value, req.mode, req.xid,
@@ -431,6 +443,9 @@ class ConsumerCore:
         rid = tickets[0].request_id
         xid = self._new_xid() if xid is None else xid
         names = [t.producer for t in tickets]
+        waited = self._requests.get(rid)
+        if waited is not None and waited.phase is Phase.CONNECTING and waited.xid == xid:
+            self._event(now, waited, Event.PULL)  # connected: the pull begins
         claim: _Request | None = self._claims.get(rid)
         if claim is not None and claim.mode is TransferMode.PULL and claim.xid == xid:
             self._event(now, claim, Event.PULL)  # the pull continues the claim
@@ -492,6 +507,21 @@ class ConsumerCore:
         if not req.reads:
             self._pull_done(now, req)
         return xid
+
+    def connecting(self, now: float, rid: str, xid: int, dst: np.ndarray,
+                   deadline: float) -> None:
+        """Pull: the tickets' producers are not all connected yet. The use waits in
+        CONNECTING while the driver connects; :meth:`pull` with ``xid`` begins it, and
+        :meth:`connect_failed` (or an abort, or close) ends it at once."""
+        req = _Request(rid, xid, TransferMode.PULL, Phase.CONNECTING, dst, [], now, deadline)
+        self._add(req)
+
+    def connect_failed(self, now: float, rid: str, xid: int, error: KvpushError) -> None:
+        """A handshake of connecting use ``xid`` failed: it ends FAILED with ``error``."""
+        req = self._requests.get(rid)
+        if req is not None and req.xid == xid:
+            self._event(now, req, Event.CONNECT_FAILED, state=RequestState.FAILED,
+                        error=error)
 
     def claim(self, now: float, tickets: m.PullTicket | Sequence[m.PullTicket],
               sharers: int | Sequence[int] = 1, xid: int | None = None) -> int:
@@ -646,6 +676,22 @@ class ConsumerCore:
         own, under the claim's xid)."""
         del self._claims[req.rid]
         req.phase = Phase.PUSHING if req.mode is TransferMode.PUSH else Phase.PULLING
+
+    def _connected(self, now: float, req: _Request) -> None:
+        del self._requests[req.rid]
+        LIVE.add("requests_pending", -1)
+        req.phase = Phase.PULLING
+
+    def _end_unstarted(self, now: float, req: _Request,
+                       state: RequestState = RequestState.ABORTED,
+                       error: KvpushError | None = None) -> None:
+        """A use that ends before it began (in its handshake): reported at once, its
+        blocks safe (nothing was posted)."""
+        del self._requests[req.rid]
+        LIVE.add("requests_pending", -1)
+        req.phase = Phase.DONE
+        self._emit(now, req.rid, req.xid, req.mode, req.ids, state,
+                   error or ClosedError("consumer closed"), req.started)
 
     def _end_claim(self, now: float, req: _Request, why: str) -> None:
         """The claim is given up (no result: nothing was begun)."""

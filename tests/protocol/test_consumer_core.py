@@ -13,7 +13,7 @@ import pytest
 
 from kvpush import messages as m
 from kvpush.auth import Opener, Sealer
-from kvpush.errors import AuthenticationError, RequestAborted
+from kvpush.errors import AuthenticationError, PeerUnavailable, RequestAborted
 from kvpush.protocol.consumer import TABLE, ConsumerCore, CoreConfig, Event, Phase
 from kvpush.protocol.effects import Abandon, Emit, Post, Send, XferEnd
 from kvpush.protocol.table import TransitionError
@@ -27,7 +27,9 @@ def test_the_table_names_a_handler_for_every_allowed_event() -> None:
         for event, r in events.items():
             assert r.handler is None or callable(getattr(ConsumerCore, r.handler)), \
                 (phase, event)
-        assert Event.CLOSE in events and Event.PEER_LOST in events
+        assert Event.CLOSE in events
+        # a use that names producers hears of their loss (a connecting one names none yet)
+        assert Event.PEER_LOST in events or phase is Phase.CONNECTING
 
 
 def test_a_handler_that_leaves_its_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -453,3 +455,36 @@ def test_a_push_claim_becomes_the_registration_or_is_given_up() -> None:
     effects = c.drain()
     assert sends(effects) == [m.Abort("t", 51, "expect failed")]
     assert results(effects)[0].state is RequestState.FAILED
+
+
+def test_a_pull_connecting_is_a_phase_of_its_record() -> None:
+    """A pull whose producers are not connected yet waits in CONNECTING in the core (the
+    facade's status reads it there); the pull that follows begins it under its xid."""
+    c = core()
+    c.connecting(0.5, "p", 21, np.array([8, 9]), 30.0)
+    assert c.status("p") == "connecting" and c.pending == 1
+    snap = c.snapshot("p")
+    assert (snap.phase, snap.xid, snap.deadline, snap.block_ids.tolist()) == \
+        ("connecting", 21, 30.0, [8, 9])
+    _pull(c, "p", 21)
+    assert c.status("p") == "pulling" and c.pending == 1
+
+
+@pytest.mark.parametrize("how", ["failed", "abort", "close"])
+def test_a_pull_that_ends_in_its_handshake_is_reported_at_once(how: str) -> None:
+    c = core()
+    c.connecting(0.5, "p", 21, np.array([8, 9]), 30.0)
+    if how == "failed":
+        c.connect_failed(1.0, "p", 21, PeerUnavailable("no answer"))
+        want = RequestState.FAILED
+    elif how == "abort":
+        c.abort(1.0, "p", RequestState.ABORTED, RequestAborted("engine"))
+        want = RequestState.ABORTED
+    else:
+        c.close(1.0)
+        want = RequestState.ABORTED
+    (res,) = results(c.drain())
+    assert (res.state, res.blocks_safe, res.xid, res.elapsed_s) == (want, True, 21, 0.5)
+    assert c.status("p") == "none" and c.pending == 0
+    c.connect_failed(2.0, "p", 21, PeerUnavailable("late"))   # ended: nothing more
+    assert c.drain() == []
