@@ -13,15 +13,12 @@ on each failure: ``docs/PROTOCOL.md``.
 
 from __future__ import annotations
 
-import hashlib
-import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 import zmq
 
@@ -29,17 +26,7 @@ from . import _trace
 from . import messages as m
 from .agent import TransportConfig
 from .aio import DrainQueue, drain_iter
-from .auth import (
-    Challenges,
-    HelloGuard,
-    Opener,
-    Sealer,
-    check_key,
-    decrypt,
-    encrypt,
-    new_nonce,
-    session_key,
-)
+from .auth import Opener, Sealer, check_key
 from .endpoint import (
     STRANGER_BYTES,
     STRANGER_FRAME_BYTES,
@@ -49,20 +36,24 @@ from .endpoint import (
     control_socket,
     queue_result,
 )
-from .errors import (
-    AuthenticationError,
-    KvpushError,
-    LayoutMismatch,
-    PeerUnavailable,
-    ProtocolError,
-)
-from .layout import KVLayout, check_compatible
+from .errors import KvpushError, PeerUnavailable
+from .layout import KVLayout
 from .messages import new_id
 from .metrics import LIVE
 from .plan import block_checksums, check_request_id, require_host_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.effects import Emit
 from .protocol.producer import CoreConfig, ProducerCore
+from .protocol.session import (
+    AcceptConfig,
+    Accepted,
+    Acceptor,
+    Admit,
+    PeerDown,
+    PeerUp,
+    SessionEffect,
+    Transmit,
+)
 from .request import Release, RequestStatus, TransferMode
 
 __all__ = ["Producer", "ProducerConfig"]
@@ -130,25 +121,6 @@ class ProducerConfig:
             raise ValueError(f"ProducerConfig.port must be in [0, 65535], got {self.port}")
 
 
-@dataclass
-class _Consumer:
-    identity: bytes
-    agent_name: str
-    layout: KVLayout
-    last_seen: float
-    # With authentication: per-connection session sealers (None without a key).
-    sealer: Sealer | None = None
-    opener: Opener | None = None
-    notif_sealer: Sealer | None = None
-    notif_opener: Opener | None = None
-    # The Hello this connection answered and the answer, re-sent as is to a retransmit.
-    hello_nonce: bytes = b""
-    hello_metadata: bytes = b""
-    ack_frame: bytes = b""
-    # Dropped by a data-plane restart: told to connect again (Bye(rejoin=True))
-    rejoin: bool = False
-
-
 class _Links:
     """The core's view of the agent's prepared descriptor lists."""
 
@@ -195,21 +167,6 @@ class Producer(Endpoint):
         self._released: DrainQueue[Release] = DrainQueue()
         # called on the loop thread with every release (kvpush.prometheus)
         self._observers: list[Callable[[Release], None]] = []
-        self._consumers: dict[bytes, _Consumer] = {}
-        self._by_agent: dict[str, _Consumer] = {}
-        # Connections this side dropped, by identity (bounded): what their consumer still
-        # sends is answered -- sealed under its session, so it can trust the answer -- with
-        # a Bye (connect again) or a Failed("not_connected").
-        self._departed: dict[bytes, _Consumer] = {}
-        # What this Producer object answers a Probe with: a consumer that reaches it under
-        # two addresses knows it is one producer (and keeps one connection).
-        self._instance = new_nonce()
-        self._challenges = Challenges()
-        # each consumer name's last NIXL metadata (a digest; bounded): a Hello under a known
-        # name with other metadata is a new incarnation of that consumer, even once the old
-        # one was dropped and forgotten
-        self._incarnations: dict[str, bytes] = {}
-        self._hello_guard = HelloGuard()
         self._core: ProducerCore = ProducerCore(layout, CoreConfig(
             lease_s=config.lease_s, max_wait_s=config.max_wait_s,
             transfer_timeout_s=config.transfer_timeout_s, tombstone_s=config.tombstone_s,
@@ -234,6 +191,11 @@ class Producer(Endpoint):
             self.close()
             raise PeerUnavailable(
                 f"cannot listen on {config.host}:{config.port}: {exc}") from exc
+        # The sessions with consumers: handshake, authentication, liveness, incarnations
+        # (kvpush.protocol.session, the machine the simulator runs too).
+        self._sessions = Acceptor(AcceptConfig(
+            self.name, layout, config.auth_key, config.peer_timeout_s, self.address,
+            self.bound, wire=lambda: self._agent.layout), self._agent.metadata, self._stats)
         self._add_socket(self._router, self._on_router)
         self._after(self.config.peer_timeout_s / 4, self._check_peers)
         self._finalized = False
@@ -394,16 +356,16 @@ class Producer(Endpoint):
         self._apply()
 
     def _send_to(self, peer: str, msg: m.Message) -> None:
-        consumer = self._by_agent.get(peer)
-        if consumer is not None and self._consumers.get(consumer.identity) is consumer:
-            self._tell(consumer, msg)
+        tx = self._sessions.seal(peer, msg)
+        if tx is not None:
+            self._transmit(tx)
 
     def _notif_sealer(self, peer: str) -> tuple[bool, Sealer | None]:
-        consumer = self._by_agent.get(peer)
+        consumer = self._sessions.by_agent.get(peer)
         return consumer is not None, consumer.notif_sealer if consumer is not None else None
 
     def _unreachable(self, peer: str, exc: KvpushError) -> None:
-        consumer = self._by_agent.get(peer)
+        consumer = self._sessions.by_agent.get(peer)
         if consumer is not None:
             self._drop_consumer(consumer, str(exc), abandon=True)
 
@@ -417,7 +379,7 @@ class Producer(Endpoint):
         return bool(self._core.watching_pulls())
 
     def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
-        peer = self._by_agent.get(sender)
+        peer = self._sessions.by_agent.get(sender)
         return peer is not None, peer.notif_opener if peer is not None else None
 
     # -- loop: control messages ------------------------------------------------------------
@@ -429,8 +391,8 @@ class Producer(Endpoint):
                 self._stats.messages_rejected += 1
                 continue
             identity, frame = frames[0].bytes, frames[1].buffer
-            peer = self._consumers.get(identity)
-            if peer is None:  # not authenticated: small frames, and few of them
+            if self._sessions.connected_at(identity) is None:
+                # not authenticated: small frames, and few of them
                 size = len(frame)
                 spent = read.get(identity, 0) + size
                 if size > STRANGER_FRAME_BYTES or spent > STRANGER_PEER_BYTES \
@@ -439,190 +401,56 @@ class Producer(Endpoint):
                     continue
                 read[identity] = spent
                 strangers += size
-            self._on_frame(identity, peer, frame)
+            effects, got = self._sessions.receive(time.monotonic(), identity, frame)
+            self._session(effects)
+            if got is not None and not isinstance(got[1], m.Heartbeat):
+                self._core.on_message(time.monotonic(), got[0], got[1])
         self._apply()
 
-    def _on_frame(self, identity: bytes, peer: _Consumer | None,
-                  frame: memoryview) -> None:
-        departed = self._departed.get(identity) if peer is None else None
-        try:
-            msg = self._decode(peer or departed, frame)
-        except AuthenticationError as exc:
-            self._stats.auth_rejected += 1
-            log.warning("%s: rejected control frame: %s", self.name, exc)
-            if peer is None:  # tell a would-be peer why its handshake fails
-                self._send(self._router, m.HelloReject(str(exc), "auth_key"), identity,
-                           best_effort=True)
-            return
-        except ProtocolError as exc:
-            self._stats.messages_rejected += 1
-            log.warning("%s: rejected control frame: %s", self.name, exc)
-            return
-        if peer is not None:
-            peer.last_seen = time.monotonic()
-        if isinstance(msg, m.Probe):
-            self._send(self._router, m.Challenge(self.name, self._instance,
-                                                 self._challenges.issue(), msg.nonce),
-                       identity, None if self._key is None else Sealer(self._key, b"challenge"),
-                       best_effort=True)
-        elif isinstance(msg, m.Hello):
-            self._on_hello(identity, msg)
-        elif peer is None:
-            # Not connected (dropped, or never): it should know, under its session if it
-            # had one (a refusal it could not authenticate would be discarded).
-            self._stats.messages_rejected += 1
-            sealer = departed.sealer if departed is not None else None
-            if isinstance(msg, (m.Register, m.PullBegin, m.Claim)):
-                self._send(self._router, m.Failed(msg.request_id, msg.xid, "not_connected",
-                                                  "no handshake from this consumer"),
-                           identity, sealer, best_effort=True)
-            elif isinstance(msg, m.Heartbeat):
-                rejoin = departed is not None and departed.rejoin
-                self._send(self._router, m.Bye(self.name, rejoin=rejoin), identity, sealer,
-                           best_effort=True)
-        elif isinstance(msg, m.Heartbeat):
-            self._tell(peer, m.HeartbeatAck(msg.seq))
-        elif isinstance(msg, m.Bye):
-            self._drop_consumer(peer, "consumer closed")
+    @property
+    def _consumers(self) -> dict[bytes, Accepted]:
+        """Connected consumers by connection identity (tests look)."""
+        return self._sessions.consumers
+
+    def _session(self, effects: list[SessionEffect]) -> None:
+        """Carry out what the session machine asked, in order."""
+        for effect in effects:
+            if isinstance(effect, Transmit):
+                self._transmit(effect)
+            elif isinstance(effect, Admit):
+                self._admit(effect)
+            elif isinstance(effect, PeerUp):
+                self._core.peer_up(time.monotonic(), effect.name, effect.layout)
+            elif isinstance(effect, PeerDown):
+                if effect.conn:
+                    log.info("%s: dropping consumer %s: %s", self.name, effect.name,
+                             effect.why)
+                    assert isinstance(effect.conn, bytes)
+                    self._drop_outbox((self._router, effect.conn))
+                self._core.peer_lost(time.monotonic(), effect.name, effect.why,
+                                     abandon=effect.abandon)
+                self._apply()
+
+    def _transmit(self, tx: Transmit) -> None:
+        assert isinstance(tx.peer, bytes)
+        if tx.best_effort:
+            if not self._try_send(self._router, tx.frame, tx.peer):
+                log.info("%s: could not answer a stranger", self.name)
         else:
-            self._core.on_message(time.monotonic(), peer.agent_name, msg)
+            self._send_frame(self._router, tx.frame, tx.peer)
 
-    def _decode(self, peer: _Consumer | None, frame: memoryview) -> m.Message:
-        """A frame from ``peer`` (connected or departed; None: a stranger). With a key,
-        anything but the session's frames must be a Probe or a Hello sealed with the key."""
-        if self._key is None:
-            return m.decode(frame)
-        if peer is not None and peer.opener is not None and m.is_sealed(frame):
-            try:
-                return m.decode(frame, peer.opener)
-            except AuthenticationError:
-                pass  # maybe a Hello from the same peer, restarted: sealed with the key
-        msg = m.decode(frame, Opener(self._key, b"hello", replay=False))
-        if isinstance(msg, m.Probe):
-            return msg
-        if not isinstance(msg, m.Hello):
-            raise AuthenticationError(f"{type(msg).__name__} sealed with the handshake key")
-        if peer is None or msg.nonce != peer.hello_nonce:  # a retransmit is answered again
-            self._hello_guard.check(msg.nonce, msg.sent_at)
-        return msg
-
-    def _addressed_here(self, to: str) -> bool:
-        """Whether a Hello dialed this producer: its address, the bound one, or -- bound
-        to a wildcard host, or dialed by a host name -- its port."""
-        if to in (self.address, self.bound):
-            return True
-        host, _, port = to.removeprefix("tcp://").rpartition(":")
-        bound_host = self.bound.removeprefix("tcp://").rpartition(":")[0]
-        if port != self.bound.rpartition(":")[2]:
-            return False
+    def _admit(self, admit: Admit) -> None:
+        """A Hello checked by the session: NIXL takes the consumer's metadata (the HelloAck
+        follows), or the Hello is refused."""
+        assert isinstance(admit.peer, bytes)
         try:
-            ipaddress.ip_address(host.strip("[]"))
-        except ValueError:
-            return True   # a host name: not resolved on the loop thread
-        return bound_host in ("0.0.0.0", "*", "[::]")
-
-    def _on_hello(self, identity: bytes, msg: m.Hello) -> None:
-        old = self._consumers.get(identity)
-        if old is not None and old.ack_frame and (
-                msg.nonce == old.hello_nonce if self._key is not None
-                else msg.agent_metadata == old.hello_metadata):
-            # A retransmit of the Hello this connection answered (the consumer re-sends
-            # until it hears back, and a slow answer crosses them): the same answer again,
-            # so both sides keep one session.
-            self._send_frame(self._router, old.ack_frame, identity)
-            return
-        metadata = msg.agent_metadata
-        try:
-            if self._key is not None:
-                if not self._addressed_here(msg.to):
-                    raise AuthenticationError(f"Hello meant for {msg.to!r}, not this producer "
-                                              f"({self.address})")
-                try:
-                    self._challenges.redeem(msg.challenge)
-                except AuthenticationError as exc:
-                    self._stats.auth_rejected += 1
-                    self._refuse(identity, msg, m.HelloReject(str(exc), "challenge"))
-                    return
-                metadata = decrypt(self._key, b"hello-metadata",
-                                   msg.nonce + msg.name.encode(), msg.agent_metadata)
-        except AuthenticationError as exc:
-            self._stats.auth_rejected += 1
-            self._refuse(identity, msg, m.HelloReject(str(exc), "auth_key"))
-            return
-        try:
-            remote = KVLayout.from_wire(msg.layout)
-            check_compatible(self.layout, remote)
-        except LayoutMismatch as exc:
-            self._refuse(identity, msg, m.HelloReject(str(exc), exc.field, repr(exc.local),
-                                                      repr(exc.remote)))
-            return
-        except ProtocolError as exc:
-            self._refuse(identity, msg, m.HelloReject(str(exc)))
-            return
-        # A restarted consumer (its new connection, or the same one) replaces the old
-        # incarnation: that one's transfers are given up before NIXL takes the new metadata.
-        for stale in (old, self._by_agent.get(msg.name)):
-            if stale is not None and self._consumers.get(stale.identity) is stale:
-                self._drop_consumer(stale, "consumer reconnected", abandon=True)
-        digest = hashlib.blake2b(metadata, digest_size=16).digest()
-        restarted = self._incarnations.get(msg.name, digest) != digest
-        if msg.name in self._by_agent or restarted:
-            # Dropped already (silent), its WRITEs left to end: NIXL cannot take the new
-            # metadata while it holds the old, so they are given up now (what they may
-            # still write lands in blocks that consumer reported unsafe). A new incarnation
-            # whose predecessor was dropped and forgotten: that one's READs, whose sources
-            # a silent puller keeps held until their hold ends, died with it.
-            self._core.peer_lost(time.monotonic(), msg.name,
-                                 "consumer restarted" if restarted else "consumer reconnected",
-                                 abandon=True)
-            self._apply()
-        try:
-            agent_name = self._agent.add_peer(metadata, remote, msg.name)
+            agent_name = self._agent.add_peer(admit.metadata, admit.layout, admit.name)
         except PeerUnavailable as exc:
-            self._refuse(identity, msg, m.HelloReject(str(exc)))
+            self._session(self._sessions.refuse(admit.peer, m.HelloReject(str(exc))))
             return
-        if agent_name != msg.name:  # the Hello is bound to the sender's NIXL agent
+        if agent_name != admit.name:
             self._agent.remove_peer(agent_name)
-            self._refuse(identity, msg, m.HelloReject(
-                f"Hello from {msg.name!r} carries the NIXL metadata of {agent_name!r}"))
-            return
-        if msg.name not in self._incarnations and len(self._incarnations) >= 4096:
-            del self._incarnations[next(iter(self._incarnations))]
-        self._incarnations[msg.name] = digest
-        peer = _Consumer(identity, agent_name, remote, time.monotonic())
-        ack = m.HelloAck(self.name, self._agent.metadata(), self._agent.layout.to_wire())
-        ack_sealer = None
-        if self._key is not None:
-            nonce = new_nonce()
-            session = session_key(self._key, msg.nonce, nonce)
-            peer.sealer, peer.opener = Sealer(session, b"p2c"), Opener(session, b"c2p")
-            peer.notif_sealer = Sealer(session, b"p2c-notif")
-            # A PullDone counts once per owner (xid) while its source lives, so old
-            # notification counters are accepted (as the consumer's Landed are).
-            peer.notif_opener = Opener(session, b"c2p-notif", accept_old=True)
-            ack = m.HelloAck(self.name, encrypt(session, b"ack-metadata", nonce + msg.nonce,
-                                                self._agent.metadata()),
-                             self._agent.layout.to_wire(), nonce=nonce, echo=msg.nonce)
-            ack_sealer = Sealer(self._key, b"hello-ack")
-        peer.hello_nonce, peer.hello_metadata = msg.nonce, msg.agent_metadata
-        peer.ack_frame = m.encode(ack, ack_sealer)
-        self._consumers[identity] = peer
-        self._by_agent[agent_name] = peer
-        self._core.peer_up(time.monotonic(), agent_name, remote)
-        self._send_frame(self._router, peer.ack_frame, identity)
-
-
-    def _refuse(self, identity: bytes, hello: m.Hello, reject: m.HelloReject) -> None:
-        """Refuse a Hello, once. With a key the refusal is sealed with it and echoes the
-        Hello's nonce, so its consumer can tell it from a stranger's say-so."""
-        sealer = None
-        if self._key is not None:
-            reject = msgspec.structs.replace(reject, echo=hello.nonce)
-            sealer = Sealer(self._key, b"hello-ack")
-        self._send(self._router, reject, identity, sealer, best_effort=True)
-
-    def _tell(self, peer: _Consumer, msg: m.Message) -> None:
-        self._send(self._router, msg, peer.identity, peer.sealer)
+        self._session(self._sessions.admitted(time.monotonic(), admit.peer, agent_name))
 
     def _emit(self, release: Any) -> None:
         assert isinstance(release, Release)
@@ -648,48 +476,30 @@ class Producer(Endpoint):
         loop could not read it (a stall) is read first, so a stalled loop does not take
         its own deafness for the consumer's silence."""
         self._read_waiting()
-        now = time.monotonic()
-        for peer in list(self._consumers.values()):
-            if now - peer.last_seen > self.config.peer_timeout_s:
-                self._drop_consumer(peer, f"no heartbeat for {self.config.peer_timeout_s} s")
+        self._session(self._sessions.check(time.monotonic()))
         self._after(self.config.peer_timeout_s / 4, self._check_peers)
 
-    def _drop_consumer(self, peer: _Consumer, why: str, *, abandon: bool = False) -> None:
+    def _drop_consumer(self, peer: Accepted, why: str, *, abandon: bool = False) -> None:
         """Forget a consumer's connection; the core ends what it had with it (its NIXL
         state goes once none of its WRITEs is in flight, see :meth:`_forget`)."""
-        if self._consumers.get(peer.identity) is not peer:
-            return
-        log.info("%s: dropping consumer %s: %s", self.name, peer.agent_name, why)
-        self._stats.peers_lost += 1
-        del self._consumers[peer.identity]
-        while len(self._departed) >= 4096:
-            del self._departed[next(iter(self._departed))]
-        self._departed[peer.identity] = peer
-        peer.ack_frame = peer.hello_metadata = b""  # its session is all that is kept
-        self._drop_outbox((self._router, peer.identity))
-        self._core.peer_lost(time.monotonic(), peer.agent_name, why, abandon=abandon)
-        self._apply()
+        self._session(self._sessions.drop(peer, why, abandon=abandon))
 
     def _send_failed(self, sock: zmq.Socket[Any], identity: bytes | None, why: str) -> None:
-        peer = self._consumers.get(identity) if identity is not None else None
+        peer = self._sessions.connected_at(identity) if identity is not None else None
         if peer is not None:
             self._drop_consumer(peer, why)
 
     def _forget(self, agent_name: str, why: str) -> None:
-        """The core is done with ``agent_name``: drop its NIXL state."""
-        peer = self._by_agent.get(agent_name)
-        if peer is not None and peer.identity not in self._consumers:
-            del self._by_agent[agent_name]
-        if peer is None or peer.identity not in self._consumers:
+        """The core is done with ``agent_name``: drop its NIXL state (unless a newer
+        connection under that name uses it)."""
+        if self._sessions.forget(agent_name):
             self._agent.remove_peer(agent_name)
 
     def _data_plane_peers_lost(self, why: str) -> None:
         """The data plane restarted: every consumer's requests fail, and each is told to
         connect again (it needs the new NIXL metadata)."""
-        for peer in list(self._consumers.values()):
-            self._tell(peer, m.Bye(self.name, rejoin=True))
-            peer.rejoin = True  # told again if this Bye is lost (it is departed)
-            self._drop_consumer(peer, why, abandon=True)
+        for peer in list(self._sessions.consumers.values()):
+            self._session(self._sessions.drop(peer, why, abandon=True, rejoin=True))
 
     def _debug_state(self, rid: str) -> str:
         """Where ``rid`` is (loop thread; for tests): writing, registered, held-push,
@@ -698,13 +508,13 @@ class Producer(Endpoint):
 
     # -- teardown --------------------------------------------------------------------------
     def _on_close(self) -> None:
-        for peer in list(self._consumers.values()):
-            self._tell(peer, m.Bye(self.name))
+        for tx in self._sessions.close():
+            self._transmit(tx)
         self._release_xfers()
         self._core.close(time.monotonic())
         for effect in self._core.drain():  # only releases: nothing else can be done now
             if isinstance(effect, Emit):
                 self._emit(effect.item)
         self._applied()
-        self._consumers.clear()
+        self._sessions.consumers.clear()
         self._released.end()

@@ -653,6 +653,9 @@ class AcceptConfig:
     bound: str = ""
     wall: Callable[[], float] = time.time
     nonce: Callable[[], bytes] = new_nonce
+    # the layout the HelloAck carries: the agent's (a data-plane child registers the
+    # memory itself, with its own addresses); default ``layout``
+    wire: Callable[[], KVLayout] | None = None
 
 
 class Acceptor:
@@ -756,7 +759,8 @@ class Acceptor:
             del self.incarnations[next(iter(self.incarnations))]
         self.incarnations[peer.name] = peer.digest
         key = self.cfg.key
-        ack = m.HelloAck(self.cfg.me, self._metadata(), self.cfg.layout.to_wire())
+        wire = (self.cfg.wire() if self.cfg.wire else self.cfg.layout).to_wire()
+        ack = m.HelloAck(self.cfg.me, self._metadata(), wire)
         ack_sealer = None
         if key is not None:
             nonce = self.cfg.nonce()
@@ -768,7 +772,7 @@ class Acceptor:
             peer.notif_opener = Opener(session, b"c2p-notif", accept_old=True)
             ack = m.HelloAck(self.cfg.me, encrypt(session, b"ack-metadata",
                                                   nonce + peer.hello_nonce, self._metadata()),
-                             self.cfg.layout.to_wire(), nonce=nonce, echo=peer.hello_nonce)
+                             wire, nonce=nonce, echo=peer.hello_nonce)
             ack_sealer = Sealer(key, b"hello-ack")
         peer.ack_frame = m.encode(ack, ack_sealer)
         self.by_agent[agent_name] = peer

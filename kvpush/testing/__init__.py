@@ -1,10 +1,13 @@
-"""Fakes for testing an integration against a simulated kvpush peer (as ``trio.testing``).
+"""The deterministic simulator of kvpush's protocol: the real request cores and peer
+sessions over fakes. (It drives the protocol machines, not a real ``Producer`` or
+``Consumer``: a simulated peer for an engine's own integration tests is not provided.)
 
 * :mod:`kvpush.testing.fakes` -- a seeded scheduler, fake KV memory, a fake NIXL that
   copies real bytes at times the scheduler picks (and keeps copying after an abandon), a
   fake control network (FIFO per direction, link cuts), and the ``links`` a core plans with.
-* :mod:`kvpush.testing.driver` -- the I/O driver of one simulated endpoint: handshake,
-  heartbeats, peer loss, stalls, kills, and the core's effects carried out on the fakes.
+* :mod:`kvpush.testing.driver` -- the I/O driver of one simulated endpoint: the real peer
+  sessions (:mod:`kvpush.protocol.session`: handshake, authentication, heartbeats, peer
+  loss, incarnations), stalls, kills, and the core's effects carried out on the fakes.
 * :mod:`kvpush.testing.engines` -- prefill and decode engine models that write and check
   real bytes, and the invariants of docs/PROTOCOL.md.
 * :mod:`kvpush.testing.sim` -- the simulation and its CLI,
