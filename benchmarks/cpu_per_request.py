@@ -21,7 +21,13 @@ Per size, six variants take turns in rounds, so a slow phase of the host hits th
 * ``raw_write_notif`` / ``raw_read_notif`` -- the same with a NIXL notification, and the
   other process polling ``get_new_notifs`` back-to-back from the post's instant until the
   notification arrives (what a target that knows a transfer is coming pays to learn it
-  landed, as kvpush's consumer learns of a push's post from its ``Posted`` hint).
+  landed, as kvpush's consumer learns of a push's post from its ``Posted`` hint);
+* ``push_c`` / ``pull_c`` -- ``push`` and ``pull`` between a second pair of endpoints in the
+  same processes whose agents reach NIXL through its C API (``TransportConfig(nixl_api=
+  "c")``, every NIXL call without the GIL) instead of its Python binding.
+
+Each pair's loop thread counts as ``loop`` in its own variants and not at all in the
+others' (it idles there: ``cpu_us_per_idle_s`` says what that costs).
 
 CPU is each thread's ``sum_exec_runtime`` (nanoseconds, Linux's ``/proc/PID/task/TID/
 schedstat``), read by the parent before and after each batch, all threads of both
@@ -83,13 +89,19 @@ SUMMARY_KEYS: dict[str, str] = {
         "thread inside kvpush calls, both processes): the GIL held, us (bare: 1 MiB; "
         "_{size}: that size)",
     "cpu_us_per_idle_s": "both processes, endpoints connected and idle, CPU us per second",
+    "nixl_c_over_binding_cpu_{mode}_{size}":
+        "kvpush's CPU per request with its agents on NIXL's C API over the same with NIXL's "
+        "Python binding, same run (mode: push, pull)",
 }
 
 _M = "benchmarks.cpu_per_request:"
 SHAPE = SHAPES["layers"]
 SIZES = {"64kib": 1, "1mib": 16, "16mib": 256}            # blocks per request
-VARIANTS = ("push", "pull", "raw_write", "raw_read", "raw_write_notif", "raw_read_notif")
-KINDS = ("engine", "loop", "zmq", "other")
+VARIANTS = ("push", "pull", "raw_write", "raw_read", "raw_write_notif", "raw_read_notif",
+            "push_c", "pull_c")
+#: The NIXL interface each endpoint pair's agents use (``TransportConfig.nixl_api``).
+APIS = ("python", "c")
+KINDS = ("engine", "loop", "zmq", "other")   # "idle": the other pair's loop, not counted
 LAG_S = 1e-3     # prefill_done after expect: the registration is there first
 WAIT_S = 60.0
 
@@ -98,7 +110,7 @@ WAIT_S = 60.0
 # Side functions (run in the workers)
 # =========================================================================================
 def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
-               address: str = "") -> dict[str, Any]:
+               address: dict[str, str] | None = None) -> dict[str, Any]:
     import kvpush
 
     buffers, layout = _make_cache(SHAPE.num_blocks)
@@ -115,15 +127,24 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
     state["event"] = event
     out: dict[str, Any] = {"raw_md": raw.metadata(),
                            "bases": [int(b.ctypes.data) for b in buffers],
-                           "engine_tid": threading.get_native_id()}
-    if role == "prefill":
-        out["address"] = open_endpoint(
-            state, role, layout, config=kvpush.ProducerConfig(lease_s=120.0),
-            on_release=lambda r: event(r.request_id).set())
-    else:
-        open_endpoint(state, role, layout, address,
-                      on_finished=lambda r: event(r.request_id).set())
-    out["loop_tid"] = state["endpoint"]._thread.native_id
+                           "engine_tid": threading.get_native_id(), "loop_tids": {},
+                           "address": {}}
+    state["pairs"] = {}
+    for api in APIS:
+        pair: dict[str, Any] = {"cleanup": state["cleanup"]}
+        transport = kvpush.TransportConfig(nixl_api=api)
+        if role == "prefill":
+            out["address"][api] = open_endpoint(
+                pair, role, layout,
+                config=kvpush.ProducerConfig(lease_s=120.0, transport=transport),
+                on_release=lambda r: event(r.request_id).set())
+        else:
+            open_endpoint(pair, role, layout, (address or {})[api],
+                          config=kvpush.ConsumerConfig(transport=transport),
+                          on_finished=lambda r: event(r.request_id).set())
+        state["pairs"][api] = pair
+        out["loop_tids"][api] = pair["endpoint"]._thread.native_id
+    state.update(state["pairs"]["python"])
     return out
 
 
@@ -141,24 +162,25 @@ def _wait_all(state: dict[str, Any], rids: list[str]) -> None:
 
 
 def side_expect(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
-                ids: np.ndarray, t0: float, period: float) -> float:
+                ids: np.ndarray, t0: float, period: float, api: str = "python") -> float:
     """Push, decode side: ``expect`` each request at its instant; waits for all; returns
     the CPU seconds this thread spent inside the calls."""
-    consumer = state["endpoint"]
+    pair = state["pairs"][api]
+    consumer = pair["endpoint"]
     inside = 0.0
     for i, rid in enumerate(rids):
         _sleep_until(t0 + i * period)
         c0 = time.thread_time()
-        consumer.expect(rid, ids, state["producer"], timeout=WAIT_S)
+        consumer.expect(rid, ids, pair["producer"], timeout=WAIT_S)
         inside += time.thread_time() - c0
     _wait_all(state, rids)
     return inside
 
 
 def side_prefill_done(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
-                      ids: np.ndarray, t0: float, period: float) -> float:
+                      ids: np.ndarray, t0: float, period: float, api: str = "python") -> float:
     """Push, prefill side: ``prefill_done`` each request ``LAG_S`` after its instant."""
-    producer = state["endpoint"]
+    producer = state["pairs"][api]["endpoint"]
     inside = 0.0
     for i, rid in enumerate(rids):
         _sleep_until(t0 + i * period + LAG_S)
@@ -170,11 +192,11 @@ def side_prefill_done(state: dict[str, Any], conn: mpc.Connection, rids: list[st
 
 
 def side_tickets(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
-                 ids: np.ndarray) -> tuple[list[bytes], float]:
+                 ids: np.ndarray, api: str = "python") -> tuple[list[bytes], float]:
     """Pull, prefill side: every request's ticket at once; (tickets, CPU s in the calls)."""
     import kvpush
 
-    producer = state["endpoint"]
+    producer = state["pairs"][api]["endpoint"]
     c0 = time.thread_time()
     tickets = [producer.prefill_done(rid, ids, kvpush.TransferMode.PULL).to_bytes()
                for rid in rids]
@@ -187,9 +209,10 @@ def side_wait(state: dict[str, Any], conn: mpc.Connection, rids: list[str]) -> f
 
 
 def side_pull(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
-              tickets: list[bytes], ids: np.ndarray, t0: float, period: float) -> float:
+              tickets: list[bytes], ids: np.ndarray, t0: float, period: float,
+              api: str = "python") -> float:
     """Pull, decode side: ``pull`` each ticket at its instant; waits for all."""
-    consumer = state["endpoint"]
+    consumer = state["pairs"][api]["endpoint"]
     inside = 0.0
     for i, ticket in enumerate(tickets):
         _sleep_until(t0 + i * period)
@@ -231,34 +254,60 @@ def side_raw_listen(state: dict[str, Any], conn: mpc.Connection, t0: float, peri
 
 
 #: kvpush's NIXL wrapper (:class:`kvpush.agent.Agent`): the methods whose CPU the
-#: attribution pass counts as NIXL's (the binding, UCX and the copy they run inline).
+#: attribution pass counts as NIXL's (the binding or C API, UCX and the copy they run inline).
 NIXL_CALLS = ("post", "state", "release", "notifications", "send_notification")
+#: What the attribution pass counts on the loop thread, each apart.
+PARTS = ("nixl", "core", "send")
 
 
-def side_split(state: dict[str, Any], conn: mpc.Connection, on: bool) -> dict[str, int]:
-    """Attribution: ``on`` wraps the endpoint's NIXL calls in ``time.thread_time_ns`` (two
-    clock reads a call, counted as kvpush's); off restores them. Returns the NIXL CPU
-    ns and calls counted since the last switch."""
-    agent = state["endpoint"]._agent
-    count = state.setdefault("nixl", {"ns": 0, "calls": 0})
+def _wrap(obj: Any, name: str, slot: dict[str, int], part: str, tid: int) -> None:
+    """Replace ``obj.name`` by a wrapper adding the CPU ns and calls it takes on thread
+    ``tid`` to ``slot[part + "_ns" / "_calls"]`` (two clock reads a call, counted outside)."""
+    fn = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_native_id() != tid:
+            return fn(*args, **kwargs)
+        c0 = time.thread_time_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            slot[part + "_ns"] += time.thread_time_ns() - c0
+            slot[part + "_calls"] += 1
+
+    setattr(obj, name, timed)
+
+
+def side_split(state: dict[str, Any], conn: mpc.Connection, on: bool,
+               api: str = "python") -> dict[str, int]:
+    """Attribution on the loop thread of pair ``api``: ``on`` wraps its agent's NIXL calls,
+    its protocol core's public methods and its message sends (``_send``) in
+    ``time.thread_time_ns``; off restores them. Returns, since the last switch, each part's
+    CPU ns and calls, and the loop's wake-ups and hot (spinning) iterations."""
+    endpoint = state["pairs"][api]["endpoint"]
+    tid = endpoint._thread.native_id
+    slot = state.setdefault("split", {})
+    targets: list[tuple[Any, tuple[str, ...], str]] = [
+        (endpoint._agent, NIXL_CALLS, "nixl"), (endpoint, ("_send",), "send")]
+    core = getattr(endpoint, "_core", None)
+    if core is not None:
+        targets.append((core, tuple(n for n in dir(type(core)) if not n.startswith("_")
+                                    and callable(getattr(core, n))), "core"))
+    stats = endpoint.stats()
     if on:
-        for name in NIXL_CALLS:
-            fn = getattr(agent, name)
-
-            def timed(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
-                c0 = time.thread_time_ns()
-                try:
-                    return _fn(*args, **kwargs)
-                finally:
-                    count["ns"] += time.thread_time_ns() - c0
-                    count["calls"] += 1
-
-            setattr(agent, name, timed)
-    else:
-        for name in NIXL_CALLS:
-            agent.__dict__.pop(name, None)
-    out = dict(count)
-    count.update(ns=0, calls=0)
+        slot.clear()
+        slot.update({f"{p}_{k}": 0 for p in PARTS for k in ("ns", "calls")})
+        slot["wakeups0"], slot["hot0"] = stats["loop_wakeups"], stats["hot_polls"]
+        for obj, names, part in targets:
+            for name in names:
+                _wrap(obj, name, slot, part, tid)
+        return {}
+    for obj, names, _ in targets:
+        for name in names:
+            obj.__dict__.pop(name, None)
+    out = {k: v for k, v in slot.items() if not k.endswith("0")}
+    out["wakeups"] = stats["loop_wakeups"] - slot["wakeups0"]
+    out["hot_polls"] = stats["hot_polls"] - slot["hot0"]
     return out
 
 
@@ -287,13 +336,14 @@ class _Side:
     def __init__(self, worker: Worker, info: dict[str, Any]) -> None:
         self.worker = worker
         self.engine_tid = int(info["engine_tid"])
-        self.loop_tid = int(info["loop_tid"])
+        self.loop_tids = {api: int(tid) for api, tid in info["loop_tids"].items()}
+        self.active = ""   # the pair whose loop thread counts as "loop" now
 
     def kind(self, tid: int, name: str) -> str:
         if tid == self.engine_tid:
             return "engine"
-        if tid == self.loop_tid:
-            return "loop"
+        if tid in self.loop_tids.values():
+            return "loop" if tid == self.loop_tids.get(self.active) else "idle"
         return "zmq" if name.startswith("ZMQbg") else "other"
 
     def snapshot(self) -> dict[int, tuple[str, int, int]]:
@@ -306,6 +356,8 @@ class _Side:
         for tid, (name, run_ns, wait_ns) in after.items():
             _, run0, wait0 = before.get(tid, (name, 0, 0))
             kind = self.kind(tid, name)
+            if kind == "idle":
+                continue
             cpu, rq = out[kind]
             out[kind] = (cpu + run_ns - run0, rq + wait_ns - wait0)
         return out
@@ -326,16 +378,20 @@ def _batch(variant: str, prefill: _Side, decode: _Side, rids: list[str], src: np
     """One batch of ``len(rids)`` requests of ``variant``; CPU by side and thread kind."""
     n = len(rids)
     p, d = prefill.worker, decode.worker
+    mode, _, c = variant.partition("_")
+    api = "c" if c == "c" else "python"
+    prefill.active = decode.active = api if mode in ("push", "pull") else ""
     before = (prefill.snapshot(), decode.snapshot())
     t0 = time.monotonic() + 0.1
     timeout = n * period + WAIT_S + 30
-    if variant == "push":
-        d.send_call(_M + "side_expect", rids=rids, ids=dst, t0=t0, period=period)
-        p.send_call(_M + "side_prefill_done", rids=rids, ids=src, t0=t0, period=period)
-    elif variant == "pull":
-        tickets, inside = p.call(_M + "side_tickets", rids=rids, ids=src)
+    if mode == "push":
+        d.send_call(_M + "side_expect", rids=rids, ids=dst, t0=t0, period=period, api=api)
+        p.send_call(_M + "side_prefill_done", rids=rids, ids=src, t0=t0, period=period,
+                    api=api)
+    elif mode == "pull":
+        tickets, inside = p.call(_M + "side_tickets", rids=rids, ids=src, api=api)
         d.send_call(_M + "side_pull", rids=rids, tickets=tickets, ids=dst, t0=t0,
-                    period=period)
+                    period=period, api=api)
         p.send_call(_M + "side_wait", rids=rids)
     else:
         op = "WRITE" if "write" in variant else "READ"
@@ -350,7 +406,7 @@ def _batch(variant: str, prefill: _Side, decode: _Side, rids: list[str], src: np
             target.send_call(_M + "side_wait", rids=[])
     inside_d = d.result(timeout)
     inside_p = p.result(timeout)
-    if variant == "pull":
+    if mode == "pull":
         inside_p = inside
     after = (prefill.snapshot(), decode.snapshot())
     return {"p": prefill.delta(before[0], after[0]), "d": decode.delta(before[1], after[1]),
@@ -375,13 +431,13 @@ def _row(variant: str, size: str, slot: dict[str, Any]) -> dict[str, Any]:
             row[f"{side}_{kind}_rq_us"] = slot[f"{side}_{kind}_rq"] / 1e3 / k
     row["cpu_us"] = sum(row[f"{s}_{kind}_us"] for s in "pd" for kind in KINDS)
     row["inside_us"] = slot["inside_ns"] / 1e3 / k
-    if variant in ("push", "pull"):
+    if variant.partition("_")[0] in ("push", "pull"):
         row["gil_us"] = row["p_loop_us"] + row["d_loop_us"] + row["inside_us"]
         row["gil_rq_us"] = row["p_loop_rq_us"] + row["d_loop_rq_us"]
-    for side in "pd":
-        if f"{side}_nixl" in slot:
-            row[f"{side}_loop_nixl_us"] = slot[f"{side}_nixl"] / 1e3 / k
-            row[f"{side}_nixl_calls"] = slot[f"{side}_nixl_calls"] / k
+    for key, value in slot.items():   # the attribution pass: per request
+        side, _, rest = key.partition("_split_")
+        if rest:
+            row[f"{side}_{rest}"] = value / k
     return row
 
 
@@ -400,7 +456,7 @@ def run(quick: bool, progress: bool = True, requests: int | None = None,
     rounds = rounds or (2 if quick else 4)
     idle_s = idle_s if idle_s is not None else (2.0 if quick else 10.0)
     per_batch = max(1, requests // rounds)
-    bar = Progress("cpu-per-request", 4 + rounds * len(sizes), progress)
+    bar = Progress("cpu-per-request", 6 + rounds * len(sizes), progress)
     pw, dw = Worker("cpr-prefill"), Worker("cpr-decode")
     acc: dict[tuple[str, str], dict[str, Any]] = {}
     split: dict[str, dict[str, Any]] = {}
@@ -428,7 +484,8 @@ def run(quick: bool, progress: bool = True, requests: int | None = None,
             for variant in VARIANTS:
                 batch(variant, size, 2)
         bar.step("engines up, warm")
-        # -- idle --------------------------------------------------------------------------
+        # -- idle: one pair's loops count ------------------------------------------------
+        prefill.active = decode.active = "python"
         time.sleep(0.5)
         before = (prefill.snapshot(), decode.snapshot())
         t_idle = time.monotonic()
@@ -447,17 +504,21 @@ def run(quick: bool, progress: bool = True, requests: int | None = None,
                     _accumulate(acc.setdefault((variant, size), {}),
                                 batch(variant, size, per_batch), per_batch)
                 bar.step(f"round {r + 1} {size}")
-        # -- attribution: the loop threads' NIXL calls apart -------------------------------
-        for variant in ("push", "pull"):
+        # -- attribution: the loop threads' NIXL calls, core and sends apart ---------------
+        for variant in ("push", "pull", "push_c", "pull_c"):
+            api = "c" if variant.endswith("_c") else "python"
             for w in (pw, dw):
-                w.call(_M + "side_split", on=True)
+                w.call(_M + "side_split", on=True, api=api)
             slot = split.setdefault(variant, {})
             for _ in range(rounds):
                 _accumulate(slot, batch(variant, split_size, per_batch), per_batch)
             for side, w in (("p", pw), ("d", dw)):
-                got = w.call(_M + "side_split", on=False)
-                slot[f"{side}_nixl"] = got["ns"]
-                slot[f"{side}_nixl_calls"] = got["calls"]
+                got = w.call(_M + "side_split", on=False, api=api)
+                for part in PARTS:
+                    slot[f"{side}_split_{part}"] = got[f"{part}_ns"] / 1e3
+                    slot[f"{side}_split_{part}_calls"] = got[f"{part}_calls"]
+                slot[f"{side}_split_wakeups"] = got["wakeups"]
+                slot[f"{side}_split_hot_polls"] = got["hot_polls"]
             bar.step(f"attribution {variant} {split_size}")
         out["load_avg_end"] = os.getloadavg()
     finally:
@@ -479,12 +540,17 @@ def _summary(rows: list[dict[str, Any]], idle: float) -> dict[str, float]:
         if variant in raw_names:
             summary[f"{raw_names[variant]}_cpu_us_per_request_{size}"] = row["cpu_us"]
             continue
+        mode = variant.partition("_")[0]
         summary[f"cpu_us_per_request_{variant}_{size}"] = row["cpu_us"]
         summary[f"gil_us_per_request_{variant}_{size}"] = row["gil_us"]
-        raw = by.get(("raw_write" if variant == "push" else "raw_read", size))
+        raw = by.get(("raw_write" if mode == "push" else "raw_read", size))
         if raw is not None:
             summary[f"cpu_per_request_{variant}_over_raw_nixl_{size}"] = (row["cpu_us"]
                                                                           / raw["cpu_us"])
+        binding = by.get((mode, size))
+        if variant.endswith("_c") and binding is not None:
+            summary[f"nixl_c_over_binding_cpu_{mode}_{size}"] = (row["cpu_us"]
+                                                                 / binding["cpu_us"])
         if size == "1mib":
             summary[f"gil_us_per_request_{variant}"] = row["gil_us"]
     summary["cpu_us_per_idle_s"] = idle
@@ -506,23 +572,29 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {r['variant']} | {r['size']} | "
                      + " | ".join(f"{r[c]:.0f}" for c in cols)
                      + f" | {r['cpu_us']:.0f} | {gil} |")
-    lines += ["", f"Where kvpush's CPU goes at {result['split_size']}, us per request "
-              "(loop: NIXL = inside kvpush's NIXL calls: binding, UCX, the copy; loop: rest = "
-              "the protocol's Python, ZeroMQ sends, the poller)", "",
-              "| variant | side | engine thread (in kvpush calls) | loop: NIXL (calls) "
-              "| loop: rest | ZeroMQ I/O | other | total |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", f"Where kvpush's CPU goes at {result['split_size']}, us per request (calls "
+              "per request in brackets): the loop thread's CPU inside its agent's NIXL calls "
+              "(the binding or C API, UCX, the copy), its protocol core's methods and its "
+              "message sends (encoding, ZeroMQ), the rest of the loop (waiting, polling, "
+              "timers, decoding, callbacks); its wake-ups and spinning iterations", "",
+              "| variant | side | engine thread | loop | NIXL | core | sends | loop rest "
+              "| wake-ups | spins | ZeroMQ I/O | total |", "|" + "---|" * 12]
     for r in result["split_rows"]:
         for side, label in (("p", "prefill"), ("d", "decode")):
-            nixl = r[f"{side}_loop_nixl_us"]
+            parts = {p: r.get(f"{side}_{p}", 0.0) for p in PARTS}
+            calls = {p: r.get(f"{side}_{p}_calls", 0.0) for p in PARTS}
+            loop = r[f"{side}_loop_us"]
             lines.append(
-                f"| {r['variant']} | {label} | {r[f'{side}_engine_us']:.0f} | {nixl:.0f} "
-                f"({r[f'{side}_nixl_calls']:.1f}) | {r[f'{side}_loop_us'] - nixl:.0f} | "
-                f"{r[f'{side}_zmq_us']:.0f} | {r[f'{side}_other_us']:.0f} | "
+                f"| {r['variant']} | {label} | {r[f'{side}_engine_us']:.0f} | {loop:.0f} | "
+                + " | ".join(f"{parts[p]:.0f} ({calls[p]:.1f})" for p in PARTS)
+                + f" | {loop - sum(parts.values()):.0f} | {r.get(f'{side}_wakeups', 0):.1f} | "
+                f"{r.get(f'{side}_hot_polls', 0):.1f} | {r[f'{side}_zmq_us']:.0f} | "
                 f"{sum(r[f'{side}_{k}_us'] for k in KINDS):.0f} |")
         lines.append(f"| {r['variant']} | engine threads inside kvpush calls, both | "
-                     f"{r['inside_us']:.0f} | | | | | |")
+                     f"{r['inside_us']:.0f} |" + " |" * 9)
     idle = result["idle_us_per_s"]
-    lines += ["", f"CPU per idle second, both processes: {result['cpu_us_per_idle_s']:.0f} us ("
+    lines += ["", "CPU per idle second, one endpoint pair, both processes: "
+              f"{result['cpu_us_per_idle_s']:.0f} us ("
               + ", ".join(f"{k} {v:.0f}" for k, v in idle.items() if v >= 0.5) + ")"]
     return "\n".join(lines)
 
