@@ -28,6 +28,7 @@ from ..protocol.session import (
     ConnectFailed,
     DialConfig,
     Dialers,
+    Link,
     PeerDown,
     PeerUp,
     SessionEffect,
@@ -438,9 +439,23 @@ class Endpoint:
         now = self.sim.sched.now
         if self.role == "producer":
             self._session(self.acceptor.check(now))
+            self._check_silence(now)
         else:
             self._session(self.dialers.heartbeat(now))
         self.sim.sched.after(self.sim.timings.heartbeat_s, self.run, self._liveness)
+
+    def _check_silence(self, now: float) -> None:
+        """After a liveness check no consumer silent for peer_timeout_s is still up: one
+        that is may be gone for good, and its session, claims and transfers would be held
+        for ever."""
+        t = self.sim.timings
+        kept = [f"{p.name} (silent since t={p.last_seen:.3f})"
+                for p in self.acceptor.consumers.values()
+                if p.state is Link.UP and now - p.last_seen > t.peer_timeout_s]
+        if kept:
+            self.sim.checker.fail("silence_not_judged",
+                                  f"{self.name}: sessions kept up past peer_timeout_s of "
+                                  f"silence by its liveness check: {kept[:3]}")
 
     # -- effects -----------------------------------------------------------------------
     def _effect(self, eff: Any) -> None:
