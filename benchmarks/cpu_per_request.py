@@ -603,9 +603,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES))
+    ap.add_argument("--split-size", choices=sorted(SIZES), default="1mib",
+                    help="the request size of the attribution pass")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    out = run(args.quick, requests=args.requests)
+    out = run(args.quick, requests=args.requests, sizes=tuple(args.sizes),
+              split_size=args.split_size)
     print(table(out))
     print(f"load average: start {out['load_avg_start']}, end {out['load_avg_end']}")
     save_json(out, args.json)
