@@ -32,7 +32,9 @@ import hashlib
 import http.client
 import json
 import logging
+import os
 import re
+import secrets
 import signal
 import socket
 import threading
@@ -72,15 +74,24 @@ __all__ = [
     "drain_reports",
     "endpoint_health",
     "endpoint_problem",
+    "http_ready",
     "instance_records",
     "report_drained",
     "request_drain",
+    "unrouted",
 ]
 
 log = logging.getLogger("kvpush.discovery")
 
 #: Version of the record's JSON; a reader refuses records of another version.
 RECORD_VERSION = 1
+#: vllm-router (0.1.17) drops an instance this long after its last ZeroMQ registration
+#: (measured: the last request reached it 4.3 s after the last registration, under load).
+ROUTER_EXPIRY_S = 5.0
+#: A bridge confirms an instance is out of its router this long after the expiry.
+_EXPIRY_MARGIN_S = 0.5
+#: A bridge's presence key lives this long after its last renewal.
+_BRIDGE_TTL_S = 5
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -1003,6 +1014,42 @@ def drain_reports(client: EtcdClient, prefix: str, ads: Sequence[Advertisement]
     return out
 
 
+def _bridge_key(prefix: str, bridge: str) -> str:
+    return f"{_check_prefix(prefix)}/{CONTROL}/bridges/{bridge}"
+
+
+def _unrouted_key(prefix: str, instance: str, bridge: str) -> str:
+    return f"{_check_prefix(prefix)}/{CONTROL}/unrouted/{instance}/{bridge}"
+
+
+def unrouted(client: EtcdClient, prefix: str, instance: str, epoch: int
+             ) -> tuple[list[str], list[str]]:
+    """Which running :class:`RouterBridge` s have confirmed that incarnation ``epoch`` of
+    ``instance`` is out of their router (it is draining or gone, and the router's expiry
+    has passed since the bridge's last registration of it), and which have not yet:
+    ``(confirmed, waiting)``, bridge ids. A bridge that stopped is not waited for (its
+    presence key goes with its lease)."""
+    _, kvs = client.get_prefix(f"{_check_prefix(prefix)}/{CONTROL}/")
+    running = {kv.key.rsplit("/", 1)[1] for kv in kvs
+               if kv.key.startswith(_bridge_key(prefix, ""))}
+    done = set()
+    for kv in kvs:
+        if kv.key.startswith(_unrouted_key(prefix, instance, "")):
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                if epoch in json.loads(kv.value).get("epochs", ()):
+                    done.add(kv.key.rsplit("/", 1)[1])
+    return sorted(running & done), sorted(running - done)
+
+
+def http_ready(http_address: str, path: str = "/health", timeout: float = 1.0) -> bool:
+    """True when ``GET http://{http_address}{path}`` answers 200 within ``timeout``."""
+    try:
+        with urllib.request.urlopen(f"http://{http_address}{path}", timeout=timeout) as resp:
+            return int(resp.status) == 200
+    except (OSError, http.client.HTTPException, ValueError):
+        return False
+
+
 class DrainListener:
     """Calls ``on_drain`` once, on its own thread, when a drain of this incarnation
     (``epoch``) of ``instance`` is asked (:func:`request_drain`). It reads the request key,
@@ -1177,11 +1224,20 @@ class ProducerDirectory:
 
 class RouterBridge:
     """Feeds vllm-router's ZeroMQ discovery (``--vllm-discovery-address``) from the etcd
-    records: every ``interval_s`` it sends, for each serving instance with an HTTP
-    address, the registration vllm-router expects (msgpack ``{"type": "P" | "D",
-    "http_address": "host:port", "zmq_address": ...}``). vllm-router drops an instance
-    about 5 s after its last registration, so a draining or vanished instance leaves the
-    router within that, and a new one joins without a router restart.
+    records: every ``interval_s`` it sends, for each serving instance whose HTTP server
+    answers, the registration vllm-router expects (msgpack ``{"type": "P" | "D",
+    "http_address": "host:port", "zmq_address": ...}``).
+
+    vllm-router sends a request to whatever is registered and does not retry a refused
+    connection elsewhere: so an incarnation is registered only once ``GET
+    http://{http_address}{health_path}`` has answered 200 (a restarted instance publishes
+    its record while its engine starts, before its HTTP server listens), and a draining
+    instance is not registered again. vllm-router drops an instance :data:`ROUTER_EXPIRY_S`
+    after its last registration; that long (and a margin) after its last registration of a
+    draining or vanished instance, the bridge writes ``{prefix}/control/unrouted/{instance}/
+    {bridge}`` naming the incarnation's epochs: a draining rank waits for this word from
+    every running bridge (:func:`unrouted`; each bridge keeps ``{prefix}/control/bridges/
+    {bridge}`` under a lease while it runs) before it looks for quiet.
 
     ``zmq_address`` is the prefill rank 0's kvpush producer address (the decode instance's
     HTTP address for a decode instance): vllm-router only carries it in the
@@ -1190,72 +1246,110 @@ class RouterBridge:
     Parameters
     ----------
     watcher
-        A started :class:`Watcher`.
+        A started :class:`Watcher` (its client writes the bridge's keys).
     router
         ``host:port`` of the router's discovery socket.
     interval_s
         Seconds between registrations (below vllm-router's 5 s expiry).
     compat
         Register only instances with this :func:`compat_key` (None: all).
+    health_path
+        Path of the instances' HTTP health check (None: register without checking).
+    bridge_id
+        This bridge's name under ``{prefix}/control/bridges/`` (default: host, pid and a
+        random part).
     """
 
     def __init__(self, watcher: Watcher, router: str, *, interval_s: float = 1.0,
-                 compat: str | None = None) -> None:
+                 compat: str | None = None, health_path: str | None = "/health",
+                 bridge_id: str | None = None) -> None:
         if not isinstance(router, str) or not _host_port(router):
             raise DiscoveryError(f"RouterBridge.router must be host:port, got {router!r}")
         if not isinstance(interval_s, (int, float)) or not 0.05 <= interval_s <= 4:
             raise DiscoveryError(f"RouterBridge.interval_s must be in [0.05, 4] s (vllm-router "
                                  f"forgets an instance 5 s after its last message), got "
                                  f"{interval_s!r}")
+        if health_path is not None and not health_path.startswith("/"):
+            raise DiscoveryError(f"RouterBridge.health_path must start with '/', got "
+                                 f"{health_path!r}")
+        name = bridge_id or re.sub(r"[^A-Za-z0-9._-]+", "-",
+                                   f"{socket.gethostname()}-{os.getpid()}-"
+                                   f"{secrets.token_hex(3)}")
+        if not _NAME.match(name):
+            raise DiscoveryError(f"RouterBridge.bridge_id must be letters, digits, '.', '_', "
+                                 f"'-', got {bridge_id!r}")
         self._watcher = watcher
         self.router = router
         self.interval_s = float(interval_s)
         self.compat = compat
+        self.health_path = health_path
+        self.bridge_id = name
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        #: (type, instance) -> the epochs whose HTTP server answered
+        self._ready: dict[tuple[str, str], tuple[int, ...]] = {}
+        #: (type, instance) -> (epochs, monotonic time) of its last registration sent
+        self._last_sent: dict[tuple[str, str], tuple[tuple[int, ...], float]] = {}
+        self._confirmed: set[tuple[str, tuple[int, ...]]] = set()
         self.sent = 0
+        self.confirmations = 0
 
-    def registrations(self) -> list[dict[str, str]]:
-        """What the next round sends: one registration per serving instance whose every
-        known rank serves."""
+    def _candidates(self) -> list[tuple[tuple[str, str], tuple[int, ...], str,
+                                        dict[str, str]]]:
+        """Serving instances whose every known rank serves: ((type, instance), epochs,
+        state, registration); draining ones with state ``draining`` and no registration."""
         by_instance: dict[tuple[Role, str], list[Advertisement]] = {}
         for ad in self._watcher.snapshot():
             if ad.http_address and (self.compat is None or ad.compat == self.compat):
                 by_instance.setdefault((ad.role, ad.instance), []).append(ad)
-        out: list[dict[str, str]] = []
-        for (role, _), ads in sorted(by_instance.items(), key=lambda kv: kv[0][1]):
+        out: list[tuple[tuple[str, str], tuple[int, ...], str, dict[str, str]]] = []
+        for (role, instance), ads in sorted(by_instance.items(), key=lambda kv: kv[0][1]):
+            kind = "P" if role is Role.PREFILL else "D"
+            epochs = tuple(sorted({ad.epoch for ad in ads}))
             if any(ad.state is not InstanceState.SERVING for ad in ads):
+                out.append(((kind, instance), epochs, "draining", {}))
                 continue
             first = min(ads, key=lambda ad: ad.rank)
-            out.append({"type": "P" if role is Role.PREFILL else "D",
-                        "http_address": first.http_address,
-                        "zmq_address": first.producer or first.http_address})
+            out.append(((kind, instance), epochs, "serving",
+                        {"type": kind, "http_address": first.http_address,
+                         "zmq_address": first.producer or first.http_address}))
         return out
 
+    def registrations(self) -> list[dict[str, str]]:
+        """One registration per serving instance whose every known rank serves (what
+        the next round sends once each one's HTTP server has answered)."""
+        return [reg for _, _, state, reg in self._candidates() if state == "serving"]
+
     def start(self) -> RouterBridge:
-        """Start sending registrations (a background thread)."""
-        if self._thread is not None:
+        """Start sending registrations and checking the instances (background threads)."""
+        if self._threads:
             raise DiscoveryError("RouterBridge.start() called twice")
-        self._thread = threading.Thread(target=self._run, name="kvpush-router-bridge",
-                                        daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name="kvpush-router-bridge", daemon=True),
+            threading.Thread(target=self._keep, name="kvpush-router-bridge-keep",
+                             daemon=True)]
+        for thread in self._threads:
+            thread.start()
         return self
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop sending (the router forgets the instances within 5 s) and join the thread."""
+        """Stop sending (the router forgets the instances within 5 s), withdraw the
+        bridge's presence key and join the threads."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+        for thread in self._threads:
+            thread.join(timeout)
+            if thread.is_alive():
                 log.warning("kvpush discovery: router bridge did not stop in %s s", timeout)
 
     def __enter__(self) -> RouterBridge:
-        return self if self._thread is not None else self.start()
+        return self if self._threads else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _run(self) -> None:
+        """Sends the registrations (never blocks on HTTP or etcd)."""
         import msgspec
         import zmq
 
@@ -1264,18 +1358,104 @@ class RouterBridge:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 64)
         sock.connect(f"tcp://{self.router}")
+        registered: set[tuple[str, str]] = set()
         try:
             while True:
-                for registration in self.registrations():
+                with self._lock:
+                    ready = dict(self._ready)
+                now = [(key, epochs, reg) for key, epochs, state, reg in self._candidates()
+                       if state == "serving"
+                       and (self.health_path is None or ready.get(key) == epochs)]
+                current = {key for key, _, _ in now}
+                for kind, instance in sorted(current - registered):
+                    log.info("kvpush discovery: registering %s %s with %s", kind, instance,
+                             self.router)
+                for kind, instance in sorted(registered - current):
+                    log.info("kvpush discovery: no longer registering %s %s", kind, instance)
+                registered = current
+                for key, epochs, registration in now:
                     try:
                         sock.send(msgspec.msgpack.encode(registration), zmq.NOBLOCK)
-                        self.sent += 1
                     except zmq.Again:
                         break  # the router is not there (yet): the next round tries again
+                    self.sent += 1
+                    with self._lock:
+                        self._last_sent[key] = (epochs, time.monotonic())
                 if self._stop.wait(self.interval_s):
                     return
         finally:
             sock.close(0)
+
+    def _keep(self) -> None:
+        """Checks the instances' HTTP servers, keeps the bridge's presence key and writes
+        the confirmations (etcd and HTTP calls: on a thread of their own)."""
+        client = self._watcher._client
+        lease = 0
+        renewed = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - renewed >= _BRIDGE_TTL_S / 3:
+                try:
+                    if not lease or client.keepalive(lease) <= 0:
+                        lease = client.grant(_BRIDGE_TTL_S)
+                        client.put(_bridge_key(self._watcher.prefix, self.bridge_id),
+                                   json.dumps({"router": self.router,
+                                               "at_ns": time.time_ns()}).encode(), lease)
+                    renewed = now
+                except DiscoveryError as exc:
+                    lease = 0
+                    log.warning("kvpush discovery: bridge %s: presence key: %s",
+                                self.bridge_id, exc)
+            candidates = self._candidates()
+            with self._lock:
+                ready = dict(self._ready)
+                last_sent = dict(self._last_sent)
+            for key, epochs, state, reg in candidates:
+                if state == "serving" and self.health_path is not None \
+                        and ready.get(key) != epochs \
+                        and http_ready(reg["http_address"], self.health_path, timeout=1.0):
+                    log.info("kvpush discovery: %s %s answers at %s", key[0], key[1],
+                             reg["http_address"])
+                    with self._lock:
+                        self._ready[key] = epochs
+            # draining, or vanished after being registered: out of the router once the
+            # expiry has passed since the last registration
+            leaving = {key: epochs for key, epochs, state, _ in candidates
+                       if state == "draining"}
+            present = {key for key, _, _, _ in candidates}
+            for key, (epochs, _) in last_sent.items():
+                if key not in present:
+                    leaving[key] = epochs
+            for key, epochs in leaving.items():
+                if (key[1], epochs) not in self._confirmed:
+                    sent = last_sent.get(key)
+                    if sent is not None and time.monotonic() - sent[1] \
+                            < ROUTER_EXPIRY_S + _EXPIRY_MARGIN_S:
+                        continue
+                    try:
+                        self._confirm(client, key[1], epochs)
+                    except DiscoveryError as exc:
+                        log.warning("kvpush discovery: bridge %s: confirming %s: %s",
+                                    self.bridge_id, key[1], exc)
+                        continue
+                if key not in present:
+                    with self._lock:
+                        self._last_sent.pop(key, None)
+                        self._ready.pop(key, None)
+            self._stop.wait(self.interval_s)
+        if lease:
+            with contextlib.suppress(DiscoveryError):
+                client.revoke(lease)
+
+    def _confirm(self, client: EtcdClient, instance: str, epochs: tuple[int, ...]) -> None:
+        lease = client.grant(600)
+        client.put(_unrouted_key(self._watcher.prefix, instance, self.bridge_id),
+                   json.dumps({"epochs": list(epochs), "at_ns": time.time_ns()}).encode(),
+                   lease)
+        self._confirmed.add((instance, epochs))
+        self.confirmations += 1
+        log.info("kvpush discovery: bridge %s: %s (epochs %s) is out of %s", self.bridge_id,
+                 instance, list(epochs), self.router)
 
 
 # -- command line --------------------------------------------------------------------------
@@ -1295,8 +1475,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="host:port of vllm-router's --vllm-discovery-address")
     bridge.add_argument("--interval", type=float, default=1.0)
     bridge.add_argument("--compat", default=None)
+    bridge.add_argument("--health-path", default="/health",
+                        help="register an incarnation once GET http://ADDRESS/PATH answers "
+                        "200 ('' registers without checking)")
     health = sub.add_parser("health", help="exit 0 if every rank of INSTANCE is published "
-                            "and serving, 1 if it is draining, 2 if it has no complete record")
+                            "and serving and its HTTP server answers /health, 1 if it is "
+                            "draining, 2 if it has no complete record or its HTTP server "
+                            "does not answer")
     health.add_argument("instance")
     drain = sub.add_parser("drain", help="ask every rank of INSTANCE to drain; with --wait, "
                            "exit 0 once they all report drained, 1 if not within the wait")
@@ -1316,7 +1501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "drain":
         return _drain_command(client, prefix, args.instance, args.wait)
     with Watcher(client, args.prefix) as watcher, \
-            RouterBridge(watcher, args.router, interval_s=args.interval, compat=args.compat):
+            RouterBridge(watcher, args.router, interval_s=args.interval, compat=args.compat,
+                         health_path=args.health_path or None):
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         with contextlib.suppress(KeyboardInterrupt):
@@ -1339,6 +1525,12 @@ def _health_command(client: EtcdClient, prefix: str, instance: str) -> int:
     if any(ad.state is not InstanceState.SERVING for ad in ads):
         print(f"{instance}: draining", flush=True)
         return 1
+    # A restarted instance publishes while its engine starts: ready once it serves HTTP.
+    http_address = ads[0].http_address
+    if http_address and not http_ready(http_address):
+        print(f"{instance}: not ready (its HTTP server at {http_address} does not answer "
+              "/health)", flush=True)
+        return 2
     print(f"{instance}: ready", flush=True)
     return 0
 

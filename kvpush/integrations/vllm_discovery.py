@@ -17,10 +17,13 @@ Every rank of an instance with ``discovery_etcd`` set:
 * follows ``{prefix}/control/drain/{instance}`` (:func:`~kvpush.discovery.request_drain`,
   ``python -m kvpush.discovery ... drain INSTANCE``). Asked, the rank marks its record
   ``draining`` (the router bridge stops registering the instance, directories stop
-  choosing it), waits ``discovery_drain_grace_s`` for routers to stop sending, then until
-  it holds no hand-off (kvpush's held sources, sends not yet handed over or released,
-  loads in flight) and vLLM ran no forward pass for :data:`QUIET_S`, withdraws its record
-  and reports ``{prefix}/control/drained/{instance}/{rank}``: the instance may stop.
+  choosing it), waits at least ``discovery_drain_grace_s`` for routers to stop sending and
+  until every running router bridge confirms the instance is out of its router
+  (:func:`~kvpush.discovery.unrouted`; at most :data:`BRIDGE_WAIT_S` more), then until it
+  holds no hand-off (kvpush's held sources, sends not yet handed over or released, loads
+  in flight) and vLLM ran no forward pass for :data:`QUIET_S`, withdraws its record and
+  reports ``{prefix}/control/drained/{instance}/{rank}``: the instance may stop. Whatever
+  still reaches it meanwhile is served: nothing is refused.
 
 Everything here runs on its own threads (the publisher's, the watcher's, the drain
 listener's); the engine's thread only starts and closes it.
@@ -49,6 +52,7 @@ from ..discovery import (
     compat_key,
     endpoint_health,
     report_drained,
+    unrouted,
 )
 from ..request import TransferMode
 
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
     from .vllm_common import AdapterConfig
     from .vllm_worker import KVPushWorker
 
-__all__ = ["QUIET_S", "RankDiscovery", "check_discovery_config", "instance_name"]
+__all__ = ["BRIDGE_WAIT_S", "QUIET_S", "RankDiscovery", "check_discovery_config", "instance_name"]
 
 log = logging.getLogger("kvpush.vllm")
 
@@ -67,6 +71,13 @@ log = logging.getLogger("kvpush.vllm")
 QUIET_S = 1.0
 #: How often a draining rank looks at what it still holds.
 _DRAIN_CHECK_S = 0.2
+#: How often a draining rank logs what it still waits for.
+_DRAIN_TELL_S = 5.0
+#: How often a draining rank asks etcd whether the router bridges have let it go.
+_BRIDGE_CHECK_S = 0.5
+#: A draining rank waits at most this long past its grace for the bridges' word (a bridge
+#: confirms about 5.5 s after its last registration of the instance).
+BRIDGE_WAIT_S = 30.0
 
 
 def _endpoints(config: AdapterConfig) -> list[str]:
@@ -182,10 +193,34 @@ class RankDiscovery:
         log.info("kvpush: discovery: %s draining: no new requests are routed here; "
                  "finishing what it holds (at most %.0f s)", self.publisher.key, limit)
         quiet_since: float | None = None
+        told = start
+        epoch = self.publisher.advertisement.epoch
+        waiting: list[str] | None = None  # bridges not yet confirming (None: not asked)
+        asked_at = 0.0
         while not self._stop.wait(_DRAIN_CHECK_S):
             now = time.monotonic()
-            idle = self.worker.holding() == 0 and now - self.worker.last_forward >= QUIET_S
-            quiet_since = (quiet_since or now) if idle else None
+            # Out of every router first: each running bridge confirms the instance is out
+            # of its vllm-router, which does not retry a refused connection elsewhere.
+            if (waiting is None or waiting) and now - asked_at >= _BRIDGE_CHECK_S:
+                asked_at = now
+                try:
+                    waiting = unrouted(self.client, self.prefix, self.instance, epoch)[1]
+                except DiscoveryError as exc:
+                    waiting = waiting or [f"etcd: {exc}"]
+                if waiting and now - start >= c.discovery_drain_grace_s + BRIDGE_WAIT_S:
+                    log.error("kvpush: discovery: %s: no word from router bridge(s) %s "
+                              "after %.0f s; going on", self.publisher.key, waiting,
+                              now - start)
+                    waiting = []
+            held = self.worker.holding()
+            idle = held == 0 and now - self.worker.last_forward >= QUIET_S
+            if now - told >= _DRAIN_TELL_S:  # why it is not done yet, for whoever waits
+                told = now
+                log.info("kvpush: discovery: %s draining for %.0f s: %d hand-off(s) held, "
+                         "last forward pass %.1f s ago, router bridge(s) not yet "
+                         "confirming: %s", self.publisher.key, now - start, held,
+                         now - self.worker.last_forward, waiting)
+            quiet_since = (quiet_since or now) if idle and waiting == [] else None
             if now - start >= c.discovery_drain_grace_s and quiet_since is not None \
                     and now - quiet_since >= QUIET_S:
                 break

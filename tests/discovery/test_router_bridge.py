@@ -28,13 +28,17 @@ import pytest
 import zmq
 
 from kvpush.discovery import (
+    ROUTER_EXPIRY_S,
     Advertisement,
     EtcdClient,
     Publisher,
     Role,
     RouterBridge,
     Watcher,
+    main,
+    unrouted,
 )
+from tests.discovery.stand_ins import HealthServer
 from tests.support import ROOT
 
 
@@ -80,7 +84,8 @@ def test_bridge_sends_what_vllm_router_reads(client: EtcdClient, prefix: str,
     try:
         for pub in pubs:
             pub.start()
-        with RouterBridge(watcher, f"127.0.0.1:{port}", interval_s=0.1):
+        # no HTTP server behind these addresses: registered without the health check
+        with RouterBridge(watcher, f"127.0.0.1:{port}", interval_s=0.1, health_path=None):
             receive(1.0)
             assert seen == {
                 "127.0.0.1:8100": {"type": "P", "http_address": "127.0.0.1:8100",
@@ -98,6 +103,67 @@ def test_bridge_sends_what_vllm_router_reads(client: EtcdClient, prefix: str,
         for pub in pubs:
             pub.close()
         router.close(0)
+
+
+def test_bridge_registers_an_incarnation_once_it_serves_http_and_confirms_it_out(
+        client: EtcdClient, prefix: str, watcher: Watcher) -> None:
+    """vllm-router fails a request sent to an instance that refuses the connection (it
+    does not retry it elsewhere): the bridge registers an incarnation only once its HTTP
+    server answers (a restarted instance publishes its record before), and confirms a
+    draining one out of the router only once the router's expiry has passed since its
+    last registration."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    http_port = _free_port()
+    address = f"127.0.0.1:{http_port}"
+    last: dict[str, float] = {}
+
+    def receive(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if router.poll(int(left * 1000)):
+                _, body = router.recv_multipart()
+                last[msgspec.msgpack.decode(body)["http_address"]] = time.monotonic()
+
+    pub = Publisher(client, prefix, _prefill("p0", address), ttl_s=3).start()
+    epoch = pub.advertisement.epoch
+    http = None
+    bridge = RouterBridge(watcher, f"127.0.0.1:{port}", interval_s=0.1)
+    try:
+        with bridge:
+            assert watcher.wait_for(lambda ads: len(ads) == 1, 5)
+            receive(1.0)
+            assert last == {}  # its record serves, its HTTP server does not listen yet
+            assert main(["--etcd", client.endpoints[0], "--prefix", prefix, "health",
+                         "p0"]) == 2
+            http = HealthServer(http_port)
+            deadline = time.monotonic() + 3
+            while address not in last and time.monotonic() < deadline:
+                receive(0.2)
+            assert address in last, "not registered once its HTTP server answered"
+            assert main(["--etcd", client.endpoints[0], "--prefix", prefix, "health",
+                         "p0"]) == 0
+            assert unrouted(client, prefix, "p0", epoch) == ([], [bridge.bridge_id])
+            pub.drain()
+            assert watcher.wait_for(lambda ads: ads[0].state.value == "draining", 5)
+            receive(0.3)  # what was already queued
+            stopped = last[address]
+            while unrouted(client, prefix, "p0", epoch)[1]:
+                assert time.monotonic() - stopped < ROUTER_EXPIRY_S + 3, "never confirmed"
+                receive(0.1)
+            assert last[address] == stopped  # nothing sent once draining
+            assert time.monotonic() - stopped >= ROUTER_EXPIRY_S
+            assert unrouted(client, prefix, "p0", epoch) == ([bridge.bridge_id], [])
+            assert unrouted(client, prefix, "p0", epoch + 1)[1] == [bridge.bridge_id]
+        # a stopped bridge is not waited for: its presence key went with it
+        assert unrouted(client, prefix, "p0", epoch + 1) == ([], [])
+    finally:
+        pub.close()
+        router.close(0)
+        if http is not None:
+            http.close()
 
 
 # -- the real vllm-router ------------------------------------------------------------------
@@ -166,7 +232,8 @@ class _VllmRouter:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [binary, "--vllm-pd-disaggregation", "--vllm-discovery-address",
-                 self.discovery, "--host", "127.0.0.1", "--port", str(self.port),
+                 self.discovery, "--policy", "round_robin",  # every instance in turn
+                 "--host", "127.0.0.1", "--port", str(self.port),
                  "--prometheus-port", str(_free_port())],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
@@ -256,6 +323,18 @@ def test_vllm_router_follows_instances_through_the_bridge(client: EtcdClient,
             assert router.complete()[0] == 200
         assert len(workers["p0"].requests) == before
         assert len(workers["p1"].requests) >= 3
+
+        # a prefill instance whose record serves before its HTTP server listens (a
+        # restart: the engine publishes while it starts): vllm-router would send it
+        # requests and fail them (it does not retry a refused connection elsewhere), so
+        # the bridge does not register it
+        pubs.append(Publisher(client, prefix, _prefill("p2", f"127.0.0.1:{_free_port()}"),
+                              ttl_s=3).start())
+        time.sleep(1.5)  # three of the bridge's rounds
+        for _ in range(4):
+            status, text = router.complete()
+            assert status == 200, text
+        pubs[3].close()
 
         # every prefill gone: the router has no pair within its 5 s expiry
         pubs[2].close()

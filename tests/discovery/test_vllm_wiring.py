@@ -18,6 +18,7 @@ import pytest
 
 import kvpush
 from kvpush.discovery import (
+    ROUTER_EXPIRY_S,
     ChangeKind,
     EtcdClient,
     InstanceState,
@@ -30,8 +31,10 @@ from kvpush.discovery import (
     instance_records,
     main,
     request_drain,
+    unrouted,
 )
 from kvpush.integrations.vllm_common import AdapterConfig
+from tests.discovery.stand_ins import HealthServer
 from tests.discovery.vllm_rank import worker
 from tests.support import ROOT
 
@@ -86,6 +89,8 @@ def test_decode_rank_finds_the_prefill_rank_and_loses_it_at_shutdown(
         assert watcher.wait_for(lambda ads: any(a.role is Role.DECODE for a in ads), 5)
         prefill.shutdown()
         assert watcher.wait_for(lambda ads: [a.role for a in ads] == [Role.DECODE], 2)
+        assert decode.discovery.watcher.wait_for(   # the decode rank's own view, too
+            lambda ads: [a.role for a in ads] == [Role.DECODE], 2)
         assert decode.discovery.directory.instances() == {}
     finally:
         prefill.shutdown()
@@ -158,8 +163,9 @@ def test_a_stuck_loop_stops_renewal_and_the_record_comes_back_with_it(
 def test_drain_finishes_what_the_rank_holds_then_withdraws_and_reports(
         client: EtcdClient, prefix: str, watcher: Watcher) -> None:
     url = client.endpoints[0]
+    http = HealthServer()  # the instance's HTTP server: ``health`` asks it too
     prefill = worker("kv_producer", url, prefix, "prefill-d", discovery_drain_grace_s=1.0,
-                     discovery_http_address="127.0.0.1:8101")
+                     discovery_http_address=http.address)
     decode = worker("kv_consumer", url, prefix, "decode-d",
                     discovery_http_address="127.0.0.1:8201")
     nxt = None
@@ -168,7 +174,7 @@ def test_drain_finishes_what_the_rank_holds_then_withdraws_and_reports(
         bridge = RouterBridge(watcher, "127.0.0.1:1")
         assert sorted(r["type"] for r in bridge.registrations()) == ["D", "P"]
         routing = ProducerDirectory(watcher, None)    # a router's view: any compat
-        assert routing.at_http_address("127.0.0.1:8101") == [prefill.address]
+        assert routing.at_http_address(http.address) == [prefill.address]
         assert routing.at_http_address("127.0.0.1:8201") == []   # a decode instance
         assert _cli(client, prefix, "health", "prefill-d") == 0
         # a hand-off held for a decode instance: the source waits for its READ
@@ -186,7 +192,7 @@ def test_drain_finishes_what_the_rank_holds_then_withdraws_and_reports(
         # the router bridge stops registering it; decode ranks stop choosing it
         assert [r["type"] for r in bridge.registrations()] == ["D"]
         assert decode.discovery.directory.instances() == {}
-        assert routing.at_http_address("127.0.0.1:8101") == []
+        assert routing.at_http_address(http.address) == []
         assert _cli(client, prefix, "health", "prefill-d") == 1
         time.sleep(2.5)                        # past the grace: still held, still there
         assert not prefill.discovery.drained.is_set()
@@ -217,6 +223,7 @@ def test_drain_finishes_what_the_rank_holds_then_withdraws_and_reports(
         for w in (prefill, decode, nxt):
             if w is not None:
                 w.shutdown()
+        http.close()
 
 
 def test_a_producer_that_stops_listening_is_unhealthy(
@@ -232,3 +239,41 @@ def test_a_producer_that_stops_listening_is_unhealthy(
         assert watcher.wait_for(lambda ads: ads == [], TTL + 1.5)
     finally:
         prefill.shutdown()
+
+
+def test_drain_waits_until_the_router_bridge_has_let_the_instance_go(
+        client: EtcdClient, prefix: str, watcher: Watcher) -> None:
+    """vllm-router keeps sending to an instance until its expiry after the bridge's last
+    registration: a draining rank withdraws (and the instance may stop) only once every
+    running bridge confirms it is out of its router, however short the grace."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)  # stands in for vllm-router's discovery socket
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    http = HealthServer()
+    prefill = worker("kv_producer", client.endpoints[0], prefix, "prefill-b",
+                     discovery_drain_grace_s=0.5, discovery_http_address=http.address)
+    try:
+        with RouterBridge(watcher, f"127.0.0.1:{port}", interval_s=0.1) as bridge:
+            assert router.poll(5000), "the bridge did not register the instance"
+            asked = request_drain(client, prefix, "prefill-b")
+            t0 = time.monotonic()
+            last = t0
+            while not prefill.discovery.drained.is_set():
+                assert time.monotonic() - t0 < ROUTER_EXPIRY_S + 5, "never drained"
+                if router.poll(50):
+                    body = router.recv_multipart()[1]
+                    assert msgspec.msgpack.decode(body)["http_address"] == http.address
+                    last = time.monotonic()
+            # not before the router's expiry had passed since the last registration
+            assert time.monotonic() - last >= ROUTER_EXPIRY_S
+            epoch = asked[0].epoch
+            assert unrouted(client, prefix, "prefill-b", epoch) == ([bridge.bridge_id], [])
+            assert list(drain_reports(client, prefix, asked)) == [0]
+    finally:
+        prefill.shutdown()
+        router.close(0)
+        http.close()
