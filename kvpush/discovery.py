@@ -1469,7 +1469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="etcd client URL, http://host:port (repeat for several)")
     parser.add_argument("--prefix", required=True, help="key prefix, e.g. /kvpush/prod")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="print the records as JSON lines")
+    sub.add_parser("list", help="print the records (not the control keys) as JSON lines")
     bridge = sub.add_parser("bridge", help="register serving instances with vllm-router")
     bridge.add_argument("--router", required=True,
                         help="host:port of vllm-router's --vllm-discovery-address")
@@ -1494,7 +1494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "list":
         _, kvs = client.get_prefix(prefix + "/")
         for kv in kvs:
-            print(kv.key, kv.value.decode(errors="replace"), flush=True)
+            if not kv.key.startswith(f"{prefix}/{CONTROL}/"):  # requests, reports, bridges
+                print(kv.key, kv.value.decode(errors="replace"), flush=True)
         return 0
     if args.command == "health":
         return _health_command(client, prefix, args.instance)

@@ -106,7 +106,8 @@ def test_bridge_sends_what_vllm_router_reads(client: EtcdClient, prefix: str,
 
 
 def test_bridge_registers_an_incarnation_once_it_serves_http_and_confirms_it_out(
-        client: EtcdClient, prefix: str, watcher: Watcher) -> None:
+        client: EtcdClient, prefix: str, watcher: Watcher,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """vllm-router fails a request sent to an instance that refuses the connection (it
     does not retry it elsewhere): the bridge registers an incarnation only once its HTTP
     server answers (a restarted instance publishes its record before), and confirms a
@@ -157,6 +158,11 @@ def test_bridge_registers_an_incarnation_once_it_serves_http_and_confirms_it_out
             assert time.monotonic() - stopped >= ROUTER_EXPIRY_S
             assert unrouted(client, prefix, "p0", epoch) == ([bridge.bridge_id], [])
             assert unrouted(client, prefix, "p0", epoch + 1)[1] == [bridge.bridge_id]
+            # ``list`` prints the records, not the bridges' control keys
+            capsys.readouterr()
+            assert main(["--etcd", client.endpoints[0], "--prefix", prefix, "list"]) == 0
+            assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] \
+                == [pub.key]
         # a stopped bridge is not waited for: its presence key went with it
         assert unrouted(client, prefix, "p0", epoch + 1) == ([], [])
     finally:
