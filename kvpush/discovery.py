@@ -91,7 +91,7 @@ ROUTER_EXPIRY_S = 5.0
 #: A bridge confirms an instance is out of its router this long after the expiry.
 _EXPIRY_MARGIN_S = 0.5
 #: A bridge's presence key lives this long after its last renewal.
-_BRIDGE_TTL_S = 5
+_BRIDGE_TTL_S = 10
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
