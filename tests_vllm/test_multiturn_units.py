@@ -99,6 +99,20 @@ def test_aborted_turn_keeps_nothing() -> None:
     assert d.request_finished(r, list(range(10, 20))) == (False, None)
 
 
+def test_streamed_turn_keeps_nothing() -> None:
+    """vLLM's OpenAI server streams with output kind DELTA and drops kv_transfer_params
+    from the stream: a kept turn could never be named, so nothing is held."""
+    d = scheduler()
+    params = decode_params("t1", ["tcp://127.0.0.1:7000"]) | {"do_remote_prefill": False}
+    r = finished_turn(list(range(200)), 199, params)
+    r.sampling_params = SimpleNamespace(output_kind=SimpleNamespace(name="DELTA"))
+    assert d.request_finished(r, list(range(10, 20))) == (False, None)
+    assert not d.build_plan(STEP).send
+    r.sampling_params = SimpleNamespace(output_kind=SimpleNamespace(name="FINAL_ONLY"))
+    hold, out = d.request_finished(r, list(range(10, 20)))
+    assert hold and out is not None
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_next_turn_loads_only_what_its_prefix_cache_lacks(mode: str) -> None:
     history = list(range(1000, 1170))
@@ -206,6 +220,11 @@ def test_costs_load_until_a_load_is_measured_and_never_assume_small_loads_cheape
     assert c.load_s(1.5 * MB) == pytest.approx(0.030)   # not 30 ms x 1.5/19
     assert c.load_s(38 * MB) == pytest.approx(0.060)
     assert not c.should_load(48, 1.5 * MB)          # 30 ms against 6 ms
+    # over twice the largest load measured: load it, to measure it (60 ms estimated
+    # against 50 ms to compute, but the fit knows nothing there)
+    assert c.load_s(39 * MB) > c.recompute_s(390)   # type: ignore[operator]
+    assert c.should_load(390, 39 * MB)
+    assert not c.should_load(380, 38 * MB)
 
 
 def costed(costs: ReuseCosts) -> KVPushScheduler:
@@ -234,10 +253,19 @@ def test_prefill_decides_per_request_from_its_costs(cached: int) -> None:
 
 
 def test_scheduler_measures_its_steps_and_its_loads() -> None:
+    """The first load from a decode instance waited for the connection to it too: no
+    sample. The next one from it is."""
     history = list(range(1000, 1170))
-    _, out = keep_turn("pull", history)
+    _, first = keep_turn("pull", history)
+    _, out = keep_turn("pull", history)          # the same decode instance's address
     p = scheduler()
     p._bytes_per_block = 1000.0
+    r = next_turn(history + [7] * 40, first | prefill_params("t1", "pull"))
+    r.request_id = "p1"
+    assert p.get_num_new_matched_tokens(r, 0) == (160, True)
+    p.update_state_after_alloc(r, Blocks(list(range(50, 57))), 160)
+    p.update_connector_output(SimpleNamespace(finished_recving={"p1"}))
+    assert not p.costs._loads
     r = next_turn(history + [7] * 40, out | prefill_params("t2", "pull"))
     assert p.get_num_new_matched_tokens(r, 0) == (160, True)
     p.update_state_after_alloc(r, Blocks(list(range(50, 57))), 160)
@@ -254,6 +282,7 @@ def test_scheduler_measures_its_steps_and_its_loads() -> None:
     assert load[0] == 5000.0 and 0.03 <= load[1] < 0.5
     # a failed load is no sample of the link
     p2 = scheduler()
+    p2._loaded_from.add(tuple(out[PARAM_REUSE]["kvpush_producers"]))
     r = next_turn(history + [7] * 40, out | prefill_params("t3", "pull"))
     p2.get_num_new_matched_tokens(r, 0)
     p2.update_state_after_alloc(r, Blocks(list(range(50, 57))), 160)
@@ -279,3 +308,9 @@ def test_a_kept_turn_is_loaded_by_one_request_and_the_others_compute() -> None:
     p.update_state_after_alloc(b, Blocks(list(range(60, 67))), 0)
     (recv,) = p.build_plan(STEP).recv
     assert recv.req_id == "p2" and recv.report
+
+
+def test_reuse_load_is_measured_or_always() -> None:
+    assert AdapterConfig().reuse_load == "measured"
+    with pytest.raises(ValueError, match="reuse_load"):
+        AdapterConfig(reuse_load="sometimes")

@@ -189,6 +189,11 @@ class AdapterConfig:
         Decode instance with ``reuse``: while fewer than this share of vLLM's blocks is
         free, the oldest kept turns are released before their lease ends (their next turns
         recompute).
+    reuse_load
+        Prefill instance with ``reuse``: ``"measured"`` loads the kept tokens its prefix
+        cache lacks only when its measured costs say loading them beats computing them
+        (:class:`~kvpush.integrations.vllm_reuse.ReuseCosts`); ``"always"`` loads them
+        whatever the costs.
     discovery_etcd
         Comma-separated etcd client URLs (``http://host:port``): every rank publishes its
         advertisement under ``discovery_prefix`` (:mod:`kvpush.discovery`) while its kvpush
@@ -233,6 +238,7 @@ class AdapterConfig:
     stage_log: bool = False
     reuse: bool = False
     reuse_reserve: float = 0.1
+    reuse_load: str = "measured"
     discovery_etcd: str = ""
     discovery_prefix: str = "/kvpush/default"
     discovery_instance: str = ""
@@ -248,6 +254,9 @@ class AdapterConfig:
         if not 0 <= self.reuse_reserve < 1:
             raise ValueError(f"kvpush: reuse_reserve must be in [0, 1), got "
                              f"{self.reuse_reserve}")
+        if self.reuse_load not in ("measured", "always"):
+            raise ValueError(f"kvpush: reuse_load must be 'measured' or 'always', got "
+                             f"{self.reuse_load!r}")
         TransferMode(self.mode)  # raises ValueError naming the bad value
         if self.discovery_etcd:
             from .vllm_discovery import check_discovery_config

@@ -13,7 +13,9 @@ claims, exactly-once releases and failure handling:
   response's ``kv_transfer_params`` name them in vLLM's ``NixlConnector`` bidirectional
   schema (``do_remote_decode``, ``remote_block_ids``, ``remote_num_tokens``,
   ``remote_blocks_expiry_time``, ...) and in kvpush's own (``kvpush_reuse``: the keys a
-  forward transfer's response has, for the kept tokens).
+  forward transfer's response has, for the kept tokens). A streamed answer keeps nothing:
+  vLLM's OpenAI server returns ``kv_transfer_params`` only in a non-streamed answer, so no
+  next turn could name the kept blocks, and they would sit out the lease (:func:`streamed`).
 - **Prefill instance, the next turn arrives** with those params (a proxy passes the decode
   response's ``kv_transfer_params`` as they came, merged with its own forward keys).
   :func:`offer` checks that the new prompt starts with the kept tokens (their fingerprint)
@@ -31,7 +33,10 @@ claims, exactly-once releases and failure handling:
   fetch). :class:`ReuseCosts` estimates both from what this instance measured: each
   completed load (its bytes, and the time from its plan to vLLM learning it ended: the
   link's per-transfer latency and bytes/s) and each engine step (its tokens and duration:
-  the prefill time per token). Until a load has been measured it loads, to learn.
+  the prefill time per token). Until a load has been measured it loads, to learn, and
+  so it does for a load over twice the largest measured; the first load from each decode
+  instance is no sample (it waited for the connection too). ``reuse_load`` ``"always"``
+  loads whatever the costs.
 - **Forward again**: the prefill's hand-off to the decode side is unchanged; the decode
   instance's prefix cache still holds the kept blocks, so only the tail it lacks moves.
 """
@@ -48,7 +53,7 @@ from ..messages import new_id
 from .vllm_common import PARAM_NUM_TOKENS, PARAM_PROMPT, prompt_fingerprint
 
 __all__ = ["PARAM_REUSE", "Kept", "Offer", "ReuseCosts", "keep", "kept_params", "kept_tokens",
-           "offer"]
+           "offer", "streamed"]
 
 #: kvpush's key for a kept conversation in ``kv_transfer_params`` (decode response ->
 #: next turn's prefill request): a dict with the keys of a forward response.
@@ -71,8 +76,19 @@ def kept_tokens(num_computed: int, block_size: int) -> int:
     return (max(0, int(num_computed)) // block_size) * block_size
 
 
+def streamed(request: Any) -> bool:
+    """Whether a request's answer is streamed: vLLM's OpenAI server asks for deltas
+    (``RequestOutputKind.DELTA``) exactly when it streams, and drops ``kv_transfer_params``
+    from a streamed answer."""
+    kind = getattr(getattr(request, "sampling_params", None), "output_kind", None)
+    return getattr(kind, "name", None) == "DELTA"
+
+
 def keep(request: Any, block_ids: Sequence[int], block_size: int) -> Kept | None:
-    """What a finished decode request keeps, or None (less than one full block)."""
+    """What a finished decode request keeps, or None (less than one full block, or a
+    streamed answer: nobody learns its name)."""
+    if streamed(request):
+        return None
     tokens = kept_tokens(getattr(request, "num_computed_tokens", 0), block_size)
     ids = getattr(request, "all_token_ids", None)
     if tokens <= 0 or ids is None or len(ids) < tokens:
@@ -199,8 +215,12 @@ class ReuseCosts:
 
     def should_load(self, tokens: int, nbytes: float) -> bool:
         """Load ``tokens`` kept tokens (``nbytes``) rather than compute them here: when no
-        load or no step has been measured yet (to learn), or when loading is cheaper."""
+        load or no step has been measured yet, or the load is over twice the largest one
+        measured (to learn: the fit says little that far out, and choosing to compute
+        would never measure it), or when loading is cheaper."""
         load, compute = self.load_s(nbytes), self.recompute_s(tokens)
         if load is None or compute is None:
+            return True
+        if nbytes > 2 * max(b for b, _ in self._loads):
             return True
         return load < compute

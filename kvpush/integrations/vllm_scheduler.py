@@ -165,6 +165,10 @@ class KVPushScheduler:
         self.costs = ReuseCosts()
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
         self._timed: dict[str, tuple[float, float, list[int]]] = {}
+        # decode instances (their producers) loaded from here: the first load from each
+        # one carries the connection to it, and is no sample of the link's cost
+        self._loaded_from: set[tuple[str, ...]] = set()
+        self._first_loads: set[str] = set()      # req ids of such first loads
         # req id -> (kept tokens lacking, load them, estimated load s, compute s): logged
         # once vLLM allocates the request
         self._decided: dict[str, tuple[int, bool, float | None, float | None]] = {}
@@ -253,6 +257,7 @@ class KVPushScheduler:
         if self.reuse:
             self._step_ended()
             self._timed.pop(req_id, None)
+            self._first_loads.discard(req_id)
             self._decided.pop(req_id, None)
         self._candidates.pop(req_id, None)
         self._full_tokens.pop(req_id, None)
@@ -565,7 +570,7 @@ class KVPushScheduler:
         # whole blocks past the prefix-cache hit (a partial one is loaded whole)
         blocks = found[0] // self.block_size - num_computed_tokens // self.block_size
         nbytes = blocks * self._bytes_per_block
-        load = self.costs.should_load(count, nbytes)
+        load = self.config.reuse_load == "always" or self.costs.should_load(count, nbytes)
         self._decided[request.request_id] = (
             count, load, self.costs.load_s(nbytes), self.costs.recompute_s(count))
         return (count, True) if load else (0, False)
@@ -598,6 +603,9 @@ class KVPushScheduler:
         self._recving[req_id] = remote.transfer_id
         self._recv_new.append(RecvPlan(req_id, remote, dst, report=True))
         self._timed[req_id] = (time.monotonic(), len(dst) * self._bytes_per_block, dst)
+        if remote.producers not in self._loaded_from:
+            self._loaded_from.add(remote.producers)
+            self._first_loads.add(req_id)
 
     def _step_ended(self) -> None:
         """The step built last has run (vLLM hands its output back, finishes requests in
@@ -609,14 +617,18 @@ class KVPushScheduler:
 
     def _loads_ended(self, output: Any) -> None:
         """Loads of kept tokens vLLM learns ended: each one that arrived is a sample of the
-        link's cost, from its plan to now (what the request waited)."""
+        link's cost, from its plan to now (what the request waited), but the first from
+        each decode instance (it also waited for the connection to that instance)."""
         self._step_ended()
         failed = set(getattr(output, "failed_recving", None) or ())
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         now = time.monotonic()
         for req_id in getattr(output, "finished_recving", None) or ():
             timed = self._timed.pop(req_id, None)
-            if timed is not None and req_id not in failed and invalid.isdisjoint(timed[2]):
+            first = req_id in self._first_loads
+            self._first_loads.discard(req_id)
+            if timed is not None and not first and req_id not in failed \
+                    and invalid.isdisjoint(timed[2]):
                 self.costs.observe_load(timed[1], now - timed[0])
 
     # -- helpers ---------------------------------------------------------------------------
