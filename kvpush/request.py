@@ -80,8 +80,9 @@ class Release:
     ``blocks_safe`` False: a transfer may still *read* these blocks (the Producer closed
     with a WRITE in flight or a READ inside the hold it promised, or a WRITE was abandoned
     and its consumer could not be told). Keep their contents unchanged for
-    ``quarantine_s`` seconds (the larger of the producer's ``transfer_timeout_s`` and
-    ``peer_timeout_s``) before reusing them, or the consumer may receive the reuse's bytes.
+    ``quarantine_s`` seconds (the larger of the producer's ``transfer_timeout_s`` and twice
+    its ``peer_timeout_s``) before reusing them, or the consumer may receive the reuse's
+    bytes.
     Consumers' ``peer_timeout_s`` must not exceed the producer's for that to hold.
     """
 

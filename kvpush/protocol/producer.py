@@ -1442,8 +1442,11 @@ class ProducerCore:
         self.gauges["sources_held"] -= 1
         # Blocks a transfer may still read stay unchanged until it cannot any more: its
         # deadline, or -- a cut the consumer has not noticed yet can hold a WRITE and the
-        # Bye behind it -- until the consumer gives this side up.
-        hold = max(self.config.transfer_timeout_s, self.config.peer_timeout_s) \
+        # Bye behind it -- until the consumer gives this side up. A consumer judges silence
+        # on its heartbeat ticks: it gives up at most peer_timeout_s after the first
+        # heartbeat the cut leaves unanswered (asked up to heartbeat_s into the cut),
+        # judged up to heartbeat_s later, and heartbeat_s <= peer_timeout_s / 2.
+        hold = max(self.config.transfer_timeout_s, 2 * self.config.peer_timeout_s) \
             if req.unsafe else 0.0
         xids = tuple(sorted({xid for _, xid in req.shares} | {x for _, x in req.done_owners}))
         self._out.append(Emit(Release(req.rid, reason, source.ids, detail,

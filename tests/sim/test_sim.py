@@ -275,6 +275,24 @@ def test_regression_close_quarantine_shorter_than_a_cut() -> None:
     assert sim.run() == 0, out.getvalue()
 
 
+def test_regression_close_quarantine_shorter_than_the_consumers_judgement() -> None:
+    """A consumer gives a silent producer up on a heartbeat tick, up to two heartbeats past
+    peer_timeout_s after the cut began: a Release's quarantine of peer_timeout_s ended
+    first, the blocks were reused, and the WRITE the cut held copied the reuse, its Landed
+    taken as READY. A cut of 1.15 s, Producer.close() 0.12 s in, and a connection reset
+    that loses the Bye."""
+    out = io.StringIO()
+    sim = Simulation(3, requests=300, producers=1, consumers=1, faults=Faults.parse("none"),
+                     out=out, timings=Timings(prefill_max_s=0.2))
+    s = sim.sched
+    s.at(1.0, lambda: sim.net.cut("p0", "c0", 2.15))
+    s.at(1.12, lambda: sim.endpoints["p0"].close(
+        lambda: s.after(0.01, sim._restart, "p0", "producer", 1, sim.endpoints["p0"])))
+    s.at(1.15, lambda: sim.net.reset("p0", "c0"))
+    assert sim.run() == 0, out.getvalue()
+    assert sim.stats["releases_unsafe"] > 0     # the close did release a source being written
+
+
 # -- the checker catches planted bugs ----------------------------------------------------
 class _Wrap:
     def __init__(self, inner: object) -> None:
