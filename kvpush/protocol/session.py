@@ -223,6 +223,10 @@ class Dialer:
         self.layout: KVLayout | None = None
         self.why = ""                     # why it went down
         self.error: KvpushError | None = None
+        # With a key, a refusal that is not sealed cannot end the handshake (anyone can send
+        # one): its reason is kept for the error if the handshake times out (a producer
+        # without our key can only answer that way).
+        self.refusal = ""
         # One attempt: a nonce (the Probe's and the Hello's), the producer's Challenge, and
         # the Hello; every retransmit is the same frame (a producer answers retransmits of
         # one Hello with one session).
@@ -319,7 +323,10 @@ class Dialer:
     def _retry(self) -> None:
         now = self._now
         if now >= self.deadline:
-            self.error = PeerUnavailable(f"no answer from {self.address}")
+            self.error = AuthenticationError(
+                f"{self.address} did not answer the handshake with our key; an answer "
+                f"that could not be authenticated said: {self.refusal}") if self.refusal \
+                else PeerUnavailable(f"no answer from {self.address}")
             self._down(str(self.error))
             return
         # One attempt, re-sent as is; renewed only before the producer would find it stale,
@@ -441,13 +448,14 @@ class Dialer:
                     raise
                 # the answer to a re-sent Probe or Hello, sealed with the key: not an attack
                 return self._handshake_answer(frame)
-        # Handshake with a key: a sealed answer echoing this attempt's nonce, or a plain
-        # HelloReject (a producer without our key can only say no).
+        # Handshake with a key: only a sealed answer echoing this attempt's nonce counts. A
+        # plain HelloReject (a producer without our key can only say no, and so can anyone)
+        # is kept as the likely reason should the handshake time out.
         if not m.is_sealed(frame):
             msg = m.decode(frame)
-            if not isinstance(msg, m.HelloReject):
-                raise AuthenticationError(f"unauthenticated {type(msg).__name__}")
-            return msg
+            if isinstance(msg, m.HelloReject):
+                self.refusal = msg.reason
+            raise AuthenticationError(f"unauthenticated {type(msg).__name__}")
         return self._handshake_answer(frame)
 
     def _handshake_answer(self, frame: bytes | memoryview) -> m.Message:
