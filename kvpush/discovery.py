@@ -1022,19 +1022,22 @@ def _unrouted_key(prefix: str, instance: str, bridge: str) -> str:
     return f"{_check_prefix(prefix)}/{CONTROL}/unrouted/{instance}/{bridge}"
 
 
-def unrouted(client: EtcdClient, prefix: str, instance: str, epoch: int
-             ) -> tuple[list[str], list[str]]:
+def unrouted(client: EtcdClient, prefix: str, instance: str, epoch: int, *,
+             since_revision: int = 0) -> tuple[list[str], list[str]]:
     """Which running :class:`RouterBridge` s have confirmed that incarnation ``epoch`` of
     ``instance`` is out of their router (it is draining or gone, and the router's expiry
     has passed since the bridge's last registration of it), and which have not yet:
-    ``(confirmed, waiting)``, bridge ids. A bridge that stopped is not waited for (its
-    presence key goes with its lease)."""
+    ``(confirmed, waiting)``, bridge ids. Only confirmations written after etcd revision
+    ``since_revision`` count (a drain passes the revision read before it marked the record
+    ``draining``: a confirmation from an earlier lapse of the record does not). A bridge
+    that stopped is not waited for (its presence key goes with its lease)."""
     _, kvs = client.get_prefix(f"{_check_prefix(prefix)}/{CONTROL}/")
     running = {kv.key.rsplit("/", 1)[1] for kv in kvs
                if kv.key.startswith(_bridge_key(prefix, ""))}
     done = set()
     for kv in kvs:
-        if kv.key.startswith(_unrouted_key(prefix, instance, "")):
+        if kv.key.startswith(_unrouted_key(prefix, instance, "")) \
+                and kv.mod_revision > since_revision:
             with contextlib.suppress(ValueError, AttributeError, TypeError):
                 if epoch in json.loads(kv.value).get("epochs", ()):
                     done.add(kv.key.rsplit("/", 1)[1])
@@ -1291,6 +1294,7 @@ class RouterBridge:
         self._ready: dict[tuple[str, str], tuple[int, ...]] = {}
         #: (type, instance) -> (epochs, monotonic time) of its last registration sent
         self._last_sent: dict[tuple[str, str], tuple[tuple[int, ...], float]] = {}
+        #: (instance, epochs) confirmed out of the router since its last registration
         self._confirmed: set[tuple[str, tuple[int, ...]]] = set()
         self.sent = 0
         self.confirmations = 0
@@ -1381,6 +1385,9 @@ class RouterBridge:
                     self.sent += 1
                     with self._lock:
                         self._last_sent[key] = (epochs, time.monotonic())
+                        # in the router again (a record back after a lapse): a later
+                        # drain needs a new confirmation
+                        self._confirmed.discard((key[1], epochs))
                 if self._stop.wait(self.interval_s):
                     return
         finally:
@@ -1427,7 +1434,9 @@ class RouterBridge:
                 if key not in present:
                     leaving[key] = epochs
             for key, epochs in leaving.items():
-                if (key[1], epochs) not in self._confirmed:
+                with self._lock:
+                    confirmed = (key[1], epochs) in self._confirmed
+                if not confirmed:
                     sent = last_sent.get(key)
                     if sent is not None and time.monotonic() - sent[1] \
                             < ROUTER_EXPIRY_S + _EXPIRY_MARGIN_S:
@@ -1452,7 +1461,8 @@ class RouterBridge:
         client.put(_unrouted_key(self._watcher.prefix, instance, self.bridge_id),
                    json.dumps({"epochs": list(epochs), "at_ns": time.time_ns()}).encode(),
                    lease)
-        self._confirmed.add((instance, epochs))
+        with self._lock:
+            self._confirmed.add((instance, epochs))
         self.confirmations += 1
         log.info("kvpush discovery: bridge %s: %s (epochs %s) is out of %s", self.bridge_id,
                  instance, list(epochs), self.router)

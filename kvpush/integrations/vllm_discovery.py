@@ -185,6 +185,11 @@ class RankDiscovery:
         self.draining = True
         start = time.monotonic()
         try:
+            # the bridges' word counts from here on (not one from an earlier lapse)
+            since = self.client.get_prefix(self.publisher.key)[0]
+        except DiscoveryError:
+            since = 0
+        try:
             self.publisher.drain()
         except DiscoveryError as exc:  # written with the next renewal
             log.warning("kvpush: discovery: marking %s draining: %s", self.publisher.key, exc)
@@ -204,7 +209,8 @@ class RankDiscovery:
             if (waiting is None or waiting) and now - asked_at >= _BRIDGE_CHECK_S:
                 asked_at = now
                 try:
-                    waiting = unrouted(self.client, self.prefix, self.instance, epoch)[1]
+                    waiting = unrouted(self.client, self.prefix, self.instance, epoch,
+                                       since_revision=since)[1]
                 except DiscoveryError as exc:
                     waiting = waiting or [f"etcd: {exc}"]
                 if waiting and now - start >= c.discovery_drain_grace_s + BRIDGE_WAIT_S:

@@ -172,6 +172,55 @@ def test_bridge_registers_an_incarnation_once_it_serves_http_and_confirms_it_out
             http.close()
 
 
+def test_a_confirmation_from_an_earlier_lapse_does_not_count_for_a_drain(
+        client: EtcdClient, prefix: str, watcher: Watcher) -> None:
+    """A record that lapsed (its lease ran out) and came back with the same epoch: the
+    bridge confirmed it out of the router then, registers it again, and confirms it anew
+    for the drain; the drain counts only confirmations written after it began."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def registered(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        seen = False
+        while (left := deadline - time.monotonic()) > 0 and not seen:
+            if router.poll(int(left * 1000)):
+                router.recv_multipart()
+                seen = True
+        return seen
+
+    with HealthServer() as http:
+        pub = Publisher(client, prefix, _prefill("p0", http.address), ttl_s=3).start()
+        epoch = pub.advertisement.epoch
+        try:
+            with RouterBridge(watcher, f"127.0.0.1:{port}", interval_s=0.1) as bridge:
+                assert registered(5)
+                pub.close()  # the record lapses
+                deadline = time.monotonic() + ROUTER_EXPIRY_S + 3
+                while unrouted(client, prefix, "p0", epoch)[1]:
+                    assert time.monotonic() < deadline, "the lapse was never confirmed"
+                    time.sleep(0.1)
+                pub = Publisher(client, prefix, pub.advertisement, ttl_s=3).start()
+                assert pub.advertisement.epoch == epoch
+                while router.poll(0):
+                    router.recv_multipart()
+                assert registered(5)  # back in the router
+                since = client.get_prefix(pub.key)[0]
+                pub.drain()
+                assert unrouted(client, prefix, "p0", epoch, since_revision=since) \
+                    == ([], [bridge.bridge_id])
+                started = time.monotonic()
+                while unrouted(client, prefix, "p0", epoch, since_revision=since)[1]:
+                    assert time.monotonic() - started < ROUTER_EXPIRY_S + 3, "never confirmed"
+                    time.sleep(0.1)
+                assert time.monotonic() - started >= ROUTER_EXPIRY_S - 0.6
+        finally:
+            pub.close()
+            router.close(0)
+
+
 # -- the real vllm-router ------------------------------------------------------------------
 
 def _router_binary() -> str | None:
