@@ -191,6 +191,8 @@ def test_drain_finishes_what_the_rank_holds_then_withdraws_and_reports(
                             for a in ads), 5)
         # the router bridge stops registering it; decode ranks stop choosing it
         assert [r["type"] for r in bridge.registrations()] == ["D"]
+        assert decode.discovery.watcher.wait_for(   # the decode rank's own view, too
+            lambda ads: any(a.state is InstanceState.DRAINING for a in ads), 5)
         assert decode.discovery.directory.instances() == {}
         assert routing.at_http_address(http.address) == []
         assert _cli(client, prefix, "health", "prefill-d") == 1
