@@ -30,9 +30,10 @@ and every reused turn's tokens (and vLLM's bidirectional turns') must equal its
 Writes, turns 2..T, TTFT p50 ratios (higher is better unless named): no affinity
 ``vllm_mt_ttft_reuse_speedup_push`` / ``_pull`` (none / reuse),
 ``vllm_mt_ttft_push_over_vllm_bidir`` (kvpush push with reuse / vLLM bidirectional, lower
-is better), sticky ``vllm_mt_sticky_ttft_reuse_speedup`` (the better of push and pull),
-``vllm_mt_tokens_match``, and a ``vllm_multiturn`` section with every figure, into
-``benchmarks/results/vllm_multiturn.json``, keeping every other key there.
+is better), sticky ``vllm_mt_sticky_ttft_reuse_speedup`` (the worse of push and pull:
+reuse must never be slower), ``vllm_mt_tokens_match``, and a ``vllm_multiturn`` section
+with every figure, into ``benchmarks/results/vllm_multiturn.json``, keeping every other key
+there.
 
 Run: ``.venv-vllm/bin/python -m benchmarks.vllm.multiturn`` from the repository root
 (``bash .ci/bootstrap-vllm`` first); ``--quick`` for a short smoke run; ``--only`` to run
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["vllm_mt_ttft_reuse_speedup_push"] = figures["kvpush_push"]["speedup"]
         out["vllm_mt_ttft_reuse_speedup_pull"] = figures["kvpush_pull"]["speedup"]
     if "kvpush_sticky" in args.only:
-        out["vllm_mt_sticky_ttft_reuse_speedup"] = max(
+        out["vllm_mt_sticky_ttft_reuse_speedup"] = min(
             figures["kvpush_sticky_push"]["speedup"], figures["kvpush_sticky_pull"]["speedup"])
     if "kvpush" in args.only and "vllm_bidir" in args.only:
         out["vllm_mt_ttft_push_over_vllm_bidir"] = round(
