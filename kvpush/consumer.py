@@ -6,9 +6,11 @@ A result is reported only when the request's transfers have really ended, or say
 release of a transfer in progress does not stop its bytes (``docs/PROTOCOL.md``).
 
 This module is a facade and an I/O driver: the public methods validate on the engine's
-thread and hand the call to the loop thread, which owns the handshake (layouts,
-authentication, Hello retransmits), heartbeats, the ZeroMQ sockets and the NIXL agent.
-What happens to each request -- its states, which message may change it, when it ends and
+thread and hand the call to the loop thread, which owns the ZeroMQ sockets (one per
+producer) and the NIXL agent. Each producer connection -- handshake (layouts,
+authentication, Hello retransmits), heartbeats, liveness, rejoin -- is a session of
+:class:`kvpush.protocol.session.Dialers`, whose effects :meth:`Consumer._session` carries
+out. What happens to each request -- its states, which message may change it, when it ends and
 how -- is decided by :class:`kvpush.protocol.consumer.ConsumerCore`, which takes the
 loop's events and answers with effects (:mod:`kvpush.protocol.effects`) that
 :meth:`Consumer._apply` carries out.
@@ -17,6 +19,7 @@ loop's events and answers with effects (:mod:`kvpush.protocol.effects`) that
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -32,16 +35,7 @@ from . import _trace
 from . import messages as m
 from .agent import Agent, TransportConfig
 from .aio import DrainQueue, drain_iter
-from .auth import (
-    HELLO_MAX_SKEW_S,
-    Opener,
-    Sealer,
-    check_key,
-    decrypt,
-    encrypt,
-    new_nonce,
-    session_key,
-)
+from .auth import Opener, Sealer, check_key
 from .dataplane import ChildAgent
 from .endpoint import (
     STRANGER_FRAME_BYTES,
@@ -57,16 +51,26 @@ from .errors import (
     ClosedError,
     InvalidBlockIds,
     KvpushError,
-    LayoutMismatch,
     PeerUnavailable,
     ProtocolError,
     RequestAborted,
     TransferTimeout,
 )
-from .layout import KVLayout, check_compatible
+from .layout import KVLayout
 from .plan import block_checksums, check_request_id, require_host_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.consumer import ConsumerCore, CoreConfig, new_xid
+from .protocol.session import (
+    Admit,
+    ConnectFailed,
+    DialConfig,
+    Dialer,
+    Dialers,
+    PeerDown,
+    PeerUp,
+    SessionEffect,
+    Transmit,
+)
 from .request import (
     ConnectHandle,
     ConnectResult,
@@ -157,34 +161,6 @@ class ConsumerConfig:
 
 
 @dataclass
-class _Producer:
-    address: str
-    socket: zmq.Socket[Any]
-    agent_name: str = ""
-    layout: KVLayout | None = None
-    waiters: list[Callable[[str | None, KvpushError | None], None]] = field(default_factory=list)
-    hello_timer: Timer | None = None
-    hb_seq: int = 0
-    # (seq, when sent) of the oldest Heartbeat not answered yet: silence is counted from a
-    # question this side asked, never across a stretch in which its loop could not ask.
-    unanswered: tuple[int, float] | None = None
-    deadline: float = 0.0     # of the handshake
-    # This connection attempt: its nonce (the Probe's and the Hello's), the producer's
-    # Challenge, and the Hello. Every retransmit is the same message (same nonce and
-    # time), so a producer answers retransmits as duplicates of one Hello and derives one
-    # session key (a new nonce per retransmit would give the producer a new key per Hello
-    # while this side keeps the first answer's).
-    nonce: bytes = b""
-    challenge: m.Challenge | None = None
-    hello: m.Hello | None = None
-    hello_made: float = 0.0
-    sealer: Sealer | None = None
-    opener: Opener | None = None
-    notif_sealer: Sealer | None = None
-    notif_opener: Opener | None = None
-
-
-@dataclass
 class _Claim:
     """A transfer promised (``Consumer.claim`` / ``claim_push``) and not begun, as the
     engine's threads see it: the transfer id a pull of the same tickets (an expect from the
@@ -246,8 +222,17 @@ class Consumer(Endpoint):
         self._finished: DrainQueue[TransferResult] = DrainQueue()
         # called on the loop thread with every result (kvpush.prometheus)
         self._observers: list[Callable[[TransferResult], None]] = []
-        self._producers: dict[str, _Producer] = {}     # by address
-        self._by_name: dict[str, _Producer] = {}       # by agent name, once connected
+        # The sessions with producers: handshake, authentication, heartbeats, liveness,
+        # one connection per producer (kvpush.protocol.session, the machine the simulator
+        # runs too). Their sockets and the connect() calls waiting on them are kept here,
+        # by each session's own address.
+        self._dialers = Dialers(DialConfig(self.name, layout, config.auth_key,
+                                           config.peer_timeout_s,
+                                           wire=lambda: self._agent.layout))
+        self._conns: dict[str, zmq.Socket[Any]] = {}
+        self._waiters: dict[str, list[Callable[[str | None, KvpushError | None], None]]] = {}
+        self._dial_timer: Timer | None = None
+        self._dial_due = math.inf
         # Every request's state lives in the core; this facade keeps only the handles the
         # engine waits on (by xid) and the NIXL transfers the core asked for (by key).
         self._core: ConsumerCore = ConsumerCore(
@@ -448,7 +433,7 @@ class Consumer(Endpoint):
             else check_timeout(timeout, "pull timeout")
         deadline = started + seconds
         for t, src in zip(parsed, sources, strict=True):
-            if t.producer in self._by_name:  # others are checked once connected
+            if t.producer in self._dialers.by_name:  # others are checked once connected
                 self._check_pull_length(t, src, dst)
         with self._claims_lock:
             claim = self._claims.pop(rid, None)
@@ -471,7 +456,7 @@ class Consumer(Endpoint):
         def run() -> None:
             if stale is not None:
                 self._abort_claim(rid, stale, "claim superseded")
-            if budget() > 0 and any(t.producer not in self._by_name for t in parsed):
+            if budget() > 0 and any(t.producer not in self._dialers.by_name for t in parsed):
                 self._pull_connecting(handle, parsed, sources, dst, budget, counts, started)
             else:
                 self._read(handle, parsed, sources, dst, budget(), counts)
@@ -479,7 +464,7 @@ class Consumer(Endpoint):
         return handle, run
 
     def _check_pull_length(self, t: m.PullTicket, src: np.ndarray, dst: np.ndarray) -> None:
-        peer = self._by_name.get(t.producer)
+        peer = self._dialers.by_name.get(t.producer)
         same_blocks = peer is None or peer.layout is None or \
             peer.layout.tokens_per_block == self.layout.tokens_per_block
         if same_blocks and len(src) != len(dst):
@@ -520,7 +505,7 @@ class Consumer(Endpoint):
         if not names:
             raise ValueError("claim_push needs at least one producer")
         shares = sharer_counts(sharers, len(names), "producers")
-        unknown = [n for n in names if n not in self._by_name]
+        unknown = [n for n in names if n not in self._dialers.by_name]
         if unknown:
             raise PeerUnavailable(f"not connected to {unknown} (connect first)")
         claim = _Claim(new_xid(), dict.fromkeys(names, 0), shares, push=True)
@@ -638,12 +623,12 @@ class Consumer(Endpoint):
 
     def producers(self) -> list[str]:
         """Names of producers connected now."""
-        return list(self._by_name)
+        return list(self._dialers.by_name)
 
     def producer_layout(self, name: str) -> KVLayout:
         """The KV layout a connected producer announced (e.g. its head shard, for
         :func:`kvpush.layout.covering_producers`)."""
-        peer = self._by_name.get(name)
+        peer = self._dialers.by_name.get(name)
         if peer is None or peer.layout is None:
             raise PeerUnavailable(f"not connected to {name!r}")
         return peer.layout
@@ -653,14 +638,16 @@ class Consumer(Endpoint):
         return check_request_id(request_id)
 
 
-    # -- loop: connections -----------------------------------------------------------------
+    # -- loop: sessions with producers (kvpush.protocol.session.Dialers) -------------------
     def _connect(self, address: str, timeout: float,
                  on_result: Callable[[str | None, KvpushError | None], None]) -> None:
-        peer = self._producers.get(address)  # (a producer's every address that was dialled)
-        if peer is not None and peer.agent_name:
-            on_result(peer.agent_name, None)
+        """Dial ``address`` (or join the session that already reaches it); ``on_result``
+        gets the producer's name once the session is up, or the handshake's error."""
+        d = self._dialers.by_address.get(address)  # (a producer's every address dialled)
+        if d is not None and d.up:
+            on_result(d.name, None)
             return
-        if peer is None:
+        if d is None:
             sock = self._ctx.socket(zmq.DEALER)
             control_socket(sock, self.config.peer_timeout_s)
             # A random routing identity per connection: no other peer can take this
@@ -668,76 +655,29 @@ class Consumer(Endpoint):
             # restarted consumer by the name in its Hello).
             sock.setsockopt(zmq.IDENTITY, b"k" + os.urandom(15))
             sock.connect(address)
-            peer = _Producer(address, sock, deadline=time.monotonic() + timeout)
-            self._producers[address] = peer
-            self._add_socket(sock, self._dealer_handler(peer))
-            peer.waiters.append(on_result)
-            self._send_hello(peer, peer.deadline, 0.05)
-            return
-        peer.waiters.append(on_result)
-
-    def _unmap(self, peer: _Producer) -> None:
-        """``peer`` is gone: no address leads to it any more."""
-        for address in [a for a, p in self._producers.items() if p is peer]:
-            del self._producers[address]
-
-    def _dealer_handler(self, peer: _Producer) -> Callable[[zmq.Socket[Any]], None]:
-        return lambda sock: self._on_dealer(peer, sock)
-
-    def _send_hello(self, peer: _Producer, deadline: float, delay: float) -> None:
-        if peer.agent_name or self._producers.get(peer.address) is not peer:
-            return
+            self._conns[address] = sock
+            self._add_socket(sock, self._dealer_handler(address, sock))
         now = time.monotonic()
-        if now >= deadline:
-            self._connect_failed(peer, PeerUnavailable(f"no answer from {peer.address}"))
-            return
-        # One attempt (a nonce: a Probe, then one Hello), re-sent as is; renewed only
-        # before the producer would find it stale (longer than HELLO_MAX_SKEW_S / 2), or
-        # when the producer no longer knows its challenge.
-        if not peer.nonce or now - peer.hello_made > HELLO_MAX_SKEW_S / 2:
-            peer.hello_made, peer.nonce = now, new_nonce()
-            peer.challenge = peer.hello = None
-        msg: m.Message
-        if peer.challenge is None:  # first, who answers at this address
-            msg = m.Probe(peer.nonce)
-        else:
-            if peer.hello is None:
-                metadata = self._agent.metadata()
-                if self._key is not None:  # this side's memory keys travel encrypted
-                    metadata = encrypt(self._key, b"hello-metadata",
-                                       peer.nonce + self.name.encode(), metadata)
-                peer.hello = m.Hello(self.name, metadata, self._agent.layout.to_wire(),
-                                     peer.nonce, time.time(), peer.address,
-                                     peer.challenge.nonce)
-            msg = peer.hello
-        # A fresh Sealer each time: counter 1 again, so a retransmit is the same frame.
-        self._send(peer.socket, msg,
-                   sealer=None if self._key is None else Sealer(self._key, b"hello"))
-        # Re-send with backoff: the producer may not be up yet, or a starved host may have
-        # missed it; a Probe and a Hello are idempotent (a duplicate is answered as the
-        # first).
-        peer.hello_timer = self._at(min(deadline, now + delay),
-                                    lambda: self._send_hello(peer, deadline, min(delay * 2, 2.0)))
+        d, effects = self._dialers.dial(now, address, self._agent.metadata,
+                                           now + timeout)
+        self._waiters.setdefault(d.address, []).append(on_result)
+        self._session(effects)
 
-    def _connect_failed(self, peer: _Producer, error: KvpushError) -> None:
-        if peer.hello_timer is not None:
-            peer.hello_timer.cancel()
-        self._unmap(peer)
-        self._remove_socket(peer.socket)
-        for waiter in peer.waiters:
-            waiter(None, error)
-        peer.waiters.clear()
+    def _dealer_handler(self, address: str,
+                        sock: zmq.Socket[Any]) -> Callable[[zmq.Socket[Any]], None]:
+        return lambda _: self._on_dealer(address, sock)
 
-    def _on_dealer(self, peer: _Producer, sock: zmq.Socket[Any]) -> None:
+    def _on_dealer(self, address: str, sock: zmq.Socket[Any]) -> None:
         for frames in self._read_frames(sock):
-            if self._producers.get(peer.address) is not peer:
-                return
+            d = self._dialers.by_address.get(address)
+            if d is None or d.address != address or self._conns.get(address) is not sock:
+                return  # its session ended (or joined another address's)
             try:
                 if len(frames) != 1:
                     raise ProtocolError("expected one frame")
-                if not peer.agent_name and len(frames[0]) > STRANGER_FRAME_BYTES:
+                if not d.up and len(frames[0]) > STRANGER_FRAME_BYTES:
                     raise ProtocolError("handshake frame too large")  # dropped unread
-                msg = self._decode(peer, frames[0].buffer)
+                effects, msg = self._dialers.receive(time.monotonic(), d, frames[0].buffer)
             except AuthenticationError as exc:
                 self._stats.auth_rejected += 1
                 log.warning("%s: rejected control frame: %s", self.name, exc)
@@ -746,117 +686,96 @@ class Consumer(Endpoint):
                 self._stats.messages_rejected += 1
                 log.warning("%s: rejected control frame: %s", self.name, exc)
                 continue
-            if isinstance(msg, m.Challenge):
-                self._on_challenge(peer, msg)
-            elif isinstance(msg, m.HelloAck):
-                self._on_hello_ack(peer, msg)
-            elif isinstance(msg, m.HelloReject):
-                if peer.agent_name:
-                    continue
-                if msg.field == "challenge":  # it no longer knows ours: probe again
-                    peer.nonce = b""           # (the next retransmit starts an attempt)
-                    continue
-                error: KvpushError
-                if msg.field == "auth_key":
-                    error = AuthenticationError(f"{peer.address} refused the handshake: "
-                                                f"{msg.reason}")
-                elif msg.field:
-                    error = LayoutMismatch(msg.field, msg.local, msg.remote)
-                else:
-                    error = PeerUnavailable(msg.reason)
-                self._connect_failed(peer, error)
+            twin = self._dialers.by_address.get(address)
+            if twin is not None and twin is not d:
+                self._join(d, twin)
                 return
-            elif not peer.agent_name:
-                self._stats.messages_rejected += 1
-            elif isinstance(msg, (m.Posted, m.Failed, m.AbortAck, m.PullHeld, m.Abort)):
+            self._session(effects)
+            if msg is None:
+                continue
+            if isinstance(msg, (m.Posted, m.Failed, m.AbortAck, m.PullHeld, m.Abort)):
                 if isinstance(msg, (m.Failed, m.Abort)):
-                    self._claim_refused(peer.agent_name, msg.request_id, msg.xid)
-                self._core.on_message(time.monotonic(), peer.agent_name, msg)
+                    self._claim_refused(d.name, msg.request_id, msg.xid)
+                self._core.on_message(time.monotonic(), d.name, msg)
                 self._apply()
-            elif isinstance(msg, m.HeartbeatAck):
-                if peer.unanswered is not None and msg.seq >= peer.unanswered[0]:
-                    peer.unanswered = None
-            elif isinstance(msg, m.Bye):
-                if msg.rejoin:  # its data plane restarted: its NIXL metadata is new
-                    self._lose_producer(peer, "producer's data plane restarted")
-                    self._rejoin([peer.address])
-                else:
-                    self._lose_producer(peer, "producer closed")
-                return
             else:
                 self._stats.messages_rejected += 1
 
-    def _decode(self, peer: _Producer, frame: memoryview) -> m.Message:
-        if self._key is None:
-            return m.decode(frame)
-        if peer.agent_name:
-            try:
-                return m.decode(frame, peer.opener)
-            except AuthenticationError:
-                if not m.is_sealed(frame):
-                    raise
-                # The producer's answer to a re-sent Probe or Hello, the same as the first
-                # (sealed with the key, not the session's): ignored, and not an attack.
-                try:
-                    return self._handshake_answer(peer, frame)
-                except AuthenticationError:
-                    pass
-                raise
-        # Handshake with a key: a sealed answer echoing this attempt's nonce, or a plain
-        # HelloReject (a producer without our key can only say no).
-        if not m.is_sealed(frame):
-            msg = m.decode(frame)
-            if not isinstance(msg, m.HelloReject):
-                raise AuthenticationError(f"unauthenticated {type(msg).__name__}")
-            return msg
-        return self._handshake_answer(peer, frame)
-
-    def _handshake_answer(self, peer: _Producer, frame: memoryview) -> m.Message:
-        """A producer's answer sealed with the key: a Challenge, a HelloAck or a HelloReject
-        that echoes this attempt's nonce."""
-        assert self._key is not None
-        for label, kinds in ((b"hello-ack", (m.HelloAck, m.HelloReject)),
-                             (b"challenge", (m.Challenge,))):
-            try:
-                msg = m.decode(frame, Opener(self._key, label, replay=False))
-            except AuthenticationError:
-                continue
-            if isinstance(msg, kinds) and peer.nonce and msg.echo == peer.nonce:
-                return msg
-            break
-        raise AuthenticationError("handshake answer does not match our Hello")
-
-    def _on_challenge(self, peer: _Producer, msg: m.Challenge) -> None:
-        """The producer at ``peer.address`` said who it is: one this side is connected to
-        (or connecting to) under another address joins that connection (one connection per
-        producer, however its address is spelt); any other is sent the Hello."""
-        if peer.agent_name or peer.challenge is not None or msg.echo != peer.nonce:
-            return  # an answer to a re-sent Probe, or to an earlier attempt
-        for twin in list(self._producers.values()):
-            if twin is not peer and twin.challenge is not None \
-                    and twin.challenge.name == msg.name \
-                    and twin.challenge.instance == msg.instance:
-                self._join(peer, twin)
-                return
-        peer.challenge = msg
-        if peer.hello_timer is not None:
-            peer.hello_timer.cancel()
-        self._send_hello(peer, peer.deadline, 0.05)
-
-    def _join(self, peer: _Producer, twin: _Producer) -> None:
-        """``peer``'s address reaches the producer of ``twin``'s connection: it becomes
-        another address of that connection, and its own socket goes."""
-        if peer.hello_timer is not None:
-            peer.hello_timer.cancel()
-        self._remove_socket(peer.socket)
-        for address in [a for a, p in self._producers.items() if p is peer]:
-            self._producers[address] = twin
-        waiters, peer.waiters = peer.waiters, []
-        if twin.agent_name:
+    def _join(self, d: Dialer, twin: Dialer) -> None:
+        """``d``'s address reaches the producer of ``twin``'s session (one connection per
+        producer, however its address is spelt): its socket goes, its waiters wait on the
+        twin."""
+        sock = self._conns.pop(d.address, None)
+        if sock is not None:
+            self._remove_socket(sock)
+        waiters = self._waiters.pop(d.address, [])
+        if twin.up:
             for waiter in waiters:
-                waiter(twin.agent_name, None)
+                waiter(twin.name, None)
         else:
-            twin.waiters.extend(waiters)
+            self._waiters.setdefault(twin.address, []).extend(waiters)
+
+    def _session(self, effects: list[SessionEffect]) -> None:
+        """Carry out what the session machines asked, in order."""
+        for effect in effects:
+            if isinstance(effect, Transmit):
+                sock = self._conns.get(str(effect.peer))
+                if sock is not None:
+                    self._send_frame(sock, effect.frame)
+            elif isinstance(effect, Admit):
+                self._admit(effect)
+            elif isinstance(effect, PeerUp):
+                self._core.peer_up(time.monotonic(), effect.name)
+                d = self._dialers.by_name.get(effect.name)
+                if d is not None:
+                    self._resolve(d.address, effect.name, None)
+            elif isinstance(effect, PeerDown):
+                self._lose_producer(effect)
+            elif isinstance(effect, ConnectFailed):
+                self._drop_conn(effect.address)
+                self._resolve(effect.address, None, effect.error)
+        self._arm_dial_timer()
+
+    def _admit(self, admit: Admit) -> None:
+        """The producer's HelloAck checked by the session: NIXL takes its metadata, or the
+        handshake fails with NIXL's error."""
+        d = self._dialers.by_address.get(str(admit.peer))
+        if d is None:
+            return
+        try:
+            name = self._agent.add_peer(admit.metadata, admit.layout, admit.name)
+        except KvpushError as exc:
+            self._session(self._dialers.refused(time.monotonic(), d, exc))
+            return
+        if name != admit.name:
+            self._agent.remove_peer(name)
+            self._session(self._dialers.refused(time.monotonic(), d, ProtocolError(
+                f"producer calls itself {admit.name!r} but its NIXL agent is {name!r}")))
+            return
+        self._session(self._dialers.admitted(time.monotonic(), d))
+
+    def _resolve(self, address: str, name: str | None, error: KvpushError | None) -> None:
+        for waiter in self._waiters.pop(address, []):
+            waiter(name, error)
+
+    def _drop_conn(self, address: str) -> None:
+        sock = self._conns.pop(address, None)
+        if sock is not None:
+            self._remove_socket(sock)
+
+    def _arm_dial_timer(self) -> None:
+        """One timer for every session's next retransmit or handshake deadline."""
+        due = self._dialers.next_deadline()
+        if due is None or due >= self._dial_due:
+            return
+        if self._dial_timer is not None:
+            self._dial_timer.cancel()
+        self._dial_due = due
+        self._dial_timer = self._at(due, self._dial_tick)
+
+    def _dial_tick(self) -> None:
+        self._dial_timer, self._dial_due = None, math.inf
+        self._session(self._dialers.tick(time.monotonic()))
 
     def _claim_refused(self, name: str, rid: str, xid: int) -> None:
         """A producer's Failed or Abort of a claim's xid: a later pull starts anew (the
@@ -866,100 +785,37 @@ class Consumer(Endpoint):
             if claim is not None and claim.xid == xid and name in claim.sids:
                 del self._claims[rid]
 
-    def _tell(self, peer: _Producer, msg: m.Message) -> None:
-        self._send(peer.socket, msg, sealer=peer.sealer)
-
-    def _on_hello_ack(self, peer: _Producer, msg: m.HelloAck) -> None:
-        if peer.agent_name:
-            return  # a duplicate answer to a re-sent Hello
-        if peer.challenge is None or msg.name != peer.challenge.name:
-            self._stats.messages_rejected += 1  # not the answer to our Hello
-            return
-        old = self._by_name.get(msg.name)
-        if old is not None and old is not peer:
-            # The same producer, restarted at another address before we noticed: its old
-            # incarnation's state must go before NIXL accepts the new metadata.
-            self._lose_producer(old, f"restarted at {peer.address}")
-        try:
-            remote = KVLayout.from_wire(msg.layout)
-            check_compatible(self.layout, remote)
-            metadata = msg.agent_metadata
-            if self._key is not None:
-                metadata = decrypt(session_key(self._key, msg.echo, msg.nonce),
-                                   b"ack-metadata", msg.nonce + msg.echo, metadata)
-            name = self._agent.add_peer(metadata, remote, msg.name)
-        except KvpushError as exc:
-            self._connect_failed(peer, exc)
-            return
-        if name != msg.name:
-            self._agent.remove_peer(name)
-            self._connect_failed(peer, ProtocolError(f"producer calls itself {msg.name!r} but "
-                                                     f"its NIXL agent is {name!r}"))
-            return
-        if peer.hello_timer is not None:
-            peer.hello_timer.cancel()
-        if self._key is not None:
-            session = session_key(self._key, msg.echo, msg.nonce)
-            peer.sealer, peer.opener = Sealer(session, b"c2p"), Opener(session, b"p2c")
-            peer.notif_sealer = Sealer(session, b"c2p-notif")
-            # A Landed counts once per (xid, part) while its request lives (the core's
-            # completion table), so notifications need no replay window, and one would
-            # refuse a big WRITE's Landed overtaken by 4096 later ones:
-            # old counters are accepted, forgeries and repeats inside the window are not.
-            peer.notif_opener = Opener(session, b"p2c-notif", accept_old=True)
-        peer.agent_name = name
-        peer.layout = remote
-        self._by_name[name] = peer
-        self._core.peer_up(time.monotonic(), name)
-        for waiter in peer.waiters:
-            waiter(name, None)
-        peer.waiters.clear()
-
     def _heartbeat(self) -> None:
-        """Ask every producer whether it is there; lose one whose answer to a Heartbeat has
-        not come ``peer_timeout_s`` after it was sent. Answers already waiting are read
-        first, and the clock starts at a question: a loop that stalled longer than the
-        timeout (a long NIXL call, the GIL, the process stopped) blames no producer for
-        its own silence (two fault-matrix flakes in CI: a consumer stalled in a UCX call
-        lost the producer that had answered meanwhile)."""
+        """Ask every producer whether it is there; the session loses one whose answer to a
+        Heartbeat has not come ``peer_timeout_s`` after it was sent. Answers already
+        waiting are read first, and the clock starts at a question: a loop that stalled
+        longer than the timeout (a long NIXL call, the GIL, the process stopped) blames no
+        producer for its own silence."""
         self._read_waiting()
-        now = time.monotonic()
-        for peer in list(self._by_name.values()):
-            asked = peer.unanswered
-            if asked is not None and now - asked[1] > self.config.peer_timeout_s:
-                self._lose_producer(peer, f"no answer for {self.config.peer_timeout_s} s")
-                continue
-            peer.hb_seq += 1
-            if asked is None:
-                peer.unanswered = (peer.hb_seq, now)
-            self._tell(peer, m.Heartbeat(peer.hb_seq))
+        self._session(self._dialers.heartbeat(time.monotonic()))
         self._after(self.config.heartbeat_s, self._heartbeat)
 
-    def _lose_producer(self, peer: _Producer, why: str) -> None:
-        if self._producers.get(peer.address) is not peer:
-            return
-        log.info("%s: lost producer %s: %s", self.name, peer.agent_name or peer.address, why)
+    def _lose_producer(self, down: PeerDown) -> None:
+        """A session that was up ended: its requests and claims fail, NIXL forgets the
+        producer, and one that asked to be dialled again (its data plane restarted) is."""
+        log.info("%s: lost producer %s: %s", self.name, down.name, down.why)
         self._stats.peers_lost += 1
-        name = peer.agent_name
-        self._unmap(peer)
-        self._by_name.pop(name, None)
-        self._remove_socket(peer.socket)
+        self._drop_conn(str(down.conn))
         with self._claims_lock:  # its claims cannot be held any more; a pull starts anew
-            for rid in [r for r, c in self._claims.items() if name in c.sids]:
+            for rid in [r for r, c in self._claims.items() if down.name in c.sids]:
                 del self._claims[rid]
-        if name:
-            self._core.peer_lost(time.monotonic(), name, why)
-            self._apply()
-            self._agent.remove_peer(name)
+        self._core.peer_lost(time.monotonic(), down.name, down.why)
+        self._apply()
+        self._agent.remove_peer(down.name)
+        if down.rejoin:  # its NIXL metadata is new
+            self._rejoin([str(down.conn)])
 
     # -- loop: a contained data plane restarted (Endpoint._data_plane_lost) -----------------
     def _data_plane_peers_lost(self, why: str) -> None:
-        self._rejoin_after = list(self._producers)
-        for peer in list(self._producers.values()):
-            if peer.agent_name:
-                self._lose_producer(peer, why)
-            else:  # its Hello carried the lost data plane's metadata
-                self._connect_failed(peer, PeerUnavailable(why))
+        self._rejoin_after = list(self._dialers.by_address)
+        now = time.monotonic()
+        for d in self._dialers:  # (one still dialling: its Hello carried the lost metadata)
+            self._session(self._dialers.lose(now, d, why))
 
     def _data_plane_restarted(self) -> None:
         addresses, self._rejoin_after = self._rejoin_after, []
@@ -1002,7 +858,7 @@ class Consumer(Endpoint):
         rid = handle.request_id
         self._core.connecting(started, rid, handle.xid, dst, time.monotonic() + budget())
         missing = {t.producer: (t, src) for t, src in zip(tickets, sources, strict=True)
-                   if t.producer not in self._by_name}
+                   if t.producer not in self._dialers.by_name}
         wait = min(self.config.connect_timeout_s, budget())
 
         def on_result(producer: str, name: str | None, error: KvpushError | None) -> None:
@@ -1036,7 +892,7 @@ class Consumer(Endpoint):
         fails gives the claim up."""
         if claim.given_up:
             return
-        missing = {t.producer: t for t in tickets if t.producer not in self._by_name}
+        missing = {t.producer: t for t in tickets if t.producer not in self._dialers.by_name}
         if not missing:
             self._core.claim(time.monotonic(), tickets, claim.sharers, claim.xid)
             self._apply()
@@ -1091,13 +947,14 @@ class Consumer(Endpoint):
 
     # -- loop: the core's effects (carried out by Endpoint._apply) ---------------------------
     def _send_to(self, peer: str, msg: m.Message) -> None:
-        producer = self._by_name.get(peer)
-        if producer is not None:
-            self._tell(producer, msg)
+        d = self._dialers.by_name.get(peer)
+        sock = self._conns.get(d.address) if d is not None and d.up else None
+        if d is not None and sock is not None:
+            self._send_frame(sock, d.seal(msg))
 
     def _notif_sealer(self, peer: str) -> tuple[bool, Sealer | None]:
-        producer = self._by_name.get(peer)
-        return producer is not None, producer.notif_sealer if producer is not None else None
+        d = self._dialers.by_name.get(peer)
+        return d is not None, d.notif_sealer if d is not None else None
 
     def _forget(self, peer: str, why: str) -> None:
         """Never asked: this side drops a producer itself (:meth:`_lose_producer`)."""
@@ -1128,22 +985,26 @@ class Consumer(Endpoint):
         return bool(self._core.polling())
 
     def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
-        peer = self._by_name.get(sender)
-        return peer is not None, peer.notif_opener if peer is not None else None
+        d = self._dialers.by_name.get(sender)
+        return d is not None, d.notif_opener if d is not None else None
 
     def _predicted(self) -> tuple[float, float] | None:
         return self._core.predicted(time.monotonic(), self._progress_policy.spin_s)
 
     # -- teardown --------------------------------------------------------------------------
     def _on_close(self) -> None:
-        for peer in list(self._by_name.values()):
-            self._tell(peer, m.Bye(self.name))
-        for peer in list(self._producers.values()):
-            for waiter in peer.waiters:
+        for d in self._dialers:
+            sock = self._conns.get(d.address)
+            if d.up and sock is not None:
+                self._send_frame(sock, d.seal(m.Bye(self.name)))
+        for waiters in list(self._waiters.values()):
+            for waiter in waiters:
                 waiter(None, ClosedError("consumer closed"))
-            peer.waiters.clear()
+        self._waiters.clear()
+        if self._dial_timer is not None:
+            self._dial_timer.cancel()
         self._core.close(time.monotonic())
         self._apply()
-        self._by_name.clear()
-        self._producers.clear()
+        self._dialers.by_name.clear()
+        self._dialers.by_address.clear()
         self._finished.end()

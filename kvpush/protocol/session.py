@@ -206,16 +206,22 @@ class DialConfig:
     retry_max_s: float = 2.0
     wall: Callable[[], float] = time.time
     nonce: Callable[[], bytes] = new_nonce
+    # the layout the Hello carries: the agent's (a data-plane child registers the memory
+    # itself, with its own addresses); default ``layout``
+    wire: Callable[[], KVLayout] | None = None
 
 
 class Dialer:
     """The consumer's session with the producer at ``address`` (see the module doc)."""
 
-    def __init__(self, cfg: DialConfig, address: str, metadata: bytes, now: float,
+    def __init__(self, cfg: DialConfig, address: str,
+                 metadata: bytes | Callable[[], bytes], now: float,
                  deadline: float) -> None:
         self.cfg = cfg
         self.address = address
-        self.metadata = metadata          # this side's NIXL metadata (sent in the Hello)
+        # this side's NIXL metadata, sent in the Hello (a callable: read when the Hello is
+        # made, so a data plane restarted meanwhile sends its new metadata)
+        self.metadata = metadata
         self.deadline = deadline          # of the handshake (math.inf: dial until answered)
         self.state = DialState.PROBING
         self.name = ""                    # the producer's, once it answered a Probe
@@ -281,6 +287,8 @@ class Dialer:
                 return [], None       # an answer to a re-sent Probe, or an earlier attempt
             return self._run(DialEvent.CHALLENGE, now, msg), None
         if isinstance(msg, m.HelloAck):
+            if DIAL_TABLE.row(self.state, DialEvent.ACK) is None:
+                raise ProtocolError("HelloAck before this attempt's Hello")
             return self._run(DialEvent.ACK, now, msg), None
         if isinstance(msg, m.HelloReject):
             return self._run(DialEvent.REJECT, now, msg), None
@@ -341,11 +349,12 @@ class Dialer:
             self._send(m.Probe(self.nonce), hs)
         else:
             if self.hello is None:
-                metadata = self.metadata
+                metadata = self.metadata() if callable(self.metadata) else self.metadata
                 if key is not None:   # this side's memory keys travel encrypted
                     metadata = encrypt(key, b"hello-metadata",
                                        self.nonce + self.cfg.me.encode(), metadata)
-                self.hello = m.Hello(self.cfg.me, metadata, self.cfg.layout.to_wire(),
+                wire = self.cfg.wire() if self.cfg.wire else self.cfg.layout
+                self.hello = m.Hello(self.cfg.me, metadata, wire.to_wire(),
                                      self.nonce, self.cfg.wall(), self.address,
                                      self.challenge.nonce)
             self._send(self.hello, hs)
@@ -481,8 +490,8 @@ class Dialers:
         self.by_address: dict[str, Dialer] = {}
         self.by_name: dict[str, Dialer] = {}
 
-    def dial(self, now: float, address: str, metadata: bytes, deadline: float
-             ) -> tuple[Dialer, list[SessionEffect]]:
+    def dial(self, now: float, address: str, metadata: bytes | Callable[[], bytes],
+             deadline: float) -> tuple[Dialer, list[SessionEffect]]:
         """The session for ``address``: the existing one, or a new one (its Probe sent)."""
         d = self.by_address.get(address)
         if d is not None:

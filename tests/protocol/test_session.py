@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from kvpush import messages as m
+from kvpush.errors import ProtocolError
 from kvpush.protocol import session as s
 from kvpush.protocol.table import mermaid
 from kvpush.testing.fakes import FakeMemory
@@ -126,6 +127,46 @@ def test_heartbeats_unanswered_lose_the_producer() -> None:
     out = dials.heartbeat(2.1)                    # 1.1 s after the first question
     assert [e for e in out if isinstance(e, s.PeerDown)]
     assert not d.up and "tcp://p0:1" not in dials.by_address
+
+
+def test_a_helloack_before_the_hello_is_refused_and_changes_nothing() -> None:
+    """A HelloAck while the dialer still probes answers no Hello of this attempt: refused
+    (the driver counts it), the dialer keeps probing."""
+    dials, _ = _pair(None)
+    d, _ = dials.dial(0.0, "tcp://p0:1", b"cmeta", 10.0)
+    assert d.state is s.DialState.PROBING
+    ack = m.HelloAck("p0", b"pmeta", FakeMemory(2, 16).layout.to_wire())
+    with pytest.raises(ProtocolError):
+        dials.receive(0.0, d, m.encode(ack))
+    assert d.state is s.DialState.PROBING
+
+
+def test_the_hello_carries_the_wire_layout() -> None:
+    """DialConfig.wire: the layout the Hello carries (a data-plane child's, with its own
+    addresses), checked by the producer; ``layout`` stays the one checked here."""
+    here, child = FakeMemory(2, 16), FakeMemory(2, 16)   # both kept: other addresses
+    layout, wire = here.layout, child.layout
+    assert wire.to_wire() != layout.to_wire()
+    dials = s.Dialers(s.DialConfig("c0", layout, None, 1.0, wire=lambda: wire))
+    _, acc = _pair(None)
+    d, out = dials.dial(0.0, "tcp://p0:1", b"cmeta", 10.0)
+    got, _ = acc.receive(0.0, b"id", _frames(out)[0].frame)
+    got, _ = dials.receive(0.0, d, _frames(got)[0].frame)
+    (hello,) = _frames(got)
+    assert isinstance(hello.msg, m.Hello) and hello.msg.layout == wire.to_wire()
+
+
+def test_the_hello_reads_its_metadata_when_made() -> None:
+    """Metadata given as a callable is read when the Hello is made: a data plane restarted
+    between the dial and the producer's Challenge sends its new metadata."""
+    dials, acc = _pair(None)
+    current = [b"old"]
+    d, out = dials.dial(0.0, "tcp://p0:1", lambda: current[0], 10.0)
+    current[0] = b"new"
+    got, _ = acc.receive(0.0, b"id", _frames(out)[0].frame)
+    got, _ = dials.receive(0.0, d, _frames(got)[0].frame)
+    (hello,) = _frames(got)
+    assert isinstance(hello.msg, m.Hello) and hello.msg.agent_metadata == b"new"
 
 
 def test_tables_render() -> None:
