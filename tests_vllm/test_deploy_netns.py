@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import threading
 import time
@@ -386,6 +387,8 @@ def test_decode_killed_mid_transfer(deployment: Deployment,
             assert time.monotonic() - start < 60, "no KV reached decode-1"
             assert not pending.done(), out
             time.sleep(0.05)
+        bridge_log = dep.logs / "vr-etcd-bridge.log"
+        log_mark = bridge_log.stat().st_size
         dep.instances["decode-1"].process.kill()
         killed = time.monotonic()
         pending.result(timeout=90)
@@ -411,12 +414,18 @@ def test_decode_killed_mid_transfer(deployment: Deployment,
     assert m.get("vllm:kvpush_num_send_failed_total", 0.0) == failed + 1
     assert m.get("vllm:kvpush_num_lease_expired_total", 0.0) == 0
     # Its records leave etcd within their lease (3 s), and the bridge stops registering it:
-    # vllm-router forgets it 5 s after the last registration.
+    # vllm-router forgets it 5 s after the last registration, which the bridge confirms
+    # (a fixed wait from here is not enough: the bridge's last registration may come after
+    # health already answers 2).
     deadline = time.monotonic() + 15
     while (health := dep.run_discovery("health", "decode-1")).returncode != 2:
         assert time.monotonic() < deadline, (health.stdout, health.stderr)
         time.sleep(0.5)
-    time.sleep(5.5)
+    deadline = time.monotonic() + 20
+    while not re.search(r": decode-1 \(epochs .*\) is out of ",
+                        bridge_log.read_bytes()[log_mark:].decode(errors="replace")):
+        assert time.monotonic() < deadline, "the bridge never confirmed decode-1 gone"
+        time.sleep(0.5)
     # Nothing else is disturbed.
     for router in ("vr-2p1d", "vr-2p1d", "kr-p0-d0", "kr-p1-d0", "vr-etcd", "vr-etcd"):
         status, body = dep.complete(router, PROMPTS["len650"], MAX_TOKENS)

@@ -318,8 +318,8 @@ def test_sticky_turns_load_or_compute_from_measured_costs(
     """The prefill's prefix cache holds each previous prompt: only the previous answer's
     blocks are lacking. The first such turn loads them (nothing measured yet: it learns the
     link); every later one loads them only when its measured link beats its measured
-    prefill time per token, and the bytes moved back say which it did. On this machine the
-    small answers are cheaper to compute than to fetch. The first prompt's length (28
+    prefill time per token, and the bytes moved back say which it did (which way it goes
+    depends on the machine: the rule is what is checked). The first prompt's length (28
     past a block boundary, each turn adding 32 tokens) makes every answer end in a block
     the prefill's prefix cache lacks."""
     pair, seed, mode = sticky_pair, 500, "push"
@@ -327,6 +327,7 @@ def test_sticky_turns_load_or_compute_from_measured_costs(
     turns: dict[str, tuple[list[int], list[int]]] = {}
     mark = pair.prefill.log.stat().st_size
     chosen = []
+    measured = 0        # turns decided from measured estimates of both costs
     cached = 0          # tokens of the previous prompt in the prefill's prefix cache
     for k in range(TURNS + 1):
         back_before = moved(pair.prefill.url)
@@ -340,6 +341,7 @@ def test_sticky_turns_load_or_compute_from_measured_costs(
             assert tokens_lacking == lacking and 0 < lacking <= 2 * BLOCK
             if load_ms is not None and compute_ms is not None:
                 assert (what == "loads") == (load_ms < compute_ms), found
+                measured += 1
             else:
                 assert what == "loads", found          # nothing measured yet: learn
             back = lacking // BLOCK * BYTES_PER_BLOCK if what == "loads" else 0
@@ -349,7 +351,8 @@ def test_sticky_turns_load_or_compute_from_measured_costs(
             assert not found
         kept, cached = kept_next, len(prompt) // BLOCK * BLOCK
         prompt = prompt + tokens + user_text(seed + k + 1)
-    assert chosen[0] == "loads" and "computes" in chosen, chosen
+    assert chosen[0] == "loads", chosen
+    assert measured, "no turn was decided from measured costs"
     check_colocated(colocated, model_dir, "mt-sticky", turns)
 
 
