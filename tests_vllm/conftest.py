@@ -13,7 +13,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,14 @@ class Pair:
         return launch.http_json(self.router.url + "/v1/completions", body, timeout=timeout)
 
 
+def sse_events(response: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON events of a server-sent-events completion stream, ``[DONE]`` left out."""
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data:") and line != "data: [DONE]":
+            yield json.loads(line[5:])
+
+
 def stream_tokens(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
     """POST a streaming completion; gather the token ids of every SSE chunk (and the
     router's ``X-KVPush-First-Token`` answer header, as ``first_token_from``)."""
@@ -86,12 +94,9 @@ def stream_tokens(url: str, body: dict[str, Any], timeout: float) -> tuple[int, 
     tokens: list[int] = []
     chunks = 0
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
+        for event in sse_events(r):
             chunks += 1
-            for choice in json.loads(line[5:]).get("choices", []):
+            for choice in event.get("choices", []):
                 tokens += choice.get("token_ids") or []
         status = r.status
         first_from = r.headers.get("X-KVPush-First-Token")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import BLOCK, MAX_TOKENS, PROMPTS, Colocated, tokens_of
+from conftest import BLOCK, MAX_TOKENS, PROMPTS, Colocated, sse_events, tokens_of
 from toy_proxy import _post, decode_body_push, prefill_body
 
 from examples.vllm import launch
@@ -94,12 +94,8 @@ def _post_stream(url: str, body: dict[str, Any], request_id: str,
     tokens: list[int] = []
     chunks, params = 0, None
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
+        for event in sse_events(r):
             chunks += 1
-            event = json.loads(line[5:])
             params = event.get("kv_transfer_params") or params
             for choice in event.get("choices", []):
                 tokens += choice.get("token_ids") or []
