@@ -8,7 +8,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
-class HealthServer:
+class Served:
+    """An HTTP server on 127.0.0.1 answering with ``handler`` on a thread of its own until
+    :meth:`close`."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], port: int = 0) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True,
+                                       kwargs={"poll_interval": 0.1})
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+class HealthServer(Served):
     """Answers ``GET /health`` with 200 on 127.0.0.1 until :meth:`close`; counts the
     checks."""
 
@@ -26,16 +43,7 @@ class HealthServer:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True,
-                                       kwargs={"poll_interval": 0.1})
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        super().__init__(Handler, port)
 
     def __enter__(self) -> HealthServer:
         return self

@@ -14,12 +14,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from kvpush.discovery import (
     main,
     unrouted,
 )
-from tests.discovery.stand_ins import HealthServer
+from tests.discovery.stand_ins import HealthServer, Served
 from tests.support import ROOT
 
 
@@ -230,7 +229,7 @@ def _router_binary() -> str | None:
     return path if path and os.access(path, os.X_OK) else None
 
 
-class _FakeWorker:
+class _FakeWorker(Served):
     """A vLLM OpenAI server's surface as vllm-router's P/D mode uses it: a prefill answers
     with ``kv_transfer_params``, a decode with the completion. It records each request."""
 
@@ -265,16 +264,7 @@ class _FakeWorker:
                     reply["kv_transfer_params"] = {"kvpush_transfer_id": "t-1"}
                 self._send(reply)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True,
-                                       kwargs={"poll_interval": 0.1})
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        super().__init__(Handler)
 
 
 class _VllmRouter:
