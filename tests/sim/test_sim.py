@@ -256,23 +256,33 @@ def test_regression_fence_of_a_consumer_lost_before_its_write_was_abandoned() ->
     assert not found, found
 
 
+def _close_inside_a_cut(seed: int, requests: int, cut_until: float, close_at: float,
+                        reset_at: float | None = None) -> Simulation:
+    """One producer and one consumer; a cut of the link from t=1.0 with WRITEs posted into
+    it, Producer.close() (reopened over its cache) at ``close_at``, and, at ``reset_at``,
+    a connection reset that loses the frames in flight (the Bye among them). Runs it:
+    no violation."""
+    out = io.StringIO()
+    sim = Simulation(seed, requests=requests, producers=1, consumers=1,
+                     faults=Faults.parse("none"), out=out,
+                     timings=Timings(prefill_max_s=0.2))
+    s = sim.sched
+    s.at(1.0, lambda: sim.net.cut("p0", "c0", cut_until))
+    s.at(close_at, lambda: sim.endpoints["p0"].close(
+        lambda: s.after(0.01, sim._restart, "p0", "producer", 1, sim.endpoints["p0"])))
+    if reset_at is not None:
+        s.at(reset_at, lambda: sim.net.reset("p0", "c0"))
+    assert sim.run() == 0, out.getvalue()
+    return sim
+
+
 def test_regression_close_quarantine_shorter_than_a_cut() -> None:
     """A Release with blocks_safe=False keeps the blocks until the consumer would give the
     producer up (Release.quarantine_s), not transfer_timeout_s only: a cut shorter than
     peer_timeout_s holds the WRITE and the Bye longer, and the WRITE must not copy a reuse
-    whose Landed beats the Bye."""
-
-
-    out = io.StringIO()
-    sim = Simulation(1, requests=400, producers=1, consumers=1, faults=Faults.parse("none"),
-                     out=out, timings=Timings(prefill_max_s=0.2))
-    s = sim.sched
-    # A cut of 0.8 s (< peer_timeout_s: neither side declares the other lost) with WRITEs
-    # posted into it, and Producer.close() 0.1 s in.
-    s.at(1.0, lambda: sim.net.cut("p0", "c0", 1.8))
-    s.at(1.1, lambda: sim.endpoints["p0"].close(
-        lambda: s.after(0.01, sim._restart, "p0", "producer", 1, sim.endpoints["p0"])))
-    assert sim.run() == 0, out.getvalue()
+    whose Landed beats the Bye. A cut of 0.8 s (< peer_timeout_s: neither side declares
+    the other lost), Producer.close() 0.1 s in."""
+    _close_inside_a_cut(1, 400, cut_until=1.8, close_at=1.1)
 
 
 def test_regression_close_quarantine_shorter_than_the_consumers_judgement() -> None:
@@ -281,15 +291,7 @@ def test_regression_close_quarantine_shorter_than_the_consumers_judgement() -> N
     first, the blocks were reused, and the WRITE the cut held copied the reuse, its Landed
     taken as READY. A cut of 1.15 s, Producer.close() 0.12 s in, and a connection reset
     that loses the Bye."""
-    out = io.StringIO()
-    sim = Simulation(3, requests=300, producers=1, consumers=1, faults=Faults.parse("none"),
-                     out=out, timings=Timings(prefill_max_s=0.2))
-    s = sim.sched
-    s.at(1.0, lambda: sim.net.cut("p0", "c0", 2.15))
-    s.at(1.12, lambda: sim.endpoints["p0"].close(
-        lambda: s.after(0.01, sim._restart, "p0", "producer", 1, sim.endpoints["p0"])))
-    s.at(1.15, lambda: sim.net.reset("p0", "c0"))
-    assert sim.run() == 0, out.getvalue()
+    sim = _close_inside_a_cut(3, 300, cut_until=2.15, close_at=1.12, reset_at=1.15)
     assert sim.stats["releases_unsafe"] > 0     # the close did release a source being written
 
 
