@@ -118,30 +118,37 @@ def settled(url: str, before: float, expect: float, timeout: float = 10.0) -> fl
     return value
 
 
-@pytest.fixture(scope="module")
-def reuse_pair(model_dir: Path, workdir: Path, colocated: Colocated) -> Iterator[ReusePair]:
+def _start_pair(model_dir: Path, logs: Path, tag: str, lease_s: float,
+                prefill_extra: list[str], **prefill_kv: Any) -> Iterator[ReusePair]:
+    """Prefill (core 0) and decode (core 1) servers, both ``kv_both`` with reuse on, until
+    the caller is done with them."""
     fleet = launch.Fleet()
-    logs = workdir / "logs-multiturn"
     p_kv, d_kv, p_port, d_port = (launch.free_port() for _ in range(4))
     common = ["-O0", "--max-num-seqs", "8"]
     decode_args: dict[str, Any] = dict(
-        model=model_dir, port=d_port, name="mt-decode", cores="1", log_dir=logs,
+        model=model_dir, port=d_port, name=f"mt-decode{tag}", cores="1", log_dir=logs,
         extra_args=common, kv_transfer_config=launch.kvpush_config(
-            "kv_both", d_kv, reuse=True, lease_s=LEASE_S))
+            "kv_both", d_kv, reuse=True, lease_s=lease_s))
     try:
         start = time.monotonic()
         prefill = fleet.add(launch.start_vllm(
-            model_dir, p_port, name="mt-prefill", cores="0", log_dir=logs,
-            extra_args=[*common, "--no-enable-prefix-caching"],
+            model_dir, p_port, name=f"mt-prefill{tag}", cores="0", log_dir=logs,
+            extra_args=[*common, *prefill_extra],
             kv_transfer_config=launch.kvpush_config(
-                "kv_both", p_kv, reuse=True, reuse_load="always", request_timeout_s=10.0,
-                peer_timeout_s=3.0, heartbeat_s=0.5, kv_load_failure_policy="recompute")))
+                "kv_both", p_kv, reuse=True, request_timeout_s=10.0, peer_timeout_s=3.0,
+                heartbeat_s=0.5, kv_load_failure_policy="recompute", **prefill_kv)))
         decode = fleet.add(launch.start_vllm(**decode_args))
         launch.wait_healthy([prefill, decode], timeout_s=420)
-        print(f"\nmulti-turn servers healthy after {time.monotonic() - start:.0f} s")
+        print(f"\nmulti-turn servers{tag} healthy after {time.monotonic() - start:.0f} s")
         yield ReusePair(fleet, prefill, decode, p_kv, decode_args)
     finally:
         fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def reuse_pair(model_dir: Path, workdir: Path, colocated: Colocated) -> Iterator[ReusePair]:
+    yield from _start_pair(model_dir, workdir / "logs-multiturn", "", LEASE_S,
+                           ["--no-enable-prefix-caching"], reuse_load="always")
 
 
 def first_prompt(seed: int, n: int = 200) -> list[int]:
@@ -270,27 +277,7 @@ def sticky_pair(model_dir: Path, workdir: Path) -> Iterator[ReusePair]:
     """A prefill server with prefix caching (it holds a conversation's earlier prompts) and
     another decode server; the decode also stands for a conversation's second decode
     instance next to ``reuse_pair``'s."""
-    fleet = launch.Fleet()
-    logs = workdir / "logs-multiturn-sticky"
-    p_kv, d_kv, p_port, d_port = (launch.free_port() for _ in range(4))
-    common = ["-O0", "--max-num-seqs", "8"]
-    decode_args: dict[str, Any] = dict(
-        model=model_dir, port=d_port, name="mt-decode-2", cores="1", log_dir=logs,
-        extra_args=common, kv_transfer_config=launch.kvpush_config(
-            "kv_both", d_kv, reuse=True, lease_s=60.0))
-    try:
-        start = time.monotonic()
-        prefill = fleet.add(launch.start_vllm(
-            model_dir, p_port, name="mt-prefill-sticky", cores="0", log_dir=logs,
-            extra_args=common, kv_transfer_config=launch.kvpush_config(
-                "kv_both", p_kv, reuse=True, request_timeout_s=10.0, peer_timeout_s=3.0,
-                heartbeat_s=0.5, kv_load_failure_policy="recompute")))
-        decode = fleet.add(launch.start_vllm(**decode_args))
-        launch.wait_healthy([prefill, decode], timeout_s=420)
-        print(f"\nsticky multi-turn servers healthy after {time.monotonic() - start:.0f} s")
-        yield ReusePair(fleet, prefill, decode, p_kv, decode_args)
-    finally:
-        fleet.stop()
+    yield from _start_pair(model_dir, workdir / "logs-multiturn-sticky", "-sticky", 60.0, [])
 
 
 DECISION = re.compile(r"kvpush: request \S+: (loads|computes) the (\d+) kept tokens its "
