@@ -1,6 +1,19 @@
-"""The deterministic simulator of kvpush's protocol: the real request cores and peer
-sessions over fakes. (It drives the protocol machines, not a real ``Producer`` or
-``Consumer``: a simulated peer for an engine's own integration tests is not provided.)
+"""Testing with kvpush: simulated peers for an engine's own integration tests, and the
+deterministic simulator of kvpush's protocol.
+
+For an engine's tests (docs/API.md, "Testing an integration"):
+
+* :mod:`kvpush.testing.peers` -- :class:`SimulatedPrefill` and :class:`SimulatedDecode`,
+  the other side of the engine's real ``Consumer`` or ``Producer``: real endpoints over real
+  NIXL and ZeroMQ that can be killed, restarted as a new incarnation, stalled, slowed, made
+  to abort or fail a push, and that send known bytes (:func:`fill_blocks`,
+  :func:`check_blocks`).
+* :mod:`kvpush.testing.proxy` -- :class:`ControlProxy`, the ZeroMQ man in the middle each
+  simulated peer sits behind, and the seeded :class:`FrameRule` s that drop, delay,
+  duplicate or answer its control frames.
+
+For kvpush's own protocol (docs/SIMULATION.md): the real request cores and peer sessions
+over fakes, not a real ``Producer`` or ``Consumer``.
 
 * :mod:`kvpush.testing.fakes` -- a seeded scheduler, fake KV memory, a fake NIXL that
   copies real bytes at times the scheduler picks (and keeps copying after an abandon), a
@@ -18,6 +31,8 @@ from typing import Any
 
 from .checker import Checker, Violation
 from .fakes import FakeMemory, FakeNixl, Network, Scheduler, SimLinks, Transfer
+from .peers import SimulatedDecode, SimulatedPrefill, check_blocks, fill_blocks, host_layout
+from .proxy import Action, ControlProxy, Direction, FrameRule, frame_info
 
 _FROM_SIM = ("FAULTS", "Faults", "Simulation", "Timings", "main")
 
@@ -30,5 +45,7 @@ def __getattr__(name: str) -> Any:
         return getattr(sim, name)
     raise AttributeError(f"module 'kvpush.testing' has no attribute {name!r}")
 
-__all__ = ["FAULTS", "Checker", "FakeMemory", "FakeNixl", "Faults", "Network", "Scheduler",
-           "SimLinks", "Simulation", "Timings", "Transfer", "Violation", "main"]
+__all__ = ["FAULTS", "Action", "Checker", "ControlProxy", "Direction", "FakeMemory", "FakeNixl",
+           "Faults", "FrameRule", "Network", "Scheduler", "SimLinks", "SimulatedDecode",
+           "SimulatedPrefill", "Simulation", "Timings", "Transfer", "Violation", "check_blocks",
+           "fill_blocks", "frame_info", "host_layout", "main"]
