@@ -16,7 +16,8 @@ from tests.support import ROOT
 PUBLIC_MODULES = ["kvpush", "kvpush.aio", "kvpush.prometheus", "kvpush.metrics",
                   "kvpush.request", "kvpush.producer", "kvpush.consumer", "kvpush.errors",
                   "kvpush.layout", "kvpush.messages", "kvpush.prefix", "kvpush.progress",
-                  "kvpush.auth", "kvpush.protocol", "kvpush.discovery"]
+                  "kvpush.auth", "kvpush.protocol", "kvpush.discovery",
+                  "kvpush.testing.peers", "kvpush.testing.proxy"]
 
 
 def test_the_readmes_example_code_runs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -29,6 +30,21 @@ def test_the_readmes_example_code_runs(capsys: pytest.CaptureFixture[str]) -> No
         exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)
     out = capsys.readouterr().out.split()
     assert out[0].startswith("tcp://") and out[1:] == ["none", "ended"]
+
+
+def test_the_api_pages_example_test_passes() -> None:
+    """The ```python block of docs/API.md's section on kvpush.testing defines an engine's
+    test; each ``test_*`` it defines is run."""
+    text = (ROOT / "docs" / "API.md").read_text()
+    section = text[text.index("## Testing an integration"):]
+    [block] = re.findall(r"```python\n(.*?)```", section, re.S)
+    namespace: dict[str, object] = {"__name__": "api_example"}
+    exec(compile(block, "docs/API.md kvpush.testing example", "exec"), namespace)
+    tests = [fn for name, fn in namespace.items() if name.startswith("test_")]
+    assert tests
+    for test in tests:
+        assert callable(test)
+        test()
 
 
 def test_every_public_name_has_a_docstring() -> None:
