@@ -254,7 +254,8 @@ def test_prefill_decides_per_request_from_its_costs(cached: int) -> None:
 
 def test_scheduler_measures_its_steps_and_its_loads() -> None:
     """The first load from a decode instance waited for the connection to it too: no
-    sample. The next one from it is."""
+    sample. The next one from it is, from its plan to the step that schedules its
+    request's compute (what loading cost the request)."""
     history = list(range(1000, 1170))
     _, first = keep_turn("pull", history)
     _, out = keep_turn("pull", history)          # the same decode instance's address
@@ -278,8 +279,12 @@ def test_scheduler_measures_its_steps_and_its_loads() -> None:
     p.update_connector_output(SimpleNamespace(finished_recving={"p2"}))
     (step,) = p.costs._steps
     assert step[0] == 300 and 0.02 <= step[1] < 0.5
+    assert not p.costs._loads                    # its compute is not scheduled yet
+    p.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+    time.sleep(0.01)
+    p.build_plan(SimpleNamespace(num_scheduled_tokens={"p2": 50}))
     (load,) = p.costs._loads
-    assert load[0] == 5000.0 and 0.03 <= load[1] < 0.5
+    assert load[0] == 5000.0 and 0.04 <= load[1] < 0.5
     # a failed load is no sample of the link
     p2 = scheduler()
     p2._loaded_from.add(tuple(out[PARAM_REUSE]["kvpush_producers"]))

@@ -174,9 +174,14 @@ class AdapterConfig:
         chunk is scheduled), ``prefill_done`` (handed to kvpush), ``released``; decode side
         ``registered`` / ``pull_started``, ``loaded`` (vLLM's worker picks the result up;
         ``elapsed`` from the registration or READ to the result on kvpush's loop),
-        ``reported`` (vLLM is told). ``time.monotonic`` is one clock for the processes of a
-        host, so ``python -m benchmarks.vllm.stages`` lines them up (with the router's
-        ``--stage-log``) into where a request's time to first token goes. Off by default.
+        ``reported`` (vLLM is told). The scheduler side's lines (``r-``, naming vLLM's
+        request id less its random suffix): ``arrived`` (a request with a remote prefill or
+        decode reaches the scheduler), ``reuse_planned`` (a kept prefix is loaded or
+        computed), ``load_seen`` (vLLM learns a load ended), ``finished`` (prefill side).
+        ``time.monotonic`` is one clock for the processes of a host, so
+        ``python -m benchmarks.vllm.stages`` lines them up (with the router's
+        ``--stage-log``) into where a request's time to first token goes, and
+        ``benchmarks.vllm.multiturn --stages`` splits a turn's prefill. Off by default.
     reuse
         Multi-turn reuse (:mod:`kvpush.integrations.vllm_reuse`; both instances
         ``kv_both``). Decode instance: a turn that ends normally keeps its KV (prompt and

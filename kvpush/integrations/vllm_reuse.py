@@ -31,10 +31,11 @@ claims, exactly-once releases and failure handling:
   beat computing them, or reuse would be slower than no reuse (a prefix cache that holds
   the previous prompt leaves only the previous answer, often cheaper to compute than to
   fetch). :class:`ReuseCosts` estimates both from what this instance measured: each
-  completed load (its bytes, and the time from its plan to vLLM learning it ended: the
-  link's per-transfer latency and bytes/s) and each engine step (its tokens and duration:
-  the prefill time per token). Until a load has been measured it loads, to learn, and
-  so it does for a load over twice the largest measured; the first load from each decode
+  completed load (its bytes, and the time from its plan to the step that schedules its
+  request's compute: the link's per-transfer latency and bytes/s, and the engine step a
+  load adds) and each engine step (its tokens and duration: the prefill time per token).
+  Until a load has been measured it loads, to learn, and so it does for a load over twice
+  the largest measured; the first load from each decode
   instance is no sample (it waited for the connection too). ``reuse_load`` ``"always"``
   loads whatever the costs.
 - **Forward again**: the prefill's hand-off to the decode side is unchanged; the decode
@@ -170,9 +171,10 @@ def _line(samples: Iterable[tuple[float, float]]) -> tuple[float, float, float, 
 class ReuseCosts:
     """The prefill instance's measured costs of loading kept tokens and of computing them.
 
-    ``observe_load(nbytes, seconds)``: a completed load, from its plan to vLLM learning it
-    ended (what the request waits). ``observe_step(tokens, seconds)``: an engine step that
-    ran ``tokens`` tokens. Each is fitted as a line over the last ``window`` samples: the
+    ``observe_load(nbytes, seconds)``: a completed load, from its plan to the step that
+    schedules its request's compute (what the request waits: vLLM learns a load ended at
+    a step's end and computes in the next). ``observe_step(tokens, seconds)``: an engine
+    step that ran ``tokens`` tokens. Each is fitted as a line over the last ``window`` samples: the
     link's per-transfer latency and seconds per byte, the engine's fixed step cost and
     seconds per token (computing ``n`` more tokens in a step costs ``n`` times that).
 

@@ -41,6 +41,7 @@ from .vllm_common import (
     RemotePrefill,
     SendPlan,
     StepPlan,
+    base_request_id,
     mode_of,
     prompt_blocks,
     prompt_fingerprint,
@@ -54,6 +55,7 @@ from .vllm_reuse import ReuseCosts, keep, kept_params, offer
 __all__ = ["KVPushScheduler", "RankInfo"]
 
 log = logging.getLogger("kvpush.vllm")
+stage_log = logging.getLogger("kvpush.stages")
 
 #: Past ``transfer_timeout_s``, how long a preempted send's blocks stay pinned for want of
 #: every rank's report that its transfer ended.
@@ -165,6 +167,9 @@ class KVPushScheduler:
         self.costs = ReuseCosts()
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
         self._timed: dict[str, tuple[float, float, list[int]]] = {}
+        # loads that arrived, timed until their request's compute is scheduled (req id ->
+        # plan time, bytes): the request waits for that step, not only for the bytes
+        self._arrived: dict[str, tuple[float, float]] = {}
         # decode instances (their producers) loaded from here: the first load from each
         # one carries the connection to it, and is no sample of the link's cost
         self._loaded_from: set[tuple[str, ...]] = set()
@@ -195,6 +200,9 @@ class KVPushScheduler:
     # -- both sides ------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
+        if self.config.stage_log and params and (params.get("do_remote_decode")
+                                                 or params.get("do_remote_prefill")):
+            self._stage("arrived", request.request_id)
         if self.is_producer and params and params.get("do_remote_decode"):
             self._candidates[request.request_id] = request
             prompt = self._prompt_of(request)  # the whole prompt: before any backoff
@@ -254,8 +262,11 @@ class KVPushScheduler:
                          ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         params = request.kv_transfer_params or {}
+        if self.config.stage_log and params.get("do_remote_decode"):
+            self._stage("finished", req_id)
         if self.reuse:
             self._step_ended()
+            self._arrived.pop(req_id, None)
             self._timed.pop(req_id, None)
             self._first_loads.discard(req_id)
             self._decided.pop(req_id, None)
@@ -330,7 +341,10 @@ class KVPushScheduler:
         if self.reuse:
             self._step_ended()
             tokens = _scheduled_tokens(scheduler_output)
-            self._step = (time.monotonic(), tokens) if tokens else None
+            now = time.monotonic()
+            self._step = (now, tokens) if tokens else None
+            if self._arrived:
+                self._loads_waited(scheduler_output, now)
         # A claim is only worth its message when the READ does not start in this step.
         starting = {r.req_id for r in self._recv_new}
         claims = [c for c in self._claims_new if c.req_id not in starting]
@@ -587,6 +601,10 @@ class KVPushScheduler:
                      "(estimated load %s, compute %s)", request.request_id,
                      "loads" if load and num_external_tokens > 0 else "computes", lacking,
                      _ms(load_s), _ms(compute_s))
+        if self.config.stage_log:
+            self._stage("reuse_planned", request.request_id,
+                        f"{'load' if num_external_tokens > 0 else 'compute'} "
+                        f"{max(0, num_external_tokens)}")
         # One load per request: a request preempted after it recomputes.
         request.kv_transfer_params["_kvpush_reused"] = True
         self._used_kept[remote.transfer_id] = None
@@ -594,7 +612,9 @@ class KVPushScheduler:
             self._used_kept.popitem(last=False)
         req_id = request.request_id
         if num_external_tokens <= 0:
-            # The prefix cache holds the kept tokens: move nothing, let the source go.
+            # Computed here (or held by the prefix cache): move nothing, let the source go
+            # now. (Not after this prefill: the decode instance would handle it while it
+            # takes this turn's KV in, instead of while it waits for it.)
             self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
             return
         (block_ids,) = blocks.get_block_ids()
@@ -615,23 +635,39 @@ class KVPushScheduler:
             self._step = None
             self.costs.observe_step(tokens, time.monotonic() - start)
 
+    def _loads_waited(self, scheduler_output: Any, now: float) -> None:
+        """Loads whose request's compute is scheduled in this step: each is a sample of
+        what loading cost the request, from its plan to now (the transfer, vLLM learning
+        at a step's end that it ended, and the step that schedules the compute)."""
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for req_id in [r for r in self._arrived if r in scheduled]:
+            start, nbytes = self._arrived.pop(req_id)
+            self.costs.observe_load(nbytes, now - start)
+
     def _loads_ended(self, output: Any) -> None:
-        """Loads of kept tokens vLLM learns ended: each one that arrived is a sample of the
-        link's cost, from its plan to now (what the request waited), but the first from
+        """Loads of kept tokens vLLM learns ended: each one that arrived is timed until
+        its request's compute is scheduled (:meth:`_loads_waited`), but the first from
         each decode instance (it also waited for the connection to that instance)."""
         self._step_ended()
         failed = set(getattr(output, "failed_recving", None) or ())
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
-        now = time.monotonic()
         for req_id in getattr(output, "finished_recving", None) or ():
+            if self.config.stage_log:
+                self._stage("load_seen", req_id)
             timed = self._timed.pop(req_id, None)
             first = req_id in self._first_loads
             self._first_loads.discard(req_id)
             if timed is not None and not first and req_id not in failed \
                     and invalid.isdisjoint(timed[2]):
-                self.costs.observe_load(timed[1], now - timed[0])
+                self._arrived[req_id] = (timed[0], timed[1])
 
     # -- helpers ---------------------------------------------------------------------------
+    def _stage(self, stage: str, req_id: str, detail: str = "") -> None:
+        """One ``stage_log`` line from the scheduler (``r-``: no rank), naming the request
+        by vLLM's id less its random suffix, as the worker's lines name its transfer."""
+        stage_log.info("kvpush stage %.6f %s %s r- %s", time.monotonic(), stage,
+                       base_request_id(req_id), detail)
+
     def _truncate(self, request: Any) -> None:
         """Prefill side with Mamba state: compute the prompt less its last token (vLLM's
         request fields, as its NixlConnector trims them), so the state handed over is the
