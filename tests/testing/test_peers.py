@@ -207,13 +207,44 @@ def test_a_duplicated_registration_fails_the_use_and_nothing_lands(decode: tuple
     assert [r.reason for r in sim.releases("twice")] == [ReleaseReason.ABORTED]
 
 
+def test_an_authenticated_prefill_behind_its_proxy_serves_and_restarts() -> None:
+    """With ``auth_key`` the proxy still stands between (Hellos name the proxy's address,
+    which the Producer advertises); a sealed frame delivered twice is refused as a replay
+    and changes nothing; a restart ends the old incarnation's request within the engine's
+    ``peer_timeout_s``."""
+    key = b"k" * 32
+    _, layout = engine_cache()
+    with SimulatedPrefill(layout, config=kvpush.ProducerConfig(auth_key=key)) as sim, \
+            kvpush.Consumer(layout, kvpush.ConsumerConfig(
+                heartbeat_s=0.1, peer_timeout_s=0.5, auth_key=key)) as consumer:
+        name = consumer.connect(sim.address, timeout=10)
+        sim.add_rule(FrameRule(Action.DUPLICATE, frozenset({"posted"})))
+        handle = consumer.expect("sealed", [0], name)
+        sim.prefill("sealed", [4])
+        assert handle.wait(10).state is RequestState.READY
+        check_blocks(layout, [0], "sealed")
+        ticket = sim.prefill("pulled", [5], TransferMode.PULL)
+        assert ticket is not None
+        assert consumer.pull(ticket, [1]).wait(10).state is RequestState.READY
+        check_blocks(layout, [1], "pulled")
+        assert consumer.stats()["auth_rejected"] >= 1    # the second Posted
+        handle = consumer.expect("across", [2], name)
+        time.sleep(0.2)
+        sim.restart()
+        t0 = time.monotonic()
+        result = handle.wait(10)
+        assert result.state is RequestState.FAILED
+        assert isinstance(result.error, kvpush.PeerUnavailable)
+        assert time.monotonic() - t0 < 0.5 + 2
+
+
 # -- a prefill engine (its real Producer) against a simulated decode ------------------------
 @pytest.fixture
 def prefill() -> Iterator[tuple[SimulatedDecode, kvpush.Producer]]:
     _, layout = engine_cache()
     with kvpush.Producer(layout, FAST_PRODUCER) as producer, \
             SimulatedDecode(producer.address, layout, config=kvpush.ConsumerConfig(
-                heartbeat_s=0.1, peer_timeout_s=5.0)) as sim:
+                heartbeat_s=0.1, peer_timeout_s=5.0, abort_grace_s=1.0)) as sim:
         yield sim, producer
 
 
@@ -295,3 +326,17 @@ def test_a_slow_decode_is_still_served(prefill: tuple) -> None:
     sim.check(handle.wait(10))
     [release] = releases_of(producer, "slow")["slow"]
     assert release.reason is ReleaseReason.TRANSFERRED
+
+
+def test_a_pull_whose_announcement_is_lost_is_never_trusted(prefill: tuple) -> None:
+    """The decode's PullBegin never reaches the producer: without the producer's PullHeld
+    the READ's data is not trusted whatever it read, and the source comes back once."""
+    sim, producer = prefill
+    sim.add_rule(FrameRule(Action.DROP, frozenset({"pull_begin"}), request_id="unheld"))
+    fill_blocks(producer.layout, [13], "unheld")
+    ticket = producer.prefill_done("unheld", [13], TransferMode.PULL)
+    result = sim.pull(ticket, [9], timeout=3.0).wait(15)
+    assert result.state is RequestState.TIMED_OUT
+    [release] = releases_of(producer, "unheld")["unheld"]
+    assert release.reason in (ReleaseReason.LEASE_EXPIRED, ReleaseReason.TRANSFERRED)
+    assert sim.proxy.counts[Direction.TO_PRODUCER, "pull_begin", "drop"] == 1
