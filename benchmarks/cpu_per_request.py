@@ -143,7 +143,7 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
                           config=kvpush.ConsumerConfig(transport=transport),
                           on_finished=lambda r: event(r.request_id).set())
         state["pairs"][api] = pair
-        out["loop_tids"][api] = pair["endpoint"]._thread.native_id
+        out["loop_tids"][api] = pair["endpoint"]._driver.thread.native_id
     state.update(state["pairs"]["python"])
     return out
 
@@ -281,14 +281,14 @@ def _wrap(obj: Any, name: str, slot: dict[str, int], part: str, tid: int) -> Non
 def side_split(state: dict[str, Any], conn: mpc.Connection, on: bool,
                api: str = "python") -> dict[str, int]:
     """Attribution on the loop thread of pair ``api``: ``on`` wraps its agent's NIXL calls,
-    its protocol core's public methods and its message sends (``_send``) in
+    its protocol core's public methods and its control frames sent (``send_frame``) in
     ``time.thread_time_ns``; off restores them. Returns, since the last switch, each part's
     CPU ns and calls, and the loop's wake-ups and hot (spinning) iterations."""
     endpoint = state["pairs"][api]["endpoint"]
-    tid = endpoint._thread.native_id
+    tid = endpoint._driver.thread.native_id
     slot = state.setdefault("split", {})
     targets: list[tuple[Any, tuple[str, ...], str]] = [
-        (endpoint._agent, NIXL_CALLS, "nixl"), (endpoint, ("_send",), "send")]
+        (endpoint._agent, NIXL_CALLS, "nixl"), (endpoint._driver, ("send_frame",), "send")]
     core = getattr(endpoint, "_core", None)
     if core is not None:
         targets.append((core, tuple(n for n in dir(type(core)) if not n.startswith("_")

@@ -223,7 +223,7 @@ def side_run_queue(state: dict[str, Any], conn: mpc.Connection) -> dict[str, int
     waits = run_queue_waits()
     if waits is None:
         return None
-    loop = state["endpoint"]._thread.native_id
+    loop = state["endpoint"]._driver.thread.native_id
     out = dict.fromkeys(THREADS, 0)
     for tid, (name, ns) in waits.items():
         kind = ("engine" if tid == state["engine_tid"] else "loop" if tid == loop

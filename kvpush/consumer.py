@@ -5,22 +5,20 @@ A result is reported only when the request's transfers have really ended, or say
 ``blocks_safe=False`` where that cannot be learnt: nothing is cancelled, since NIXL's
 release of a transfer in progress does not stop its bytes (``docs/PROTOCOL.md``).
 
-This module is a facade and an I/O driver: the public methods validate on the engine's
-thread and hand the call to the loop thread, which owns the ZeroMQ sockets (one per
-producer) and the NIXL agent. Each producer connection -- handshake (layouts,
-authentication, Hello retransmits), heartbeats, liveness, rejoin -- is a session of
-:class:`kvpush.protocol.session.Dialers`, whose effects :meth:`Consumer._session` carries
-out. What happens to each request -- its states, which message may change it, when it ends and
-how -- is decided by :class:`kvpush.protocol.consumer.ConsumerCore`, which takes the
-loop's events and answers with effects (:mod:`kvpush.protocol.effects`) that
-:meth:`Consumer._apply` carries out.
+This module is the facade: the public methods validate on the engine's thread and hand
+the call to its :class:`~kvpush.driver.Driver`, whose loop thread owns the NIXL agent and
+the ZeroMQ sockets. Each producer connection -- handshake (layouts, authentication, Hello
+retransmits), heartbeats, liveness, rejoin -- is a session of
+:class:`kvpush.sessions.Dialing`. What happens to each request -- its states, which message
+may change it, when it ends and how -- is decided by
+:class:`kvpush.protocol.consumer.ConsumerCore`, which takes the loop's events and answers
+with effects (:mod:`kvpush.protocol.effects`) that the driver carries out. The facade keeps
+the configuration, the handles the engine waits on and the queue of results.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -29,48 +27,28 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import zmq
 
 from . import _trace
 from . import messages as m
+from ._loop import no_blocking
 from .agent import Agent, TransportConfig
 from .aio import DrainQueue, drain_iter
-from .auth import Opener, Sealer, check_key
+from .auth import check_key
 from .dataplane import ChildAgent
-from .endpoint import (
-    STRANGER_FRAME_BYTES,
-    Endpoint,
-    Timer,
-    check_durations,
-    check_timeout,
-    control_socket,
-    queue_result,
-)
+from .endpoint import Endpoint, check_durations, check_timeout, queue_result
 from .errors import (
     AuthenticationError,
     ClosedError,
     InvalidBlockIds,
     KvpushError,
     PeerUnavailable,
-    ProtocolError,
     RequestAborted,
     TransferTimeout,
 )
 from .layout import KVLayout
 from .plan import block_checksums, check_request_id, require_host_checksums, validate_block_ids
 from .progress import ProgressPolicy
-from .protocol.consumer import ConsumerCore, CoreConfig, new_xid
-from .protocol.session import (
-    Admit,
-    ConnectFailed,
-    DialConfig,
-    Dialer,
-    Dialers,
-    PeerDown,
-    PeerUp,
-    SessionEffect,
-    Transmit,
-)
+from .protocol.consumer import ConsumerCore, new_xid
 from .request import (
     ConnectHandle,
     ConnectResult,
@@ -80,6 +58,7 @@ from .request import (
     TransferMode,
     TransferResult,
 )
+from .sessions import Dialing, Waiter
 
 __all__ = ["Consumer", "ConsumerConfig", "new_xid"]
 
@@ -215,38 +194,35 @@ class Consumer(Endpoint):
         config = config or ConsumerConfig()
         if config.verify:  # before anything is registered
             require_host_checksums(layout, "ConsumerConfig.verify")
-        super().__init__(layout, name=config.name, transport=config.transport,
-                         progress=config.progress, auth_key=config.auth_key)
         self.config = config
         self._on_finished = on_finished
         self._finished: DrainQueue[TransferResult] = DrainQueue()
         # called on the loop thread with every result (kvpush.prometheus)
         self._observers: list[Callable[[TransferResult], None]] = []
-        # The sessions with producers: handshake, authentication, heartbeats, liveness,
-        # one connection per producer (kvpush.protocol.session, the machine the simulator
-        # runs too). Their sockets and the connect() calls waiting on them are kept here,
-        # by each session's own address.
-        self._dialers = Dialers(DialConfig(self.name, layout, config.auth_key,
-                                           config.peer_timeout_s,
-                                           wire=lambda: self._agent.layout))
-        self._conns: dict[str, zmq.Socket[Any]] = {}
-        self._waiters: dict[str, list[Callable[[str | None, KvpushError | None], None]]] = {}
-        self._dial_timer: Timer | None = None
-        self._dial_due = math.inf
         # Every request's state lives in the core; this facade keeps only the handles the
-        # engine waits on (by xid) and the NIXL transfers the core asked for (by key).
-        self._core: ConsumerCore = ConsumerCore(
-            layout, CoreConfig(config.abort_grace_s, config.verify, config.coalesce),
-            _AgentLinks(self._agent, layout), self._stats)
+        # engine waits on (by xid).
         self._handles: dict[int, TransferHandle] = {}
         # pulls claimed and not begun, by request id: written by the engine's threads
         # (claim, pull, abort) and by the loop (a producer lost), hence the lock
         self._claims: dict[str, _Claim] = {}
         self._claims_lock = threading.Lock()
-        self._rejoin_after: list[str] = []  # producers to handshake with again
-        self._after(config.heartbeat_s, self._heartbeat)
-        self._finalized = False
-        self._start()
+        driver = self._make_driver(layout, name=config.name, transport=config.transport,
+                                   progress=config.progress, auth_key=config.auth_key)
+        self._agent = driver.agent
+        try:
+            self._core = ConsumerCore(layout, config, _AgentLinks(driver.agent, layout),
+                                      driver.stats)
+            # The sessions with producers: handshake, authentication, heartbeats,
+            # liveness, one connection per producer (kvpush.protocol.session, the machine
+            # the simulator runs too).
+            self._sessions = Dialing(driver, self._core, peer_timeout_s=config.peer_timeout_s,
+                                     heartbeat_s=config.heartbeat_s,
+                                     connect_timeout_s=config.connect_timeout_s,
+                                     claims_lost=self._claims_lost)
+        except BaseException:
+            driver.close()
+            raise
+        driver.start(self._core, self._sessions, self._deliver, self._finished.end)
 
     # -- engine API (any thread) -----------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None) -> str:
@@ -255,7 +231,7 @@ class Consumer(Endpoint):
         cannot exchange blocks and :class:`~kvpush.errors.PeerUnavailable` when the producer
         does not answer within ``timeout``. It blocks: calling it from a kvpush callback
         (on a loop thread) raises RuntimeError; :meth:`connect_nowait` does not block."""
-        self._no_blocking_on_loop("Consumer.connect()")
+        no_blocking("Consumer.connect()")
         timeout = self._connect_timeout(timeout)
         handle = self.connect_nowait(address, timeout)
         try:
@@ -279,7 +255,7 @@ class Consumer(Endpoint):
         def on_result(name: str | None, error: KvpushError | None) -> None:
             handle._set(ConnectResult(address, name, error))
 
-        self._call_soon(lambda: self._connect(address, timeout, on_result))
+        self._driver.call_soon(lambda: self._sessions.connect(address, timeout, on_result))
         return handle
 
     def _connect_timeout(self, timeout: float | None) -> float:
@@ -313,17 +289,17 @@ class Consumer(Endpoint):
         may still hold its previous use.
 
         The handle's ``xid`` (and its result's) names this use of ``request_id``."""
-        handle, run = self._prepare_expect(request_id, block_ids, producers, timeout,
-                                           layerwise, source_tail, sharers, sids)
-        self._call_soon(run)
+        handle, feed = self._prepare_expect(request_id, block_ids, producers, timeout,
+                                            layerwise, source_tail, sharers, sids)
+        self._driver.submit(feed)
         return handle
 
     def _prepare_expect(self, request_id: str, block_ids: Any,
                         producers: str | Sequence[str], timeout: float | None,
                         layerwise: bool, source_tail: bool, sharers: int | Sequence[int],
                         sids: Sequence[int] | None = None
-                        ) -> tuple[TransferHandle, Callable[[], None]]:
-        """Validate an expect (caller's thread; raises on bad input) and make the closure
+                        ) -> tuple[TransferHandle, Callable[[float], None]]:
+        """Validate an expect (caller's thread; raises on bad input) and make the event
         that registers it on the loop thread."""
         rid = self._check_request_id(request_id)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
@@ -349,12 +325,14 @@ class Consumer(Endpoint):
         handle = TransferHandle(rid, TransferMode.PUSH,
                                 claim.xid if claim is not None else new_xid())
 
-        def run() -> None:
+        def feed(now: float) -> None:
             if stale is not None:  # give the other claim up
-                self._abort_claim(rid, stale, "claim superseded")
-            self._register(handle, ids, names, seconds, groups, source_tail, shares, uses)
+                self._abort_claim(now, rid, stale, "claim superseded")
+            self._handles[handle.xid] = handle
+            self._core.expect(now, rid, ids, names, seconds, groups, source_tail, shares,
+                              handle.xid, uses)
 
-        return handle, run
+        return handle, feed
 
     def expect_many(self, items: Sequence[tuple[str, Any, str | Sequence[str]]], *,
                     timeout: float | None = None, layerwise: bool = False,
@@ -365,12 +343,12 @@ class Consumer(Endpoint):
         valid ones reach the loop thread in one hand-off, in order. Returns one entry per
         item: its :class:`~kvpush.request.TransferHandle`, or the exception a single
         ``expect`` of it would have raised (a bad item refuses only itself). Never blocks."""
-        def prepare(item: Any) -> tuple[TransferHandle, Callable[[], None]]:
+        def prepare(item: Any) -> tuple[TransferHandle, Callable[[float], None]]:
             request_id, block_ids, producers = item
             return self._prepare_expect(request_id, block_ids, producers, timeout, layerwise,
                                         source_tail, sharers)
 
-        return self._batch(items, prepare)
+        return self._driver.batch(items, prepare)
 
     def pull_many(self, items: Sequence[tuple[m.PullTicket | bytes
                                               | Sequence[m.PullTicket | bytes], Any]], *,
@@ -380,11 +358,11 @@ class Consumer(Endpoint):
         options apply to each; validated one by one, the valid ones handed to the loop
         thread at once, in order. Returns per item its handle or the exception a single
         ``pull`` would have raised. Never blocks (handshakes are part of each request)."""
-        def prepare(item: Any) -> tuple[TransferHandle, Callable[[], None]]:
+        def prepare(item: Any) -> tuple[TransferHandle, Callable[[float], None]]:
             tickets, block_ids = item
             return self._prepare_pull(tickets, block_ids, timeout, source_tail, sharers)
 
-        return self._batch(items, prepare)
+        return self._driver.batch(items, prepare)
 
     def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
              block_ids: Any, *, timeout: float | None = None,
@@ -405,16 +383,16 @@ class Consumer(Endpoint):
         A pull of the tickets a :meth:`claim` named continues that claim (same ``xid``;
         the producer holds a claimed source past the ticket's lease, so only ``timeout``
         bounds the READ)."""
-        handle, run = self._prepare_pull(tickets, block_ids, timeout, source_tail, sharers)
-        self._call_soon(run)
+        handle, feed = self._prepare_pull(tickets, block_ids, timeout, source_tail, sharers)
+        self._driver.submit(feed)
         return handle
 
     def _prepare_pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
                       block_ids: Any, timeout: float | None, source_tail: bool,
                       sharers: int | Sequence[int]
-                      ) -> tuple[TransferHandle, Callable[[], None]]:
+                      ) -> tuple[TransferHandle, Callable[[float], None]]:
         """Validate a pull (caller's thread; raises on bad input, nothing queued) and make
-        the closure that starts it on the loop thread."""
+        the event that starts it on the loop thread."""
         started = time.monotonic()
         rid, parsed = self._parse_tickets(tickets, "pull")
         counts = sharer_counts(sharers, len(parsed), "tickets")
@@ -433,7 +411,7 @@ class Consumer(Endpoint):
             else check_timeout(timeout, "pull timeout")
         deadline = started + seconds
         for t, src in zip(parsed, sources, strict=True):
-            if t.producer in self._dialers.by_name:  # others are checked once connected
+            if self._sessions.up(t.producer):  # others are checked once connected
                 self._check_pull_length(t, src, dst)
         with self._claims_lock:
             claim = self._claims.pop(rid, None)
@@ -453,20 +431,21 @@ class Consumer(Endpoint):
         handle = TransferHandle(rid, TransferMode.PULL,
                                 claim.xid if claim is not None else new_xid())
 
-        def run() -> None:
+        def feed(now: float) -> None:
             if stale is not None:
-                self._abort_claim(rid, stale, "claim superseded")
-            if budget() > 0 and any(t.producer not in self._dialers.by_name for t in parsed):
-                self._pull_connecting(handle, parsed, sources, dst, budget, counts, started)
+                self._abort_claim(now, rid, stale, "claim superseded")
+            self._handles[handle.xid] = handle
+            if budget() > 0 and not all(self._sessions.up(t.producer) for t in parsed):
+                self._pull_connecting(now, handle, parsed, sources, dst, budget, counts,
+                                      started)
             else:
-                self._read(handle, parsed, sources, dst, budget(), counts)
+                self._core.pull(now, parsed, sources, dst, budget(), counts, handle.xid)
 
-        return handle, run
+        return handle, feed
 
     def _check_pull_length(self, t: m.PullTicket, src: np.ndarray, dst: np.ndarray) -> None:
-        peer = self._dialers.by_name.get(t.producer)
-        same_blocks = peer is None or peer.layout is None or \
-            peer.layout.tokens_per_block == self.layout.tokens_per_block
+        theirs = self._sessions.layout_of(t.producer)
+        same_blocks = theirs is None or theirs.tokens_per_block == self.layout.tokens_per_block
         if same_blocks and len(src) != len(dst):
             raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
                                   f"blocks but block_ids has {len(dst)}")
@@ -488,7 +467,7 @@ class Consumer(Endpoint):
         if self._lease_left(parsed) <= 0:
             raise TransferTimeout(f"the pull ticket's lease for {rid!r} has run out")
         claim = _Claim(new_xid(), {t.producer: t.sid for t in parsed}, sharers)
-        return self._add_claim(rid, claim, lambda: self._claim(rid, parsed, claim))
+        return self._add_claim(rid, claim, lambda now: self._claim(now, rid, parsed, claim))
 
     def claim_push(self, request_id: str, producers: str | Sequence[str], *,
                    sharers: int | Sequence[int] = 1) -> int:
@@ -505,21 +484,22 @@ class Consumer(Endpoint):
         if not names:
             raise ValueError("claim_push needs at least one producer")
         shares = sharer_counts(sharers, len(names), "producers")
-        unknown = [n for n in names if n not in self._dialers.by_name]
+        unknown = [n for n in names if not self._sessions.up(n)]
         if unknown:
             raise PeerUnavailable(f"not connected to {unknown} (connect first)")
         claim = _Claim(new_xid(), dict.fromkeys(names, 0), shares, push=True)
-        return self._add_claim(rid, claim, lambda: self._claim_push(rid, names, claim))
+        return self._add_claim(rid, claim, lambda now: self._core.claim_push(
+            now, rid, names, claim.sharers, claim.xid))
 
-    def _add_claim(self, rid: str, claim: _Claim, run: Callable[[], None]) -> int:
-        """Record ``claim`` for ``rid`` (one per id) and queue ``run``, which sends it; a
+    def _add_claim(self, rid: str, claim: _Claim, feed: Callable[[float], object]) -> int:
+        """Record ``claim`` for ``rid`` (one per id) and queue ``feed``, which sends it; a
         closed Consumer keeps no record. Returns the claim's xid."""
         with self._claims_lock:
             if rid in self._claims:
                 raise InvalidBlockIds(f"request {rid!r} is already claimed")
             self._claims[rid] = claim
         try:
-            self._call_soon(run)
+            self._driver.submit(feed)
         except ClosedError:
             with self._claims_lock:
                 self._claims.pop(rid, None)
@@ -533,9 +513,9 @@ class Consumer(Endpoint):
         with self._claims_lock:
             claim = self._claims.pop(request_id, None)
         if claim is not None:
-            self._call_soon(lambda: self._abort_claim(request_id, claim, reason))
-        self._call_soon(lambda: self._abort(request_id, RequestState.ABORTED,
-                                            RequestAborted(reason)))
+            self._driver.submit(lambda now: self._abort_claim(now, request_id, claim, reason))
+        self._driver.submit(lambda now: self._core.abort(now, request_id, RequestState.ABORTED,
+                                                         RequestAborted(reason)))
 
     def _parse_tickets(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
                        what: str) -> tuple[str, list[m.PullTicket]]:
@@ -545,8 +525,9 @@ class Consumer(Endpoint):
                   else t for t in batch]
         if not parsed:
             raise ValueError(f"{what} needs at least one ticket")
-        if self._key is not None:  # a router can neither read nor alter a sealed ticket
-            parsed = [t.open(self._key) for t in parsed]
+        key = self.config.auth_key
+        if key is not None:  # a router can neither read nor alter a sealed ticket
+            parsed = [t.open(key) for t in parsed]
         elif any(t.sealed for t in parsed):
             raise AuthenticationError("the pull ticket is sealed, but this consumer has no "
                                       "auth_key to open it")
@@ -609,12 +590,12 @@ class Consumer(Endpoint):
                                          parts=len(sids))
             return status
 
-        status: RequestStatus = self._call_and_wait(snap, 10.0, "Consumer.status()")
+        status: RequestStatus = self._driver.call_and_wait(snap, 10.0, "Consumer.status()")
         return status
 
     def stats(self) -> dict[str, int]:
         """Counters of what this Consumer has done (:class:`kvpush.metrics.Stats`)."""
-        return self._stats.as_dict()
+        return self._driver.stats.as_dict()
 
     @property
     def pending(self) -> int:
@@ -623,242 +604,46 @@ class Consumer(Endpoint):
 
     def producers(self) -> list[str]:
         """Names of producers connected now."""
-        return list(self._dialers.by_name)
+        return list(self._sessions.machine.by_name)
 
     def producer_layout(self, name: str) -> KVLayout:
         """The KV layout a connected producer announced (e.g. its head shard, for
         :func:`kvpush.layout.covering_producers`)."""
-        peer = self._dialers.by_name.get(name)
-        if peer is None or peer.layout is None:
+        theirs = self._sessions.layout_of(name)
+        if theirs is None:
             raise PeerUnavailable(f"not connected to {name!r}")
-        return peer.layout
+        return theirs
 
     @staticmethod
     def _check_request_id(request_id: Any) -> str:
         return check_request_id(request_id)
 
 
-    # -- loop: sessions with producers (kvpush.protocol.session.Dialers) -------------------
-    def _connect(self, address: str, timeout: float,
-                 on_result: Callable[[str | None, KvpushError | None], None]) -> None:
-        """Dial ``address`` (or join the session that already reaches it); ``on_result``
-        gets the producer's name once the session is up, or the handshake's error."""
-        d = self._dialers.by_address.get(address)  # (a producer's every address dialled)
-        if d is not None and d.up:
-            on_result(d.name, None)
-            return
-        if d is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            control_socket(sock, self.config.peer_timeout_s)
-            # A random routing identity per connection: no other peer can take this
-            # connection over by connecting under the same identity (the producer knows a
-            # restarted consumer by the name in its Hello).
-            sock.setsockopt(zmq.IDENTITY, b"k" + os.urandom(15))
-            sock.connect(address)
-            self._conns[address] = sock
-            self._add_socket(sock, self._dealer_handler(address, sock))
-        now = time.monotonic()
-        d, effects = self._dialers.dial(now, address, self._agent.metadata,
-                                           now + timeout)
-        self._waiters.setdefault(d.address, []).append(on_result)
-        self._session(effects)
-
-    def _dealer_handler(self, address: str,
-                        sock: zmq.Socket[Any]) -> Callable[[zmq.Socket[Any]], None]:
-        return lambda _: self._on_dealer(address, sock)
-
-    def _on_dealer(self, address: str, sock: zmq.Socket[Any]) -> None:
-        for frames in self._read_frames(sock):
-            d = self._dialers.by_address.get(address)
-            if d is None or d.address != address or self._conns.get(address) is not sock:
-                return  # its session ended (or joined another address's)
-            try:
-                if len(frames) != 1:
-                    raise ProtocolError("expected one frame")
-                if not d.up and len(frames[0]) > STRANGER_FRAME_BYTES:
-                    raise ProtocolError("handshake frame too large")  # dropped unread
-                effects, msg = self._dialers.receive(time.monotonic(), d, frames[0].buffer)
-            except AuthenticationError as exc:
-                self._stats.auth_rejected += 1
-                log.warning("%s: rejected control frame: %s", self.name, exc)
-                continue
-            except ProtocolError as exc:
-                self._stats.messages_rejected += 1
-                log.warning("%s: rejected control frame: %s", self.name, exc)
-                continue
-            twin = self._dialers.by_address.get(address)
-            if twin is not None and twin is not d:
-                self._join(d, twin)
-                return
-            self._session(effects)
-            if msg is None:
-                continue
-            if isinstance(msg, (m.Posted, m.Failed, m.AbortAck, m.PullHeld, m.Abort)):
-                if isinstance(msg, (m.Failed, m.Abort)):
-                    self._claim_refused(d.name, msg.request_id, msg.xid)
-                self._core.on_message(time.monotonic(), d.name, msg)
-                self._apply()
-            else:
-                self._stats.messages_rejected += 1
-
-    def _join(self, d: Dialer, twin: Dialer) -> None:
-        """``d``'s address reaches the producer of ``twin``'s session (one connection per
-        producer, however its address is spelt): its socket goes, its waiters wait on the
-        twin."""
-        sock = self._conns.pop(d.address, None)
-        if sock is not None:
-            self._remove_socket(sock)
-        waiters = self._waiters.pop(d.address, [])
-        if twin.up:
-            for waiter in waiters:
-                waiter(twin.name, None)
-        else:
-            self._waiters.setdefault(twin.address, []).extend(waiters)
-
-    def _session(self, effects: list[SessionEffect]) -> None:
-        """Carry out what the session machines asked, in order."""
-        for effect in effects:
-            if isinstance(effect, Transmit):
-                sock = self._conns.get(str(effect.peer))
-                if sock is not None:
-                    self._send_frame(sock, effect.frame)
-            elif isinstance(effect, Admit):
-                self._admit(effect)
-            elif isinstance(effect, PeerUp):
-                self._core.peer_up(time.monotonic(), effect.name)
-                d = self._dialers.by_name.get(effect.name)
-                if d is not None:
-                    self._resolve(d.address, effect.name, None)
-            elif isinstance(effect, PeerDown):
-                self._lose_producer(effect)
-            elif isinstance(effect, ConnectFailed):
-                self._drop_conn(effect.address)
-                self._resolve(effect.address, None, effect.error)
-        self._arm_dial_timer()
-
-    def _admit(self, admit: Admit) -> None:
-        """The producer's HelloAck checked by the session: NIXL takes its metadata, or the
-        handshake fails with NIXL's error."""
-        d = self._dialers.by_address.get(str(admit.peer))
-        if d is None:
-            return
-        try:
-            name = self._agent.add_peer(admit.metadata, admit.layout, admit.name)
-        except KvpushError as exc:
-            self._session(self._dialers.refused(time.monotonic(), d, exc))
-            return
-        if name != admit.name:
-            self._agent.remove_peer(name)
-            self._session(self._dialers.refused(time.monotonic(), d, ProtocolError(
-                f"producer calls itself {admit.name!r} but its NIXL agent is {name!r}")))
-            return
-        self._session(self._dialers.admitted(time.monotonic(), d))
-
-    def _resolve(self, address: str, name: str | None, error: KvpushError | None) -> None:
-        for waiter in self._waiters.pop(address, []):
-            waiter(name, error)
-
-    def _drop_conn(self, address: str) -> None:
-        sock = self._conns.pop(address, None)
-        if sock is not None:
-            self._remove_socket(sock)
-
-    def _arm_dial_timer(self) -> None:
-        """One timer for every session's next retransmit or handshake deadline."""
-        due = self._dialers.next_deadline()
-        if due is None or due >= self._dial_due:
-            return
-        if self._dial_timer is not None:
-            self._dial_timer.cancel()
-        self._dial_due = due
-        self._dial_timer = self._at(due, self._dial_tick)
-
-    def _dial_tick(self) -> None:
-        self._dial_timer, self._dial_due = None, math.inf
-        self._session(self._dialers.tick(time.monotonic()))
-
-    def _claim_refused(self, name: str, rid: str, xid: int) -> None:
-        """A producer's Failed or Abort of a claim's xid: a later pull starts anew (the
-        core drops its own record of the claim)."""
+    # -- loop thread: claims and pulls that connect first --------------------------------
+    def _claims_lost(self, producer: str, rid: str | None, xid: int | None) -> None:
+        """``producer`` gave up claim ``xid`` of ``rid`` (its Failed or Abort), or was lost
+        with every claim on it (``rid`` None): a later pull starts anew (the core drops its
+        own record of the claim)."""
         with self._claims_lock:
+            if rid is None:
+                for r in [r for r, c in self._claims.items() if producer in c.sids]:
+                    del self._claims[r]
+                return
             claim = self._claims.get(rid)
-            if claim is not None and claim.xid == xid and name in claim.sids:
+            if claim is not None and claim.xid == xid and producer in claim.sids:
                 del self._claims[rid]
 
-    def _heartbeat(self) -> None:
-        """Ask every producer whether it is there; the session loses one whose answer to a
-        Heartbeat has not come ``peer_timeout_s`` after it was sent. Answers already
-        waiting are read first, and the clock starts at a question: a loop that stalled
-        longer than the timeout (a long NIXL call, the GIL, the process stopped) blames no
-        producer for its own silence."""
-        self._read_waiting()
-        self._session(self._dialers.heartbeat(time.monotonic()))
-        self._after(self.config.heartbeat_s, self._heartbeat)
-
-    def _lose_producer(self, down: PeerDown) -> None:
-        """A session that was up ended: its requests and claims fail, NIXL forgets the
-        producer, and one that asked to be dialled again (its data plane restarted) is."""
-        log.info("%s: lost producer %s: %s", self.name, down.name, down.why)
-        self._stats.peers_lost += 1
-        self._drop_conn(str(down.conn))
-        with self._claims_lock:  # its claims cannot be held any more; a pull starts anew
-            for rid in [r for r, c in self._claims.items() if down.name in c.sids]:
-                del self._claims[rid]
-        self._core.peer_lost(time.monotonic(), down.name, down.why)
-        self._apply()
-        self._agent.remove_peer(down.name)
-        if down.rejoin:  # its NIXL metadata is new
-            self._rejoin([str(down.conn)])
-
-    # -- loop: a contained data plane restarted (Endpoint._data_plane_lost) -----------------
-    def _data_plane_peers_lost(self, why: str) -> None:
-        self._rejoin_after = list(self._dialers.by_address)
-        now = time.monotonic()
-        for d in self._dialers:  # (one still dialling: its Hello carried the lost metadata)
-            self._session(self._dialers.lose(now, d, why))
-
-    def _data_plane_restarted(self) -> None:
-        addresses, self._rejoin_after = self._rejoin_after, []
-        self._rejoin(addresses)
-
-    def _rejoin(self, addresses: list[str]) -> None:
-        """Handshake again with producers this side had (nobody waits for the answer)."""
-        def result(name: str | None, error: KvpushError | None) -> None:
-            if error is not None:
-                log.warning("%s: reconnecting after a data-plane restart: %s", self.name,
-                            error)
-
-        for address in addresses:
-            self._connect(address, self.config.connect_timeout_s, result)
-
-    # -- loop: engine calls ----------------------------------------------------------------
-    def _register(self, handle: TransferHandle, ids: np.ndarray, names: list[str],
-                  timeout: float, groups: int, tail: bool, sharers: list[int],
-                  sids: list[int] | None = None) -> None:
-        self._handles[handle.xid] = handle
-        self._core.expect(time.monotonic(), handle.request_id, ids, names, timeout, groups,
-                          tail, sharers, handle.xid, sids)
-        self._apply()
-
-    def _read(self, handle: TransferHandle, tickets: list[m.PullTicket],
-              sources: list[np.ndarray], dst: np.ndarray, budget: float,
-              sharers: list[int]) -> None:
-        self._handles[handle.xid] = handle
-        self._core.pull(time.monotonic(), tickets, sources, dst, budget, sharers, handle.xid)
-        self._apply()
-
-    def _pull_connecting(self, handle: TransferHandle, tickets: list[m.PullTicket],
-                         sources: list[np.ndarray], dst: np.ndarray,
-                         budget: Callable[[], float], sharers: list[int],
+    def _pull_connecting(self, now: float, handle: TransferHandle,
+                         tickets: list[m.PullTicket], sources: list[np.ndarray],
+                         dst: np.ndarray, budget: Callable[[], float], sharers: list[int],
                          started: float) -> None:
         """A pull whose producers are not all connected: connect first (within the pull's
         budget and ``connect_timeout_s``), then READ; a handshake that fails ends the pull
         FAILED with the handshake's error (nothing was posted: its blocks are safe)."""
-        self._handles[handle.xid] = handle
         rid = handle.request_id
-        self._core.connecting(started, rid, handle.xid, dst, time.monotonic() + budget())
+        self._core.connecting(started, rid, handle.xid, dst, now + budget())
         missing = {t.producer: (t, src) for t, src in zip(tickets, sources, strict=True)
-                   if t.producer not in self._dialers.by_name}
+                   if not self._sessions.up(t.producer)}
         wait = min(self.config.connect_timeout_s, budget())
 
         def on_result(producer: str, name: str | None, error: KvpushError | None) -> None:
@@ -874,28 +659,29 @@ class Consumer(Endpoint):
                 except InvalidBlockIds as exc:
                     error = exc
             if error is not None:
-                self._core.connect_failed(time.monotonic(), rid, handle.xid, error)
-                self._apply()
+                failed = error
+                self._driver.event(lambda now: self._core.connect_failed(now, rid, handle.xid,
+                                                                          failed))
             elif not missing:
-                self._read(handle, tickets, sources, dst, budget(), sharers)
+                self._driver.event(lambda now: self._core.pull(
+                    now, tickets, sources, dst, budget(), sharers, handle.xid))
 
-        def waiter(producer: str) -> Callable[[str | None, KvpushError | None], None]:
+        def waiter(producer: str) -> Waiter:
             return lambda name, error: on_result(producer, name, error)
 
         for producer, (t, _) in list(missing.items()):
-            self._connect(t.address, wait, waiter(producer))
+            self._sessions.connect(t.address, wait, waiter(producer))
 
-    def _claim(self, rid: str, tickets: list[m.PullTicket], claim: _Claim) -> None:
+    def _claim(self, now: float, rid: str, tickets: list[m.PullTicket], claim: _Claim) -> None:
         """Send the claim to its producers, once they are all connected: those that are
         not are connected to first (within ``connect_timeout_s`` and the tickets' lease).
         A claim given up meanwhile (aborted, superseded) sends nothing; a handshake that
         fails gives the claim up."""
         if claim.given_up:
             return
-        missing = {t.producer: t for t in tickets if t.producer not in self._dialers.by_name}
+        missing = {t.producer: t for t in tickets if not self._sessions.up(t.producer)}
         if not missing:
-            self._core.claim(time.monotonic(), tickets, claim.sharers, claim.xid)
-            self._apply()
+            self._core.claim(now, tickets, claim.sharers, claim.xid)
             return
         wait = min(self.config.connect_timeout_s, self._lease_left(tickets))
         if wait <= 0:
@@ -913,14 +699,14 @@ class Consumer(Endpoint):
                 self._claim_failed(rid, claim, error)
                 return
             del missing[t.producer]
-            if not missing:
-                self._claim(rid, tickets, claim)  # (a producer lost since: connected again)
+            if not missing:  # (a producer lost since: connected again)
+                self._driver.event(lambda now: self._claim(now, rid, tickets, claim))
 
-        def waiter(t: m.PullTicket) -> Callable[[str | None, KvpushError | None], None]:
+        def waiter(t: m.PullTicket) -> Waiter:
             return lambda name, error: on_result(t, name, error)
 
         for t in list(missing.values()):
-            self._connect(t.address, wait, waiter(t))
+            self._sessions.connect(t.address, wait, waiter(t))
 
     def _claim_failed(self, rid: str, claim: _Claim, error: KvpushError) -> None:
         """A claim's handshake failed: it is given up (no producer holds anything for it);
@@ -932,34 +718,13 @@ class Consumer(Endpoint):
         if not isinstance(error, ClosedError):
             log.warning("%s: claim of %r given up: %s", self.name, rid, error)
 
-    def _claim_push(self, rid: str, names: list[str], claim: _Claim) -> None:
-        self._core.claim_push(time.monotonic(), rid, names, claim.sharers, claim.xid)
-        self._apply()
-
-    def _abort_claim(self, rid: str, claim: _Claim, reason: str) -> None:
+    def _abort_claim(self, now: float, rid: str, claim: _Claim, reason: str) -> None:
         claim.given_up = True  # a handshake still running sends no Claim when it ends
-        self._core.abort_claim(time.monotonic(), rid, claim.xid, reason)
-        self._apply()
+        self._core.abort_claim(now, rid, claim.xid, reason)
 
-    def _abort(self, rid: str, state: RequestState, error: KvpushError) -> None:
-        self._core.abort(time.monotonic(), rid, state, error)
-        self._apply()
-
-    # -- loop: the core's effects (carried out by Endpoint._apply) ---------------------------
-    def _send_to(self, peer: str, msg: m.Message) -> None:
-        d = self._dialers.by_name.get(peer)
-        sock = self._conns.get(d.address) if d is not None and d.up else None
-        if d is not None and sock is not None:
-            self._send_frame(sock, d.seal(msg))
-
-    def _notif_sealer(self, peer: str) -> tuple[bool, Sealer | None]:
-        d = self._dialers.by_name.get(peer)
-        return d is not None, d.notif_sealer if d is not None else None
-
-    def _forget(self, peer: str, why: str) -> None:
-        """Never asked: this side drops a producer itself (:meth:`_lose_producer`)."""
-
-    def _emit(self, result: Any) -> None:
+    def _deliver(self, result: Any) -> None:
+        """Hand a result to the engine: the observers, its handle, then the callback or the
+        queue."""
         assert isinstance(result, TransferResult)
         if _trace.ON:
             _trace.stamp("result")
@@ -979,32 +744,3 @@ class Consumer(Endpoint):
             self._on_finished(result)
         except Exception:
             log.exception("%s: on_finished callback raised", self.name)
-
-    # -- loop: progress and time -----------------------------------------------------------
-    def _wants_notifications(self) -> bool:
-        return bool(self._core.polling())
-
-    def _notif_opener(self, sender: str) -> tuple[bool, Opener | None]:
-        d = self._dialers.by_name.get(sender)
-        return d is not None, d.notif_opener if d is not None else None
-
-    def _predicted(self) -> tuple[float, float] | None:
-        return self._core.predicted(time.monotonic(), self._progress_policy.spin_s)
-
-    # -- teardown --------------------------------------------------------------------------
-    def _on_close(self) -> None:
-        for d in self._dialers:
-            sock = self._conns.get(d.address)
-            if d.up and sock is not None:
-                self._send_frame(sock, d.seal(m.Bye(self.name)))
-        for waiters in list(self._waiters.values()):
-            for waiter in waiters:
-                waiter(None, ClosedError("consumer closed"))
-        self._waiters.clear()
-        if self._dial_timer is not None:
-            self._dial_timer.cancel()
-        self._core.close(time.monotonic())
-        self._apply()
-        self._dialers.by_name.clear()
-        self._dialers.by_address.clear()
-        self._finished.end()

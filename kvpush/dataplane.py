@@ -21,7 +21,7 @@ engine:
 * **Death.** A child that exits, is killed, or does not answer within
   :data:`CALL_TIMEOUT_S` is *lost*: from then on its transfers read as in progress (so the
   endpoint gives them up as not fenced: ``blocks_safe=False``), posts create such transfers,
-  and the endpoint (:meth:`kvpush.endpoint.Endpoint._data_plane_lost`) fails the requests of
+  and the endpoint (:meth:`kvpush.driver.Driver._data_plane_lost`) fails the requests of
   every peer, starts a new child (:meth:`ChildAgent.restart`: memory registered again, a new
   NIXL agent under the same name) and handshakes again. The child also exits when the
   engine process dies (its end of the channel closes).

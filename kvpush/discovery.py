@@ -270,17 +270,18 @@ def endpoint_problem(endpoint: Endpoint, timeout: float = 2.0) -> str | None:
 
     if endpoint.closed:
         return "closed"
-    if not endpoint._thread.is_alive():
-        return f"loop thread exited ({endpoint._loop_error!r})"
+    driver = endpoint._driver
+    if not driver.thread.is_alive():
+        return f"loop thread exited ({driver._loop_error!r})"
 
     def data_plane() -> str | None:
-        agent = endpoint._agent
+        agent = driver.agent
         if isinstance(agent, ChildAgent) and (agent.lost is not None or agent.pid is None):
             return f"data plane down ({agent.lost or 'restarting'})"
         return None
 
     try:
-        problem: str | None = endpoint._call_and_wait(data_plane, timeout, "a health check")
+        problem: str | None = driver.call_and_wait(data_plane, timeout, "a health check")
     except TimeoutError:
         return f"loop did not answer within {timeout} s"
     except KvpushError as exc:   # closed meanwhile

@@ -293,6 +293,7 @@ class ConsumerCore:
         self.config = config
         self.links = links
         self.stats = stats if stats is not None else Stats()
+        self.gauges: dict[str, int] = {}   # none: the driver publishes what a core keeps
         self._out: list[Effect] = []
         self._peers: set[str] = set()
         self._requests: dict[str, _Request] = {}
@@ -354,8 +355,9 @@ class ConsumerCore:
         """READs posted whose end the driver has not reported."""
         return len(self._read_of)
 
-    def polling(self) -> bool:
-        """True while a push part is announced in flight: poll NIXL's notifications."""
+    def wants_notifications(self) -> bool:
+        """True while a push part is announced in flight: the driver reads NIXL's
+        notifications."""
         return bool(self._posting)
 
     def next_deadline(self) -> float | None:

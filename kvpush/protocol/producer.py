@@ -4,8 +4,8 @@ One record per request id (:class:`_Request`) with an explicit state (:class:`St
 two machines in the shape of :mod:`kvpush.protocol.table`: :data:`TABLE`, the request's
 (every event goes through :meth:`ProducerCore._dispatch`, which looks the (state, event)
 row up, runs its handler and checks where it led), and :data:`OWNER_TABLE`, the state of
-each owner of a source (:class:`_Share`, keyed by (consumer agent name, xid)), checked at
-every change. An event without a row is refused: counted (``stats["refused"]``), logged,
+each owner of a source (:class:`_Owner`, keyed by (consumer agent name, xid)), checked at
+every change. An event without a row is refused: counted (``stats.events_refused``), logged,
 and never acted on -- except that a consumer waiting for an answer gets the true one (a
 ``Failed`` naming the state, or an ``AbortAck`` with nothing in flight). What each state
 means, the owners and when a source is released: ``docs/PROTOCOL.md``; the diagrams,
@@ -28,14 +28,15 @@ import numpy as np
 from .. import messages as m
 from ..errors import KvpushError, PeerUnavailable
 from ..layout import KVLayout
+from ..metrics import Stats
 from ..request import OwnerStatus, Release, ReleaseReason, RequestStatus, TransferMode
 from .effects import Abandon, DropPeer, Effect, Emit, Post, Send, XferEnd
 from .table import Row, Table, TransitionError, row
 from .timers import Timer as _Timer
 from .timers import TimerHeap
 
-__all__ = ["OWNER_TABLE", "TABLE", "CoreConfig", "Event", "Links", "ProducerCore",
-           "ShareState", "State"]
+__all__ = ["OWNER_TABLE", "TABLE", "CoreConfig", "Event", "Links", "OwnerState",
+           "ProducerCore", "Settings", "State"]
 
 log = logging.getLogger("kvpush.producer")
 
@@ -174,7 +175,7 @@ TABLE: Table[State, Event] = Table("producer request", {
 del S, E
 
 
-class ShareState(enum.Enum):
+class OwnerState(enum.Enum):
     REGISTERED = "registered"  # push: waiting for the source (or its final layers)
     WRITING = "writing"        # push: WRITEs posted, more groups may follow
     CLAIMED = "claimed"        # announced, not begun (pull: no READ yet; push: not
@@ -189,18 +190,18 @@ class ShareState(enum.Enum):
 
 #: States in which :meth:`ProducerCore._settle` may act on a record.
 _SETTLES = frozenset({State.WAITING, State.PARTIAL, State.HELD, State.ENDING})
-_LIVE = frozenset({ShareState.REGISTERED, ShareState.WRITING, ShareState.CLAIMED,
-                   ShareState.PULLING, ShareState.FENCING})
+_LIVE = frozenset({OwnerState.REGISTERED, OwnerState.WRITING, OwnerState.CLAIMED,
+                   OwnerState.PULLING, OwnerState.FENCING})
 #: Owners whose transfer may still read the source: it is not released while one exists.
-_READING = frozenset({ShareState.WRITING, ShareState.PULLING, ShareState.FENCING})
+_READING = frozenset({OwnerState.WRITING, OwnerState.PULLING, OwnerState.FENCING})
 
-OS, E = ShareState, Event
+OS, E = OwnerState, Event
 _GONE = row("_share_gone", OS.GONE)
 #: The owner machine: an owner changes state only inside a request event (the row names the
 #: core method that makes the change), or when its source is released (``release``) or the
 #: producer closes (``close``). Every change is checked against this table
 #: (:meth:`ProducerCore._to`); an owner is created registered or claimed.
-OWNER_TABLE: Table[ShareState, Event] = Table("producer owner", {
+OWNER_TABLE: Table[OwnerState, Event] = Table("producer owner", {
     OS.REGISTERED: {
         E.PREFILL_DONE: row("_match", OS.WRITING, OS.GONE),
         E.LAYER_DONE: row("_match", OS.WRITING, OS.GONE),
@@ -248,8 +249,28 @@ class Links(Protocol):
     def checksums(self, ids: np.ndarray) -> bytes: ...
 
 
+class Settings(Protocol):
+    """What the core reads of its configuration (:class:`CoreConfig`, or a
+    :class:`kvpush.ProducerConfig` itself): the consumer core's :class:`Settings` in shape."""
+
+    @property
+    def lease_s(self) -> float: ...
+    @property
+    def max_wait_s(self) -> float: ...
+    @property
+    def transfer_timeout_s(self) -> float: ...
+    @property
+    def tombstone_s(self) -> float: ...
+    @property
+    def coalesce(self) -> bool: ...
+    @property
+    def peer_timeout_s(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class CoreConfig:
+    """The settings of :class:`kvpush.ProducerConfig` that the core reads."""
+
     lease_s: float = 60.0
     max_wait_s: float = 600.0
     transfer_timeout_s: float = 30.0
@@ -268,13 +289,13 @@ class _Write:
 
 
 @dataclass
-class _Share:
+class _Owner:
     """One owner of a request: a consumer endpoint's use (peer, xid)."""
 
     peer: str
     xid: int
     mode: TransferMode
-    state: ShareState
+    state: OwnerState
     sharers: int
     sid: int = 0            # push: the source use its registration names (0: none)
     # push
@@ -327,7 +348,7 @@ class _Request:
     rid: str
     state: State
     source: _Source | None = None
-    shares: dict[tuple[str, int], _Share] = field(default_factory=dict)
+    owners: dict[tuple[str, int], _Owner] = field(default_factory=dict)
     sharers: int | None = None
     ending: tuple[ReleaseReason, str] | None = None     # ENDING: the release to make
     code: str = ""                                      # ENDED/ABORTED_EARLY: Failed code
@@ -343,12 +364,12 @@ class _Request:
     aborted: bool = False
     released: tuple[int, np.ndarray] | None = None      # (sid, blocks) of the use released
     # Registrations (and push claims) of the next use of this id from endpoints that took
-    # their share of the live one already: (peer, message, when it came). They wait for
+    # their place as owners of the live one already: (peer, message, when it came). They wait for
     # the live use's release, then start the next use.
     queued: list[tuple[str, m.Register | m.Claim, float]] = field(default_factory=list)
 
-    def live(self) -> list[_Share]:
-        return [s for s in self.shares.values() if s.state in _LIVE]
+    def live(self) -> list[_Owner]:
+        return [s for s in self.owners.values() if s.state in _LIVE]
 
 
 def _cancel(timer: _Timer | None) -> None:
@@ -359,22 +380,20 @@ def _cancel(timer: _Timer | None) -> None:
 class ProducerCore:
     """The producer's per-request logic. Not thread-safe: one caller (the loop) at a time.
 
-    ``stats`` counts what happened (the facade merges it into ``Producer.stats()``).
+    ``stats`` counts what happened (the driver's: ``Producer.stats()``), as the consumer
+    core counts into its own.
     """
 
-    def __init__(self, layout: KVLayout, config: CoreConfig, links: Links) -> None:
+    def __init__(self, layout: KVLayout, config: Settings, links: Links,
+                 stats: Stats | None = None) -> None:
         self.layout = layout
         self.config = config
         self.links = links
-        self.stats: dict[str, int] = dict.fromkeys(
-            ("requests_completed", "requests_failed", "requests_timed_out",
-             "requests_aborted", "blocks_moved", "bytes_moved", "blocks_released",
-             "messages_rejected",
-             "transfers_abandoned", "stale_messages", "refused"), 0)
+        self.stats = stats if stats is not None else Stats()
         self._requests: dict[str, _Request] = {}
-        self._waiting: dict[str, int] = {}       # REGISTERED/CLAIMED shares by peer
+        self._waiting: dict[str, int] = {}       # REGISTERED/CLAIMED owners by peer
         self._waiting_ids: dict[str, int] = {}   # their block ids (REGISTERED) by peer
-        self._pulling = 0                        # PULLING shares
+        self._pulling = 0                        # PULLING owners
         #: Gauges for :data:`kvpush.metrics.LIVE` (the facade publishes their changes).
         self.gauges = {"sources_held": 0, "registrations_waiting": 0}
         self._writes: dict[int, tuple[str, tuple[str, int]]] = {}   # key -> (rid, owner)
@@ -403,10 +422,15 @@ class ProducerCore:
     def in_flight(self) -> int:
         return len(self._writes)
 
-    def watching_pulls(self) -> bool:
+    def wants_notifications(self) -> bool:
         """True while a READ of this side's blocks may be in flight (its PullDone
-        notification is awaited)."""
+        notification is awaited): the driver reads NIXL's notifications."""
         return self._pulling > 0
+
+    def predicted(self, now: float, spin_s: float) -> tuple[float, float] | None:
+        """No completion here is predicted (a READ's PullDone comes when the consumer's
+        engine is done): the driver backs off as it polls."""
+        return None
 
     def snapshot(self, rid: str) -> RequestStatus:
         """``rid``'s state here, as a typed snapshot (see :class:`kvpush.RequestStatus`)."""
@@ -414,22 +438,22 @@ class ProducerCore:
         if req is None:
             return RequestStatus(rid, "none")
         src = req.source
-        shares = list(req.shares.values())
-        done = {(s.peer, s.xid) for s in shares if s.state is ShareState.DONE}
+        owners = list(req.owners.values())
+        done = {(s.peer, s.xid) for s in owners if s.state is OwnerState.DONE}
         deadline = None
         if src is not None and src.lease is not None and not src.lease.cancelled:
             deadline = src.lease.deadline
         else:
-            waits = [s.wait.deadline for s in shares if s.wait is not None
+            waits = [s.wait.deadline for s in owners if s.wait is not None
                      and not s.wait.cancelled]
             deadline = min(waits) if waits else None
         return RequestStatus(
             rid, req.state.value, src.mode if src is not None else None, 0,
             src.sid if src is not None else 0,
             src.ids if src is not None else np.empty(0, dtype=np.int64),
-            max(len(shares), len(done | req.done_owners)), len(done | req.done_owners),
+            max(len(owners), len(done | req.done_owners)), len(done | req.done_owners),
             deadline, 0, tuple(OwnerStatus(s.peer, s.xid, s.mode, s.state.value)
-                               for s in shares))
+                               for s in owners))
 
     def held(self) -> int:
         """Requests whose source blocks are held (not released yet)."""
@@ -441,14 +465,14 @@ class ProducerCore:
         req = self._requests.get(rid)
         if req is None or (req.source is None and req.state is not State.WAITING):
             return "none"
-        states = {s.state for s in req.shares.values()}
-        if ShareState.WRITING in states:
+        states = {s.state for s in req.owners.values()}
+        if OwnerState.WRITING in states:
             return "writing"
-        if ShareState.PULLING in states:
+        if OwnerState.PULLING in states:
             return "pulling"
-        if ShareState.REGISTERED in states:
+        if OwnerState.REGISTERED in states:
             return "registered"
-        if req.state is State.WAITING and ShareState.CLAIMED in states:
+        if req.state is State.WAITING and OwnerState.CLAIMED in states:
             return "claimed"
         if req.state is State.WAITING:
             return "none"   # its owners gave up: remembered for a late prefill_done
@@ -474,7 +498,7 @@ class ProducerCore:
 
     def abort(self, now: float, rid: str, reason: str) -> None:
         self._now = now
-        self.stats["requests_aborted"] += 1
+        self.stats.requests_aborted += 1
         if rid not in self._requests:  # no use here yet: the next prefill_done is aborted
             req = self._new(rid, State.ABORTED_EARLY)
             self._tomb(req, "aborted", reason, state=State.ABORTED_EARLY)
@@ -487,17 +511,17 @@ class ProducerCore:
         self._event = Event.CLOSE
         for req in list(self._requests.values()):
             req.queued = []
-            for share in req.shares.values():
+            for owner in req.owners.values():
                 # A WRITE in flight (its handle is released, not stopped), a READ inside
                 # the hold its PullHeld promised, an abandoned WRITE not acknowledged: the
                 # engine must keep the blocks unchanged a while (Release.blocks_safe).
-                req.unsafe |= share.state in _READING
-                _cancel(share.wait)
-                _cancel(share.hold)
-                for w in share.writes.values():
+                req.unsafe |= owner.state in _READING
+                _cancel(owner.wait)
+                _cancel(owner.hold)
+                for w in owner.writes.values():
                     w.deadline.cancel()
-                share.writes.clear()
-                self._to(share, ShareState.GONE)
+                owner.writes.clear()
+                self._to(owner, OwnerState.GONE)
             if req.source is not None and req.state in (State.PARTIAL, State.HELD,
                                                           State.ENDING):
                 self._release(req, ReleaseReason.CLOSED, "producer closed")
@@ -521,9 +545,9 @@ class ProducerCore:
         self._now = now
         self._peers.pop(peer, None)
         for req in list(self._requests.values()):
-            if req.shares or req.queued or req.state in _SETTLES:
+            if req.owners or req.queued or req.state in _SETTLES:
                 self._internal(req, Event.PEER_LOST, peer, why, abandon)
-        if any(owner[0] == peer for _, owner in self._writes.values()):
+        if any(who[0] == peer for _, who in self._writes.values()):
             self._lost[peer] = why       # DropPeer once its WRITEs have ended
         else:
             self._out.append(DropPeer(peer, why))
@@ -549,7 +573,7 @@ class ProducerCore:
                            refuse=lambda req: self._send(peer, m.AbortAck(msg.request_id,
                                                                           msg.xid)))
         else:
-            self.stats["messages_rejected"] += 1
+            self.stats.messages_rejected += 1
 
     def on_notification(self, now: float, peer: str, msg: m.Message,
                         since: float | None = None) -> None:
@@ -558,7 +582,7 @@ class ProducerCore:
         is timed from it)."""
         self._now = now
         if not isinstance(msg, m.PullDone):
-            self.stats["messages_rejected"] += 1
+            self.stats.messages_rejected += 1
             return
         self._dispatch(msg.request_id, Event.PULL_DONE, (peer, msg),
                        refuse=lambda req: self._stale(msg))
@@ -569,60 +593,60 @@ class ProducerCore:
         entry = self._writes.pop(key, None)
         if entry is None:
             return
-        rid, owner = entry
+        rid, who = entry
         req = self._requests[rid]
-        share = req.shares[owner]
-        write = next(w for w in share.writes.values() if w.key == key)
-        self._internal(req, Event.WRITE_ENDED, share, write, end)
-        if share.peer in self._lost and not any(
-                o[0] == share.peer for _, o in self._writes.values()):
-            self._out.append(DropPeer(share.peer, self._lost.pop(share.peer)))
+        owner = req.owners[who]
+        write = next(w for w in owner.writes.values() if w.key == key)
+        self._internal(req, Event.WRITE_ENDED, owner, write, end)
+        if owner.peer in self._lost and not any(
+                o[0] == owner.peer for _, o in self._writes.values()):
+            self._out.append(DropPeer(owner.peer, self._lost.pop(owner.peer)))
 
     def _on_peer_lost(self, req: _Request, peer: str, why: str, abandon: bool) -> None:
         self._unqueue(req, lambda p, xid: p == peer)
-        for share in list(req.shares.values()):
-            if share.peer != peer or share.state not in _LIVE:
+        for owner in list(req.owners.values()):
+            if owner.peer != peer or owner.state not in _LIVE:
                 continue
-            if share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
-                self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
-            elif share.state is ShareState.WRITING:
-                share.lost = "dead" if abandon else "silent"
-                self._end_push(req, share, "", ReleaseReason.FAILED,
+            if owner.state in (OwnerState.REGISTERED, OwnerState.CLAIMED):
+                self._share_gone(req, owner, ReleaseReason.FAILED, f"consumer lost: {why}")
+            elif owner.state is OwnerState.WRITING:
+                owner.lost = "dead" if abandon else "silent"
+                self._end_push(req, owner, "", ReleaseReason.FAILED,
                                f"consumer lost: {why}")
                 if abandon:
-                    for write in list(share.writes.values()):
+                    for write in list(owner.writes.values()):
                         self._out.append(Abandon(write.key))
-                self._conclude(req, share)
-            elif share.state is ShareState.FENCING:
+                self._conclude(req, owner)
+            elif owner.state is OwnerState.FENCING:
                 # Never acknowledged the unfenced Failed: if it was only cut off, its
                 # late WRITE may still read the blocks.
                 req.unsafe = not abandon
-                self._share_gone(req, share, share.reason, share.detail)
+                self._share_gone(req, owner, owner.reason, owner.detail)
             elif abandon:  # a new incarnation replaced it: its READs died with it
-                self._share_gone(req, share, ReleaseReason.FAILED, f"consumer lost: {why}")
+                self._share_gone(req, owner, ReleaseReason.FAILED, f"consumer lost: {why}")
             # else PULLING: a silent peer may only be stalled; its hold timer ends it
 
-    def _on_write_ended(self, req: _Request, share: _Share, write: _Write,
+    def _on_write_ended(self, req: _Request, owner: _Owner, write: _Write,
                         end: XferEnd) -> None:
-        del share.writes[write.group]
+        del owner.writes[write.group]
         write.deadline.cancel()
         if req.source is not None:
             req.source.stamps["written"] = self._now
         if end is XferEnd.DONE:
-            self.stats["blocks_moved"] += write.nblocks if write.group == 0 else 0
-            self.stats["bytes_moved"] += write.nbytes
+            self.stats.blocks_moved += write.nblocks if write.group == 0 else 0
+            self.stats.bytes_moved += write.nbytes
         else:
             if end is XferEnd.ABANDONED:
-                share.unfenced = True
-                self.stats["transfers_abandoned"] += 1
+                owner.unfenced = True
+                self.stats.transfers_abandoned += 1
             else:  # in error, refused or lost: nothing more of it lands
-                share.errored.append(share.part * share.groups + write.group)
-            if share.end is None:
+                owner.errored.append(owner.part * owner.groups + write.group)
+            if owner.end is None:
                 code = "timeout" if end is XferEnd.ABANDONED else (
                     "peer_unavailable" if end is XferEnd.LOST else "transfer_failed")
-                self.stats["requests_timed_out"] += end is XferEnd.ABANDONED
-                self._end_push(req, share, code, ReleaseReason.FAILED, f"WRITE {code}")
-        self._conclude(req, share)
+                self.stats.requests_timed_out += end is XferEnd.ABANDONED
+                self._end_push(req, owner, code, ReleaseReason.FAILED, f"WRITE {code}")
+        self._conclude(req, owner)
 
     # -- dispatch ----------------------------------------------------------------------------
     def _new(self, rid: str, state: State) -> _Request:
@@ -640,7 +664,7 @@ class ProducerCore:
             req = self._new(rid, State.WAITING)
         r = None if req is None else TABLE.row(req.state, event)
         if r is None:
-            self.stats["refused"] += 1
+            self.stats.events_refused += 1
             log.debug("refused %s for %r in state %s", event.value, rid,
                       "none" if req is None else req.state.value)
             if refuse is not None:
@@ -693,18 +717,18 @@ class ProducerCore:
         return "not_held", f"the request is {req.state.value} here"
 
     def _stale(self, msg: m.PullDone) -> None:
-        self.stats["stale_messages"] += 1
+        self.stats.stale_messages += 1
 
-    def _to(self, share: _Share, state: ShareState, event: Event | None = None, *,
+    def _to(self, owner: _Owner, state: OwnerState, event: Event | None = None, *,
             created: bool = False) -> None:
-        """Every share state change goes through here: it is checked against
+        """Every owner state change goes through here: it is checked against
         :data:`OWNER_TABLE` (``event``: the event being run, unless named), and it keeps
         the counters. ``created``: a new owner enters its first state."""
-        old = share.state
+        old = owner.state
         if old is state and not created:
             return
         if created:
-            old = ShareState.GONE
+            old = OwnerState.GONE
         else:
             event = event or self._event
             r = None if event is None else OWNER_TABLE.row(old, event)
@@ -713,31 +737,31 @@ class ProducerCore:
                     raise TransitionError(f"producer owner: {old.name} -> {state.name} "
                                           "outside any event")
                 OWNER_TABLE.check(old, event, state)
-        if old in (ShareState.REGISTERED, ShareState.CLAIMED):
-            self._waiting[share.peer] -= 1
-            if not self._waiting[share.peer]:
-                del self._waiting[share.peer]
-        if state in (ShareState.REGISTERED, ShareState.CLAIMED):
-            self._waiting[share.peer] = self._waiting.get(share.peer, 0) + 1
-        if ShareState.REGISTERED in (old, state) and share.ids is not None:
-            n = len(share.ids) if state is ShareState.REGISTERED else -len(share.ids)
-            held = self._waiting_ids.get(share.peer, 0) + n
+        if old in (OwnerState.REGISTERED, OwnerState.CLAIMED):
+            self._waiting[owner.peer] -= 1
+            if not self._waiting[owner.peer]:
+                del self._waiting[owner.peer]
+        if state in (OwnerState.REGISTERED, OwnerState.CLAIMED):
+            self._waiting[owner.peer] = self._waiting.get(owner.peer, 0) + 1
+        if OwnerState.REGISTERED in (old, state) and owner.ids is not None:
+            n = len(owner.ids) if state is OwnerState.REGISTERED else -len(owner.ids)
+            held = self._waiting_ids.get(owner.peer, 0) + n
             if held:
-                self._waiting_ids[share.peer] = held
+                self._waiting_ids[owner.peer] = held
             else:
-                self._waiting_ids.pop(share.peer, None)
-        self._pulling += (state is ShareState.PULLING) - (old is ShareState.PULLING)
-        self.gauges["registrations_waiting"] += (state is ShareState.REGISTERED) - (
-            old is ShareState.REGISTERED)
-        share.state = state
+                self._waiting_ids.pop(owner.peer, None)
+        self._pulling += (state is OwnerState.PULLING) - (old is OwnerState.PULLING)
+        self.gauges["registrations_waiting"] += (state is OwnerState.REGISTERED) - (
+            old is OwnerState.REGISTERED)
+        owner.state = state
 
-    def _add_share(self, req: _Request, share: _Share) -> None:
-        # A retry takes the place of its endpoint's share given up (see _admit).
-        for key in [k for k, s in req.shares.items() if s.peer == share.peer]:
-            del req.shares[key]
-        req.shares[(share.peer, share.xid)] = share
-        req.sharers = share.sharers
-        self._to(share, share.state, created=True)
+    def _add_share(self, req: _Request, owner: _Owner) -> None:
+        # A retry takes the place of its endpoint's owner given up (see _admit).
+        for key in [k for k, s in req.owners.items() if s.peer == owner.peer]:
+            del req.owners[key]
+        req.owners[(owner.peer, owner.xid)] = owner
+        req.sharers = owner.sharers
+        self._to(owner, owner.state, created=True)
 
     # -- engine event handlers ---------------------------------------------------------------
     def _on_prefill_done(self, req: _Request, ids: np.ndarray, mode: TransferMode, sid: int,
@@ -759,7 +783,7 @@ class ProducerCore:
             self._out.append(Emit(Release(req.rid, ReleaseReason.ABORTED, ids, req.why,
                                           {**stamps, "released": self._now},
                                           sid or m.new_id(), mode=mode)))
-            self.stats["blocks_released"] += len(ids)
+            self.stats.blocks_released += len(ids)
             return
         if state is State.RELEASED_EARLY and self._same_use(req, ids, sid):
             # The prefill_done of the use released already (early or aborted), whenever it
@@ -787,7 +811,7 @@ class ProducerCore:
             extra = np.setdiff1d(ids, req.source.ids)
             log.warning("prefill_done for %r twice; %d block(s) not held are released",
                         req.rid, len(extra))
-            self.stats["refused"] += 1
+            self.stats.events_refused += 1
             if len(extra):
                 self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED, extra,
                                               "duplicate prefill_done", sid=sid,
@@ -798,7 +822,7 @@ class ProducerCore:
             if mode is not TransferMode.PUSH or not np.array_equal(req.source.ids, ids):
                 log.warning("prefill_done for %r names other blocks than its layer_done "
                             "calls; released as FAILED", req.rid)
-                self.stats["refused"] += 1
+                self.stats.events_refused += 1
                 self._out.append(Emit(Release(req.rid, ReleaseReason.FAILED,
                                               np.setdiff1d(ids, req.source.ids),
                                               "prefill_done does not match layer_done",
@@ -814,11 +838,11 @@ class ProducerCore:
             req.source = _Source(ids, mode, sid, True, stamps=stamps)
             self.gauges["sources_held"] += 1
             if mode is TransferMode.PULL:  # push registrations cannot be served
-                for share in req.live():
-                    self._fail(share.peer, req.rid, share.xid, "mode_conflict",
+                for owner in req.live():
+                    self._fail(owner.peer, req.rid, owner.xid, "mode_conflict",
                                "the producer exposed this request for pull")
-                    self._share_gone(req, share, ReleaseReason.FAILED, "mode conflict")
-                req.shares, req.sharers = {}, None
+                    self._share_gone(req, owner, ReleaseReason.FAILED, "mode conflict")
+                req.owners, req.sharers = {}, None
             self._refuse_other_uses(req)
         req.state = State.HELD
         req.source.lease = self._after(self.config.lease_s, self._lease_expired_fn(req))
@@ -829,11 +853,11 @@ class ProducerCore:
         earlier use's, late) are told the truth, and take nothing of it."""
         source = req.source
         assert source is not None
-        for share in req.live():
-            if share.sid and (not source.named or share.sid != source.sid):
-                self._fail(share.peer, req.rid, share.xid, "not_held",
+        for owner in req.live():
+            if owner.sid and (not source.named or owner.sid != source.sid):
+                self._fail(owner.peer, req.rid, owner.xid, "not_held",
                            "the producer holds another use of this request")
-                self._share_gone(req, share, ReleaseReason.FAILED, "another use")
+                self._share_gone(req, owner, ReleaseReason.FAILED, "another use")
 
     @staticmethod
     def _same_use(req: _Request, ids: np.ndarray, sid: int) -> bool:
@@ -861,7 +885,7 @@ class ProducerCore:
         if not np.array_equal(req.source.ids, ids):
             log.warning("layer_done(%r, %d) names other blocks than before; ignored",
                         req.rid, layer)
-            self.stats["refused"] += 1
+            self.stats.events_refused += 1
             return
         req.source.layers.add(layer)
         self._advance(req)
@@ -875,10 +899,10 @@ class ProducerCore:
             self._tomb(req, req.code, req.why, state=State.RELEASED_EARLY)
             return
         if req.state is State.WAITING:
-            for share in req.live():
-                self._fail(share.peer, req.rid, share.xid, "aborted", reason)
-                self._share_gone(req, share, ReleaseReason.ABORTED, reason)
-            req.shares, req.sharers = {}, None
+            for owner in req.live():
+                self._fail(owner.peer, req.rid, owner.xid, "aborted", reason)
+                self._share_gone(req, owner, ReleaseReason.ABORTED, reason)
+            req.owners, req.sharers = {}, None
             self._tomb(req, "aborted", reason, state=State.ABORTED_EARLY)
             return
         self._give_up(req, ReleaseReason.ABORTED, reason, code="aborted")
@@ -886,26 +910,26 @@ class ProducerCore:
     # -- consumer event handlers -------------------------------------------------------------
     def _admit(self, req: _Request, peer: str, xid: int, sharers: int, *,
                next_use: bool = False) -> str:
-        """Whether (peer, xid) may own a share of ``req``'s live use: "" or a Failed code.
+        """Whether (peer, xid) may become an owner of ``req``'s live use: "" or a Failed code.
 
-        Each consumer endpoint owns at most one share of one use. An endpoint whose share
+        Each consumer endpoint is at most one owner of one use. An endpoint whose owner
         ended without the data (it gave up, timed out, failed) may take it again under a
-        new xid: that is its engine's retry of the same use, and it replaces the share
-        given up. An endpoint whose share was served has no second one: a new xid from it
-        is a use to come ("next_use" when ``next_use``, else "not_owner"), never a sharer
-        of this one (it got this use's bytes, and the genuine sharer the next use's)."""
+        new xid: that is its engine's retry of the same use, and it replaces the owner
+        given up. An endpoint whose owner was served has no second one: a new xid from it
+        is a use to come ("next_use" when ``next_use``, else "not_owner"), never an owner
+        of this one (it got this use's bytes, and the genuine owner the next use's)."""
         if not 1 <= sharers <= m.MAX_SHARERS:
             return "sharers"
-        if (peer, xid) in req.shares:
+        if (peer, xid) in req.owners:
             return "duplicate"
-        mine = [s for s in req.shares.values() if s.peer == peer]
+        mine = [s for s in req.owners.values() if s.peer == peer]
         if any(s.state in _LIVE for s in mine):
             return "duplicate"
-        if any(s.state is ShareState.DONE for s in mine):
+        if any(s.state is OwnerState.DONE for s in mine):
             return "next_use" if next_use else "not_owner"
         if req.sharers is not None and sharers != req.sharers:
             return "sharers"
-        if len(req.shares) - len(mine) >= sharers:
+        if len(req.owners) - len(mine) >= sharers:
             return "not_owner"
         if self._waiting.get(peer, 0) >= MAX_WAITING_PER_PEER:
             return "too_many"
@@ -933,9 +957,9 @@ class ProducerCore:
     _ADMIT_REASON = {
         "sharers": "the number of sharers differs from the other owners' (or is out of range)",
         "duplicate": "this consumer already has this request registered",
-        "not_owner": "every share of this request is taken",
+        "not_owner": "every owner of this request (sharers) is there already",
         "too_many": "too many requests waiting from this consumer",
-        "next_use": "this consumer took its share of the live use already",
+        "next_use": "this consumer was an owner of the live use already",
     }
 
     def _push_owner(self, req: _Request, peer: str, msg: m.Register | m.Claim) -> bool:
@@ -973,12 +997,12 @@ class ProducerCore:
 
     def _on_register(self, req: _Request, peer: str, msg: m.Register) -> None:
         rid = req.rid
-        claimed = req.shares.get((peer, msg.xid))
+        claimed = req.owners.get((peer, msg.xid))
         if claimed is not None and claimed.mode is TransferMode.PUSH \
-                and claimed.state is ShareState.CLAIMED:
+                and claimed.state is OwnerState.CLAIMED:
             # The registration of a push claim: the claim's place is this registration's.
             self._share_gone(req, claimed, ReleaseReason.ABORTED, "registered")
-            del req.shares[(peer, msg.xid)]
+            del req.owners[(peer, msg.xid)]
         if not self._push_owner(req, peer, msg):
             return
         layers = self.layout.num_layers
@@ -1001,12 +1025,12 @@ class ProducerCore:
             return
         wait = min(max(msg.wait_s, 0.0), self.config.max_wait_s) \
             if math.isfinite(msg.wait_s) else self.config.max_wait_s
-        share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.REGISTERED, msg.sharers,
+        owner = _Owner(peer, msg.xid, TransferMode.PUSH, OwnerState.REGISTERED, msg.sharers,
                        msg.sid, ids=ids, part=msg.part, groups=msg.groups, verify=msg.verify,
                        tail=msg.tail, registered=self._now)
-        owner = (peer, msg.xid)
-        share.wait = self._after(wait, lambda now: self._wait_expired(rid, owner))
-        self._add_share(req, share)
+        who = (peer, msg.xid)
+        owner.wait = self._after(wait, lambda now: self._wait_expired(rid, who))
+        self._add_share(req, owner)
         if req.source is not None:
             req.source.stamps.setdefault("registered", self._now)
         self._advance(req)
@@ -1016,7 +1040,7 @@ class ProducerCore:
             self._on_push_claim(req, peer, msg)
             return
         if req.state is not State.HELD:  # a pull claim needs the ticket's source
-            self.stats["refused"] += 1
+            self.stats.events_refused += 1
             self._fail(peer, req.rid, msg.xid, *self._refusal(req))
             return
         source = req.source
@@ -1028,11 +1052,11 @@ class ProducerCore:
         if code:
             self._fail(peer, req.rid, msg.xid, code, self._ADMIT_REASON[code])
             return
-        owner = (peer, msg.xid)
-        share = _Share(peer, msg.xid, TransferMode.PULL, ShareState.CLAIMED, msg.sharers)
-        share.wait = self._after(self.config.max_wait_s,
-                                 lambda now: self._wait_expired(req.rid, owner))
-        self._add_share(req, share)
+        who = (peer, msg.xid)
+        owner = _Owner(peer, msg.xid, TransferMode.PULL, OwnerState.CLAIMED, msg.sharers)
+        owner.wait = self._after(self.config.max_wait_s,
+                                 lambda now: self._wait_expired(req.rid, who))
+        self._add_share(req, owner)
 
     def _on_push_claim(self, req: _Request, peer: str, msg: m.Claim) -> None:
         """A consumer will register later (its engine has no blocks yet): an owner that
@@ -1041,36 +1065,36 @@ class ProducerCore:
         rid = req.rid
         if not self._push_owner(req, peer, msg):
             return
-        owner = (peer, msg.xid)
-        share = _Share(peer, msg.xid, TransferMode.PUSH, ShareState.CLAIMED, msg.sharers)
-        share.wait = self._after(self.config.max_wait_s,
-                                 lambda now: self._wait_expired(rid, owner))
-        self._add_share(req, share)
+        who = (peer, msg.xid)
+        owner = _Owner(peer, msg.xid, TransferMode.PUSH, OwnerState.CLAIMED, msg.sharers)
+        owner.wait = self._after(self.config.max_wait_s,
+                                 lambda now: self._wait_expired(rid, who))
+        self._add_share(req, owner)
 
     def _on_pull_begin(self, req: _Request, peer: str, msg: m.PullBegin) -> None:
         source = req.source
-        owner = (peer, msg.xid)
-        share = req.shares.get(owner)
+        who = (peer, msg.xid)
+        owner = req.owners.get(who)
         if source is None or source.sid != msg.sid or source.mode is not TransferMode.PULL:
             self._pull_refused(req, peer, msg)
             return
-        if share is not None and share.state is ShareState.DONE:
+        if owner is not None and owner.state is OwnerState.DONE:
             self._send(peer, m.PullHeld(req.rid, msg.xid, self._hold_s()))
             return  # its PullDone overtook this PullBegin: the READ ended while held
-        if share is not None and share.state is not ShareState.CLAIMED:
-            self.stats["stale_messages"] += 1  # a duplicate
+        if owner is not None and owner.state is not OwnerState.CLAIMED:
+            self.stats.stale_messages += 1  # a duplicate
             return
-        if share is None:
+        if owner is None:
             code = self._admit(req, peer, msg.xid, msg.sharers)
             if code:
                 self._fail(peer, req.rid, msg.xid, code, self._ADMIT_REASON[code])
                 return
-            share = _Share(peer, msg.xid, TransferMode.PULL, ShareState.CLAIMED, msg.sharers)
-            self._add_share(req, share)
-        _cancel(share.wait)
-        self._to(share, ShareState.PULLING)
+            owner = _Owner(peer, msg.xid, TransferMode.PULL, OwnerState.CLAIMED, msg.sharers)
+            self._add_share(req, owner)
+        _cancel(owner.wait)
+        self._to(owner, OwnerState.PULLING)
         source.stamps.setdefault("pull_begin", self._now)
-        share.hold = self._after(self._hold_s(), lambda now: self._hold_over(req.rid, owner))
+        owner.hold = self._after(self._hold_s(), lambda now: self._hold_over(req.rid, who))
         if req.state is State.ENDING:
             self._fail(peer, req.rid, msg.xid, *self._refusal(req))
         else:
@@ -1090,62 +1114,62 @@ class ProducerCore:
         if source is None or source.sid != msg.sid:
             self._stale(msg)
             return
-        owner = (peer, msg.xid)
-        share = req.shares.get(owner)
-        if share is None:
+        who = (peer, msg.xid)
+        owner = req.owners.get(who)
+        if owner is None:
             # The READ's notification overtook its PullBegin (it rides NIXL, the PullBegin
             # ZeroMQ): the READ ended while the blocks were held. Remember the owner so
             # the late PullBegin gets its PullHeld.
             if self._admit(req, peer, msg.xid, msg.sharers):
                 self._stale(msg)
                 return
-            share = _Share(peer, msg.xid, TransferMode.PULL, ShareState.CLAIMED, msg.sharers)
-            self._add_share(req, share)
-        if share.state not in (ShareState.CLAIMED, ShareState.PULLING):
+            owner = _Owner(peer, msg.xid, TransferMode.PULL, OwnerState.CLAIMED, msg.sharers)
+            self._add_share(req, owner)
+        if owner.state not in (OwnerState.CLAIMED, OwnerState.PULLING):
             self._stale(msg)
             return
-        _cancel(share.wait)
-        _cancel(share.hold)
-        if req.state is State.ENDING or share.end is not None:
-            reason = share.end[1] if share.end else ReleaseReason.ABORTED
-            self._share_gone(req, share, reason,
-                             share.detail or (req.ending[1] if req.ending else ""))
+        _cancel(owner.wait)
+        _cancel(owner.hold)
+        if req.state is State.ENDING or owner.end is not None:
+            reason = owner.end[1] if owner.end else ReleaseReason.ABORTED
+            self._share_gone(req, owner, reason,
+                             owner.detail or (req.ending[1] if req.ending else ""))
             return
-        self._to(share, ShareState.DONE)
-        share.reason = ReleaseReason.TRANSFERRED
-        req.done_owners.add(owner)
-        self.stats["requests_completed"] += 1
-        self.stats["blocks_moved"] += len(source.ids)
-        self.stats["bytes_moved"] += msg.nbytes
+        self._to(owner, OwnerState.DONE)
+        owner.reason = ReleaseReason.TRANSFERRED
+        req.done_owners.add(who)
+        self.stats.requests_completed += 1
+        self.stats.blocks_moved += len(source.ids)
+        self.stats.bytes_moved += msg.nbytes
 
     def _on_consumer_abort(self, req: _Request, peer: str, msg: m.Abort) -> None:
-        owner = (peer, msg.xid)
-        self._unqueue(req, lambda p, xid: (p, xid) == owner)
-        share = req.shares.get(owner)
+        who = (peer, msg.xid)
+        self._unqueue(req, lambda p, xid: (p, xid) == who)
+        owner = req.owners.get(who)
         why = f"consumer: {msg.reason}"
-        if share is not None and share.state is ShareState.FENCING:
+        if owner is not None and owner.state is OwnerState.FENCING:
             # The acknowledgement: the consumer knows the WRITE is unfenced and will not
             # trust what it delivers; the blocks may go.
-            self._share_gone(req, share, share.reason, share.detail)
-            self._send(peer, m.AbortAck(req.rid, msg.xid, share.errored, True))
+            self._share_gone(req, owner, owner.reason, owner.detail)
+            self._send(peer, m.AbortAck(req.rid, msg.xid, owner.errored, True))
             return
-        if share is None or share.state not in _LIVE:
+        if owner is None or owner.state not in _LIVE:
             self._send(peer, m.AbortAck(req.rid, msg.xid))  # nothing of it is in flight
-            self.stats["stale_messages"] += share is None
+            self.stats.stale_messages += owner is None
             return
-        if share.state is ShareState.WRITING:
-            share.acked = True
-            self._end_push(req, share, "ack", ReleaseReason.ABORTED, why)
-            self._conclude(req, share)
+        if owner.state is OwnerState.WRITING:
+            owner.acked = True
+            self._end_push(req, owner, "ack", ReleaseReason.ABORTED, why)
+            self._conclude(req, owner)
             return
-        if share.state is ShareState.PULLING:
-            # Its READ may still run (and over TCP needs this side to progress): the share
+        if owner.state is OwnerState.PULLING:
+            # Its READ may still run (and over TCP needs this side to progress): the owner
             # ends at its PullDone or its hold deadline.
-            share.end = ("", ReleaseReason.ABORTED, why)
-            share.detail = why
+            owner.end = ("", ReleaseReason.ABORTED, why)
+            owner.detail = why
             self._send(peer, m.AbortAck(req.rid, msg.xid))
             return
-        self._share_gone(req, share, ReleaseReason.ABORTED, why)
+        self._share_gone(req, owner, ReleaseReason.ABORTED, why)
         self._send(peer, m.AbortAck(req.rid, msg.xid))
 
     @staticmethod
@@ -1171,52 +1195,52 @@ class ProducerCore:
         """Nothing of its own: :meth:`_settle`, after it, releases a source whose lease is
         over and that no owner still keeps."""
 
-    def _wait_expired(self, rid: str, owner: tuple[str, int]) -> None:
+    def _wait_expired(self, rid: str, who: tuple[str, int]) -> None:
         req = self._requests.get(rid)
-        share = req.shares.get(owner) if req is not None else None
-        if req is None or share is None or share.state not in _LIVE:
+        owner = req.owners.get(who) if req is not None else None
+        if req is None or owner is None or owner.state not in _LIVE:
             return
-        self._internal(req, Event.WAIT_OVER, share)
+        self._internal(req, Event.WAIT_OVER, owner)
 
-    def _on_wait_over(self, req: _Request, share: _Share) -> None:
+    def _on_wait_over(self, req: _Request, owner: _Owner) -> None:
         rid = req.rid
-        self.stats["requests_timed_out"] += 1
-        if share.state is ShareState.WRITING:  # layer-wise: the last layers never came
-            self._end_push(req, share, "timeout", ReleaseReason.FAILED,
+        self.stats.requests_timed_out += 1
+        if owner.state is OwnerState.WRITING:  # layer-wise: the last layers never came
+            self._end_push(req, owner, "timeout", ReleaseReason.FAILED,
                            "prefill did not finish in time")
-            self._conclude(req, share)
-        elif share.state in (ShareState.REGISTERED, ShareState.CLAIMED):
-            self._fail(share.peer, rid, share.xid, "timeout",
-                       "prefill did not finish in time" if share.state is ShareState.REGISTERED
+            self._conclude(req, owner)
+        elif owner.state in (OwnerState.REGISTERED, OwnerState.CLAIMED):
+            self._fail(owner.peer, rid, owner.xid, "timeout",
+                       "prefill did not finish in time" if owner.state is OwnerState.REGISTERED
                        else "the claim was not taken within max_wait_s")
             # The owner stopped waiting (its deadline ends with this wait, and its own Abort
             # may come first or not): it gave up, whichever arrives first.
-            self._share_gone(req, share, ReleaseReason.ABORTED, "registration expired")
+            self._share_gone(req, owner, ReleaseReason.ABORTED, "registration expired")
 
-    def _fence_expired(self, rid: str, owner: tuple[str, int]) -> None:
+    def _fence_expired(self, rid: str, who: tuple[str, int]) -> None:
         req = self._requests.get(rid)
-        share = req.shares.get(owner) if req is not None else None
-        if req is None or share is None or share.state is not ShareState.FENCING:
+        owner = req.owners.get(who) if req is not None else None
+        if req is None or owner is None or owner.state is not OwnerState.FENCING:
             return
-        self._internal(req, Event.FENCE_OVER, share)
+        self._internal(req, Event.FENCE_OVER, owner)
 
-    def _on_fence_over(self, req: _Request, share: _Share) -> None:
+    def _on_fence_over(self, req: _Request, owner: _Owner) -> None:
         req.unsafe = True
-        self._share_gone(req, share, share.reason, share.detail)
+        self._share_gone(req, owner, owner.reason, owner.detail)
 
-    def _hold_over(self, rid: str, owner: tuple[str, int]) -> None:
+    def _hold_over(self, rid: str, who: tuple[str, int]) -> None:
         req = self._requests.get(rid)
-        share = req.shares.get(owner) if req is not None else None
-        if req is None or share is None or share.state is not ShareState.PULLING:
+        owner = req.owners.get(who) if req is not None else None
+        if req is None or owner is None or owner.state is not OwnerState.PULLING:
             return
-        self._internal(req, Event.HOLD_OVER, share)
+        self._internal(req, Event.HOLD_OVER, owner)
 
-    def _on_hold_over(self, req: _Request, share: _Share) -> None:
-        self.stats["requests_timed_out"] += share.end is None
-        self._share_gone(req, share, share.end[1] if share.end else ReleaseReason.FAILED,
-                         share.detail or "the READ did not end within its hold")
+    def _on_hold_over(self, req: _Request, owner: _Owner) -> None:
+        self.stats.requests_timed_out += owner.end is None
+        self._share_gone(req, owner, owner.end[1] if owner.end else ReleaseReason.FAILED,
+                         owner.detail or "the READ did not end within its hold")
 
-    def _write_expired(self, rid: str, owner: tuple[str, int], key: int) -> None:
+    def _write_expired(self, rid: str, who: tuple[str, int], key: int) -> None:
         if key in self._writes:
             self._out.append(Abandon(key))
 
@@ -1226,157 +1250,157 @@ class ProducerCore:
         source = req.source
         if source is None or req.state not in (State.PARTIAL, State.HELD):
             return
-        for share in list(req.shares.values()):
-            if share.mode is not TransferMode.PUSH or share.end is not None:
+        for owner in list(req.owners.values()):
+            if owner.mode is not TransferMode.PUSH or owner.end is not None:
                 continue
-            if share.state is ShareState.REGISTERED:
-                if share.groups == 1 and not source.complete:
+            if owner.state is OwnerState.REGISTERED:
+                if owner.groups == 1 and not source.complete:
                     continue  # whole-request push: wait for prefill_done
-                if not self._match(req, share):
+                if not self._match(req, owner):
                     continue
-            if share.state is ShareState.WRITING:
-                self._pump(req, share)
+            if owner.state is OwnerState.WRITING:
+                self._pump(req, owner)
 
-    def _match(self, req: _Request, share: _Share) -> bool:
+    def _match(self, req: _Request, owner: _Owner) -> bool:
         source = req.source
-        assert source is not None and share.ids is not None
+        assert source is not None and owner.ids is not None
         src = source.ids
-        if share.tail and len(share.ids) <= len(src):  # the consumer holds the prefix
-            src = src[len(src) - len(share.ids):]
+        if owner.tail and len(owner.ids) <= len(src):  # the consumer holds the prefix
+            src = src[len(src) - len(owner.ids):]
         try:
-            plan = self.links.plan(share.peer, src, share.ids, self.config.coalesce)
+            plan = self.links.plan(owner.peer, src, owner.ids, self.config.coalesce)
         except KvpushError as exc:
-            self.stats["requests_failed"] += 1
-            self._fail(share.peer, req.rid, share.xid, "invalid_ids", str(exc))
-            self._share_gone(req, share, ReleaseReason.FAILED, str(exc))
+            self.stats.requests_failed += 1
+            self._fail(owner.peer, req.rid, owner.xid, "invalid_ids", str(exc))
+            self._share_gone(req, owner, ReleaseReason.FAILED, str(exc))
             return False
-        share.plan, share.src = plan, src
-        self._to(share, ShareState.WRITING)
+        owner.plan, owner.src = plan, src
+        self._to(owner, OwnerState.WRITING)
         return True
 
-    def _pump(self, req: _Request, share: _Share) -> None:
+    def _pump(self, req: _Request, owner: _Owner) -> None:
         source = req.source
         assert source is not None
-        for group in range(share.groups):
-            if share.end is not None:
+        for group in range(owner.groups):
+            if owner.end is not None:
                 break
-            if group in share.posted or not (source.complete or group in source.layers):
+            if group in owner.posted or not (source.complete or group in source.layers):
                 continue
-            self._post(req, share, group)
-        if len(share.posted) == share.groups:
-            _cancel(share.wait)  # nothing left to wait for from the engine
-        self._conclude(req, share)
+            self._post(req, owner, group)
+        if len(owner.posted) == owner.groups:
+            _cancel(owner.wait)  # nothing left to wait for from the engine
+        self._conclude(req, owner)
 
-    def _post(self, req: _Request, share: _Share, group: int) -> None:
-        plan, peer, lay = share.plan, share.peer, self.layout
+    def _post(self, req: _Request, owner: _Owner, group: int) -> None:
+        plan, peer, lay = owner.plan, owner.peer, self.layout
         n = len(plan.local_indices) // lay.num_regions   # descriptors per region
-        if share.groups == 1:
+        if owner.groups == 1:
             lo, hi = 0, lay.num_regions
         else:
             per_layer = lay.num_regions // lay.num_layers
             lo, hi = group * per_layer, (group + 1) * per_layer
-        part = share.part * share.groups + group
-        share.posted.add(group)
+        part = owner.part * owner.groups + group
+        owner.posted.add(group)
         if n == 0:  # nothing to move, but the consumer still counts this part
-            self._send(peer, m.Posted(req.rid, share.xid, part, empty=True))
+            self._send(peer, m.Posted(req.rid, owner.xid, part, empty=True))
             return
-        assert req.source is not None and share.src is not None
+        assert req.source is not None and owner.src is not None
         req.source.stamps.setdefault("posted", self._now)
-        sums = self.links.checksums(share.src) if share.verify and share.groups == 1 else b""
+        sums = self.links.checksums(owner.src) if owner.verify and owner.groups == 1 else b""
         try:
             nbytes = (hi - lo) * n * self.links.desc_bytes(peer)
         except PeerUnavailable:
             nbytes = 0
         key = next(self._keys)
-        owner = (peer, share.xid)
+        who = (peer, owner.xid)
         rid = req.rid
         write = _Write(key, group, nbytes, plan.num_blocks,
                        self._after(self.config.transfer_timeout_s,
-                                   lambda now: self._write_expired(rid, owner, key)))
-        share.writes[group] = write
-        self._writes[key] = (rid, owner)
+                                   lambda now: self._write_expired(rid, who, key)))
+        owner.writes[group] = write
+        self._writes[key] = (rid, who)
         # The hint goes out before the WRITE: the consumer starts polling for the Landed
         # notification while the bytes move, instead of waking after them.
-        self._send(peer, m.Posted(rid, share.xid, part))
+        self._send(peer, m.Posted(rid, owner.xid, part))
         self._out.append(Post(key, "WRITE", peer, plan.local_indices[lo * n:hi * n],
                               plan.remote_indices[lo * n:hi * n],
-                              m.Landed(rid, share.xid, part, sums, nbytes), nbytes,
+                              m.Landed(rid, owner.xid, part, sums, nbytes), nbytes,
                               plan.num_descriptors // lay.num_regions * (hi - lo),
                               getattr(plan, "runs", None), (lo, hi)))
 
-    def _end_push(self, req: _Request, share: _Share, message: str, reason: ReleaseReason,
+    def _end_push(self, req: _Request, owner: _Owner, message: str, reason: ReleaseReason,
                   detail: str) -> None:
         """A push that will not complete: it ends once none of its WRITEs is in flight
         (they are left to finish: releasing a NIXL transfer in progress does not stop its
         bytes, so only their real end tells the consumer nothing more lands)."""
-        if share.end is None:
-            share.end = (message, reason, detail)
-            _cancel(share.wait)
+        if owner.end is None:
+            owner.end = (message, reason, detail)
+            _cancel(owner.wait)
 
-    def _conclude(self, req: _Request, share: _Share) -> None:
-        """End a writing share once nothing of it is in flight."""
-        if share.state is not ShareState.WRITING or share.writes:
+    def _conclude(self, req: _Request, owner: _Owner) -> None:
+        """End a writing owner once nothing of it is in flight."""
+        if owner.state is not OwnerState.WRITING or owner.writes:
             return
-        if share.end is None:
-            if len(share.posted) < share.groups:
+        if owner.end is None:
+            if len(owner.posted) < owner.groups:
                 return  # layers still to come
-            self._to(share, ShareState.DONE)
-            share.reason = ReleaseReason.TRANSFERRED
-            req.done_owners.add((share.peer, share.xid))
-            self.stats["requests_completed"] += 1
+            self._to(owner, OwnerState.DONE)
+            owner.reason = ReleaseReason.TRANSFERRED
+            req.done_owners.add((owner.peer, owner.xid))
+            self.stats.requests_completed += 1
             return
-        message, reason, detail = share.end
+        message, reason, detail = owner.end
         if reason is ReleaseReason.FAILED:
-            self.stats["requests_failed"] += 1
-        if share.lost:
+            self.stats.requests_failed += 1
+        if owner.lost:
             # Its consumer was lost before its WRITEs ended: nothing it is told arrives,
             # and no Abort will acknowledge an abandoned WRITE, so there is nothing to
             # fence (an engine abort's Failed "sent" after the loss would fence the source
             # for max_wait_s, waiting for an Abort that cannot come). A consumer only cut
             # off may still see that WRITE land late, as for a FENCING owner lost
             # (peer_lost).
-            req.unsafe |= share.unfenced and share.lost == "silent" and not share.acked
+            req.unsafe |= owner.unfenced and owner.lost == "silent" and not owner.acked
         elif message == "ack":
-            self._send(share.peer, m.AbortAck(req.rid, share.xid, share.errored,
-                                              share.unfenced))
+            self._send(owner.peer, m.AbortAck(req.rid, owner.xid, owner.errored,
+                                              owner.unfenced))
         elif message:
-            self._send(share.peer, m.Failed(req.rid, share.xid, message, detail,
-                                            share.errored, share.unfenced))
-            if share.unfenced and not share.acked:
+            self._send(owner.peer, m.Failed(req.rid, owner.xid, message, detail,
+                                            owner.errored, owner.unfenced))
+            if owner.unfenced and not owner.acked:
                 # The consumer has not given this use up: until it has read this Failed
                 # (its Abort says so), a Landed of the abandoned WRITE could reach it first
                 # and be trusted, so the WRITE must not read reused blocks.
-                self._to(share, ShareState.FENCING)
-                share.reason, share.detail = reason, detail
-                owner = (share.peer, share.xid)
-                share.wait = self._after(self.config.max_wait_s,
-                                         lambda now: self._fence_expired(req.rid, owner))
+                self._to(owner, OwnerState.FENCING)
+                owner.reason, owner.detail = reason, detail
+                who = (owner.peer, owner.xid)
+                owner.wait = self._after(self.config.max_wait_s,
+                                         lambda now: self._fence_expired(req.rid, who))
                 return
-        self._share_gone(req, share, reason, detail)
+        self._share_gone(req, owner, reason, detail)
 
-    def _share_gone(self, req: _Request, share: _Share, reason: ReleaseReason,
+    def _share_gone(self, req: _Request, owner: _Owner, reason: ReleaseReason,
                     detail: str) -> None:
-        _cancel(share.wait)
-        _cancel(share.hold)
-        self._to(share, ShareState.GONE)
-        share.reason, share.detail = reason, detail
+        _cancel(owner.wait)
+        _cancel(owner.hold)
+        self._to(owner, OwnerState.GONE)
+        owner.reason, owner.detail = reason, detail
 
     def _give_up(self, req: _Request, reason: ReleaseReason, detail: str, code: str) -> None:
         """The engine gave up a request that holds (or is getting) its source: every owner
         is told; the source is released once no transfer can read it."""
-        for share in req.live():
-            if share.state is ShareState.WRITING:
-                if share.writes:  # tell the consumer now; Failed follows once they ended
-                    self._send(share.peer, m.Abort(req.rid, share.xid, detail))
-                self._end_push(req, share, code, reason, detail)
-                self._conclude(req, share)
-            elif share.state is ShareState.PULLING:
-                share.end = ("", reason, detail)
-                share.detail = detail
-                self._fail(share.peer, req.rid, share.xid, code, detail)
+        for owner in req.live():
+            if owner.state is OwnerState.WRITING:
+                if owner.writes:  # tell the consumer now; Failed follows once they ended
+                    self._send(owner.peer, m.Abort(req.rid, owner.xid, detail))
+                self._end_push(req, owner, code, reason, detail)
+                self._conclude(req, owner)
+            elif owner.state is OwnerState.PULLING:
+                owner.end = ("", reason, detail)
+                owner.detail = detail
+                self._fail(owner.peer, req.rid, owner.xid, code, detail)
             else:
-                self._fail(share.peer, req.rid, share.xid, code, detail)
-                self._share_gone(req, share, reason, detail)
+                self._fail(owner.peer, req.rid, owner.xid, code, detail)
+                self._share_gone(req, owner, reason, detail)
         req.state, req.ending = State.ENDING, (reason, detail)
 
     def _settle(self, req: _Request) -> None:
@@ -1386,7 +1410,7 @@ class ProducerCore:
         if self._requests.get(req.rid) is not req:
             return
         if req.state is State.WAITING:
-            if not req.shares:
+            if not req.owners:
                 del self._requests[req.rid]
             elif not req.live() and (req.tomb is None or req.tomb.cancelled):
                 # Every owner gave up before prefill: remembered for tombstone_s, so a late
@@ -1400,7 +1424,7 @@ class ProducerCore:
         live = req.live()
         if any(s.state in _READING for s in live):
             return  # a transfer may still read the blocks
-        ended = [s for s in req.shares.values() if s.state not in _LIVE]
+        ended = [s for s in req.owners.values() if s.state not in _LIVE]
         all_came = req.sharers is not None and len(ended) >= req.sharers
         lease_over = source.lease is not None and self._now >= source.lease.deadline
         if req.state is State.ENDING:
@@ -1420,7 +1444,7 @@ class ProducerCore:
             return
         if req.state is State.PARTIAL or live or not lease_over:
             return  # owners still to come (no lease runs before prefill_done)
-        self.stats["requests_timed_out"] += 1
+        self.stats.requests_timed_out += 1
         if req.done_owners:
             self._release(req, ReleaseReason.TRANSFERRED,
                           f"{len(req.done_owners)} of {req.sharers} owners took it before "
@@ -1434,11 +1458,11 @@ class ProducerCore:
         source = req.source
         assert source is not None
         _cancel(source.lease)
-        for share in req.shares.values():
-            _cancel(share.wait)
-            _cancel(share.hold)
-            self._to(share, ShareState.GONE, Event.RELEASE)
-        self.stats["blocks_released"] += len(source.ids)
+        for owner in req.owners.values():
+            _cancel(owner.wait)
+            _cancel(owner.hold)
+            self._to(owner, OwnerState.GONE, Event.RELEASE)
+        self.stats.blocks_released += len(source.ids)
         self.gauges["sources_held"] -= 1
         # Blocks a transfer may still read stay unchanged until it cannot any more: its
         # deadline, or -- a cut the consumer has not noticed yet can hold a WRITE and the
@@ -1448,7 +1472,7 @@ class ProducerCore:
         # judged up to heartbeat_s later, and heartbeat_s <= peer_timeout_s / 2.
         hold = max(self.config.transfer_timeout_s, 2 * self.config.peer_timeout_s) \
             if req.unsafe else 0.0
-        xids = tuple(sorted({xid for _, xid in req.shares} | {x for _, x in req.done_owners}))
+        xids = tuple(sorted({xid for _, xid in req.owners} | {x for _, x in req.done_owners}))
         self._out.append(Emit(Release(req.rid, reason, source.ids, detail,
                                       {**source.stamps, "released": self._now}, source.sid,
                                       blocks_safe=not req.unsafe, quarantine_s=hold,
@@ -1464,7 +1488,7 @@ class ProducerCore:
             code = "aborted" if reason is ReleaseReason.ABORTED else "failed"
         why = why or detail
         req.source = None
-        req.shares = {}
+        req.owners = {}
         req.ending = None
         self._tomb(req, code, why, state=State.RELEASED_EARLY if early else State.ENDED)
         if queued:
@@ -1510,7 +1534,7 @@ class ProducerCore:
         _cancel(req.tomb)
         req.extended = False
         req.state, req.code, req.why = State.WAITING, "", ""
-        req.shares, req.sharers, req.done_owners = {}, None, set()
+        req.owners, req.sharers, req.done_owners = {}, None, set()
         req.aborted, req.released = False, None
 
     # -- sending -----------------------------------------------------------------------------

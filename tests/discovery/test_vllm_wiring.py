@@ -146,7 +146,7 @@ def test_a_stuck_loop_stops_renewal_and_the_record_comes_back_with_it(
         stuck = 6.0
         # the loop blocked (as in a transport call that does not return): it answers no
         # handshake, so the record must go
-        prefill.producer._call_soon(lambda: time.sleep(stuck))
+        prefill.producer._driver.call_soon(lambda: time.sleep(stuck))
         t0 = time.monotonic()
         assert "did not answer" in (endpoint_problem(prefill.producer, timeout=0.5) or "")
         assert watcher.wait_for(lambda ads: ads == [], TTL + 2 + 1.5)
@@ -235,8 +235,13 @@ def test_a_producer_that_stops_listening_is_unhealthy(
     prefill = worker("kv_producer", client.endpoints[0], prefix, "prefill-l")
     try:
         assert watcher.wait_for(lambda ads: len(ads) == 1, 5)
-        router = prefill.producer._router
-        prefill.producer._call_and_wait(lambda: router.unbind(router.last_endpoint), 5)
+        router = prefill.producer._sessions.router
+        prefill.producer._driver.call_and_wait(lambda: router.unbind(router.last_endpoint), 5)
+        # ZeroMQ closes the listener on its I/O thread, a moment after unbind returns
+        deadline = time.monotonic() + 5
+        while "refuses connections" not in (endpoint_problem(prefill.producer) or "") \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert "refuses connections" in (endpoint_problem(prefill.producer) or "")
         assert watcher.wait_for(lambda ads: ads == [], TTL + 1.5)
     finally:

@@ -254,9 +254,9 @@ def test_a_blocking_call_from_a_callback_raises_at_once() -> None:
         assert ok["own status"] == "none" and ok["connect_nowait"] is True
         assert isinstance(ok["claim"], int)  # claim() never blocks: it is allowed here
         deadline = time.monotonic() + 10   # the bystander's loop tore itself down
-        while bystander._thread.is_alive() and time.monotonic() < deadline:
+        while bystander._driver.thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert bystander.closed and not bystander._thread.is_alive()
+        assert bystander.closed and not bystander._driver.thread.is_alive()
         # the same rule for a handle's done callback, and from an asyncio-free thread the
         # same calls work
         h = c.expect("cb2", [3], name, timeout=10)

@@ -311,14 +311,14 @@ def test_pull_begin_overtaking_its_prefill_done(pair: tuple,
     is forced here by holding back the drain at the top of each loop iteration."""
     p, c, _src, dst, _name = pair
     held_back = threading.Event()
-    drain = p._drain_commands
+    drain = p._driver._drain_commands
 
     def drain_unless_held_back() -> None:
         if held_back.is_set() and sys._getframe(1).f_code.co_name == "_run":
             return
         drain()
 
-    monkeypatch.setattr(p, "_drain_commands", drain_unless_held_back)
+    monkeypatch.setattr(p._driver, "_drain_commands", drain_unless_held_back)
     held_back.set()
     ticket = p.prefill_done("overtaken", np.array([6, 7]), mode=TransferMode.PULL)
     assert ticket is not None
@@ -359,9 +359,9 @@ def test_callbacks_may_not_block_but_may_close_and_nothing_is_dropped() -> None:
         assert h.wait(10).state is RequestState.READY
         assert closed.wait(10) and len(errors) == 1 and "callback" in str(errors[0])
         deadline = time.monotonic() + 10
-        while consumer._thread.is_alive() and time.monotonic() < deadline:
+        while consumer._driver.thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not consumer._thread.is_alive() and consumer.closed
+        assert not consumer._driver.thread.is_alive() and consumer.closed
     finally:
         consumer.close()
         producer.close()

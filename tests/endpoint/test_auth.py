@@ -89,5 +89,5 @@ def test_forged_messages_are_rejected_and_counted() -> None:
             rogue.close()
         finally:
             ctx.destroy(linger=0)
-        assert p._call_and_wait(lambda: p._debug_state("evil"), 5) == "none"
+        assert p._driver.call_and_wait(lambda: p._debug_state("evil"), 5) == "none"
         assert p.stats()["transfers_posted"] == 0

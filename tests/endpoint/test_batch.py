@@ -23,13 +23,13 @@ from tests.support.harness import (
 
 def _count_handoffs(endpoint: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls = [0]
-    original = endpoint._call_soon
+    original = endpoint._driver.call_soon
 
     def counting(fn: Any) -> None:
         calls[0] += 1
         original(fn)
 
-    monkeypatch.setattr(endpoint, "_call_soon", counting)
+    monkeypatch.setattr(endpoint._driver, "call_soon", counting)
     return calls
 
 

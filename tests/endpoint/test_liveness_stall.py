@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import kvpush
-import kvpush.endpoint as endpoint_mod
+import kvpush.driver as driver_mod
 from kvpush.agent import SLOW_CALL_S
-from kvpush.endpoint import LOOP_STALL_S
+from kvpush.driver import LOOP_STALL_S
 from tests.support.harness import make_cache
 
 SHORT, LONG = 0.5, 10.0   # peer timeouts: the side that stalls, the side that does not
@@ -37,7 +37,7 @@ def _stall(endpoint: kvpush.Producer | kvpush.Consumer) -> None:
         started.set()
         time.sleep(STALL_S)
 
-    endpoint._call_soon(block)
+    endpoint._driver.call_soon(block)
     assert started.wait(5)
     time.sleep(STALL_S + 0.3)  # the stall, then a few liveness checks after it
 
@@ -94,7 +94,7 @@ def test_a_stalled_loop_iteration_is_logged_with_where_its_time_went(
     """The stall itself is visible: the iteration that overran LOOP_STALL_S is counted
     and logged with its parts (here a command), and a slow NIXL connection call names
     itself (how the CI stall above would be found next time)."""
-    monkeypatch.setattr(endpoint_mod, "STALL_LOG_EVERY_S", 0.0)  # every stall logged here
+    monkeypatch.setattr(driver_mod, "STALL_LOG_EVERY_S", 0.0)  # every stall logged here
     src = make_cache(num_blocks=8)
     with caplog.at_level(logging.WARNING, logger="kvpush"), kvpush.Producer(src.layout) as p:
         before = p.stats()["loop_stalls"]
@@ -104,13 +104,13 @@ def test_a_stalled_loop_iteration_is_logged_with_where_its_time_went(
             started.set()
             time.sleep(2 * LOOP_STALL_S)
 
-        p._call_soon(block)
+        p._driver.call_soon(block)
         assert started.wait(5)
         deadline = time.monotonic() + 5
         while p.stats()["loop_stalls"] == before and time.monotonic() < deadline:
             time.sleep(0.01)
         assert p.stats()["loop_stalls"] > before
-        p._call_and_wait(lambda: p._agent._timed("remove_remote_agent(x)", time.sleep,
+        p._driver.call_and_wait(lambda: p._agent._timed("remove_remote_agent(x)", time.sleep,
                                                   2 * SLOW_CALL_S), 5)
     lines = [r.getMessage() for r in caplog.records]
     assert any(re.search(r"one loop iteration took .*\(commands (0\.[2-9]|[1-9])", m)
@@ -123,17 +123,17 @@ def test_stall_lines_are_rate_limited_and_count_what_they_left_out(
     src = make_cache(num_blocks=8)
     with caplog.at_level(logging.WARNING, logger="kvpush"), kvpush.Producer(src.layout) as p:
         def stall() -> None:
-            p._stalled(0.5, (("commands", 0.5),))
+            p._driver._stalled(0.5, (("commands", 0.5),))
 
-        monkeypatch.setattr(endpoint_mod, "STALL_LOG_EVERY_S", 3600.0)
+        monkeypatch.setattr(driver_mod, "STALL_LOG_EVERY_S", 3600.0)
         def fresh() -> None:  # as if nothing was logged yet (a real stall may have been)
-            p._stall_logged, p._stalls_unlogged = -math.inf, 0
+            p._driver._stall_logged, p._driver._stalls_unlogged = -math.inf, 0
 
-        p._call_and_wait(fresh, 5)
-        p._call_and_wait(stall, 5)                        # logged
-        p._call_and_wait(stall, 5)                        # within the hour: counted only
-        monkeypatch.setattr(endpoint_mod, "STALL_LOG_EVERY_S", 0.0)
-        p._call_and_wait(stall, 5)                        # logged, naming the one left out
+        p._driver.call_and_wait(fresh, 5)
+        p._driver.call_and_wait(stall, 5)                        # logged
+        p._driver.call_and_wait(stall, 5)                        # within the hour: counted only
+        monkeypatch.setattr(driver_mod, "STALL_LOG_EVERY_S", 0.0)
+        p._driver.call_and_wait(stall, 5)                        # logged, naming the one left out
     lines = [r.getMessage() for r in caplog.records if "took 0.500 s" in r.getMessage()]
     assert len(lines) == 2, lines
     assert "more since" not in lines[0] and re.search(r"; [1-9]\d* more since", lines[1])

@@ -19,7 +19,7 @@ import kvpush
 from kvpush import messages as m
 from kvpush.agent import Agent
 from kvpush.auth import Opener
-from kvpush.endpoint import READ_BYTES, READ_MESSAGES, STRANGER_FRAME_BYTES
+from kvpush.driver import READ_BYTES, READ_MESSAGES, STRANGER_FRAME_BYTES
 from tests.support.harness import fill, make_cache
 
 KEY = b"q" * 32
@@ -149,7 +149,7 @@ def test_a_consumer_the_producer_dropped_is_told_under_its_session() -> None:
         c.connect(p.address)
         handle = c.expect("dropped", np.array([5]), p.name, timeout=60)
         time.sleep(0.2)
-        p._call_and_wait(lambda: p._drop_consumer(next(iter(p._consumers.values())),
+        p._driver.call_and_wait(lambda: p._sessions.drop(next(iter(p._sessions.consumers.values())),
                                                    "given up by the test"), 5)
         result = handle.wait(5)
         assert result.state is kvpush.RequestState.FAILED, result
@@ -176,7 +176,7 @@ def test_a_second_spelling_of_a_producers_address_joins_its_connection(
         p.prefill_done("spanning", np.array([2]))
         result = waiting.wait(20)
         assert result.state is kvpush.RequestState.READY, result
-        assert len(p._consumers) == 1
+        assert len(p._sessions.consumers) == 1
         assert p.stats()["peers_lost"] == 0 and c.stats()["peers_lost"] == 0
         assert push(p, c, "after").state is kvpush.RequestState.READY
     finally:
@@ -193,7 +193,7 @@ def test_two_spellings_dialled_at_once_make_one_connection() -> None:
                    for host in ("127.0.0.1", "localhost", "127.0.0.1")]
         assert [h.wait(10) for h in handles] == [p.name] * 3
         time.sleep(0.2)
-        assert len(p._consumers) == 1 and p.stats()["peers_lost"] == 0
+        assert len(p._sessions.consumers) == 1 and p.stats()["peers_lost"] == 0
         assert push(p, c, "one").state is kvpush.RequestState.READY
     finally:
         c.close()
@@ -222,12 +222,12 @@ def test_a_socket_is_read_a_budget_at_a_time() -> None:
         time.sleep(0.1)
 
         def reads() -> int:
-            return len(list(c._read_frames(b)))
+            return len(list(c._driver.read_frames(b)))
 
-        assert c._call_and_wait(reads, 5) == READ_MESSAGES
-        assert c._call_and_wait(reads, 5) == 12   # 10 small, then two big reach READ_BYTES
-        assert c._call_and_wait(reads, 5) == 1
-        assert c._call_and_wait(reads, 5) == 0
+        assert c._driver.call_and_wait(reads, 5) == READ_MESSAGES
+        assert c._driver.call_and_wait(reads, 5) == 12   # 10 small, then two big reach READ_BYTES
+        assert c._driver.call_and_wait(reads, 5) == 1
+        assert c._driver.call_and_wait(reads, 5) == 0
     finally:
         a.close()
         b.close()
@@ -316,7 +316,7 @@ def test_a_registration_naming_more_blocks_than_a_request_can_is_refused(
     got = answers(sock, 1)
     assert len(got) == 1 and isinstance(got[0], m.Failed), got
     assert got[0].code == "invalid_ids" and "at most 4096" in got[0].reason
-    assert p._call_and_wait(lambda: p._debug_state("huge"), 5) == "none"
+    assert p._driver.call_and_wait(lambda: p._debug_state("huge"), 5) == "none"
 
 
 def test_block_ids_waiting_per_consumer_are_bounded(
@@ -337,4 +337,4 @@ def test_block_ids_waiting_per_consumer_are_bounded(
     assert isinstance(answers(sock, 1)[0], m.AbortAck)
     sock.send(m.encode(m.Register("fits", 100, ids, 0, 600.0)))
     assert answers(sock, 1, timeout=0.5) == []   # waiting for its prefill, not refused
-    assert p._call_and_wait(lambda: p._debug_state("fits"), 5) == "registered"
+    assert p._driver.call_and_wait(lambda: p._debug_state("fits"), 5) == "registered"

@@ -142,7 +142,7 @@ def test_helloack_metadata_is_encrypted_under_the_session() -> None:
         name = c.connect(p.address)
         assert name == p.name
         # The producer's answer as it was sent: its metadata does not appear in it.
-        peer = next(iter(p._consumers.values()))
+        peer = next(iter(p._sessions.consumers.values()))
         assert p._agent.metadata() not in peer.ack_frame
     finally:
         c.close()

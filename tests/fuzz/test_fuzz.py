@@ -624,7 +624,7 @@ def test_huge_part_does_not_crash_the_producer() -> None:
             time.sleep(0.3)
             producer.prefill_done("big", np.array([2]))
             time.sleep(0.3)
-            assert producer._thread.is_alive(), "the producer's loop crashed"
+            assert producer._driver.thread.is_alive(), "the producer's loop crashed"
         finally:
             sock.close()
             ctx.destroy(linger=0)
@@ -648,7 +648,7 @@ with kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
         print("refused")
     time.sleep(0.3)
     p.prefill_done("fine", np.array([1]))
-    print("other", other.wait(5).state.value if c._thread.is_alive() else "loop-dead")
+    print("other", other.wait(5).state.value if c._driver.thread.is_alive() else "loop-dead")
     sys.stdout.flush()
     import os; os._exit(0)  # a crashed loop may not close cleanly: the verdict is printed
 """
@@ -690,9 +690,9 @@ def test_garbage_notifications() -> None:
         collect()
         for direction, note in batch:
             if direction == "to_producer":
-                c._call_and_wait(lambda n=note: c._agent.send_notification(name, n), 5.0)
+                c._driver.call_and_wait(lambda n=note: c._agent.send_notification(name, n), 5.0)
             else:
-                p._call_and_wait(lambda n=note: p._agent.send_notification(c.name, n), 5.0)
+                p._driver.call_and_wait(lambda n=note: p._agent.send_notification(c.name, n), 5.0)
         rejected_p = p.stats()["messages_rejected"]
         ticket = p.prefill_done("pull", np.array([5, 6]), kvpush.TransferMode.PULL)
         assert ticket is not None

@@ -261,11 +261,11 @@ def test_a_consumer_that_missed_the_rejoin_bye_hears_it_again(pair) -> None:  # 
     from kvpush import messages as m
 
     p, c, _, _ = pair
-    old = c._conns[p.address].getsockopt(zmq.IDENTITY)
+    old = c._sessions.conns[p.address].getsockopt(zmq.IDENTITY)
     os.kill(p._agent.pid, signal.SIGKILL)
     _wait(lambda: p.stats()["data_plane_restarts"] == 1 and c.stats()["peers_lost"] >= 1
           and p.name in c.producers(), 30.0, "the restart and the new handshake")
-    assert c._conns[p.address].getsockopt(zmq.IDENTITY) != old
+    assert c._sessions.conns[p.address].getsockopt(zmq.IDENTITY) != old
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -61,14 +61,14 @@ def test_push_ready_once_every_part_landed() -> None:
     expect(c, producers=(P, Q))
     assert c.status("r") == "pushing"
     c.on_message(0.1, P, m.Posted("r", 11, 0))
-    assert c.polling() and c.drain() == []
+    assert c.wants_notifications() and c.drain() == []
     c.on_notification(0.2, P, m.Landed("r", 11, 0, nbytes=300))
     assert c.drain() == []
     c.on_message(0.3, Q, m.Posted("r", 11, 1, empty=True))
     (res,) = results(c.drain())
     assert res.state is RequestState.READY and res.xid == 11 and res.bytes_moved == 300
     assert res.block_ids.tolist() == [1, 2] and res.blocks_safe
-    assert c.status("r") == "none" and not c.polling() and c.pending == 0
+    assert c.status("r") == "none" and not c.wants_notifications() and c.pending == 0
     assert c.next_deadline() is None
 
 

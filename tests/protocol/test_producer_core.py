@@ -12,7 +12,7 @@ import pytest
 
 from kvpush import messages as m
 from kvpush.protocol.effects import Abandon, DropPeer, Send, XferEnd
-from kvpush.protocol.producer import OWNER_TABLE, TABLE, ProducerCore, ShareState, State
+from kvpush.protocol.producer import OWNER_TABLE, TABLE, OwnerState, ProducerCore, State
 from kvpush.protocol.table import TransitionError
 from kvpush.request import ReleaseReason, TransferMode
 from tests.support.cores import LAYERS, NUM_BLOCKS, Harness, layout
@@ -39,8 +39,8 @@ def test_a_handler_that_leaves_its_row_is_caught(monkeypatch: pytest.MonkeyPatch
 def test_an_owner_change_outside_its_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """An owner still registered cannot be done on the consumer's Abort: only gone."""
     def done(self: ProducerCore, req: object, peer: str, msg: m.Abort) -> None:
-        for share in req.shares.values():  # type: ignore[attr-defined]
-            self._to(share, ShareState.DONE)
+        for owner in req.owners.values():  # type: ignore[attr-defined]
+            self._to(owner, OwnerState.DONE)
     h = Harness()
     h.register("A", "r", 11, [1, 2])
     monkeypatch.setattr(ProducerCore, "_on_consumer_abort", done)

@@ -172,7 +172,7 @@ def _producer_main(conn: Any, cache_kwargs: dict[str, Any], seed: int,
                     conn.send(("ok", [(r.request_id, r.reason.value, r.block_ids.tolist())
                                       for r in producer.get_released()]))
                 elif cmd == "state":
-                    conn.send(("ok", producer._call_and_wait(
+                    conn.send(("ok", producer._driver.call_and_wait(
                         lambda a=args: producer._debug_state(a), 5.0)))
                 elif cmd == "stats":
                     conn.send(("ok", {**producer.stats(), "pending": producer.pending}))

@@ -239,7 +239,7 @@ class NodeState:
         return [[r.request_id, r.reason.value, len(r.block_ids), r.detail] for r in out]
 
     def state(self, rid: str) -> str:
-        st: str = self.endpoint._call_and_wait(lambda: self.endpoint._debug_state(rid), 5.0)
+        st: str = self.endpoint._driver.call_and_wait(lambda: self.endpoint._debug_state(rid), 5.0)
         return st
 
     def producers(self) -> list[str]:
@@ -249,7 +249,7 @@ class NodeState:
     def nixl_peers(self) -> list[str]:
         """Remote agents whose metadata and descriptor lists the NIXL agent still holds."""
         agent = self.endpoint._agent
-        names: list[str] = self.endpoint._call_and_wait(
+        names: list[str] = self.endpoint._driver.call_and_wait(
             lambda: sorted(agent._remote_dlists), 5.0)
         return names
 
