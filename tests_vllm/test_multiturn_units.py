@@ -188,7 +188,8 @@ MB = 1 << 20
 
 def measured() -> ReuseCosts:
     """A link of 10 ms per load plus 2 ms per MB, an engine of 2 ms per step plus
-    0.125 ms per token (the fits must find both terms from samples of several sizes)."""
+    0.125 ms per token (the fits must find both terms from samples of several sizes; a
+    token costs at least the steps' mean share, 112.125 ms / 833 tokens)."""
     c = ReuseCosts()
     for mb in (1, 2, 4, 8):
         c.observe_load(mb * MB, 0.010 + 0.002 * mb)
@@ -200,14 +201,26 @@ def measured() -> ReuseCosts:
 def test_costs_fit_latency_and_bandwidth_from_samples() -> None:
     c = measured()
     assert c.load_s(3 * MB) == pytest.approx(0.016)
-    assert c.recompute_s(100) == pytest.approx(0.0125)
+    assert c.recompute_s(100) == pytest.approx(0.112125 / 833 * 100)
+
+
+def test_a_fit_tilted_by_noise_does_not_make_computing_look_cheap() -> None:
+    """Steps slowed by other work (short ones slow, a long one fast) tilt the line to a
+    slope a fifth of the mean per-token cost (19 ms for 896 tokens): computing them is
+    still estimated at the steps' mean share (94 ms), above a 13.5 ms load."""
+    c = ReuseCosts()
+    for tokens, seconds in ((512, 0.036), (176, 0.030), (208, 0.028)):
+        c.observe_step(tokens, seconds)
+    c.observe_load(28 * MB, 0.0135)
+    assert c.recompute_s(896) == pytest.approx(0.094)
+    assert c.should_load(896, 28 * MB)
 
 
 def test_costs_choose_recompute_for_a_small_answer_and_load_for_a_long_history() -> None:
     c = measured()
-    # 48 tokens (1.5 MB): 13 ms to load, 6 ms to compute
+    # 48 tokens (1.5 MB): 13 ms to load, 6.5 ms to compute
     assert not c.should_load(48, 1.5 * MB)
-    # 600 tokens (19 MB): 48 ms to load, 75 ms to compute
+    # 600 tokens (19 MB): 48 ms to load, 81 ms to compute
     assert c.should_load(600, 19 * MB)
 
 

@@ -180,7 +180,7 @@ class ReuseCosts:
 
     Where the samples cannot tell the two terms apart (their sizes too alike): a load
     costs at least the measured mean, scaled up with size (a small load is not assumed
-    cheaper than the ones measured); a token costs its share of the mean step.
+    cheaper than the ones measured). A token costs at least its share of the mean step.
     """
 
     def __init__(self, window: int = 64) -> None:
@@ -211,9 +211,10 @@ class ReuseCosts:
         if fit is None:
             return None
         _, b, mx, my = fit
-        if b < 0:
-            b = my / mx if mx > 0 else 0.0      # steps of one size: their per-token share
-        return b * tokens
+        # At least the steps' mean share per token: steps slowed by other work on the
+        # machine can tilt the fit to a slope several times below it, and computing
+        # would then look cheaper than it is.
+        return max(b, my / mx if mx > 0 else 0.0) * tokens
 
     def should_load(self, tokens: int, nbytes: float) -> bool:
         """Load ``tokens`` kept tokens (``nbytes``) rather than compute them here: when no
