@@ -48,7 +48,7 @@ from .errors import (
 from .layout import KVLayout
 from .plan import block_checksums, check_request_id, require_host_checksums, validate_block_ids
 from .progress import ProgressPolicy
-from .protocol.consumer import ConsumerCore, new_xid
+from .protocol.consumer import ConsumerCore, new_xid, pull_length_error
 from .request import (
     ConnectHandle,
     ConnectResult,
@@ -412,7 +412,10 @@ class Consumer(Endpoint):
         deadline = started + seconds
         for t, src in zip(parsed, sources, strict=True):
             if self._sessions.up(t.producer):  # others are checked once connected
-                self._check_pull_length(t, src, dst)
+                error = pull_length_error(t, src, dst, self.layout,
+                                          self._sessions.layout_of(t.producer))
+                if error is not None:
+                    raise error
         with self._claims_lock:
             claim = self._claims.pop(rid, None)
         stale = None
@@ -435,20 +438,10 @@ class Consumer(Endpoint):
             if stale is not None:
                 self._abort_claim(now, rid, stale, "claim superseded")
             self._handles[handle.xid] = handle
-            if budget() > 0 and not all(self._sessions.up(t.producer) for t in parsed):
-                self._pull_connecting(now, handle, parsed, sources, dst, budget, counts,
-                                      started)
-            else:
-                self._core.pull(now, parsed, sources, dst, budget(), counts, handle.xid)
+            self._core.pull(now, parsed, sources, dst, budget(), counts, handle.xid,
+                            dial_s=self.config.connect_timeout_s)
 
         return handle, feed
-
-    def _check_pull_length(self, t: m.PullTicket, src: np.ndarray, dst: np.ndarray) -> None:
-        theirs = self._sessions.layout_of(t.producer)
-        same_blocks = theirs is None or theirs.tokens_per_block == self.layout.tokens_per_block
-        if same_blocks and len(src) != len(dst):
-            raise InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
-                                  f"blocks but block_ids has {len(dst)}")
 
     def claim(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
               sharers: int | Sequence[int] = 1) -> int:
@@ -632,45 +625,6 @@ class Consumer(Endpoint):
             claim = self._claims.get(rid)
             if claim is not None and claim.xid == xid and producer in claim.sids:
                 del self._claims[rid]
-
-    def _pull_connecting(self, now: float, handle: TransferHandle,
-                         tickets: list[m.PullTicket], sources: list[np.ndarray],
-                         dst: np.ndarray, budget: Callable[[], float], sharers: list[int],
-                         started: float) -> None:
-        """A pull whose producers are not all connected: connect first (within the pull's
-        budget and ``connect_timeout_s``), then READ; a handshake that fails ends the pull
-        FAILED with the handshake's error (nothing was posted: its blocks are safe)."""
-        rid = handle.request_id
-        self._core.connecting(started, rid, handle.xid, dst, now + budget())
-        missing = {t.producer: (t, src) for t, src in zip(tickets, sources, strict=True)
-                   if not self._sessions.up(t.producer)}
-        wait = min(self.config.connect_timeout_s, budget())
-
-        def on_result(producer: str, name: str | None, error: KvpushError | None) -> None:
-            if self._core.status(rid) != "connecting" or self._core.xid_of(rid) != handle.xid:
-                return  # ended already (aborted, or another handshake failed)
-            t, src = missing.pop(producer)
-            if error is None and name != t.producer:
-                error = PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
-                                        f"{t.producer!r}")
-            if error is None:
-                try:
-                    self._check_pull_length(t, src, dst)
-                except InvalidBlockIds as exc:
-                    error = exc
-            if error is not None:
-                failed = error
-                self._driver.event(lambda now: self._core.connect_failed(now, rid, handle.xid,
-                                                                          failed))
-            elif not missing:
-                self._driver.event(lambda now: self._core.pull(
-                    now, tickets, sources, dst, budget(), sharers, handle.xid))
-
-        def waiter(producer: str) -> Waiter:
-            return lambda name, error: on_result(producer, name, error)
-
-        for producer, (t, _) in list(missing.items()):
-            self._sessions.connect(t.address, wait, waiter(producer))
 
     def _claim(self, now: float, rid: str, tickets: list[m.PullTicket], claim: _Claim) -> None:
         """Send the claim to its producers, once they are all connected: those that are

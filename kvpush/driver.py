@@ -43,7 +43,7 @@ from .errors import AuthenticationError, ClosedError, KvpushError, PeerUnavailab
 from .layout import KVLayout
 from .metrics import LIVE, Stats
 from .progress import Backoff, ProgressPolicy
-from .protocol.effects import Abandon, DropPeer, Emit, Post, Send, XferEnd
+from .protocol.effects import Abandon, Dial, DropPeer, Emit, Post, Send, XferEnd
 from .protocol.timers import Timer, TimerHeap
 
 __all__ = ["OUTBOX_BYTES", "SEND_HWM", "Core", "Driver", "Sessions", "Timer", "close_dead_links",
@@ -145,6 +145,10 @@ class Sessions(Protocol):
 
     def forget(self, peer: str, why: str) -> None:
         """The core is done with ``peer``: its NIXL state may go."""
+
+    def dial(self, address: str, timeout: float) -> None:
+        """Connect to the peer at ``address`` (the core's Dial); the core is told how the
+        handshake ended."""
 
     def unreachable(self, peer: str, why: str) -> None:
         """NIXL says ``peer`` is disconnected (a post failed with PeerUnavailable)."""
@@ -356,6 +360,8 @@ class Driver:
                     self._emitted = True
                 elif isinstance(effect, DropPeer):
                     self.sessions.forget(effect.peer, effect.why)
+                elif isinstance(effect, Dial):
+                    self.sessions.dial(effect.address, effect.timeout)
         for name, value in self.core.gauges.items():  # published as they change
             if value != self._gauges[name]:
                 LIVE.add(name, value - self._gauges[name])

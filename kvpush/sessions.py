@@ -119,6 +119,9 @@ class Accepting:
         if self.machine.forget(peer):
             self._driver.agent.remove_peer(peer)
 
+    def dial(self, address: str, timeout: float) -> None:
+        raise RuntimeError("a producer dials no one (its core asks for no Dial)")
+
     def unreachable(self, peer: str, why: str) -> None:
         consumer = self.machine.by_agent.get(peer)
         if consumer is not None:
@@ -300,6 +303,13 @@ class Dialing:
     def forget(self, peer: str, why: str) -> None:
         """Never asked: this side drops a producer itself (:meth:`_lose`)."""
 
+    def dial(self, address: str, timeout: float) -> None:
+        """The core's Dial: connect, and tell the core how the handshake ended."""
+        def dialed(name: str | None, error: KvpushError | None) -> None:
+            self._driver.event(lambda now: self._core.dialed(now, address, name, error))
+
+        self.connect(address, timeout, dialed)
+
     def unreachable(self, peer: str, why: str) -> None:
         """NIXL's word alone does not end a producer's session: its heartbeats do."""
 
@@ -393,8 +403,9 @@ class Dialing:
             elif isinstance(effect, Admit):
                 self._admit(effect)
             elif isinstance(effect, PeerUp):
-                self._core.peer_up(time.monotonic(), effect.name)
                 d = self.machine.by_name.get(effect.name)
+                self._core.peer_up(time.monotonic(), effect.name,
+                                   d.layout if d is not None else None)
                 if d is not None:
                     self._resolve(d.address, effect.name, None)
             elif isinstance(effect, PeerDown):

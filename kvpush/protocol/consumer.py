@@ -42,12 +42,12 @@ from ..errors import (
 from ..layout import KVLayout
 from ..metrics import LIVE, Stats
 from ..request import RequestState, RequestStatus, TransferMode, TransferResult
-from .effects import Abandon, Effect, Emit, Post, Send, XferEnd
+from .effects import Abandon, Dial, Effect, Emit, Post, Send, XferEnd
 from .table import Table, row
 from .timers import COMPACT_MIN
 
 __all__ = ["TABLE", "ConsumerCore", "CoreConfig", "Event", "Links", "Phase", "Settings",
-           "new_xid"]
+           "new_xid", "pull_length_error"]
 
 log = logging.getLogger("kvpush.consumer")
 
@@ -85,7 +85,7 @@ class Event(enum.Enum):
     CLOSE = "close"                # the consumer closes
     EXPECT = "expect"              # the engine's expect continues a push claim
     PULL = "pull"                  # the engine's pull continues a claim or a connecting use
-    CONNECT_FAILED = "connect_failed"  # the driver: a handshake with a producer failed
+    CONNECT_FAILED = "connect_failed"  # dialed(): a handshake failed, or the wrong producer
 
 
 #: Graces a closing use waits for NIXL to let go of its READs (each asks it again) before
@@ -244,6 +244,10 @@ class _Request:
     began: dict[str, float] = field(default_factory=dict)   # PullBegin sent at
     held_until: dict[str, float] = field(default_factory=dict)  # began + hold_s
     read_end: dict[str, float] = field(default_factory=dict)    # READ seen ended at
+    # connecting: the pull to begin once every producer is connected, and the tickets of
+    # those still being dialled, by address
+    dialing: dict[str, m.PullTicket] = field(default_factory=dict)
+    begin: tuple[Any, ...] = ()
 
     @property
     def parts(self) -> int:
@@ -266,6 +270,19 @@ def _per_ticket(tickets: Sequence[m.PullTicket], sharers: int | Sequence[int]) -
     if len(counts) != len(tickets):
         raise ValueError(f"sharers names {len(counts)} counts for {len(tickets)} tickets")
     return {t.producer: n for t, n in zip(tickets, counts, strict=True)}
+
+
+def pull_length_error(t: m.PullTicket, src: np.ndarray, dst: np.ndarray, ours: KVLayout,
+                      theirs: KVLayout | None) -> InvalidBlockIds | None:
+    """Whether ticket ``t``'s source blocks ``src`` and ``dst`` differ in number where the
+    producer's blocks hold as many tokens as this side's (``theirs`` None: not known yet,
+    taken as the same)."""
+    if theirs is not None and theirs.tokens_per_block != ours.tokens_per_block:
+        return None
+    if len(src) != len(dst):
+        return InvalidBlockIds(f"the ticket of {t.producer} names {len(src)} source "
+                               f"blocks but block_ids has {len(dst)}")
+    return None
 
 
 class ConsumerCore:
@@ -296,6 +313,7 @@ class ConsumerCore:
         self.gauges: dict[str, int] = {}   # none: the driver publishes what a core keeps
         self._out: list[Effect] = []
         self._peers: set[str] = set()
+        self._layouts: dict[str, KVLayout] = {}    # each connected producer's, as announced
         self._requests: dict[str, _Request] = {}
         self._claims: dict[str, _Request] = {}     # CLAIMED uses, by request id
         self._completions = _core.CompletionTable()
@@ -384,10 +402,13 @@ class ConsumerCore:
     # -- peers -------------------------------------------------------------------------
     def peer_up(self, now: float, peer: str, layout: KVLayout | None = None) -> None:
         self._peers.add(peer)
+        if layout is not None:
+            self._layouts[peer] = layout
 
     def peer_lost(self, now: float, peer: str, why: str) -> None:
         """``peer`` is gone (silent, Bye, NIXL disconnect, restarted elsewhere)."""
         self._peers.discard(peer)
+        self._layouts.pop(peer, None)
         for claim in [c for c in self._claims.values() if peer in c.sids]:
             self._event(now, claim, Event.PEER_LOST, why=f"producer {peer} lost: {why}")
         for req in list(self._requests.values()):
@@ -437,17 +458,26 @@ class ConsumerCore:
 
     def pull(self, now: float, tickets: Sequence[m.PullTicket], sources: Sequence[np.ndarray],
              dst: np.ndarray, budget: float, sharers: int | Sequence[int] = 1,
-             xid: int | None = None) -> int:
+             xid: int | None = None, dial_s: float | None = None) -> int:
         """Pull: READ each ticket's ``sources`` (its block ids, or their tail) into ``dst``
         within ``budget`` seconds (the driver's bound from the timeout and the tickets'
         leases, unless claimed); returns the use's xid (``xid``, or a fresh one). A pull
-        with a claim's xid continues that claim."""
+        with a claim's xid continues that claim.
+
+        ``dial_s``: a ticket's producer not connected yet is dialled first (a
+        :class:`~kvpush.protocol.effects.Dial` of at most ``dial_s`` and the budget); the
+        use waits in CONNECTING until :meth:`dialed` has answered for every one of them.
+        Without it, such a pull fails at once (``PeerUnavailable``)."""
         rid = tickets[0].request_id
         xid = self._new_xid() if xid is None else xid
         names = [t.producer for t in tickets]
         waited = self._requests.get(rid)
         if waited is not None and waited.phase is Phase.CONNECTING and waited.xid == xid:
             self._event(now, waited, Event.PULL)  # connected: the pull begins
+        elif dial_s is not None and budget > 0 and rid not in self._requests \
+                and any(n not in self._peers for n in names):
+            self._connect_first(now, tickets, sources, dst, budget, sharers, xid, dial_s)
+            return xid
         claim: _Request | None = self._claims.get(rid)
         if claim is not None and claim.mode is TransferMode.PULL and claim.xid == xid:
             self._event(now, claim, Event.PULL)  # the pull continues the claim
@@ -510,20 +540,45 @@ class ConsumerCore:
             self._pull_done(now, req)
         return xid
 
-    def connecting(self, now: float, rid: str, xid: int, dst: np.ndarray,
-                   deadline: float) -> None:
-        """Pull: the tickets' producers are not all connected yet. The use waits in
-        CONNECTING while the driver connects; :meth:`pull` with ``xid`` begins it, and
-        :meth:`connect_failed` (or an abort, or close) ends it at once."""
-        req = _Request(rid, xid, TransferMode.PULL, Phase.CONNECTING, dst, [], now, deadline)
+    def _connect_first(self, now: float, tickets: Sequence[m.PullTicket],
+                       sources: Sequence[np.ndarray], dst: np.ndarray, budget: float,
+                       sharers: int | Sequence[int], xid: int, dial_s: float) -> None:
+        """A pull whose producers are not all connected: it waits in CONNECTING (its
+        record, its deadline: the budget) while the driver dials the others."""
+        rid = tickets[0].request_id
+        req = _Request(rid, xid, TransferMode.PULL, Phase.CONNECTING, dst, [], now,
+                       now + budget)
+        req.dialing = {t.address: t for t in tickets if t.producer not in self._peers}
+        req.begin = (list(tickets), list(sources), sharers)
         self._add(req)
+        for address in req.dialing:
+            self._out.append(Dial(address, min(dial_s, budget)))
 
-    def connect_failed(self, now: float, rid: str, xid: int, error: KvpushError) -> None:
-        """A handshake of connecting use ``xid`` failed: it ends FAILED with ``error``."""
-        req = self._requests.get(rid)
-        if req is not None and req.xid == xid:
-            self._event(now, req, Event.CONNECT_FAILED, state=RequestState.FAILED,
-                        error=error)
+    def dialed(self, now: float, address: str, name: str | None,
+               error: KvpushError | None) -> None:
+        """The driver's answer to a :class:`~kvpush.protocol.effects.Dial`: the producer
+        at ``address`` is connected as ``name``, or its handshake failed with ``error``.
+        Every connecting pull waiting on it goes on: it fails (FAILED, nothing posted: its
+        blocks are safe) when the handshake failed, the address is another producer than
+        its ticket names, or the producer's blocks do not match this pull's; it begins
+        once none is left to dial."""
+        for req in [r for r in self._requests.values()
+                    if r.phase is Phase.CONNECTING and address in r.dialing]:
+            t = req.dialing.pop(address)
+            tickets, sources, sharers = req.begin
+            failed = error
+            if failed is None and name != t.producer:
+                failed = PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
+                                         f"{t.producer!r}")
+            if failed is None:
+                failed = pull_length_error(t, sources[tickets.index(t)], req.ids,
+                                           self.layout, self._layouts.get(t.producer))
+            if failed is not None:
+                self._event(now, req, Event.CONNECT_FAILED, state=RequestState.FAILED,
+                            error=failed)
+            elif not req.dialing:
+                self.pull(now, tickets, sources, req.ids, req.deadline - now, sharers,
+                          req.xid)
 
     def claim(self, now: float, tickets: m.PullTicket | Sequence[m.PullTicket],
               sharers: int | Sequence[int] = 1, xid: int | None = None) -> int:

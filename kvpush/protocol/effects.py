@@ -21,7 +21,7 @@ import numpy as np
 from .. import messages as m
 from ..request import Release, TransferResult
 
-__all__ = ["Abandon", "DropPeer", "Effect", "Emit", "Post", "Send", "XferEnd"]
+__all__ = ["Abandon", "Dial", "DropPeer", "Effect", "Emit", "Post", "Send", "XferEnd"]
 
 
 class XferEnd(enum.Enum):
@@ -92,5 +92,15 @@ class DropPeer:
     why: str
 
 
-Effect = Union[Send, Post, Abandon, Emit, DropPeer]  # noqa: UP007
+@dataclass(frozen=True, slots=True)
+class Dial:
+    """Connect to the producer at ``address`` within ``timeout`` seconds (a consumer's
+    pull names a producer it is not connected to). The driver answers
+    ``core.dialed(address, name, error)`` once the handshake ended, whichever way."""
+
+    address: str
+    timeout: float
+
+
+Effect = Union[Send, Post, Abandon, Emit, DropPeer, Dial]  # noqa: UP007
 

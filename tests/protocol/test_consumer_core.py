@@ -15,7 +15,7 @@ from kvpush import messages as m
 from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError, PeerUnavailable, RequestAborted
 from kvpush.protocol.consumer import TABLE, ConsumerCore, CoreConfig, Event, Phase
-from kvpush.protocol.effects import Abandon, Emit, Post, Send, XferEnd
+from kvpush.protocol.effects import Abandon, Dial, Emit, Post, Send, XferEnd
 from kvpush.protocol.table import TransitionError
 from kvpush.request import RequestState, TransferResult
 from tests.support.cores import CORES, LAYOUT, FakeLinks, P, Q, core, expect, results, sends
@@ -457,26 +457,55 @@ def test_a_push_claim_becomes_the_registration_or_is_given_up() -> None:
     assert results(effects)[0].state is RequestState.FAILED
 
 
+R = "prod-r"   # a producer this consumer is not connected to
+
+
+def _ticket_of_r(rid: str = "p", blocks: int = 2) -> m.PullTicket:
+    return m.PullTicket(R, "tcp://r:1", rid, m.encode_ids(np.arange(3, 3 + blocks)), 30.0,
+                        0.0, sid=5)
+
+
+def _pull_connecting(c: ConsumerCore, t: m.PullTicket | None = None) -> None:
+    t = t or _ticket_of_r()
+    c.pull(0.5, [t], [m.decode_ids(t.block_ids)], np.array([8, 9]), 29.5, 2, 21, dial_s=5.0)
+    assert c.drain() == [Dial("tcp://r:1", 5.0)]
+
+
 def test_a_pull_connecting_is_a_phase_of_its_record() -> None:
-    """A pull whose producers are not connected yet waits in CONNECTING in the core (the
-    facade's status reads it there); the pull that follows begins it under its xid."""
+    """A pull whose producer is not connected yet waits in CONNECTING in the core while the
+    driver dials it (the facade's status reads it there); once dialled, it begins under
+    its xid."""
     c = core()
-    c.connecting(0.5, "p", 21, np.array([8, 9]), 30.0)
+    _pull_connecting(c)
     assert c.status("p") == "connecting" and c.pending == 1
     snap = c.snapshot("p")
     assert (snap.phase, snap.xid, snap.deadline, snap.block_ids.tolist()) == \
         ("connecting", 21, 30.0, [8, 9])
-    _pull(c, "p", 21)
+    c.peer_up(1.0, R, LAYOUT)
+    c.dialed(1.0, "tcp://r:1", R, None)
+    begin, post = c.drain()
+    assert isinstance(begin, Send) and begin.peer == R and begin.msg.xid == 21
+    assert isinstance(post, Post) and post.op == "READ" and post.peer == R
     assert c.status("p") == "pulling" and c.pending == 1
 
 
-@pytest.mark.parametrize("how", ["failed", "abort", "close"])
+@pytest.mark.parametrize("how", ["failed", "other_producer", "length", "abort", "close"])
 def test_a_pull_that_ends_in_its_handshake_is_reported_at_once(how: str) -> None:
+    """Whichever way a connecting pull ends -- its handshake failed, the address is another
+    producer than its ticket names, the producer's blocks do not match, the engine aborts,
+    the consumer closes -- it is reported at once, FAILED or ABORTED, its blocks safe
+    (nothing was posted), and a late answer changes nothing."""
     c = core()
-    c.connecting(0.5, "p", 21, np.array([8, 9]), 30.0)
+    _pull_connecting(c, _ticket_of_r(blocks=3 if how == "length" else 2))
+    want = RequestState.FAILED
     if how == "failed":
-        c.connect_failed(1.0, "p", 21, PeerUnavailable("no answer"))
-        want = RequestState.FAILED
+        c.dialed(1.0, "tcp://r:1", None, PeerUnavailable("no answer"))
+    elif how == "other_producer":
+        c.peer_up(1.0, Q, LAYOUT)
+        c.dialed(1.0, "tcp://r:1", Q, None)
+    elif how == "length":
+        c.peer_up(1.0, R, LAYOUT)
+        c.dialed(1.0, "tcp://r:1", R, None)
     elif how == "abort":
         c.abort(1.0, "p", RequestState.ABORTED, RequestAborted("engine"))
         want = RequestState.ABORTED
@@ -485,6 +514,33 @@ def test_a_pull_that_ends_in_its_handshake_is_reported_at_once(how: str) -> None
         want = RequestState.ABORTED
     (res,) = results(c.drain())
     assert (res.state, res.blocks_safe, res.xid, res.elapsed_s) == (want, True, 21, 0.5)
+    if how == "other_producer":
+        assert "the ticket names" in str(res.error)
+    if how == "length":
+        assert "names 3 source blocks" in str(res.error)
     assert c.status("p") == "none" and c.pending == 0
-    c.connect_failed(2.0, "p", 21, PeerUnavailable("late"))   # ended: nothing more
+    c.dialed(2.0, "tcp://r:1", None, PeerUnavailable("late"))   # ended: nothing more
     assert c.drain() == []
+
+
+def test_two_pulls_dialling_one_producer_both_begin_on_its_answer() -> None:
+    c = core()
+    for rid, xid in (("p", 21), ("q", 22)):
+        t = _ticket_of_r(rid)
+        c.pull(0.5, [t], [m.decode_ids(t.block_ids)], np.array([8, 9]), 29.5, 1, xid,
+               dial_s=5.0)
+    assert [e for e in c.drain() if isinstance(e, Dial)] == [Dial("tcp://r:1", 5.0)] * 2
+    c.peer_up(1.0, R, LAYOUT)
+    c.dialed(1.0, "tcp://r:1", R, None)
+    assert [e.op for e in c.drain() if isinstance(e, Post)] == ["READ", "READ"]
+    c.dialed(1.0, "tcp://r:1", R, None)   # the second Dial's answer: nothing more
+    assert c.drain() == []
+    assert c.status("p") == c.status("q") == "pulling"
+
+
+def test_a_pull_without_dial_s_fails_at_once_on_a_producer_not_connected() -> None:
+    c = core()
+    t = _ticket_of_r()
+    c.pull(0.5, [t], [m.decode_ids(t.block_ids)], np.array([8, 9]), 29.5, 1, 21)
+    (res,) = results(c.drain())
+    assert res.state is RequestState.FAILED and "not connected" in str(res.error)
