@@ -452,11 +452,16 @@ class Dialer:
         if self.opener is not None:
             try:
                 return m.decode(frame, self.opener)
-            except AuthenticationError:
+            except AuthenticationError as exc:
                 if not m.is_sealed(frame):
                     raise
-                # the answer to a re-sent Probe or Hello, sealed with the key: not an attack
-                return self._handshake_answer(frame)
+                # the answer to a re-sent Probe or Hello, sealed with the key: not an
+                # attack; any other frame the session refuses keeps the session's reason
+                # (a replayed frame is no "handshake answer")
+                try:
+                    return self._handshake_answer(frame)
+                except AuthenticationError:
+                    raise exc from None
         # Handshake with a key: only a sealed answer echoing this attempt's nonce counts. A
         # plain HelloReject (a producer without our key can only say no, and so can anyone)
         # is kept as the likely reason should the handshake time out.

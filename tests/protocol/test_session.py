@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvpush import messages as m
-from kvpush.errors import ProtocolError
+from kvpush.errors import AuthenticationError, ProtocolError
 from kvpush.protocol import session as s
 from kvpush.protocol.table import mermaid
 from kvpush.testing.fakes import FakeMemory
@@ -75,6 +75,19 @@ def test_handshake_brings_both_sides_up(key: bytes | None) -> None:
     # a core's frame, sealed under the session, reaches the other side's core
     tx = acc.seal("c0", m.Bye("p0", rejoin=False))
     assert tx is not None
+
+
+def test_a_frame_delivered_twice_is_refused_as_replayed_not_as_a_handshake_answer() -> None:
+    """A sealed core frame that reaches the consumer twice is refused for what it is (a
+    replay), not reported as a handshake answer that does not match its Hello."""
+    dials, acc = _pair(KEY)
+    d, _ = _connect(dials, acc)
+    tx = acc.seal("c0", m.Posted("r", 7, 0))
+    assert tx is not None
+    _, msg = dials.receive(0.0, d, tx.frame)
+    assert msg == m.Posted("r", 7, 0)
+    with pytest.raises(AuthenticationError, match="replayed"):
+        dials.receive(0.0, d, tx.frame)
 
 
 def test_a_retransmitted_hello_crossing_a_producer_restart_starts_a_new_attempt() -> None:
