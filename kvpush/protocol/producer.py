@@ -196,7 +196,7 @@ _LIVE = frozenset({OwnerState.REGISTERED, OwnerState.WRITING, OwnerState.CLAIMED
 _READING = frozenset({OwnerState.WRITING, OwnerState.PULLING, OwnerState.FENCING})
 
 OS, E = OwnerState, Event
-_GONE = row("_share_gone", OS.GONE)
+_GONE = row("_owner_gone", OS.GONE)
 #: The owner machine: an owner changes state only inside a request event (the row names the
 #: core method that makes the change), or when its source is released (``release``) or the
 #: producer closes (``close``). Every change is checked against this table
@@ -608,7 +608,7 @@ class ProducerCore:
             if owner.peer != peer or owner.state not in _LIVE:
                 continue
             if owner.state in (OwnerState.REGISTERED, OwnerState.CLAIMED):
-                self._share_gone(req, owner, ReleaseReason.FAILED, f"consumer lost: {why}")
+                self._owner_gone(req, owner, ReleaseReason.FAILED, f"consumer lost: {why}")
             elif owner.state is OwnerState.WRITING:
                 owner.lost = "dead" if abandon else "silent"
                 self._end_push(req, owner, "", ReleaseReason.FAILED,
@@ -621,9 +621,9 @@ class ProducerCore:
                 # Never acknowledged the unfenced Failed: if it was only cut off, its
                 # late WRITE may still read the blocks.
                 req.unsafe = not abandon
-                self._share_gone(req, owner, owner.reason, owner.detail)
+                self._owner_gone(req, owner, owner.reason, owner.detail)
             elif abandon:  # a new incarnation replaced it: its READs died with it
-                self._share_gone(req, owner, ReleaseReason.FAILED, f"consumer lost: {why}")
+                self._owner_gone(req, owner, ReleaseReason.FAILED, f"consumer lost: {why}")
             # else PULLING: a silent peer may only be stalled; its hold timer ends it
 
     def _on_write_ended(self, req: _Request, owner: _Owner, write: _Write,
@@ -755,7 +755,7 @@ class ProducerCore:
             old is OwnerState.REGISTERED)
         owner.state = state
 
-    def _add_share(self, req: _Request, owner: _Owner) -> None:
+    def _add_owner(self, req: _Request, owner: _Owner) -> None:
         # A retry takes the place of its endpoint's owner given up (see _admit).
         for key in [k for k, s in req.owners.items() if s.peer == owner.peer]:
             del req.owners[key]
@@ -841,7 +841,7 @@ class ProducerCore:
                 for owner in req.live():
                     self._fail(owner.peer, req.rid, owner.xid, "mode_conflict",
                                "the producer exposed this request for pull")
-                    self._share_gone(req, owner, ReleaseReason.FAILED, "mode conflict")
+                    self._owner_gone(req, owner, ReleaseReason.FAILED, "mode conflict")
                 req.owners, req.sharers = {}, None
             self._refuse_other_uses(req)
         req.state = State.HELD
@@ -857,7 +857,7 @@ class ProducerCore:
             if owner.sid and (not source.named or owner.sid != source.sid):
                 self._fail(owner.peer, req.rid, owner.xid, "not_held",
                            "the producer holds another use of this request")
-                self._share_gone(req, owner, ReleaseReason.FAILED, "another use")
+                self._owner_gone(req, owner, ReleaseReason.FAILED, "another use")
 
     @staticmethod
     def _same_use(req: _Request, ids: np.ndarray, sid: int) -> bool:
@@ -901,7 +901,7 @@ class ProducerCore:
         if req.state is State.WAITING:
             for owner in req.live():
                 self._fail(owner.peer, req.rid, owner.xid, "aborted", reason)
-                self._share_gone(req, owner, ReleaseReason.ABORTED, reason)
+                self._owner_gone(req, owner, ReleaseReason.ABORTED, reason)
             req.owners, req.sharers = {}, None
             self._tomb(req, "aborted", reason, state=State.ABORTED_EARLY)
             return
@@ -1001,7 +1001,7 @@ class ProducerCore:
         if claimed is not None and claimed.mode is TransferMode.PUSH \
                 and claimed.state is OwnerState.CLAIMED:
             # The registration of a push claim: the claim's place is this registration's.
-            self._share_gone(req, claimed, ReleaseReason.ABORTED, "registered")
+            self._owner_gone(req, claimed, ReleaseReason.ABORTED, "registered")
             del req.owners[(peer, msg.xid)]
         if not self._push_owner(req, peer, msg):
             return
@@ -1030,7 +1030,7 @@ class ProducerCore:
                        tail=msg.tail, registered=self._now)
         who = (peer, msg.xid)
         owner.wait = self._after(wait, lambda now: self._wait_expired(rid, who))
-        self._add_share(req, owner)
+        self._add_owner(req, owner)
         if req.source is not None:
             req.source.stamps.setdefault("registered", self._now)
         self._advance(req)
@@ -1056,7 +1056,7 @@ class ProducerCore:
         owner = _Owner(peer, msg.xid, TransferMode.PULL, OwnerState.CLAIMED, msg.sharers)
         owner.wait = self._after(self.config.max_wait_s,
                                  lambda now: self._wait_expired(req.rid, who))
-        self._add_share(req, owner)
+        self._add_owner(req, owner)
 
     def _on_push_claim(self, req: _Request, peer: str, msg: m.Claim) -> None:
         """A consumer will register later (its engine has no blocks yet): an owner that
@@ -1069,7 +1069,7 @@ class ProducerCore:
         owner = _Owner(peer, msg.xid, TransferMode.PUSH, OwnerState.CLAIMED, msg.sharers)
         owner.wait = self._after(self.config.max_wait_s,
                                  lambda now: self._wait_expired(rid, who))
-        self._add_share(req, owner)
+        self._add_owner(req, owner)
 
     def _on_pull_begin(self, req: _Request, peer: str, msg: m.PullBegin) -> None:
         source = req.source
@@ -1090,7 +1090,7 @@ class ProducerCore:
                 self._fail(peer, req.rid, msg.xid, code, self._ADMIT_REASON[code])
                 return
             owner = _Owner(peer, msg.xid, TransferMode.PULL, OwnerState.CLAIMED, msg.sharers)
-            self._add_share(req, owner)
+            self._add_owner(req, owner)
         _cancel(owner.wait)
         self._to(owner, OwnerState.PULLING)
         source.stamps.setdefault("pull_begin", self._now)
@@ -1124,7 +1124,7 @@ class ProducerCore:
                 self._stale(msg)
                 return
             owner = _Owner(peer, msg.xid, TransferMode.PULL, OwnerState.CLAIMED, msg.sharers)
-            self._add_share(req, owner)
+            self._add_owner(req, owner)
         if owner.state not in (OwnerState.CLAIMED, OwnerState.PULLING):
             self._stale(msg)
             return
@@ -1132,7 +1132,7 @@ class ProducerCore:
         _cancel(owner.hold)
         if req.state is State.ENDING or owner.end is not None:
             reason = owner.end[1] if owner.end else ReleaseReason.ABORTED
-            self._share_gone(req, owner, reason,
+            self._owner_gone(req, owner, reason,
                              owner.detail or (req.ending[1] if req.ending else ""))
             return
         self._to(owner, OwnerState.DONE)
@@ -1150,7 +1150,7 @@ class ProducerCore:
         if owner is not None and owner.state is OwnerState.FENCING:
             # The acknowledgement: the consumer knows the WRITE is unfenced and will not
             # trust what it delivers; the blocks may go.
-            self._share_gone(req, owner, owner.reason, owner.detail)
+            self._owner_gone(req, owner, owner.reason, owner.detail)
             self._send(peer, m.AbortAck(req.rid, msg.xid, owner.errored, True))
             return
         if owner is None or owner.state not in _LIVE:
@@ -1169,7 +1169,7 @@ class ProducerCore:
             owner.detail = why
             self._send(peer, m.AbortAck(req.rid, msg.xid))
             return
-        self._share_gone(req, owner, ReleaseReason.ABORTED, why)
+        self._owner_gone(req, owner, ReleaseReason.ABORTED, why)
         self._send(peer, m.AbortAck(req.rid, msg.xid))
 
     @staticmethod
@@ -1215,7 +1215,7 @@ class ProducerCore:
                        else "the claim was not taken within max_wait_s")
             # The owner stopped waiting (its deadline ends with this wait, and its own Abort
             # may come first or not): it gave up, whichever arrives first.
-            self._share_gone(req, owner, ReleaseReason.ABORTED, "registration expired")
+            self._owner_gone(req, owner, ReleaseReason.ABORTED, "registration expired")
 
     def _fence_expired(self, rid: str, who: tuple[str, int]) -> None:
         req = self._requests.get(rid)
@@ -1226,7 +1226,7 @@ class ProducerCore:
 
     def _on_fence_over(self, req: _Request, owner: _Owner) -> None:
         req.unsafe = True
-        self._share_gone(req, owner, owner.reason, owner.detail)
+        self._owner_gone(req, owner, owner.reason, owner.detail)
 
     def _hold_over(self, rid: str, who: tuple[str, int]) -> None:
         req = self._requests.get(rid)
@@ -1237,7 +1237,7 @@ class ProducerCore:
 
     def _on_hold_over(self, req: _Request, owner: _Owner) -> None:
         self.stats.requests_timed_out += owner.end is None
-        self._share_gone(req, owner, owner.end[1] if owner.end else ReleaseReason.FAILED,
+        self._owner_gone(req, owner, owner.end[1] if owner.end else ReleaseReason.FAILED,
                          owner.detail or "the READ did not end within its hold")
 
     def _write_expired(self, rid: str, who: tuple[str, int], key: int) -> None:
@@ -1272,7 +1272,7 @@ class ProducerCore:
         except KvpushError as exc:
             self.stats.requests_failed += 1
             self._fail(owner.peer, req.rid, owner.xid, "invalid_ids", str(exc))
-            self._share_gone(req, owner, ReleaseReason.FAILED, str(exc))
+            self._owner_gone(req, owner, ReleaseReason.FAILED, str(exc))
             return False
         owner.plan, owner.src = plan, src
         self._to(owner, OwnerState.WRITING)
@@ -1376,9 +1376,9 @@ class ProducerCore:
                 owner.wait = self._after(self.config.max_wait_s,
                                          lambda now: self._fence_expired(req.rid, who))
                 return
-        self._share_gone(req, owner, reason, detail)
+        self._owner_gone(req, owner, reason, detail)
 
-    def _share_gone(self, req: _Request, owner: _Owner, reason: ReleaseReason,
+    def _owner_gone(self, req: _Request, owner: _Owner, reason: ReleaseReason,
                     detail: str) -> None:
         _cancel(owner.wait)
         _cancel(owner.hold)
@@ -1400,7 +1400,7 @@ class ProducerCore:
                 self._fail(owner.peer, req.rid, owner.xid, code, detail)
             else:
                 self._fail(owner.peer, req.rid, owner.xid, code, detail)
-                self._share_gone(req, owner, reason, detail)
+                self._owner_gone(req, owner, reason, detail)
         req.state, req.ending = State.ENDING, (reason, detail)
 
     def _settle(self, req: _Request) -> None:
