@@ -17,7 +17,6 @@ carries out the effects of :meth:`ConsumerCore.drain` (:mod:`kvpush.protocol.eff
 from __future__ import annotations
 
 import enum
-import heapq
 import itertools
 import logging
 import math
@@ -44,7 +43,7 @@ from ..metrics import LIVE, Stats
 from ..request import RequestState, RequestStatus, TransferMode, TransferResult
 from .effects import Abandon, Dial, Effect, Emit, Post, Send, XferEnd
 from .table import Table, row
-from .timers import COMPACT_MIN
+from .timers import Timer, TimerHeap
 
 __all__ = ["TABLE", "ConsumerCore", "CoreConfig", "Event", "Links", "Phase", "Settings",
            "new_xid", "pull_length_error"]
@@ -248,6 +247,7 @@ class _Request:
     # those still being dialled, by address
     dialing: dict[str, m.PullTicket] = field(default_factory=dict)
     begin: tuple[Any, ...] = ()
+    timer: Timer | None = None    # its one armed timer: the deadline, or closing, the grace
 
     @property
     def parts(self) -> int:
@@ -319,9 +319,8 @@ class ConsumerCore:
         self._completions = _core.CompletionTable()
         self._keys = itertools.count(1)
         self._read_of: dict[int, str] = {}          # transfer key -> request id
-        # (when, seq, rid, xid, kind): deadlines, checked against the record when due
-        self._timers: list[tuple[float, int, str, int, str]] = []
-        self._seq = itertools.count()
+        # each live use's one armed timer (the deadline, or closing, its grace)
+        self._timers = TimerHeap()
         # Seconds from a push part's Posted hint to its landing, smoothed, by size class
         # (bit length of its bytes): when the driver should poll for the next landing.
         # Learnt from when each landing was first seen and when it was last not seen yet
@@ -379,9 +378,7 @@ class ConsumerCore:
         return bool(self._posting)
 
     def next_deadline(self) -> float | None:
-        while self._timers and not self._armed(self._timers[0]):
-            heapq.heappop(self._timers)
-        return self._timers[0][0] if self._timers else None
+        return self._timers.next_deadline()
 
     def predicted(self, now: float, spin_s: float) -> tuple[float, float] | None:
         """The earliest predicted landing of an announced push part still to come: from
@@ -684,13 +681,8 @@ class ConsumerCore:
 
     def tick(self, now: float) -> None:
         """Run every deadline due by ``now``."""
-        while self._timers and self._timers[0][0] <= now:
-            entry = heapq.heappop(self._timers)
-            if not self._armed(entry):
-                continue
-            req = self._requests[entry[2]]
-            self._event(now, req, Event.DEADLINE if entry[4] == "deadline"
-                        else Event.GRACE_OVER)
+        for fire in self._timers.pop_due(now):
+            fire(now)
 
     # -- the state machine -------------------------------------------------------------
     def _request_event(self, now: float, peer: str, rid: str, xid: int, event: Event,
@@ -735,6 +727,7 @@ class ConsumerCore:
         req.phase = Phase.PUSHING if req.mode is TransferMode.PUSH else Phase.PULLING
 
     def _connected(self, now: float, req: _Request) -> None:
+        self._disarm(req)
         del self._requests[req.rid]
         LIVE.add("requests_pending", -1)
         req.phase = Phase.PULLING
@@ -744,6 +737,7 @@ class ConsumerCore:
                        error: KvpushError | None = None) -> None:
         """A use that ends before it began (in its handshake): reported at once, its
         blocks safe (nothing was posted)."""
+        self._disarm(req)
         del self._requests[req.rid]
         LIVE.add("requests_pending", -1)
         req.phase = Phase.DONE
@@ -1020,6 +1014,7 @@ class ConsumerCore:
 
     def _finish(self, now: float, req: _Request, state: RequestState,
                 error: KvpushError | None) -> None:
+        self._disarm(req)
         del self._requests[req.rid]
         req.phase = Phase.DONE
         self._posting.pop(req.rid, None)
@@ -1045,26 +1040,29 @@ class ConsumerCore:
         self._arm(req, req.deadline, "deadline")
 
     def _arm(self, req: _Request, when: float, kind: str) -> None:
-        timers = self._timers
-        if len(timers) > 2 * len(self._requests) + COMPACT_MIN:
-            # Entries of uses that ended stay until their deadline comes round (an
-            # expect's timeout: a minute, and more): at a high request rate, tens of
-            # thousands, each walked by the garbage collector. Drop them once they are
-            # most of the heap (a live use has at most one armed entry), in place.
-            timers[:] = [e for e in timers if self._armed(e)]
-            heapq.heapify(timers)
-        heapq.heappush(timers, (when, next(self._seq), req.rid, req.xid, kind))
+        """Arm ``req``'s one timer (its earlier one is cancelled): at a high request rate
+        the heap holds the live uses' timers, not one per use ever made."""
+        if req.timer is not None:
+            req.timer.cancel()
+        req.timer = self._timers.add(when, self._due, (req, kind, when))
 
-    def _armed(self, entry: tuple[float, int, str, int, str]) -> bool:
-        """Whether a timer entry still applies to a live use: its deadline runs while the
-        use is not closing; its grace once it is."""
-        when, _, rid, xid, kind = entry
-        req = self._requests.get(rid)
-        if req is None or req.xid != xid:
-            return False
+    def _disarm(self, req: _Request) -> None:
+        if req.timer is not None:
+            req.timer.cancel()
+            req.timer = None
+
+    def _due(self, entry: tuple[_Request, str, float], now: float) -> None:
+        """A use's timer: its deadline applies while it is not closing; its grace once
+        it is."""
+        req, kind, when = entry
+        req.timer = None
+        if self._requests.get(req.rid) is not req:
+            return
         if kind == "deadline":
-            return req.phase in (Phase.PUSHING, Phase.PULLING)
-        return req.grace == when
+            if req.phase in (Phase.PUSHING, Phase.PULLING):
+                self._event(now, req, Event.DEADLINE)
+        elif req.grace == when:
+            self._event(now, req, Event.GRACE_OVER)
 
     def _abandon_reads(self, req: _Request, peer: str | None) -> None:
         for key, read in req.reads.items():

@@ -119,7 +119,8 @@ def test_producer_core_heap_follows_the_live_timers() -> None:
 
 
 def test_consumer_core_heap_follows_the_live_uses() -> None:
-    """Each expect arms its timeout; a use that ends leaves its entry behind until then."""
+    """Each expect arms its timeout; a use that ends cancels it, so the heap holds the
+    live uses' timers, not one per request ever made."""
     c = core()
     n = 3000
     for i in range(n):
