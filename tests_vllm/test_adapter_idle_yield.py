@@ -56,6 +56,39 @@ def test_an_idle_step_waits_only_while_a_request_is_pending(
             w.shutdown()
 
 
+@pytest.mark.parametrize("reuse_wait_s", [0.005, 0.0])
+def test_an_idle_step_waits_longer_for_a_kept_turns_load(
+        monkeypatch: pytest.MonkeyPatch, reuse_wait_s: float) -> None:
+    """A kept turn's KV exists, so its load ends within a transfer's time: an idle step
+    waits for it up to reuse_wait_s, and vLLM learns it ended in that step."""
+    waits: list[tuple[int, float]] = []
+    monkeypatch.setattr(vllm_worker, "_wait", lambda fds, t: waits.append((len(fds), t)))
+    source = KVPushWorker(AdapterConfig(), "kv_producer", "d", 32, 16)
+    prefill = KVPushWorker(AdapterConfig(reuse_wait_s=reuse_wait_s), "kv_consumer", "p",
+                           32, 16)
+    try:
+        for w in (source, prefill):
+            w.register_kv_caches(cpu_caches(blocks=16), facts=facts())
+        remote = RemotePrefill("reuse.1", kvpush.TransferMode.PUSH, (source.address,), ())
+        prefill.bind(StepPlan(recv=[RecvPlan("req-1", remote, [1, 2], report=True,
+                                             kept=True)], idle=True))
+        assert prefill.consumer is not None
+        deadline = time.monotonic() + 10
+        while prefill.consumer.pending != 1 and time.monotonic() < deadline:
+            prefill.get_finished(set())
+            time.sleep(0.01)
+        assert prefill.consumer.pending == 1
+        waits.clear()
+        prefill.get_finished(set())
+        assert waits == [(1, reuse_wait_s or 50e-6)]
+        prefill.bind(StepPlan(idle=False))
+        prefill.get_finished(set())
+        assert waits == [(1, reuse_wait_s or 50e-6)]   # a forward pass never waits
+    finally:
+        for w in (prefill, source):
+            w.shutdown()
+
+
 def test_the_wait_ends_when_a_result_is_queued() -> None:
     """The descriptor an idle step waits on is an endpoint's: readable once something is
     queued, so the wait ends then, not at its bound (here far beyond the test's)."""
@@ -77,6 +110,8 @@ def test_idle_yield_is_bounded() -> None:
         AdapterConfig(idle_yield_s=0.5)
     with pytest.raises(ValueError, match="idle_yield_s"):
         AdapterConfig.from_extra_config({"idle_yield_s": -1})
+    with pytest.raises(ValueError, match="reuse_wait_s"):
+        AdapterConfig(reuse_wait_s=0.5)
 
 
 @pytest.mark.parametrize(("output", "idle"), [

@@ -194,6 +194,14 @@ class AdapterConfig:
         Decode instance with ``reuse``: while fewer than this share of vLLM's blocks is
         free, the oldest kept turns are released before their lease ends (their next turns
         recompute).
+    reuse_wait_s
+        Prefill instance with ``reuse``: in an engine step with no forward pass while a
+        request waits for a kept turn's load, the worker waits until a result or release
+        is queued, at most this long (instead of ``idle_yield_s``). The kept KV exists,
+        so such a load ends within a transfer's time, and vLLM learns it ended in this
+        step instead of a later one (it schedules the compute only in the step after). A
+        new request reaching an engine in such a wait is seen at most this late. 0: as
+        other loads (``idle_yield_s``).
     reuse_load
         Prefill instance with ``reuse``: ``"measured"`` loads the kept tokens its prefix
         cache lacks only when its measured costs say loading them beats computing them
@@ -244,6 +252,7 @@ class AdapterConfig:
     reuse: bool = False
     reuse_reserve: float = 0.1
     reuse_load: str = "measured"
+    reuse_wait_s: float = 0.005
     discovery_etcd: str = ""
     discovery_prefix: str = "/kvpush/default"
     discovery_instance: str = ""
@@ -256,6 +265,9 @@ class AdapterConfig:
         if not 0 <= self.idle_yield_s <= 0.01:
             raise ValueError(f"kvpush: idle_yield_s must be in [0, 0.01] s, got "
                              f"{self.idle_yield_s}")
+        if not 0 <= self.reuse_wait_s <= 0.05:
+            raise ValueError(f"kvpush: reuse_wait_s must be in [0, 0.05] s, got "
+                             f"{self.reuse_wait_s}")
         if not 0 <= self.reuse_reserve < 1:
             raise ValueError(f"kvpush: reuse_reserve must be in [0, 1), got "
                              f"{self.reuse_reserve}")
@@ -760,6 +772,9 @@ class RecvPlan:
     remote: RemotePrefill
     dst: list[int]
     report: bool
+    #: the source is a kept turn (multi-turn reuse): its KV exists, so the load ends
+    #: within a transfer's time (a forward push waits for the prefill's compute too)
+    kept: bool = False
 
 
 @dataclass

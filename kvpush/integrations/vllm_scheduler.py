@@ -621,7 +621,7 @@ class KVPushScheduler:
         local_blocks = (tokens - num_external_tokens) // self.block_size
         dst = [int(b) for b in block_ids[local_blocks:tokens // self.block_size]]
         self._recving[req_id] = remote.transfer_id
-        self._recv_new.append(RecvPlan(req_id, remote, dst, report=True))
+        self._recv_new.append(RecvPlan(req_id, remote, dst, report=True, kept=True))
         self._timed[req_id] = (time.monotonic(), len(dst) * self._bytes_per_block, dst)
         if remote.producers not in self._loaded_from:
             self._loaded_from.add(remote.producers)

@@ -373,6 +373,7 @@ class _Recv:
     report: bool
     mode: TransferMode
     aborted: bool = False
+    kept: bool = False        # from a kept turn: ends within a transfer's time
 
 
 class KVPushWorker:
@@ -737,8 +738,13 @@ class KVPushWorker:
         queued (the endpoints' descriptors) or ``idle_yield_s`` passes, whichever comes
         first; a handshake or a staged device copy, which no descriptor announces, gets a
         short sleep (:data:`SHORT_YIELD_S`). Steps that run a forward pass never wait.
-        (Measured: ``docs/VLLM.md``, "Why idle_yield_s".)"""
+        (Measured: ``docs/VLLM.md``, "Why idle_yield_s".) While a request waits for a kept
+        turn's load (multi-turn reuse), the bound is ``reuse_wait_s``: that load ends
+        within a transfer's time, and caught in this step it is reported in this step."""
         bound = self.config.idle_yield_s
+        if self._idle_step and self.config.reuse_wait_s and any(
+                r.kept and r.report for r in self._inflight.values()):
+            bound = max(bound, self.config.reuse_wait_s)
         if not (bound and self._idle_step):
             return
         if self._connecting or self._h2d:
@@ -952,7 +958,8 @@ class KVPushWorker:
         except (KvpushError, ValueError) as exc:
             self._fail(recv, exc)
             return
-        self._inflight[tid] = _Recv(recv.req_id, recv.dst, recv.report, remote.mode)
+        self._inflight[tid] = _Recv(recv.req_id, recv.dst, recv.report, remote.mode,
+                                    kept=recv.kept)
         self._by_req[recv.req_id] = tid
 
     def _claim(self, req_id: str, tid: str, tickets: list[PullTicket],
