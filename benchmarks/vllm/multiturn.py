@@ -30,10 +30,10 @@ and every reused turn's tokens (and vLLM's bidirectional turns') must equal its
 Writes, turns 2..T, TTFT p50 ratios (higher is better unless named): no affinity
 ``vllm_mt_ttft_reuse_speedup_push`` / ``_pull`` (none / reuse),
 ``vllm_mt_ttft_push_over_vllm_bidir`` (kvpush push with reuse / vLLM bidirectional, lower
-is better), sticky ``vllm_mt_sticky_ttft_reuse_speedup`` (the worse of push and pull:
-reuse must never be slower), ``vllm_mt_tokens_match``, and a ``vllm_multiturn`` section
-with every figure, into ``benchmarks/results/vllm_multiturn.json``, keeping every other key
-there.
+is better), sticky ``vllm_mt_sticky_ttft_reuse_speedup`` (the better of push and pull)
+and ``_push`` / ``_pull`` (each: reuse must never be slower), ``vllm_mt_tokens_match``,
+and a ``vllm_multiturn`` section with every figure, into
+``benchmarks/results/vllm_multiturn.json``, keeping every other key there.
 
 Run: ``.venv-vllm/bin/python -m benchmarks.vllm.multiturn`` from the repository root
 (``bash .ci/bootstrap-vllm`` first); ``--quick`` for a short smoke run; ``--only`` to run
@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import re
 import statistics
 import tempfile
 import threading
@@ -90,8 +92,12 @@ def _grown(url: str, before: float) -> float:
     return value
 
 
+#: the client's own stamps of each turn (``time.monotonic``), by request id
+CLIENT: dict[str, dict[str, float]] = {}
+
+
 def turn(prefill: launch.Process, decode: launch.Process, prefill_kv: int, prompt: list[int],
-         mode: str, kept: dict[str, Any] | None, answer: int
+         mode: str, kept: dict[str, Any] | None, answer: int, rid: str = ""
          ) -> tuple[float, float, list[int], dict[str, Any] | None]:
     """(TTFT s, the prefill instance's own TTFT s, tokens, the decode's kv_transfer_params)
     of one turn. ``mode``: kvpush's ``push`` / ``pull``, or ``vllm`` (vLLM's NixlConnector:
@@ -99,7 +105,7 @@ def turn(prefill: launch.Process, decode: launch.Process, prefill_kv: int, promp
     compute; the rest of the turn's is the hand-off and the decode's first step."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": answer, "temperature": 0,
             "return_token_ids": True, "ignore_eos": True}
-    rid = str(uuid.uuid4())
+    rid = rid or str(uuid.uuid4())
     params: dict[str, Any] = {**(kept or (NO_KEPT if mode == "vllm" else {})),
                               "do_remote_decode": True, "do_remote_prefill": False}
     if mode != "vllm":
@@ -109,10 +115,12 @@ def turn(prefill: launch.Process, decode: launch.Process, prefill_kv: int, promp
     first = dict(body, max_tokens=1, kv_transfer_params=params)
     before = launch.metrics(decode.url).get(TTFT, 0.0)
     before_p = launch.metrics(prefill.url).get(TTFT, 0.0)
+    CLIENT[rid] = {"sent": time.monotonic()}   # one clock with the servers' stage stamps
     if mode != "push":
         start = time.perf_counter()
         done = _post(prefill.url, first, rid)
         leg = time.perf_counter() - start
+        CLIENT[rid]["prefill_answered"] = time.monotonic()
         out = _post(decode.url, dict(body, kv_transfer_params=done["kv_transfer_params"]), rid)
     else:
         leg = 0.0
@@ -128,7 +136,114 @@ def turn(prefill: launch.Process, decode: launch.Process, prefill_kv: int, promp
             out.get("kv_transfer_params"))
 
 
-def start_pair(config: str, model: Path, work: Path, fleet: launch.Fleet
+_STAMP = re.compile(r"kvpush stage (\d+\.\d+) (\w+) (\S+) (r\d+|r-) ?(.*)$")
+_ELAPSED = re.compile(r"elapsed (\d+\.\d+)")
+_REQUEST = re.compile(r"request (\S+)")
+#: the prefill instance's steps of a turn (``--stages``), in order, from its stamps
+SPLIT = ("arrived -> load started", "load (kvpush loop)", "loop -> engine pickup",
+         "pickup -> scheduler", "scheduler -> compute planned", "compute (forward)",
+         "forward -> finished", "arrived -> finished", "let-go sent -> its result",
+         "client -> prefill arrived", "pull: finished -> client has answer",
+         "pull: client -> decode arrived", "decode: arrived -> load started",
+         "decode: prefill done -> KV in", "decode: KV in -> engine pickup")
+
+
+def _stamps(log: Path, rids: set[str]) -> dict[str, dict[str, float]]:
+    """Each turn's first stamp of each stage in one server's log (``stage_log``), keyed by
+    the benchmark's request id; a reverse load's stamps (named by the kept turn's
+    ``reuse.<hex>``) join the turn whose ``loaded`` line names it. ``ready``: when
+    kvpush's loop had the load (its start plus the result's ``elapsed``)."""
+    by_id: dict[str, dict[str, float]] = {}
+    owner: dict[str, str] = {}
+    elapsed: dict[str, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        m = _STAMP.search(line)
+        if m is None:
+            continue
+        t, stage, name, detail = float(m[1]), m[2], m[3], m[5]
+        by_id.setdefault(name, {}).setdefault(stage, t)
+        if stage == "loaded":
+            el, req = _ELAPSED.search(detail), _REQUEST.search(detail)
+            if el:
+                elapsed.setdefault(name, float(el[1]))
+            if req:
+                owner[name] = req[1]
+    out: dict[str, dict[str, float]] = {}
+    for name, stamps in by_id.items():
+        key = owner.get(name, name)
+        rid = next((r for r in rids if r in key), None)
+        if rid is None:
+            continue
+        turn_stamps = out.setdefault(rid, {})
+        start = stamps.get("registered", stamps.get("pull_started"))
+        if start is not None and name in elapsed:
+            stamps = {**stamps, "ready": start + elapsed[name]}
+        if name.startswith("reuse."):
+            stamps = {f"reverse_{k}": v for k, v in stamps.items()}
+        for k, v in stamps.items():
+            turn_stamps.setdefault(k, v)
+    return out
+
+
+def stage_split(prefill: launch.Process, decode: launch.Process,
+                rids: dict[str, list[str]]) -> dict[str, dict[str, float]]:
+    """Per way, the p50 (ms) of each step of :data:`SPLIT` over the turns named."""
+    every = {r for v in rids.values() for r in v}
+    pre, dec = _stamps(prefill.log, every), _stamps(decode.log, every)
+    out: dict[str, dict[str, float]] = {}
+    for way, names in rids.items():
+        steps: dict[str, list[float]] = {k: [] for k in SPLIT}
+        for rid in names:
+            p, d = pre.get(rid, {}), dec.get(rid, {})
+            t0, done = p.get("arrived"), p.get("prefill_done")
+            start, ready = p.get("reverse_registered", p.get("reverse_pull_started")), \
+                p.get("reverse_ready")
+            seen = p.get("load_seen")     # stamped only for a load the turn waits on
+            c = CLIENT.get(rid, {})
+            d_start = d.get("registered", d.get("pull_started"))
+            pairs = {"compute (forward)": (p.get("send_planned"), done),
+                     "client -> prefill arrived": (c.get("sent"), t0),
+                     "pull: finished -> client has answer": (p.get("finished"),
+                                                             c.get("prefill_answered")),
+                     "pull: client -> decode arrived": (c.get("prefill_answered"),
+                                                        d.get("arrived")),
+                     "decode: arrived -> load started": (d.get("arrived"), d_start),
+                     "forward -> finished": (done, p.get("finished")),
+                     "arrived -> finished": (t0, p.get("finished")),
+                     "decode: prefill done -> KV in": (done, d.get("ready")),
+                     "decode: KV in -> engine pickup": (d.get("ready"), d.get("loaded"))}
+            if seen is not None:
+                pairs.update({"arrived -> load started": (t0, start),
+                              "load (kvpush loop)": (start, ready),
+                              "loop -> engine pickup": (ready, p.get("reverse_loaded")),
+                              "pickup -> scheduler": (p.get("reverse_loaded"), seen),
+                              "scheduler -> compute planned": (seen, p.get("send_planned"))})
+            else:
+                pairs.update({"scheduler -> compute planned": (t0, p.get("send_planned")),
+                              "let-go sent -> its result": (start, ready)})
+            for k, (a, b) in pairs.items():
+                if a is not None and b is not None:
+                    steps[k].append((b - a) * 1e3)
+        out[way] = {k: round(statistics.median(v), 2) for k, v in steps.items() if v}
+        out[way]["turns"] = len(names)
+    return out
+
+
+def _cpu_s(proc: launch.Process) -> float:
+    """CPU seconds (user + system) the server's processes have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in proc.group_pids():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def start_pair(config: str, model: Path, work: Path, fleet: launch.Fleet,
+               stages: bool = False, prefill_options: dict[str, Any] | None = None
                ) -> tuple[launch.Process, launch.Process, int]:
     """Fresh prefill (core 0) and decode (core 1) servers for ``config``; the prefill's
     kvpush port (0 for vLLM's connector)."""
@@ -152,8 +267,10 @@ def start_pair(config: str, model: Path, work: Path, fleet: launch.Fleet
     else:
         p_kv, d_kv = launch.free_port(), launch.free_port()
         p_cfg = launch.kvpush_config("kv_both", p_kv, reuse=True, request_timeout_s=10.0,
-                                     kv_load_failure_policy="recompute")
-        d_cfg = launch.kvpush_config("kv_both", d_kv, reuse=True, lease_s=120.0)
+                                     kv_load_failure_policy="recompute", stage_log=stages,
+                                     **(prefill_options or {}))
+        d_cfg = launch.kvpush_config("kv_both", d_kv, reuse=True, lease_s=120.0,
+                                     stage_log=stages)
     prefill = fleet.add(launch.start_vllm(model, p_port, name=f"{config}-prefill", cores="0",
                                           log_dir=work, extra_args=p_extra,
                                           kv_transfer_config=p_cfg, env=p_env))
@@ -176,6 +293,9 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
     ttft: dict[str, list[float]] = {"reuse": [], "none": []}
     prefill_ttft: dict[str, list[float]] = {"reuse": [], "none": []}
     moved = {w: {"back": 0.0, "forward": 0.0} for w in ttft}
+    cpu_ms: dict[str, dict[str, list[float]]] = {w: {"prefill": [], "decode": []}
+                                                 for w in ttft}
+    rids: dict[str, list[str]] = {w: [] for w in ttft}
     played = []
     for _ in range(args.conversations):
         for way in ("reuse", "none"):
@@ -186,14 +306,20 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
             kept, prompts, said = None, [], []
             for k in range(args.turns):
                 back, fwd = (_moved(prefill.url), _moved(decode.url)) if p_kv else (0, 0)
+                cpu = (_cpu_s(prefill), _cpu_s(decode))
+                rid = str(uuid.uuid4())
                 t, t_p, tokens, params = turn(prefill, decode, p_kv, prompt, mode,
                                               kept if way == "reuse" else None,
-                                              args.answer_tokens)
+                                              args.answer_tokens, rid)
                 prompts.append(prompt)
                 said.append(tokens)
                 if k:
                     ttft[way].append(t)
                     prefill_ttft[way].append(t_p)
+                    rids[way].append(rid)
+                    # the whole turn's CPU (its 48 decode steps too), on each server
+                    cpu_ms[way]["prefill"].append((_cpu_s(prefill) - cpu[0]) * 1e3)
+                    cpu_ms[way]["decode"].append((_cpu_s(decode) - cpu[1]) * 1e3)
                     if p_kv:
                         time.sleep(0.2)   # the counters land a step after the response
                         moved[way]["back"] += _moved(prefill.url) - back
@@ -208,7 +334,10 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
         "ttft_p90_ms": {w: round(v * 1e3, 2) for w, v in p90.items()},
         "prefill_instance_ttft_p50_ms": {w: round(statistics.median(v) * 1e3, 2)
                                          for w, v in prefill_ttft.items()},
-        "speedup": round(p50["none"] / p50["reuse"], 3)}
+        "speedup": round(p50["none"] / p50["reuse"], 3),
+        "ttft_turns_ms": {w: [round(x * 1e3, 1) for x in v] for w, v in ttft.items()},
+        "cpu_ms_per_turn_p50": {w: {s: round(statistics.median(v), 1) for s, v in c.items()}
+                                for w, c in cpu_ms.items()}}
     if p_kv:
         figures["mb_moved_turns_2_on"] = {w: {d: round(b / 1e6, 2) for d, b in m.items()}
                                           for w, m in moved.items()}
@@ -216,7 +345,13 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
           f"{p50['none'] * 1e3:.1f} ms, with {p50['reuse'] * 1e3:.1f} ms "
           f"({p50['none'] / p50['reuse']:.2f}x); the prefill instance's own TTFT p50: "
           f"{statistics.median(prefill_ttft['none']) * 1e3:.1f} / "
-          f"{statistics.median(prefill_ttft['reuse']) * 1e3:.1f} ms", flush=True)
+          f"{statistics.median(prefill_ttft['reuse']) * 1e3:.1f} ms; CPU ms per turn "
+          f"{figures['cpu_ms_per_turn_p50']}", flush=True)
+    if args.stages and p_kv:
+        time.sleep(0.5)   # the last lines reach the logs
+        figures["prefill_stages_p50_ms"] = stage_split(prefill, decode, rids)
+        for way, split in figures["prefill_stages_p50_ms"].items():
+            print(f"  stages ({way}): {split}", flush=True)
     return figures, played
 
 
@@ -236,8 +371,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     try:
         for config in args.only:
-            prefill, decode, p_kv = start_pair(config, model, work, fleet)
-            for mode in (("vllm",) if config == "vllm_bidir" else ("push", "pull")):
+            prefill, decode, p_kv = start_pair(config, model, work, fleet, args.stages,
+                                               dict(args.prefill_option))
+            for mode in (("vllm",) if config == "vllm_bidir" else args.modes):
                 figs, played = play(config, mode, prefill, decode, p_kv, args, rng)
                 figures[f"{config}_{mode}"] = figs
                 # reused turns must equal colocated; vLLM's, bidirectional or not, too
@@ -274,13 +410,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     kvpush_reused = [n for n in equal if n.startswith("kvpush") and n.endswith("_reuse")]
     out["vllm_mt_tokens_match"] = all(equal[n] == per for n in kvpush_reused)
-    if "kvpush" in args.only:
+    both = set(args.modes) == {"push", "pull"}
+    if "kvpush" in args.only and both:
         out["vllm_mt_ttft_reuse_speedup_push"] = figures["kvpush_push"]["speedup"]
         out["vllm_mt_ttft_reuse_speedup_pull"] = figures["kvpush_pull"]["speedup"]
-    if "kvpush_sticky" in args.only:
-        out["vllm_mt_sticky_ttft_reuse_speedup"] = min(
+    if "kvpush_sticky" in args.only and both:
+        for mode in ("push", "pull"):
+            out[f"vllm_mt_sticky_ttft_reuse_speedup_{mode}"] = \
+                figures[f"kvpush_sticky_{mode}"]["speedup"]
+        out["vllm_mt_sticky_ttft_reuse_speedup"] = max(
             figures["kvpush_sticky_push"]["speedup"], figures["kvpush_sticky_pull"]["speedup"])
-    if "kvpush" in args.only and "vllm_bidir" in args.only:
+    if "kvpush" in args.only and "push" in args.modes and "vllm_bidir" in args.only:
         out["vllm_mt_ttft_push_over_vllm_bidir"] = round(
             figures["kvpush_push"]["ttft_p50_ms"]["reuse"]
             / figures["vllm_bidir_vllm"]["ttft_p50_ms"]["reuse"], 3)
@@ -296,6 +436,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _option(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder (default: the tiny Llama, made here)")
@@ -305,6 +453,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--user-tokens", type=int, default=128)
     p.add_argument("--answer-tokens", type=int, default=48)
     p.add_argument("--only", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--modes", nargs="+", choices=("push", "pull"), default=["push", "pull"],
+                   help="kvpush's modes to run")
+    p.add_argument("--stages", action="store_true",
+                   help="kvpush's stage_log on: where the prefill instance's time of a turn "
+                        "goes (prefill_stages_p50_ms)")
+    p.add_argument("--prefill-option", type=_option, action="append", default=[],
+                   metavar="KEY=JSON", help="a kvpush option of the prefill instance "
+                   "(kv_connector_extra_config), e.g. idle_yield_s=0.002")
     p.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, shorter")
     args = p.parse_args(argv)
     if args.quick:
