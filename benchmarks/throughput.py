@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.protocol.producer import waiting_ids_budget
+
 from ._common import (
     KIB,
     MIB,
@@ -592,6 +594,11 @@ class _Runner:
         if p.coalesce_check:
             per *= 2
         count = max(MIN_ITERS, min(MAX_ITERS, int(min_time / per)))
+        # Every request is registered before the first is timed, and a producer keeps at
+        # most waiting_ids_budget(the consumer's blocks) ids waiting from one consumer (the
+        # rest are refused): as many requests as fit, at least MIN_ITERS.
+        fit = waiting_ids_budget(self.pair.total // p.block_bytes) // p.blocks - 1
+        count = max(min(count, fit), MIN_ITERS)
         modes = {"coalesce": True, **({"nocoalesce": False} if p.coalesce_check else {})}
         rids = {m: self._rids(count + 1) for m in modes}
         for m, c in modes.items():

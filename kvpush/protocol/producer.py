@@ -36,7 +36,7 @@ from .timers import Timer as _Timer
 from .timers import TimerHeap
 
 __all__ = ["OWNER_TABLE", "TABLE", "CoreConfig", "Event", "Links", "OwnerState",
-           "ProducerCore", "Settings", "State"]
+           "ProducerCore", "Settings", "State", "waiting_ids_budget"]
 
 log = logging.getLogger("kvpush.producer")
 
@@ -49,6 +49,13 @@ MAX_WAITING_PER_PEER = 1 << 16
 #: consumer's live registrations name its own allocated blocks), at least ``1 << 16``, at
 #: most this many (8 bytes each), whatever cache its Hello claims.
 MAX_IDS_PER_PEER = 1 << 22
+
+
+def waiting_ids_budget(consumer_blocks: int) -> int:
+    """Block ids a consumer with ``consumer_blocks`` blocks may have waiting here in
+    registrations (:data:`MAX_IDS_PER_PEER`); a registration past it is refused
+    ``too_many``."""
+    return min(max(4 * consumer_blocks, 1 << 16), MAX_IDS_PER_PEER)
 
 
 class State(enum.Enum):
@@ -948,7 +955,7 @@ class ProducerCore:
         most = min(ours, theirs.num_blocks)
         if n > most:
             return "invalid_ids", f"{n} block ids; a request here names at most {most}"
-        budget = min(max(4 * theirs.num_blocks, 1 << 16), MAX_IDS_PER_PEER)
+        budget = waiting_ids_budget(theirs.num_blocks)
         if self._waiting_ids.get(peer, 0) + n > budget:
             return "too_many", (f"more than {budget} block ids waiting from this consumer "
                                 f"({n} more asked)")
