@@ -27,7 +27,9 @@ from ..protocol.session import (
     Admit,
     ConnectFailed,
     DialConfig,
+    Dialer,
     Dialers,
+    DialState,
     Link,
     PeerDown,
     PeerUp,
@@ -42,7 +44,7 @@ from .fakes import FakeMemory, SimLinks, Transfer
 if TYPE_CHECKING:
     from .sim import Simulation
 
-__all__ = ["Endpoint"]
+__all__ = ["Endpoint", "spellings"]
 
 _IDEMPOTENT = (m.Probe, m.Challenge, m.Hello, m.HelloAck, m.Heartbeat, m.HeartbeatAck)
 
@@ -77,8 +79,12 @@ class Endpoint:
         self.session_stats = SessionStats()
         self._attack = False         # the frame being handled is an attacker's
         self.peer_inc: dict[str, int] = {}   # each peer's incarnation, as last admitted
-        self.dialing: set[str] = set()       # consumer: producers it keeps connected
-        self.idents: dict[str, str] = {}     # consumer: producer -> its socket's identity
+        self.dialing: set[str] = set()       # consumer: addresses it keeps connected
+        self.idents: dict[str, str] = {}     # consumer: address -> its socket's identity
+        self.conn_address: dict[str, str] = {}   # consumer: socket identity -> address
+        # consumer: the engine's connect() calls not answered yet, by the address whose
+        # session answers them: (the producer the address reaches, when called)
+        self.waiters: dict[str, list[tuple[str, float]]] = {}
         self._conns = 0
         self._dial_armed = math.inf
 
@@ -274,8 +280,10 @@ class Endpoint:
             ident = tx.peer.decode()
             peer = ident.partition("/")[0]
         else:                                   # consumer -> the producer it dialled
-            peer = _host(tx.peer)
+            peer = self.sim.producer_at(tx.peer)
             ident = self.idents.get(tx.peer, "")
+            if isinstance(msg, m.Hello):
+                self._check_one_connection(tx.peer)
         target = self.sim.endpoints.get(peer)
         if target is None or not ident:
             return
@@ -315,10 +323,13 @@ class Endpoint:
         try:
             if self.role == "producer":
                 effects, got = self.acceptor.receive(now, sender.encode(), frame)
+                self._check_restart(effects)
             else:
-                address = _address(sender)
+                # the socket's address (an attacker's frame: the producer's host name)
+                address = self.conn_address.get(conn, "") if conn else _address(sender)
                 d = self.dialers.by_address.get(address)
-                if d is None or (conn and self.idents.get(address) != conn):
+                if d is None or d.address != address \
+                        or (conn and self.idents.get(address) != conn):
                     self.sim.stats["frames_to_closed"] += 1   # its socket is gone
                     return
                 try:
@@ -326,6 +337,11 @@ class Endpoint:
                 except (AuthenticationError, ProtocolError):
                     self.sim.stats["frames_rejected"] += 1
                     return
+                twin = self.dialers.by_address.get(address)
+                if twin is not None and twin is not d:
+                    self._join(d, twin)
+                    return
+                self._check_restart(effects, address)
                 got = None if msg is None else (d.name, msg)
             self._session(effects)
             if got is None:
@@ -369,6 +385,9 @@ class Endpoint:
                     self.core.peer_up(now, eff.name, eff.layout)
                 else:
                     self.core.peer_up(now, eff.name)   # the consumer core takes no layout
+                    d = self.dialers.by_name.get(eff.name)
+                    if d is not None:
+                        self._resolve(d.address, eff.name)
                 self.flush()
             elif isinstance(eff, PeerDown):
                 self.sim.checker.trace(f"{self.name} lost {eff.name}: {eff.why}")
@@ -377,9 +396,12 @@ class Endpoint:
                 else:
                     self.core.peer_lost(now, eff.name, eff.why)
                 self.flush()
-            elif isinstance(eff, ConnectFailed) and not self.closing:
-                self.sim.checker.fail("hello_rejected", f"{eff.address} refused "
-                                      f"{self.name}: {eff.error}")
+            elif isinstance(eff, ConnectFailed):
+                self._drop_conn(eff.address)
+                self.waiters.pop(eff.address, None)   # (their failure is reported here)
+                if not self.closing:
+                    self.sim.checker.fail("hello_rejected", f"{eff.address} refused "
+                                          f"{self.name}: {eff.error}")
         if self.role == "consumer":
             self._redial()
 
@@ -409,17 +431,125 @@ class Endpoint:
         self.dialing.add(_address(producer))
         self.sim.sched.after(0.0, self.run, self._redial)
 
+    def connect_twin(self, producer: str, address: str, keep: bool) -> None:
+        """Consumer: the engine's ``connect(address)``, ``address`` another spelling of a
+        producer this side has a session with (or is dialling), as the real consumer's
+        ``connect()`` does it: answered at once by a session up at that address, else a new
+        socket and session, or the one dialling there already. ``keep``: dialled again after a loss,
+        with the first spelling (the two then race through the handshake)."""
+        if keep:
+            self.dialing.add(address)
+        waiter = (producer, self.sim.sched.now)
+        d = self.dialers.by_address.get(address)
+        if d is not None and d.up:
+            self._answer([waiter], address, d.name)
+            return
+        if d is None:
+            self._dial(address)
+            d = self.dialers.by_address.get(address)
+        if d is not None:   # (the session that answers: a joined spelling's is its twin)
+            self.waiters.setdefault(d.address, []).append(waiter)
+
+    def _dial(self, address: str) -> None:
+        """A new socket (a new routing identity) and session for ``address``."""
+        self._drop_conn(address)   # (the socket of a session that ended)
+        self._conns += 1
+        ident = f"{self.name}/{self.inc}.{self._conns}"
+        self.idents[address] = ident
+        self.conn_address[ident] = address
+        _, effects = self.dialers.dial(self.sim.sched.now, address, _meta(self.name, self.inc),
+                                       math.inf)
+        sim = self.sim
+        if sim.faults.on("twin") and address == _address(sim.producer_at(address)) \
+                and sim.rng.random() < sim.faults.twin_p:
+            # the engine dials another spelling while this one's handshake goes on
+            sim.sched.after(sim.rng.uniform(0, 4e-3), sim.dial_twin, self,
+                            sim.producer_at(address))
+        self._session(effects)
+
+    def _join(self, d: Dialer, twin: Dialer) -> None:
+        """``d``'s address reaches the producer of ``twin``'s session (as the real
+        consumer joins them): its socket goes, its waiters wait on the twin."""
+        self.sim.stats["twin_joined" if twin.up else "twin_joined_dialling"] += 1
+        self.sim.checker.trace(f"{self.name} joins {d.address} to {twin.address} "
+                               f"({twin.state.value})")
+        self._drop_conn(d.address)
+        if twin.up:
+            self._answer(self.waiters.pop(d.address, []), d.address, twin.name)
+        elif d.address in self.waiters:
+            self.waiters.setdefault(twin.address, []).extend(self.waiters.pop(d.address))
+
+    def _drop_conn(self, address: str) -> None:
+        ident = self.idents.pop(address, None)
+        if ident is not None:
+            self.conn_address.pop(ident, None)
+
+    def _resolve(self, address: str, name: str) -> None:
+        """The session at ``address`` is up with producer ``name``."""
+        self._answer(self.waiters.pop(address, []), address, name)
+
+    def _answer(self, waiters: list[tuple[str, float]], address: str, name: str) -> None:
+        """connect() calls return ``name``: the producer each dialled, whatever spelling
+        of its address it used."""
+        for producer, _ in waiters:
+            if producer != name:
+                self.sim.checker.fail("connect_wrong_peer", f"{self.name}: connect() to "
+                                      f"{producer} at {address} returned {name!r}")
+
+    def unresolved(self, before: float) -> list[str]:
+        """Consumer: connect() calls made before ``before`` and not answered."""
+        return [f"{p} at {a} since t={t:.3f}" for a, ws in self.waiters.items()
+                for p, t in ws if t < before]
+
+    def _check_one_connection(self, address: str) -> None:
+        """A Hello goes out on ``address`` only while no other session of this consumer
+        reaches the same producer (its name and instance, from the Challenge) past its
+        probe: one connection per producer, however its address is spelt."""
+        d = self.dialers.by_address.get(address)
+        if d is None or d.address != address:
+            return
+        live = (DialState.HELLO, DialState.ADMITTING, DialState.UP)
+        for other in self.dialers:
+            if other is not d and other.state in live and other.name == d.name \
+                    and other.instance == d.instance:
+                self.sim.checker.fail("two_connections", f"{self.name} says Hello to "
+                                      f"{d.name} at {address} while its session at "
+                                      f"{other.address} is {other.state.value}")
+                return
+
+    def _check_restart(self, effects: list[SessionEffect], address: str = "") -> None:
+        """A frame makes a session end a peer's other session (a producer: the consumer
+        says Hello anew; a consumer: the producer answers at ``address`` under a name
+        connected elsewhere) only when that peer restarted, or dials again after losing
+        its session: never because a second spelling of an address was dialled."""
+        sim = self.sim
+        for eff in effects:
+            if not isinstance(eff, PeerDown) or not eff.conn or eff.conn == address:
+                continue
+            if self.role == "consumer":   # the producer taken for restarted
+                ep = sim.endpoints.get(eff.name)
+                if ep is not None and ep.inc == self.peer_inc.get(eff.name):
+                    sim.checker.fail("false_restart", f"{self.name} takes {eff.name}#{ep.inc}"
+                                     f" for restarted ({eff.why}); it runs as it did")
+                continue
+            ident = eff.conn.decode() if isinstance(eff.conn, bytes) else eff.conn
+            name, _, conn = ident.partition("/")
+            ce = sim.endpoints.get(name)
+            if ce is None or not ce.alive or ce.role != "consumer" \
+                    or conn.partition(".")[0] != str(ce.inc):
+                continue   # a consumer that restarted
+            conn_address = ce.conn_address.get(ident, "")
+            d = ce.dialers.by_address.get(conn_address)
+            if d is not None and d.address == conn_address and d.state is not DialState.DOWN:
+                sim.checker.fail("false_restart", f"{self.name} drops {ident} ({eff.why}) "
+                                 f"while {name} holds that session {d.state.value}")
+
     def _redial(self) -> None:
         if not self.open:
             return
-        now = self.sim.sched.now
         for address in sorted(self.dialing):
             if address not in self.dialers.by_address:
-                self._conns += 1   # a new socket, a new routing identity
-                self.idents[address] = f"{self.name}/{self.inc}.{self._conns}"
-                _, effects = self.dialers.dial(now, address, _meta(self.name, self.inc),
-                                               math.inf)
-                self._session(effects)
+                self._dial(address)
         due = self.dialers.next_deadline()
         if due is not None and due < self._dial_armed:
             self._dial_armed = due
@@ -596,8 +726,11 @@ def _address(producer: str) -> str:
     return f"tcp://{producer}:5555"
 
 
-def _host(address: str) -> str:
-    return address.removeprefix("tcp://").rpartition(":")[0]
+def spellings(producer: str, index: int) -> tuple[str, ...]:
+    """The addresses that reach ``producer`` (the ``index``-th): the host name consumers
+    dial, its IP, and a fully qualified name (another spelling a consumer may dial)."""
+    return (_address(producer), f"tcp://10.0.{index // 250}.{index % 250 + 1}:5555",
+            f"tcp://{producer}.sim.internal:5555")
 
 
 def _meta(name: str, inc: int) -> bytes:

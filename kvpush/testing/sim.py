@@ -19,9 +19,10 @@ moment: prefill early or late, aborts from either side, request ids reused, a pu
 handed to two consumers or relayed after its lease, claims. Faults (``--faults``): link cuts
 (frames held; a cut past ``peer_timeout_s`` breaks the connection), loop stalls, kills and
 restarts, close and reopen over the same cache, duplicated idempotent frames, transfers in
-error, slow or finishing inside the post, late notifications, clock skew. Every ``epoch``
-requests the run quiesces: every open request must end, and ``tombstone_s`` later no core
-may hold a record or a transfer. See docs/SIMULATION.md.
+error, slow or finishing inside the post, late notifications, clock skew, a producer
+dialled under another spelling of its address (host name, IP) while its session is up or
+being made. Every ``epoch`` requests the run quiesces: every open request must end, and
+``tombstone_s`` later no core may hold a record or a transfer. See docs/SIMULATION.md.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from ..metrics import LIVE
 from ..protocol.effects import XferEnd
 from ..request import RequestState, TransferMode
 from .checker import Checker
-from .driver import Endpoint
+from .driver import Endpoint, spellings
 from .engines import DecodeEngine, Request, Source, Use
 from .fakes import FakeMemory, FakeNixl, Network, Scheduler, Transfer
 
@@ -126,7 +127,7 @@ class Timings:
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
           "double", "late", "sharers", "skew", "claim", "close", "slownotif", "twice",
-          "order", "inuse", "reset", "retry", "forge")
+          "order", "inuse", "reset", "retry", "forge", "twin")
 #: Faults that come at ``Faults.rate`` per simulated second rather than per request.
 _PROCESS_FAULTS = frozenset({"cut", "stall", "kill", "close", "reset"})
 
@@ -156,6 +157,11 @@ class Faults:
     inuse_p: float = 0.3         # a request id reused while its previous use is held
     retry_p: float = 0.3         # a decode engine retries a push that failed or timed out
     forge_rate: float = 2.0      # attacker frames per simulated second (with a key)
+    twin_rate: float = 1.0       # a consumer dials a producer it has, or is dialling, under
+                                 # another spelling of its address: per simulated second
+    twin_p: float = 0.3          # ... or within the handshake of a new dial, per dial
+    twin_keep_p: float = 0.3     # a second spelling the engine keeps dialled (redialled
+                                 # with the first after a loss: the two race)
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -236,6 +242,9 @@ class Simulation:
         self.stop_after = stop_after   # 0: run to the end
         self.producer_names = [f"p{i}" for i in range(producers)]
         self.consumer_names = [f"c{i}" for i in range(consumers)]
+        # every producer is reachable under several spellings of its address (fault "twin")
+        self.addresses = {p: spellings(p, i) for i, p in enumerate(self.producer_names)}
+        self._address_of = {a: p for p, spelt in self.addresses.items() for a in spelt}
         # ~concurrency of a few requests per producer at a time
         self.rate = rate if rate is not None else 40.0 * producers
         self.endpoints: dict[str, Endpoint] = {}
@@ -264,6 +273,10 @@ class Simulation:
     def sent_frame(self, src: str, dst: str, frame: bytes, hello: bool = False) -> None:
         if "forge" in self.faults.enabled:
             (self.hellos if hello else self.captured).append((src, dst, frame))
+
+    def producer_at(self, address: str) -> str:
+        """The producer ``address`` reaches ("" for none)."""
+        return self._address_of.get(address, "")
 
     def heads_of(self, name: str) -> tuple[int, int, int]:
         """(first head, heads, total heads) an endpoint holds. Producers form groups of
@@ -328,6 +341,8 @@ class Simulation:
             self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
         if self.faults.on("forge") and self.auth_key is not None:
             self.sched.after(self.rng.expovariate(self.faults.forge_rate), self._forge)
+        if self.faults.on("twin") and self.faults.twin_rate > 0:
+            self.sched.after(self.rng.expovariate(self.faults.twin_rate), self._twin)
         chk = self.checker
         sched = self.sched
         # The cores count live resources in the process-wide kvpush.metrics.LIVE; simulated
@@ -568,6 +583,13 @@ class Simulation:
             # use's, held since layer_done, by the abort already: this call changes
             # nothing). Blocks it never handed over it hands now, and gets back.
             self._fault("order")
+            if src.released and src.released_by is not pe:
+                # Released by an endpoint since closed (the abort's release, or the
+                # close's): the engine has its blocks back and does not hand them to the
+                # new one, which would take the call for a new use (as prefill_done and
+                # layer_done above and below).
+                self._maybe_finished(req)
+                return
             if not src.released:
                 pe.engine.prefill_done(src)
             if not src.sid:
@@ -1109,6 +1131,41 @@ class Simulation:
         if target is not None and target.alive:
             self.net.send(sender, dst, frame, target.attacked)
 
+    def _twin(self) -> None:
+        """At a random moment (requests in flight, handshakes going on or not), a consumer
+        dials a producer it has a session with, or is dialling, under another spelling."""
+        rng = self.rng
+        if self._quiescing or self._done:
+            return
+        self.sched.after(rng.expovariate(self.faults.twin_rate), self._twin)
+        ce = self.endpoints[rng.choice(self.consumer_names)]
+        dialled = [p for p in self.producer_names if self.addresses[p][0] in ce.dialing]
+        if dialled:
+            self.dial_twin(ce, rng.choice(dialled))
+
+    def dial_twin(self, ce: Endpoint, producer: str) -> None:
+        """``ce``'s engine calls ``connect()`` with another spelling of ``producer``'s
+        address (the driver joins it to the session that reaches the producer, as
+        ``Consumer`` does; see Endpoint.connect_twin)."""
+        if not ce.open:
+            return
+        rng = self.rng
+        others = self.addresses[producer][1:]
+        # a spelling with no session yet, if one is left (else connect() returns at once)
+        address = rng.choice([a for a in others if a not in ce.dialers.by_address] or others)
+        keep = rng.random() < self.faults.twin_keep_p
+        if address in ce.dialing:   # the engine stops dialling it (its session stays)
+            ce.dialing.discard(address)
+            keep = False
+        self._fault("twin")
+        if self._open:
+            self.stats["twin_with_requests_open"] += 1
+        d = ce.dialers.by_address.get(self.addresses[producer][0])
+        self.checker.trace(f"FAULT twin {ce.name} dials {producer} at {address}"
+                           f"{' (kept)' if keep else ''}; its session is "
+                           f"{d.state.value if d is not None else 'none'}")
+        ce.run(ce.connect_twin, producer, address, keep)
+
     def _restart(self, name: str, role: str, inc: int, reopen: Endpoint | None = None) -> None:
         self.checker.trace(f"FAULT restart {name}#{inc}")
         self._spawn(name, role, inc, reopen)
@@ -1160,12 +1217,16 @@ class Simulation:
         if self.sched.now < at:
             self.sched.after(at - self.sched.now, self._quiesce_check)
             return
-        chk = self.checker
+        chk, t = self.checker, self.timings
         for ep in self.endpoints.values():
             if not ep.alive:
                 continue
             if ep.role == "consumer":
                 ep.engine.release_quarantine()
+                late = ep.unresolved(self.sched.now - 5 * t.peer_timeout_s - 3.0)
+                if late and ep.open:
+                    chk.fail("connect_unresolved", f"{ep.name}: connect() calls never "
+                             f"answered: {late[:3]}")
             n = ep.core.in_flight()
             if n:
                 chk.fail("state_unbounded", f"{ep.name}: in_flight()={n} once quiet")
@@ -1188,6 +1249,8 @@ class Simulation:
             self.sched.after(self.rng.expovariate(self.faults.rate), self._process_fault)
         if self.faults.on("forge") and self.auth_key is not None:
             self.sched.after(self.rng.expovariate(self.faults.forge_rate), self._forge)
+        if self.faults.on("twin") and self.faults.twin_rate > 0:
+            self.sched.after(self.rng.expovariate(self.faults.twin_rate), self._twin)
 
 
 # -- the real cores ------------------------------------------------------------------------
