@@ -689,10 +689,11 @@ class Simulation:
             return
         if src.done_at < 0:
             # the engine stops prefilling; layers it already handed over (layer_done) are
-            # kvpush's to release, and the engine frees them once released
+            # kvpush's to release, and the engine frees them once released (not again if
+            # it freed them already: released CLOSED, its prefill_done refused as closed)
             req.p_aborted = True
             src.engine_done = True
-            if src.released:
+            if src.released and not src.ended:
                 pe.engine.give_back(src)
                 self.source_ended(src)
         self.checker.trace(f"{pe.name} engine abort {req.rid}")

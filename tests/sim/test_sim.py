@@ -245,6 +245,23 @@ def test_regression_released_early_then_aborted() -> None:
         assert not found, found
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_regression_an_engine_abort_after_a_close_hands_and_frees_nothing_twice(
+        seed: int) -> None:
+    """The engine model around a producer closed and reopened under a layer-wise push
+    released CLOSED: a prefill_done after the engine's abort is not made to the reopened
+    producer (the model made it, and that producer took the blocks the engine already had
+    back for a new use, released them on its lease: release_not_held), and the abort of a
+    source the engine freed already (its prefill_done refused as closed) does not free it
+    again (sim_model). Each seed reported both before."""
+    faults = Faults(enabled=frozenset({"close", "pabort", "order", "late"}), rate=4.0,
+                    pabort_p=0.5, order_p=1.0, late_p=0.3)
+    sim = Simulation(seed, requests=1000, faults=faults, timings=Timings(layerwise_p=1.0),
+                     out=io.StringIO(), stop_after=1)
+    assert sim.run() == 0, sim.checker.violations[0]
+    assert sim.stats["fault_order"] > 100 and sim.stats["fault_close"] > 20
+
+
 def test_regression_fence_of_a_consumer_lost_before_its_write_was_abandoned() -> None:
     """With transfer_timeout_s above peer_timeout_s (the library's defaults and the
     soak's), an engine abort's WRITE hung in a cut and abandoned after its consumer was
