@@ -206,23 +206,17 @@ class Consumer(Endpoint):
         # (claim, pull, abort) and by the loop (a producer lost), hence the lock
         self._claims: dict[str, _Claim] = {}
         self._claims_lock = threading.Lock()
-        driver = self._make_driver(layout, name=config.name, transport=config.transport,
-                                   progress=config.progress, auth_key=config.auth_key)
-        self._agent = driver.agent
-        try:
-            self._core = ConsumerCore(layout, config, _AgentLinks(driver.agent, layout),
-                                      driver.stats)
-            # The sessions with producers: handshake, authentication, heartbeats,
-            # liveness, one connection per producer (kvpush.protocol.session, the machine
-            # the simulator runs too).
-            self._sessions = Dialing(driver, self._core, peer_timeout_s=config.peer_timeout_s,
-                                     heartbeat_s=config.heartbeat_s,
-                                     connect_timeout_s=config.connect_timeout_s,
-                                     claims_lost=self._claims_lost)
-        except BaseException:
-            driver.close()
-            raise
-        driver.start(self._core, self._sessions, self._deliver, self._finished.end)
+        # The sessions with producers: handshake, authentication, heartbeats, liveness,
+        # one connection per producer (kvpush.protocol.session, the machine the simulator
+        # runs too).
+        self._core, self._sessions = self._assemble(
+            layout, config,
+            lambda d: ConsumerCore(layout, config, _AgentLinks(d.agent, layout), d.stats),
+            lambda d, core: Dialing(d, core, peer_timeout_s=config.peer_timeout_s,
+                                    heartbeat_s=config.heartbeat_s,
+                                    connect_timeout_s=config.connect_timeout_s,
+                                    claims_lost=self._claims_lost),
+            self._deliver, self._finished.end)
 
     # -- engine API (any thread) -----------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None) -> str:

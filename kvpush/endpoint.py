@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from .driver import Driver
+from .driver import Core, Driver, Sessions
 from .layout import KVLayout
 
 __all__ = ["RESULT_QUEUE", "Endpoint", "check_durations", "check_timeout", "queue_result"]
@@ -22,6 +23,9 @@ log = logging.getLogger("kvpush")
 #: every doubling) a warning says the engine does not drain them. None is ever dropped: a
 #: lost Release would leak the engine's blocks.
 RESULT_QUEUE = 1 << 16
+
+C = TypeVar("C", bound=Core)
+S = TypeVar("S", bound=Sessions)
 
 
 def check_durations(config: Any, *names: str) -> None:
@@ -56,13 +60,29 @@ class Endpoint:
     _role = "endpoint"
     _driver: Driver
 
-    def _make_driver(self, layout: KVLayout, **kw: Any) -> Driver:
+    def _assemble(self, layout: KVLayout, config: Any, core: Callable[[Driver], C],
+                  sessions: Callable[[Driver, C], S], deliver: Callable[[Any], None],
+                  ended: Callable[[], None]) -> tuple[C, S]:
+        """Make this endpoint's driver (from ``config``'s name, transport, progress and
+        key), the role's core and sessions over it, and start its loop: ``deliver`` hands
+        a result or release to the engine, ``ended`` follows the last. What was made is
+        closed if a later part fails."""
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
-        self._driver = Driver(layout, role=self._role, **kw)
-        self.name: str = self._driver.name
-        return self._driver
+        driver = self._driver = Driver(layout, role=self._role, name=config.name,
+                                       transport=config.transport, progress=config.progress,
+                                       auth_key=config.auth_key)
+        self.name: str = driver.name
+        self._agent = driver.agent
+        try:
+            made = core(driver)
+            talks = sessions(driver, made)
+        except BaseException:
+            driver.close()
+            raise
+        driver.start(made, talks, deliver, ended)
+        return made, talks
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the loop thread, fail requests still in flight with

@@ -147,23 +147,17 @@ class Producer(Endpoint):
         self._released: DrainQueue[Release] = DrainQueue()
         # called on the loop thread with every release (kvpush.prometheus)
         self._observers: list[Callable[[Release], None]] = []
-        driver = self._make_driver(layout, name=config.name, transport=config.transport,
-                                   progress=config.progress, auth_key=config.auth_key)
-        self._agent = driver.agent
-        try:
-            self._core = ProducerCore(layout, config, _Links(driver.agent, layout),
-                                      driver.stats)
-            # The sessions with consumers: handshake, authentication, liveness,
-            # incarnations (kvpush.protocol.session, the machine the simulator runs too).
-            self._sessions = Accepting(driver, self._core, host=config.host, port=config.port,
-                                       advertise=config.advertise,
-                                       peer_timeout_s=config.peer_timeout_s)
-        except BaseException:
-            driver.close()
-            raise
+        # The sessions with consumers: handshake, authentication, liveness, incarnations
+        # (kvpush.protocol.session, the machine the simulator runs too).
+        self._core, self._sessions = self._assemble(
+            layout, config,
+            lambda d: ProducerCore(layout, config, _Links(d.agent, layout), d.stats),
+            lambda d, core: Accepting(d, core, host=config.host, port=config.port,
+                                      advertise=config.advertise,
+                                      peer_timeout_s=config.peer_timeout_s),
+            self._deliver, self._released.end)
         self.bound: str = self._sessions.bound
         self.address: str = self._sessions.address
-        driver.start(self._core, self._sessions, self._deliver, self._released.end)
 
     # -- engine API (any thread) -----------------------------------------------------------
     def prefill_done(self, request_id: str, block_ids: Any,
