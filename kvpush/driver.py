@@ -52,7 +52,7 @@ __all__ = ["OUTBOX_BYTES", "SEND_HWM", "Core", "Driver", "Sessions", "Timer", "c
 log = logging.getLogger("kvpush")
 
 #: Control frames ZeroMQ queues per peer before a send would block (its high-water mark);
-#: past it, frames wait in the endpoint's own outbox (:meth:`Endpoint._send`).
+#: past it, frames wait in the driver's own outbox (:meth:`Driver.send_frame`).
 SEND_HWM = 1 << 14
 #: Bytes of control frames that may wait for one peer; past it the peer is given up
 #: (its requests fail with a clear status) rather than memory growing without bound.

@@ -60,7 +60,7 @@ class Stats:
     events_refused: int = 0        # an event the request's state does not allow
     loop_wakeups: int = 0          # the loop thread came back from a blocking wait
     hot_polls: int = 0             # loop iterations spun without releasing the GIL
-    loop_stalls: int = 0           # loop iterations longer than endpoint.LOOP_STALL_S (logged)
+    loop_stalls: int = 0           # loop iterations longer than driver.LOOP_STALL_S (logged)
     data_plane_restarts: int = 0   # data-plane child lost and started again (data_plane="child")
 
     def as_dict(self) -> dict[str, int]:
