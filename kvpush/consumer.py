@@ -26,15 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from . import _trace
 from . import messages as m
 from ._loop import no_blocking
-from .agent import Agent, TransportConfig
+from .agent import TransportConfig
 from .aio import DrainQueue, drain_iter
 from .auth import check_key
-from .dataplane import ChildAgent
 from .endpoint import Endpoint, check_durations, check_timeout, queue_result
 from .errors import (
     AuthenticationError,
@@ -46,7 +44,7 @@ from .errors import (
     TransferTimeout,
 )
 from .layout import KVLayout
-from .plan import block_checksums, check_request_id, require_host_checksums, validate_block_ids
+from .plan import check_request_id, require_host_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.consumer import ConsumerCore, new_xid, pull_length_error
 from .request import (
@@ -154,25 +152,6 @@ class _Claim:
     given_up: bool = False
 
 
-class _AgentLinks:
-    """:class:`kvpush.protocol.consumer.Links` over this side's NIXL agent."""
-
-    def __init__(self, agent: Agent | ChildAgent, layout: KVLayout) -> None:
-        self._agent = agent
-        self._layout = layout
-
-    def plan(self, peer: str, local_ids: np.ndarray, remote_ids: np.ndarray,
-             coalesce: bool) -> Any:
-        return self._agent.link(peer).plan(local_ids, remote_ids, self._layout.num_blocks,
-                                           self._layout.num_regions, coalesce)
-
-    def desc_bytes(self, peer: str) -> int:
-        return self._agent.link(peer).desc_bytes
-
-    def checksums(self, ids: np.ndarray) -> np.ndarray:
-        return block_checksums(self._layout, ids)
-
-
 class Consumer(Endpoint):
     """The decode side of kvpush.
 
@@ -211,7 +190,7 @@ class Consumer(Endpoint):
         # runs too).
         self._core, self._sessions = self._assemble(
             layout, config,
-            lambda d: ConsumerCore(layout, config, _AgentLinks(d.agent, layout), d.stats),
+            lambda d: ConsumerCore(layout, config, d.links, d.stats),
             lambda d, core: Dialing(d, core, peer_timeout_s=config.peer_timeout_s,
                                     heartbeat_s=config.heartbeat_s,
                                     connect_timeout_s=config.connect_timeout_s,

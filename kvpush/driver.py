@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import zmq
 
 from . import _trace
@@ -42,12 +43,13 @@ from .dataplane import ChildAgent, make_agent
 from .errors import AuthenticationError, ClosedError, KvpushError, PeerUnavailable, ProtocolError
 from .layout import KVLayout
 from .metrics import LIVE, Stats
+from .plan import block_checksums
 from .progress import Backoff, ProgressPolicy
 from .protocol.effects import Abandon, Dial, DropPeer, Emit, Post, Send, XferEnd
 from .protocol.timers import Timer, TimerHeap
 
-__all__ = ["OUTBOX_BYTES", "SEND_HWM", "Core", "Driver", "Sessions", "Timer", "close_dead_links",
-           "control_socket"]
+__all__ = ["OUTBOX_BYTES", "SEND_HWM", "AgentLinks", "Core", "Driver", "Sessions", "Timer",
+           "close_dead_links", "control_socket"]
 
 log = logging.getLogger("kvpush")
 
@@ -116,6 +118,27 @@ def _precise_sleeps() -> None:
         libc.prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, nanoseconds
     except (OSError, AttributeError):
         pass
+
+
+class AgentLinks:
+    """Both cores' ``links``: plans over the agent's prepared descriptor lists (this side's
+    ids first), their descriptor size, and this side's block checksums."""
+
+    def __init__(self, agent: Agent | ChildAgent, layout: KVLayout) -> None:
+        self._agent = agent
+        self._layout = layout
+
+    def plan(self, peer: str, local_ids: np.ndarray, remote_ids: np.ndarray,
+             coalesce: bool) -> Any:
+        lay = self._layout
+        return self._agent.link(peer).plan(local_ids, remote_ids, lay.num_blocks,
+                                           lay.num_regions, coalesce)
+
+    def desc_bytes(self, peer: str) -> int:
+        return self._agent.link(peer).desc_bytes
+
+    def checksums(self, ids: np.ndarray) -> bytes:
+        return bytes(block_checksums(self._layout, ids).astype("<u8").tobytes())
 
 
 class Core(Protocol):
@@ -192,6 +215,7 @@ class Driver:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.timers = TimerHeap()
         self.agent: Agent | ChildAgent = make_agent(self.name, layout, transport)
+        self.links = AgentLinks(self.agent, layout)   # what the role's core plans with
         # The role's parts, given by start(); until then nothing runs on a loop thread.
         self.core: Core          # set by start()
         self.sessions: Sessions  # set by start()

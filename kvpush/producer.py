@@ -21,14 +21,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from . import _trace
 from . import messages as m
-from .agent import Agent, TransportConfig
+from .agent import TransportConfig
 from .aio import DrainQueue, drain_iter
 from .auth import check_key
-from .dataplane import ChildAgent
 from .endpoint import Endpoint, check_durations, queue_result
 from .layout import KVLayout
 from .messages import new_id
@@ -103,24 +100,6 @@ class ProducerConfig:
             raise ValueError(f"ProducerConfig.port must be in [0, 65535], got {self.port}")
 
 
-class _Links:
-    """The core's view of the agent's prepared descriptor lists."""
-
-    def __init__(self, agent: Agent | ChildAgent, layout: KVLayout) -> None:
-        self._agent = agent
-        self._layout = layout
-
-    def plan(self, peer: str, src: np.ndarray, dst: np.ndarray, coalesce: bool) -> Any:
-        lay = self._layout
-        return self._agent.link(peer).plan(src, dst, lay.num_blocks, lay.num_regions, coalesce)
-
-    def desc_bytes(self, peer: str) -> int:
-        return self._agent.link(peer).desc_bytes
-
-    def checksums(self, ids: np.ndarray) -> bytes:
-        return bytes(block_checksums(self._layout, ids).astype("<u8").tobytes())
-
-
 class Producer(Endpoint):
     """The prefill side of kvpush.
 
@@ -151,7 +130,7 @@ class Producer(Endpoint):
         # (kvpush.protocol.session, the machine the simulator runs too).
         self._core, self._sessions = self._assemble(
             layout, config,
-            lambda d: ProducerCore(layout, config, _Links(d.agent, layout), d.stats),
+            lambda d: ProducerCore(layout, config, d.links, d.stats),
             lambda d, core: Accepting(d, core, host=config.host, port=config.port,
                                       advertise=config.advertise,
                                       peer_timeout_s=config.peer_timeout_s),
