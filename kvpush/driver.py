@@ -29,6 +29,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,7 +39,7 @@ from . import _trace
 from . import messages as m
 from ._loop import enter_loop, loop_name, no_blocking
 from .agent import Agent, TransportConfig, XferState
-from .auth import Opener, Sealer
+from .auth import Opener, Sealer, new_nonce
 from .dataplane import ChildAgent, make_agent
 from .errors import AuthenticationError, ClosedError, KvpushError, PeerUnavailable, ProtocolError
 from .layout import KVLayout
@@ -48,8 +49,8 @@ from .progress import Backoff, ProgressPolicy
 from .protocol.effects import Abandon, Dial, DropPeer, Emit, Post, Send, XferEnd
 from .protocol.timers import Timer, TimerHeap
 
-__all__ = ["OUTBOX_BYTES", "SEND_HWM", "AgentLinks", "Core", "Driver", "Sessions", "Timer",
-           "close_dead_links", "control_socket"]
+__all__ = ["OUTBOX_BYTES", "SEND_HWM", "AgentLinks", "Core", "Driver", "LoopIO", "Sessions",
+           "Timer", "close_dead_links", "control_socket"]
 
 log = logging.getLogger("kvpush")
 
@@ -189,13 +190,33 @@ class Sessions(Protocol):
         """The endpoint closes: say goodbye; nobody waits for a session any more."""
 
 
+@dataclass(frozen=True)
+class LoopIO:
+    """What a driver runs on when it runs without its thread: the owner calls
+    :meth:`Driver.step` whenever something may have happened (a frame arrived, a command was
+    queued, a transfer ended, :meth:`Driver.next_wake` came), so a test or the simulator runs
+    the production loop's code on its own clock, over its own sockets and NIXL agent."""
+
+    clock: Callable[[], float]                 # monotonic seconds (timers, deadlines)
+    wall: Callable[[], float]                  # wall-clock seconds (sealed frames' age)
+    nonce: Callable[[], bytes]                 # 16 fresh bytes (handshakes, identities)
+    context: Any                               # makes sockets: ``socket(zmq.ROUTER|DEALER)``
+    agent: Callable[[str, KVLayout], Agent | ChildAgent]   # this endpoint's NIXL agent
+
+
 class Driver:
-    """The loop thread of one Producer or Consumer and what it owns (see the module)."""
+    """The loop thread of one Producer or Consumer and what it owns (see the module).
+
+    With ``io`` (:class:`LoopIO`) there is no thread: the owner runs each iteration."""
 
     def __init__(self, layout: KVLayout, *, role: str, name: str | None,
                  transport: TransportConfig, progress: ProgressPolicy,
-                 auth_key: bytes | None) -> None:
+                 auth_key: bytes | None, io: LoopIO | None = None) -> None:
         self.stats = Stats()
+        self.clock: Callable[[], float] = time.monotonic if io is None else io.clock
+        self.wall: Callable[[], float] = time.time if io is None else io.wall
+        self.nonce: Callable[[], bytes] = new_nonce if io is None else io.nonce
+        self._threaded = io is None
         self.key = auth_key
         self.layout = layout
         self.role = role
@@ -214,7 +235,8 @@ class Driver:
         self._finalized = False
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.timers = TimerHeap()
-        self.agent: Agent | ChildAgent = make_agent(self.name, layout, transport)
+        self.agent: Agent | ChildAgent = make_agent(self.name, layout, transport) \
+            if io is None else io.agent(self.name, layout)
         self.links = AgentLinks(self.agent, layout)   # what the role's core plans with
         # The role's parts, given by start(); until then nothing runs on a loop thread.
         self.core: Core          # set by start()
@@ -225,7 +247,7 @@ class Driver:
         self._gauges: dict[str, int] = {}
         self._xfers: dict[int, Any] = {}        # core transfer key -> NIXL handle
         LIVE.add("registrations", 1)
-        self.ctx = zmq.Context()
+        self.ctx: Any = zmq.Context() if io is None else io.context
         self._poller = zmq.Poller()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
@@ -241,7 +263,9 @@ class Driver:
         self._flush_delay = 1e-3
         self.thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
         self._stop = False
-        self._waiting = True  # the loop may be blocked in poll: callers must wake it
+        # the loop may be blocked in poll: callers must wake it (a loop without a thread
+        # never blocks: its owner steps it)
+        self._waiting = self._threaded
         self._emitted = False  # a result or release went to the engine this iteration
         self._notifs_read: float | None = None  # when NIXL's notifications were last read
         self._loop_error: BaseException | None = None
@@ -256,7 +280,8 @@ class Driver:
         self.core, self.sessions, self._deliver, self._ended = core, sessions, deliver, ended
         self._parts = True
         self._gauges = dict.fromkeys(core.gauges, 0)
-        self.thread.start()
+        if self._threaded:
+            self.thread.start()
 
     # -- loop plumbing ---------------------------------------------------------------------
     def call_soon(self, fn: Callable[[], None]) -> None:
@@ -313,9 +338,10 @@ class Driver:
     def call_and_wait(self, fn: Callable[[], Any], timeout: float,
                        what: str = "this call") -> Any:
         """Run ``fn`` on the loop thread and return its result (or raise its exception).
-        On this endpoint's own loop thread ``fn`` runs at once; on another endpoint's it
-        raises (waiting would stall that loop)."""
-        if self.on_loop():
+        On this endpoint's own loop thread ``fn`` runs at once (and always for a loop
+        without a thread: its owner is the loop); on another endpoint's it raises (waiting
+        would stall that loop)."""
+        if self.on_loop() or not self._threaded:
             return fn()
         no_blocking(what)
         done = threading.Event()
@@ -339,10 +365,11 @@ class Driver:
     def add_socket(self, sock: zmq.Socket[Any],
                     handler: Callable[[zmq.Socket[Any]], None]) -> None:
         self._sockets[sock] = handler
-        self._poller.register(sock, zmq.POLLIN)
+        if self._threaded:
+            self._poller.register(sock, zmq.POLLIN)
 
     def remove_socket(self, sock: zmq.Socket[Any]) -> None:
-        if self._sockets.pop(sock, None) is not None:
+        if self._sockets.pop(sock, None) is not None and self._threaded:
             self._poller.unregister(sock)
         for key in [k for k in self._outbox if k[0] is sock]:
             self.drop_outbox(key)
@@ -358,7 +385,7 @@ class Driver:
         return self.timers.add(deadline, fn)
 
     def after(self, delay: float, fn: Callable[[], None]) -> Timer:
-        return self.at(time.monotonic() + delay, fn)
+        return self.at(self.clock() + delay, fn)
 
     # -- driving the protocol core: events in, effects carried out ------------------------
     def apply(self) -> None:
@@ -394,7 +421,7 @@ class Driver:
     def event(self, feed: Callable[[float], object]) -> None:
         """Feed one event to the core (loop thread), with the time now, and carry out what
         it asks."""
-        feed(time.monotonic())
+        feed(self.clock())
         self.apply()
 
     def submit(self, feed: Callable[[float], object]) -> None:
@@ -404,7 +431,7 @@ class Driver:
     def _post(self, effect: Post) -> None:
         if _trace.ON:
             _trace.stamp("post")
-        now = time.monotonic()
+        now = self.clock()
         known, sealer, _ = self.sessions.keys(effect.peer)
         if not known:
             self.core.transfer_ended(now, effect.key, XferEnd.LOST)
@@ -458,7 +485,7 @@ class Driver:
     def _end_xfer(self, key: int, end: XferEnd) -> None:
         del self._xfers[key]
         LIVE.add("transfers_in_flight", -1)
-        self.core.transfer_ended(time.monotonic(), key, end)
+        self.core.transfer_ended(self.clock(), key, end)
 
     def _release_xfers(self) -> None:
         """At close: release every transfer handle (the core is told by its close())."""
@@ -480,12 +507,12 @@ class Driver:
         for key, handle in list(self._xfers.items()):
             moved |= self._check_xfer(key, handle)
         if self.core.wants_notifications():
-            since, self._notifs_read = self._notifs_read, time.monotonic()
+            since, self._notifs_read = self._notifs_read, self.clock()
             for sender, msg in self._notifications():
                 if _trace.ON:
                     _trace.stamp("notif")
                 moved = True
-                self.core.on_notification(time.monotonic(), sender, msg, since)
+                self.core.on_notification(self.clock(), sender, msg, since)
         if moved:
             self.apply()
         return moved
@@ -512,14 +539,10 @@ class Driver:
 
     def _next_timeout(self) -> float | None:
         timeout: float | None = self._backoff.next_delay(
-            self.core.predicted(time.monotonic(), self.policy.spin_s)) if self._busy() else None
-        first = self.timers.next_deadline()
-        due = [] if first is None else [first]
-        core_due = self.core.next_deadline()
-        if core_due is not None:
-            due.append(core_due)
-        if due:
-            until = max(0.0, min(due) - time.monotonic())
+            self.core.predicted(self.clock(), self.policy.spin_s)) if self._busy() else None
+        due = self.next_wake()
+        if due is not None:
+            until = max(0.0, due - self.clock())
             timeout = until if timeout is None else min(timeout, until)
         return timeout
 
@@ -570,7 +593,7 @@ class Driver:
                 events = dict(self._poller.poll(None if timeout is None
                                                 else int(timeout * 1e3)))
                 self._waiting = False
-                woke = time.monotonic()
+                woke = self.clock()
                 self.stats.loop_wakeups += 1
                 if _trace.ON:
                     _trace.stamp("woke")
@@ -579,14 +602,14 @@ class Driver:
                 if self._plane_fd is not None and events.pop(self._plane_fd, 0):
                     self._check_data_plane()
                 self._drain_commands()
-                commands = time.monotonic()
+                commands = self.clock()
                 for sock in list(events):
                     handler = self._sockets.get(sock)
                     if handler is not None:
                         if _trace.ON:
                             _trace.stamp("message")
                         handler(sock)
-                self._finish_iteration(woke, commands, time.monotonic())
+                self._finish_iteration(woke, commands, self.clock())
         except BaseException as exc:  # a bug: record it, fail everything, never hang callers
             log.exception("%s loop crashed", self.name)
             self._loop_error = exc
@@ -608,7 +631,7 @@ class Driver:
         """One loop iteration took ``took`` s (past :data:`LOOP_STALL_S`): say where (at
         most one line per :data:`STALL_LOG_EVERY_S`, naming how many were not logged)."""
         self.stats.loop_stalls += 1
-        now = time.monotonic()
+        now = self.clock()
         if now < self._stall_logged + STALL_LOG_EVERY_S:
             self._stalls_unlogged += 1
             return
@@ -620,15 +643,20 @@ class Driver:
                     ", ".join(f"{what} {s:.3f} s" for what, s in parts), more)
 
     def _hot_iteration(self) -> None:
-        """One loop iteration that never releases the GIL: commands straight from the queue
-        (the eventfd stays set and is read by the next blocking poll), sockets by their
-        ``EVENTS`` option, then NIXL and the timers, as :meth:`_run` does."""
+        """One loop iteration that never releases the GIL (see :meth:`step`)."""
         self.stats.hot_polls += 1
-        start = time.monotonic()
+        self.step()
+
+    def step(self) -> None:
+        """One loop iteration that never blocks: commands straight from the queue (the
+        eventfd stays set and is read by the next blocking poll), sockets by their
+        ``EVENTS`` option, then NIXL and the timers, as :meth:`_run` does. The loop thread
+        runs it while it spins; a loop without a thread (:class:`LoopIO`) runs only it."""
+        start = self.clock()
         self._drain_commands()
-        commands = time.monotonic()
+        commands = self.clock()
         self.read_waiting()
-        self._finish_iteration(start, commands, time.monotonic())
+        self._finish_iteration(start, commands, self.clock())
 
     def _finish_iteration(self, start: float, commands: float, messages: float) -> None:
         """An iteration's end: NIXL polled (while anything is in flight), the timers run.
@@ -636,14 +664,27 @@ class Driver:
         (commands until ``commands``, messages until ``messages``)."""
         if self._busy() and self._poll_transfers():
             self._backoff.progressed()
-        polled = time.monotonic()
+        polled = self.clock()
         self._run_timers()
-        done = time.monotonic()
+        done = self.clock()
         if done - start > LOOP_STALL_S:
             self._stalled(done - start, (("commands", commands - start),
                                          ("messages", messages - commands),
                                          ("NIXL polls", polled - messages),
                                          ("timers", done - polled)))
+
+    def next_wake(self) -> float | None:
+        """When the loop next has work of its own (a timer, the core's deadline), on its
+        clock; None: only a command, a frame or a transfer's end brings work. Transfers in
+        flight are polled by every :meth:`step` (:meth:`busy` says whether any are)."""
+        first = self.timers.next_deadline()
+        core_due = self.core.next_deadline() if self._parts else None
+        due = [t for t in (first, core_due) if t is not None]
+        return min(due) if due else None
+
+    def busy(self) -> bool:
+        """True while a transfer or an awaited notification needs NIXL polled."""
+        return self._busy()
 
     def read_waiting(self) -> None:
         """Handle every message already waiting on this endpoint's sockets (their ``EVENTS``
@@ -716,7 +757,7 @@ class Driver:
             self._backoff.progressed()
 
     def _run_timers(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for fn in self.timers.pop_due(now):
             fn()
         due = self.core.next_deadline()
@@ -755,7 +796,7 @@ class Driver:
             self._finalized = True
         with self._submit_lock:  # from here on a call raises ClosedError, never queues
             self._closed = True
-        if self.on_loop():
+        if self.on_loop() and self._threaded:
             # From a callback: the loop ends after it and tears down on its way out.
             with self._exit_lock:
                 self._teardown_on_exit = True
@@ -802,7 +843,7 @@ class Driver:
         if not self._parts:
             return
         self.sessions.close()
-        self.core.close(time.monotonic())
+        self.core.close(self.clock())
         self.apply()
         self._release_xfers()
         self.apply()

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -92,7 +90,8 @@ class Accepting:
         agent = driver.agent
         self.machine = Acceptor(AcceptConfig(
             driver.name, driver.layout, driver.key, peer_timeout_s, self.address,
-            self.bound, wire=lambda: agent.layout), agent.metadata, driver.stats)
+            self.bound, wall=driver.wall, nonce=driver.nonce, wire=lambda: agent.layout),
+            agent.metadata, driver.stats)
         driver.add_socket(self.router, self._on_router)
         driver.after(peer_timeout_s / 4, self._check_peers)
 
@@ -165,10 +164,10 @@ class Accepting:
                     continue
                 read[identity] = spent
                 strangers += size
-            effects, got = self.machine.receive(time.monotonic(), identity, frame)
+            effects, got = self.machine.receive(self._driver.clock(), identity, frame)
             self._carry_out(effects)
             if got is not None and not isinstance(got[1], m.Heartbeat):
-                self._core.on_message(time.monotonic(), got[0], got[1])
+                self._core.on_message(self._driver.clock(), got[0], got[1])
         self._driver.apply()
 
     def _carry_out(self, effects: list[SessionEffect]) -> None:
@@ -180,14 +179,14 @@ class Accepting:
                 self._admit(effect)
             elif isinstance(effect, PeerUp):
                 assert effect.layout is not None
-                self._core.peer_up(time.monotonic(), effect.name, effect.layout)
+                self._core.peer_up(self._driver.clock(), effect.name, effect.layout)
             elif isinstance(effect, PeerDown):
                 if effect.conn:
                     log.info("%s: dropping consumer %s: %s", self._driver.name, effect.name,
                              effect.why)
                     assert isinstance(effect.conn, bytes)
                     self._driver.drop_outbox((self.router, effect.conn))
-                self._core.peer_lost(time.monotonic(), effect.name, effect.why,
+                self._core.peer_lost(self._driver.clock(), effect.name, effect.why,
                                      abandon=effect.abandon)
                 self._driver.apply()
 
@@ -211,7 +210,7 @@ class Accepting:
             return
         if agent_name != admit.name:
             agent.remove_peer(agent_name)
-        self._carry_out(self.machine.admitted(time.monotonic(), admit.peer, agent_name))
+        self._carry_out(self.machine.admitted(self._driver.clock(), admit.peer, agent_name))
 
     # -- liveness ----------------------------------------------------------------------
     def _check_peers(self) -> None:
@@ -219,7 +218,7 @@ class Accepting:
         loop could not read it (a stall) is read first, so a stalled loop does not take
         its own deafness for the consumer's silence."""
         self._driver.read_waiting()
-        self._carry_out(self.machine.check(time.monotonic()))
+        self._carry_out(self.machine.check(self._driver.clock()))
         self._driver.after(self._peer_timeout_s / 4, self._check_peers)
 
     def drop(self, consumer: Accepted, why: str, *, abandon: bool = False) -> None:
@@ -246,7 +245,8 @@ class Dialing:
         self._claims_lost = claims_lost
         agent = driver.agent
         self.machine = Dialers(DialConfig(driver.name, driver.layout, driver.key,
-                                          peer_timeout_s, wire=lambda: agent.layout))
+                                          peer_timeout_s, wall=driver.wall,
+                                          nonce=driver.nonce, wire=lambda: agent.layout))
         # each session's socket and the connect() calls waiting on it, by its own address
         self.conns: dict[str, zmq.Socket[Any]] = {}
         self._waiters: dict[str, list[Waiter]] = {}
@@ -277,11 +277,11 @@ class Dialing:
             # A random routing identity per connection: no other peer can take this
             # connection over by connecting under the same identity (the producer knows a
             # restarted consumer by the name in its Hello).
-            sock.setsockopt(zmq.IDENTITY, b"k" + os.urandom(15))
+            sock.setsockopt(zmq.IDENTITY, b"k" + self._driver.nonce()[:15])
             sock.connect(address)
             self.conns[address] = sock
             self._driver.add_socket(sock, self._handler(address, sock))
-        now = time.monotonic()
+        now = self._driver.clock()
         d, effects = self.machine.dial(now, address, self._driver.agent.metadata,
                                        now + timeout)
         self._waiters.setdefault(d.address, []).append(on_result)
@@ -319,7 +319,7 @@ class Dialing:
 
     def data_plane_lost(self, why: str) -> None:
         self._rejoin_after = list(self.machine.by_address)
-        now = time.monotonic()
+        now = self._driver.clock()
         for d in self.machine:  # (one still dialling: its Hello carried the lost metadata)
             self._carry_out(self.machine.lose(now, d, why))
 
@@ -357,7 +357,7 @@ class Dialing:
                     raise ProtocolError("expected one frame")
                 if not d.up and len(frames[0]) > STRANGER_FRAME_BYTES:
                     raise ProtocolError("handshake frame too large")  # dropped unread
-                effects, msg = self.machine.receive(time.monotonic(), d, frames[0].buffer)
+                effects, msg = self.machine.receive(self._driver.clock(), d, frames[0].buffer)
             except AuthenticationError as exc:
                 driver.stats.auth_rejected += 1
                 log.warning("%s: rejected control frame: %s", driver.name, exc)
@@ -376,7 +376,7 @@ class Dialing:
             if isinstance(msg, (m.Posted, m.Failed, m.AbortAck, m.PullHeld, m.Abort)):
                 if isinstance(msg, (m.Failed, m.Abort)):
                     self._claims_lost(d.name, msg.request_id, msg.xid)
-                self._core.on_message(time.monotonic(), d.name, msg)
+                self._core.on_message(self._driver.clock(), d.name, msg)
                 driver.apply()
             else:
                 driver.stats.messages_rejected += 1
@@ -404,7 +404,7 @@ class Dialing:
                 self._admit(effect)
             elif isinstance(effect, PeerUp):
                 d = self.machine.by_name.get(effect.name)
-                self._core.peer_up(time.monotonic(), effect.name,
+                self._core.peer_up(self._driver.clock(), effect.name,
                                    d.layout if d is not None else None)
                 if d is not None:
                     self._resolve(d.address, effect.name, None)
@@ -425,14 +425,14 @@ class Dialing:
         try:
             name = agent.add_peer(admit.metadata, admit.layout, admit.name)
         except KvpushError as exc:
-            self._carry_out(self.machine.refused(time.monotonic(), d, exc))
+            self._carry_out(self.machine.refused(self._driver.clock(), d, exc))
             return
         if name != admit.name:
             agent.remove_peer(name)
-            self._carry_out(self.machine.refused(time.monotonic(), d, ProtocolError(
+            self._carry_out(self.machine.refused(self._driver.clock(), d, ProtocolError(
                 f"producer calls itself {admit.name!r} but its NIXL agent is {name!r}")))
             return
-        self._carry_out(self.machine.admitted(time.monotonic(), d))
+        self._carry_out(self.machine.admitted(self._driver.clock(), d))
 
     def _resolve(self, address: str, name: str | None, error: KvpushError | None) -> None:
         for waiter in self._waiters.pop(address, []):
@@ -455,7 +455,7 @@ class Dialing:
 
     def _dial_tick(self) -> None:
         self._dial_timer, self._dial_due = None, math.inf
-        self._carry_out(self.machine.tick(time.monotonic()))
+        self._carry_out(self.machine.tick(self._driver.clock()))
 
     # -- liveness ----------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -465,7 +465,7 @@ class Dialing:
         longer than the timeout (a long NIXL call, the GIL, the process stopped) blames no
         producer for its own silence."""
         self._driver.read_waiting()
-        self._carry_out(self.machine.heartbeat(time.monotonic()))
+        self._carry_out(self.machine.heartbeat(self._driver.clock()))
         self._driver.after(self._heartbeat_s, self._heartbeat)
 
     def _lose(self, down: PeerDown) -> None:
@@ -475,7 +475,7 @@ class Dialing:
         self._driver.stats.peers_lost += 1
         self._drop_conn(str(down.conn))
         self._claims_lost(down.name, None, None)  # a pull of them starts anew
-        self._core.peer_lost(time.monotonic(), down.name, down.why)
+        self._core.peer_lost(self._driver.clock(), down.name, down.why)
         self._driver.apply()
         self._driver.agent.remove_peer(down.name)
         if down.rejoin:  # its NIXL metadata is new

@@ -1,0 +1,243 @@
+"""ZeroMQ's ROUTER and DEALER sockets in memory, for a :class:`~kvpush.driver.Driver` run
+without its thread (:class:`~kvpush.driver.LoopIO`): the production loop, sessions and cores
+over a network a test or the simulator controls frame by frame.
+
+What it keeps of ZeroMQ, because the sessions rely on it: a DEALER's frames reach the ROUTER
+bound at its address in order, each as one message; the ROUTER sees them under the DEALER's
+``IDENTITY``, a later connection under the same identity takes it over
+(``ROUTER_HANDOVER``), and a send to an identity not connected raises ``EHOSTUNREACH``
+(``ROUTER_MANDATORY``); a DEALER whose address has nothing bound keeps its frames until
+something binds there (a restarted producer), and reconnects to whatever is bound there now.
+What it leaves to :class:`Network.carry`: when (and whether, and how often) a frame arrives.
+By default every frame arrives at once; the simulator delays, drops and duplicates them. A
+frame in flight to a socket closed meanwhile is lost, as a frame queued in a closed ZeroMQ
+socket is.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+__all__ = ["Context", "Frame", "Network", "Socket"]
+
+
+class Frame:
+    """A received frame: ``bytes``, ``buffer`` and ``len()`` like :class:`zmq.Frame`."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self, data: bytes) -> None:
+        self.bytes = data
+
+    @property
+    def buffer(self) -> memoryview:
+        return memoryview(self.bytes)
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+
+class Network:
+    """Where sockets bind and connect. ``hosts`` maps other spellings of a host (a name and
+    its IP) to one; a ROUTER bound to ``0.0.0.0`` is reached at its context's host."""
+
+    def __init__(self) -> None:
+        self.bound: dict[str, Socket] = {}          # canonical "tcp://host:port" -> ROUTER
+        self.hosts: dict[str, str] = {}
+        self._waiting: list[Socket] = []            # DEALERs whose address has no ROUTER
+        self._ports = 40000
+
+    def canonical(self, address: str, host: str = "") -> str:
+        scheme, _, rest = address.partition("://")
+        name, _, port = rest.rpartition(":")
+        if name in ("0.0.0.0", "*") and host:
+            name = host
+        return f"{scheme}://{self.hosts.get(name, name)}:{port}"
+
+    def carry(self, src: Socket, dst: Socket, frames: list[bytes],
+              arrive: Callable[[], None]) -> None:
+        """Deliver one message: call ``arrive`` when it arrives (here: at once). Override
+        to delay it, drop it (never call it) or duplicate it (call it twice)."""
+        arrive()
+
+    # -- used by the sockets -----------------------------------------------------------
+    def _bind(self, sock: Socket, address: str) -> str:
+        scheme, _, rest = address.partition("://")
+        name, _, port = rest.rpartition(":")
+        if port in ("*", "0"):
+            self._ports += 1
+            port = str(self._ports)
+        where = self.canonical(f"{scheme}://{name}:{port}", sock.ctx.host)
+        if where in self.bound:
+            raise zmq.ZMQError(zmq.EADDRINUSE, f"{where} is bound already")
+        self.bound[where] = sock
+        for dealer in list(self._waiting):
+            if dealer.closed:
+                self._waiting.remove(dealer)
+            elif self.canonical(dealer.address) == where:
+                self._waiting.remove(dealer)
+                dealer._attach(sock)
+        return f"{scheme}://{name}:{port}"
+
+    def _router_at(self, address: str) -> Socket | None:
+        router = self.bound.get(self.canonical(address))
+        return None if router is None or router.closed else router
+
+    def _wait_for(self, dealer: Socket) -> None:
+        if dealer not in self._waiting:
+            self._waiting.append(dealer)
+
+    def _unbind(self, sock: Socket) -> None:
+        for where in [w for w, s in self.bound.items() if s is sock]:
+            del self.bound[where]
+
+
+class Context:
+    """A socket factory on one host of a :class:`Network`. ``on_frame`` is called each
+    time a frame lands in one of its sockets (the owner steps its driver then)."""
+
+    def __init__(self, net: Network, host: str = "127.0.0.1",
+                 on_frame: Callable[[], None] | None = None) -> None:
+        self.net = net
+        self.host = host
+        self.on_frame: Callable[[], None] = on_frame or (lambda: None)
+        self.sockets: list[Socket] = []
+
+    def socket(self, kind: int) -> Socket:
+        if kind not in (zmq.ROUTER, zmq.DEALER):
+            raise ValueError(f"only ROUTER and DEALER sockets, got {kind}")
+        sock = Socket(self, kind)
+        self.sockets.append(sock)
+        return sock
+
+    def destroy(self, linger: int = 0) -> None:
+        for sock in self.sockets:
+            sock.close(linger)
+
+
+class Socket:
+    """A ROUTER or a DEALER (see the module for what it keeps of ZeroMQ)."""
+
+    def __init__(self, ctx: Context, kind: int) -> None:
+        self.ctx = ctx
+        self.kind = kind
+        self.closed = False
+        self.options: dict[int, Any] = {}
+        self.inbox: deque[list[bytes]] = deque()
+        self.address = ""                     # DEALER: where it connected; ROUTER: bound
+        self.peers: dict[bytes, Socket] = {}  # ROUTER: connected DEALERs by identity
+        self._router: Socket | None = None    # DEALER: the ROUTER it reaches now
+        self._held: list[bytes] = []          # DEALER: frames waiting for a ROUTER
+
+    # -- options -----------------------------------------------------------------------
+    def setsockopt(self, option: int, value: Any) -> None:
+        self.options[option] = value
+
+    def getsockopt(self, option: int) -> Any:
+        if option == zmq.EVENTS:
+            return zmq.POLLIN if self.inbox else 0
+        return self.options.get(option, 0)
+
+    def getsockopt_string(self, option: int) -> str:
+        if option == zmq.LAST_ENDPOINT:
+            return self.address
+        return str(self.options.get(option, ""))
+
+    @property
+    def identity(self) -> bytes:
+        value = self.options.get(zmq.IDENTITY, b"")
+        return value if isinstance(value, bytes) else str(value).encode()
+
+    # -- connections -------------------------------------------------------------------
+    def bind(self, address: str) -> None:
+        if self.kind != zmq.ROUTER:
+            raise ValueError("only a ROUTER binds here")
+        self.address = self.ctx.net._bind(self, address)
+
+    def connect(self, address: str) -> None:
+        if self.kind != zmq.DEALER:
+            raise ValueError("only a DEALER connects here")
+        self.address = address
+        router = self.ctx.net._router_at(address)
+        if router is None:
+            self.ctx.net._wait_for(self)
+        else:
+            self._attach(router)
+
+    def _attach(self, router: Socket) -> None:
+        self._router = router
+        router.peers[self.identity] = self     # a reconnection under it takes it over
+        held, self._held = self._held, []
+        for frame in held:
+            self._carry(router, [self.identity, frame])
+
+    def _reach(self) -> Socket | None:
+        """The ROUTER bound at this DEALER's address now (reconnecting if it changed)."""
+        router = self.ctx.net._router_at(self.address)
+        if router is None:
+            self._router = None
+            self.ctx.net._wait_for(self)
+        elif router is not self._router:
+            self._attach(router)
+        return router
+
+    # -- frames ------------------------------------------------------------------------
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+        if self.kind != zmq.DEALER:
+            raise ValueError("a ROUTER sends with send_multipart([identity, frame])")
+        router = self._reach()
+        if router is None:
+            self._held.append(bytes(frame))
+            return
+        self._carry(router, [self.identity, bytes(frame)])
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+        if self.kind != zmq.ROUTER or len(frames) != 2:
+            raise ValueError("a ROUTER sends [identity, frame]")
+        identity, frame = bytes(frames[0]), bytes(frames[1])
+        dealer = self.peers.get(identity)
+        if dealer is None or dealer.closed or dealer._router is not self:
+            self.peers.pop(identity, None)
+            if self.options.get(zmq.ROUTER_MANDATORY):
+                raise zmq.ZMQError(zmq.EHOSTUNREACH, "host unreachable")
+            return
+        self._carry(dealer, [frame])
+
+    def _carry(self, dst: Socket, frames: list[bytes]) -> None:
+        def arrive() -> None:
+            if dst.closed:
+                return  # lost with the socket it was queued in
+            dst.inbox.append(frames)
+            dst.ctx.on_frame()
+        self.ctx.net.carry(self, dst, frames, arrive)
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[Any]:
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+        if not self.inbox:
+            raise zmq.Again()
+        frames = self.inbox.popleft()
+        return [Frame(f) for f in frames] if not copy else list(frames)
+
+    def close(self, linger: int | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.inbox.clear()
+        if self.kind == zmq.ROUTER:
+            self.ctx.net._unbind(self)
+            for dealer in self.peers.values():   # they reconnect to what binds here next
+                if not dealer.closed and dealer._router is self:
+                    dealer._router = None
+                    self.ctx.net._wait_for(dealer)
+            self.peers.clear()
+        elif self._router is not None and self._router.peers.get(self.identity) is self:
+            del self._router.peers[self.identity]
