@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -47,6 +47,7 @@ from .layout import KVLayout
 from .plan import check_request_id, require_host_checksums, validate_block_ids
 from .progress import ProgressPolicy
 from .protocol.consumer import ConsumerCore, new_xid, pull_length_error
+from .protocol.effects import ClaimGone
 from .request import (
     ConnectHandle,
     ConnectResult,
@@ -56,7 +57,7 @@ from .request import (
     TransferMode,
     TransferResult,
 )
-from .sessions import Dialing, Waiter
+from .sessions import Dialing
 
 __all__ = ["Consumer", "ConsumerConfig", "new_xid"]
 
@@ -137,19 +138,14 @@ class ConsumerConfig:
             raise ValueError("ConsumerConfig.lease_margin_s must be >= 0")
 
 
-@dataclass
-class _Claim:
-    """A transfer promised (``Consumer.claim`` / ``claim_push``) and not begun, as the
-    engine's threads see it: the transfer id a pull of the same tickets (an expect from the
-    same producers) continues."""
+class _Claim(NamedTuple):
+    """A claim (``Consumer.claim`` / ``claim_push``) not continued yet, as the engine's
+    threads see it: what a pull of the same tickets (an expect from the same producers)
+    continues. Its state lives in the core, which tells when it is gone (ClaimGone)."""
 
     xid: int
+    push: bool
     sids: dict[str, int]   # producer name -> sid (0: push)
-    sharers: list[int]     # per ticket (per producer)
-    push: bool = False
-    # (loop thread) aborted or superseded before its producers were all connected: its
-    # handshakes, when they end, send no Claim
-    given_up: bool = False
 
 
 class Consumer(Endpoint):
@@ -181,8 +177,9 @@ class Consumer(Endpoint):
         # Every request's state lives in the core; this facade keeps only the handles the
         # engine waits on (by xid).
         self._handles: dict[int, TransferHandle] = {}
-        # pulls claimed and not begun, by request id: written by the engine's threads
-        # (claim, pull, abort) and by the loop (a producer lost), hence the lock
+        # claims not continued yet, by request id, so that a pull or expect takes the
+        # claim's xid and a second claim is refused on the caller's thread; written by the
+        # engine's threads (claim, pull, expect, abort) and the loop (ClaimGone), hence the lock
         self._claims: dict[str, _Claim] = {}
         self._claims_lock = threading.Lock()
         # The sessions with producers: handshake, authentication, heartbeats, liveness,
@@ -193,8 +190,7 @@ class Consumer(Endpoint):
             lambda d: ConsumerCore(layout, config, d.links, d.stats),
             lambda d, core: Dialing(d, core, peer_timeout_s=config.peer_timeout_s,
                                     heartbeat_s=config.heartbeat_s,
-                                    connect_timeout_s=config.connect_timeout_s,
-                                    claims_lost=self._claims_lost),
+                                    connect_timeout_s=config.connect_timeout_s),
             self._deliver, self._finished.end)
 
     # -- engine API (any thread) -----------------------------------------------------------
@@ -300,7 +296,7 @@ class Consumer(Endpoint):
 
         def feed(now: float) -> None:
             if stale is not None:  # give the other claim up
-                self._abort_claim(now, rid, stale, "claim superseded")
+                self._core.abort_claim(now, rid, stale.xid, "claim superseded")
             self._handles[handle.xid] = handle
             self._core.expect(now, rid, ids, names, seconds, groups, source_tail, shares,
                               handle.xid, uses)
@@ -409,7 +405,7 @@ class Consumer(Endpoint):
 
         def feed(now: float) -> None:
             if stale is not None:
-                self._abort_claim(now, rid, stale, "claim superseded")
+                self._core.abort_claim(now, rid, stale.xid, "claim superseded")
             self._handles[handle.xid] = handle
             self._core.pull(now, parsed, sources, dst, budget(), counts, handle.xid,
                             dial_s=self.config.connect_timeout_s)
@@ -421,30 +417,34 @@ class Consumer(Endpoint):
         """Pull later: this consumer will READ the tickets' blocks but cannot yet (its
         engine has no free blocks). Asks each ticket's producer to hold its source past the
         ticket's lease while this consumer is connected (bounded by the producer's
-        ``max_wait_s``). A later :meth:`pull` of the same tickets continues the claim;
-        :meth:`abort` of the request gives it up. Returns at once (any thread, callbacks
-        included) with the claim's transfer id (the pull's ``xid``). A ticket's producer
-        not connected yet is connected to first, on the loop thread (at most
-        ``connect_timeout_s``, never past the tickets' lease); a handshake that fails gives
-        the claim up (logged): a later pull of the tickets connects itself and ends with
-        the handshake's error. Raises TransferTimeout if the tickets' lease has run out."""
+        ``max_wait_s``). A later :meth:`pull` of the same tickets continues the claim (its
+        ``xid``); :meth:`abort` of the request gives it up. Returns the xid at once (any
+        thread, callbacks included).
+
+        A ticket's producer not connected yet is connected to first, on the loop thread
+        (``status().phase`` is ``claiming``; at most ``connect_timeout_s``, never past the
+        tickets' lease). If a handshake fails, the claim is given up (logged): a later pull
+        connects itself and ends with the handshake's error; a pull made during the
+        handshake connects itself too, within the tickets' lease. Raises TransferTimeout
+        if the tickets' lease has run out."""
         rid, parsed = self._parse_tickets(tickets, "claim")
-        sharers = sharer_counts(sharers, len(parsed), "tickets")
+        counts = sharer_counts(sharers, len(parsed), "tickets")
         if self._lease_left(parsed) <= 0:
             raise TransferTimeout(f"the pull ticket's lease for {rid!r} has run out")
-        claim = _Claim(new_xid(), {t.producer: t.sid for t in parsed}, sharers)
-        return self._add_claim(rid, claim, lambda now: self._claim(now, rid, parsed, claim))
+        claim = _Claim(new_xid(), False, {t.producer: t.sid for t in parsed})
+        return self._add_claim(rid, claim, lambda now: self._core.claim(
+            now, parsed, counts, claim.xid, dial_s=self.config.connect_timeout_s,
+            lease_s=self._lease_left(parsed)))
 
     def claim_push(self, request_id: str, producers: str | Sequence[str], *,
                    sharers: int | Sequence[int] = 1) -> int:
         """Push later: this consumer will :meth:`expect` ``request_id`` from ``producers``
-        (names from :meth:`connect`) but has no blocks for it yet (its engine queues the
-        request). Asks each producer to hold the request's source past its lease while
-        this consumer is connected (its heartbeats keep it so; bounded by the producer's
-        ``max_wait_s``), whether its prefill is done yet or not. A later :meth:`expect` of
-        the same request from the same producers continues the claim; :meth:`abort` gives
-        it up, and so does this consumer's loss or close (the producer then releases the
-        blocks). Returns at once with the claim's transfer id (the expect's ``xid``)."""
+        (names from :meth:`connect`) but has no blocks for it yet. Asks each producer to
+        hold the request's source past its lease while this consumer is connected (bounded
+        by the producer's ``max_wait_s``), whether its prefill is done yet or not. A later
+        :meth:`expect` of the same request from the same producers continues the claim;
+        :meth:`abort` gives it up, and so does this consumer's loss or close. Returns the
+        claim's transfer id (the expect's ``xid``) at once."""
         rid = self._check_request_id(request_id)
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
@@ -453,13 +453,13 @@ class Consumer(Endpoint):
         unknown = [n for n in names if not self._sessions.up(n)]
         if unknown:
             raise PeerUnavailable(f"not connected to {unknown} (connect first)")
-        claim = _Claim(new_xid(), dict.fromkeys(names, 0), shares, push=True)
+        claim = _Claim(new_xid(), True, dict.fromkeys(names, 0))
         return self._add_claim(rid, claim, lambda now: self._core.claim_push(
-            now, rid, names, claim.sharers, claim.xid))
+            now, rid, names, shares, claim.xid))
 
     def _add_claim(self, rid: str, claim: _Claim, feed: Callable[[float], object]) -> int:
-        """Record ``claim`` for ``rid`` (one per id) and queue ``feed``, which sends it; a
-        closed Consumer keeps no record. Returns the claim's xid."""
+        """Record ``claim`` for ``rid`` (one per id) and queue ``feed``, which makes it in
+        the core; a closed Consumer keeps no record. Returns the claim's xid."""
         with self._claims_lock:
             if rid in self._claims:
                 raise InvalidBlockIds(f"request {rid!r} is already claimed")
@@ -467,21 +467,30 @@ class Consumer(Endpoint):
         try:
             self._driver.submit(feed)
         except ClosedError:
-            with self._claims_lock:
-                self._claims.pop(rid, None)
+            self._claim_gone(ClaimGone(rid, claim.xid))
             raise
         return claim.xid
 
+    def _claim_gone(self, gone: ClaimGone) -> None:
+        """Forget claim ``gone`` (not a later claim of the same id)."""
+        with self._claims_lock:
+            claim = self._claims.get(gone.request_id)
+            if claim is not None and claim.xid == gone.xid:
+                del self._claims[gone.request_id]
+
     def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
         """Give up ``request_id``; its result (ABORTED) comes once the blocks are safe. A
-        claimed request not pulled yet is given up at its producers (no result: it has no
+        claim not continued yet is given up at its producers (no result: it has no
         handle)."""
         with self._claims_lock:
             claim = self._claims.pop(request_id, None)
-        if claim is not None:
-            self._driver.submit(lambda now: self._abort_claim(now, request_id, claim, reason))
-        self._driver.submit(lambda now: self._core.abort(now, request_id, RequestState.ABORTED,
-                                                         RequestAborted(reason)))
+
+        def feed(now: float) -> None:
+            if claim is not None:
+                self._core.abort_claim(now, request_id, claim.xid, reason)
+            self._core.abort(now, request_id, RequestState.ABORTED, RequestAborted(reason))
+
+        self._driver.submit(feed)
 
     def _parse_tickets(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
                        what: str) -> tuple[str, list[m.PullTicket]]:
@@ -542,21 +551,8 @@ class Consumer(Endpoint):
         loop briefly (at most 10 s), runs at once inside this Consumer's own callbacks, and
         raises RuntimeError inside another endpoint's (ClosedError once closed)."""
         rid = self._check_request_id(request_id)
-
-        def snap() -> RequestStatus:
-            status: RequestStatus = self._core.snapshot(rid)
-            if status.phase == "none":  # a claim whose producers are still connecting
-                with self._claims_lock:
-                    claim = self._claims.get(rid)
-                if claim is not None and not claim.given_up:
-                    sids = list(claim.sids.values())
-                    return RequestStatus(rid, "claimed", TransferMode.PUSH if claim.push
-                                         else TransferMode.PULL, claim.xid,
-                                         sids[0] if len(sids) == 1 else 0,
-                                         parts=len(sids))
-            return status
-
-        status: RequestStatus = self._driver.call_and_wait(snap, 10.0, "Consumer.status()")
+        status: RequestStatus = self._driver.call_and_wait(
+            lambda: self._core.snapshot(rid), 10.0, "Consumer.status()")
         return status
 
     def stats(self) -> dict[str, int]:
@@ -584,74 +580,13 @@ class Consumer(Endpoint):
     def _check_request_id(request_id: Any) -> str:
         return check_request_id(request_id)
 
-
-    # -- loop thread: claims and pulls that connect first --------------------------------
-    def _claims_lost(self, producer: str, rid: str | None, xid: int | None) -> None:
-        """``producer`` gave up claim ``xid`` of ``rid`` (its Failed or Abort), or was lost
-        with every claim on it (``rid`` None): a later pull starts anew (the core drops its
-        own record of the claim)."""
-        with self._claims_lock:
-            if rid is None:
-                for r in [r for r, c in self._claims.items() if producer in c.sids]:
-                    del self._claims[r]
-                return
-            claim = self._claims.get(rid)
-            if claim is not None and claim.xid == xid and producer in claim.sids:
-                del self._claims[rid]
-
-    def _claim(self, now: float, rid: str, tickets: list[m.PullTicket], claim: _Claim) -> None:
-        """Send the claim to its producers, once they are all connected: those that are
-        not are connected to first (within ``connect_timeout_s`` and the tickets' lease).
-        A claim given up meanwhile (aborted, superseded) sends nothing; a handshake that
-        fails gives the claim up."""
-        if claim.given_up:
-            return
-        missing = {t.producer: t for t in tickets if not self._sessions.up(t.producer)}
-        if not missing:
-            self._core.claim(now, tickets, claim.sharers, claim.xid)
-            return
-        wait = min(self.config.connect_timeout_s, self._lease_left(tickets))
-        if wait <= 0:
-            self._claim_failed(rid, claim, TransferTimeout("the pull ticket's lease ran out "
-                                                           "while its producer connected"))
-            return
-
-        def on_result(t: m.PullTicket, name: str | None, error: KvpushError | None) -> None:
-            if claim.given_up or t.producer not in missing:
-                return
-            if error is None and name != t.producer:
-                error = PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
-                                        f"{t.producer!r}")
-            if error is not None:
-                self._claim_failed(rid, claim, error)
-                return
-            del missing[t.producer]
-            if not missing:  # (a producer lost since: connected again)
-                self._driver.event(lambda now: self._claim(now, rid, tickets, claim))
-
-        def waiter(t: m.PullTicket) -> Waiter:
-            return lambda name, error: on_result(t, name, error)
-
-        for t in list(missing.values()):
-            self._sessions.connect(t.address, wait, waiter(t))
-
-    def _claim_failed(self, rid: str, claim: _Claim, error: KvpushError) -> None:
-        """A claim's handshake failed: it is given up (no producer holds anything for it);
-        a pull that continues it meets the same handshake itself."""
-        claim.given_up = True
-        with self._claims_lock:
-            if self._claims.get(rid) is claim:
-                del self._claims[rid]
-        if not isinstance(error, ClosedError):
-            log.warning("%s: claim of %r given up: %s", self.name, rid, error)
-
-    def _abort_claim(self, now: float, rid: str, claim: _Claim, reason: str) -> None:
-        claim.given_up = True  # a handshake still running sends no Claim when it ends
-        self._core.abort_claim(now, rid, claim.xid, reason)
-
+    # -- loop thread ---------------------------------------------------------------------
     def _deliver(self, result: Any) -> None:
         """Hand a result to the engine: the observers, its handle, then the callback or the
-        queue."""
+        queue. (A claim the core gave up only leaves the claims.)"""
+        if isinstance(result, ClaimGone):
+            self._claim_gone(result)
+            return
         assert isinstance(result, TransferResult)
         if _trace.ON:
             _trace.stamp("result")

@@ -117,8 +117,9 @@ class RequestStatus:
     """A snapshot of one request id's live use on one endpoint (``Producer.status`` /
     ``Consumer.status``), taken on the loop thread; it does not change afterwards.
 
-    ``phase`` -- consumer: ``connecting`` (a pull in its handshake), ``claimed`` (a
-    :meth:`~kvpush.Consumer.claim` not pulled yet), ``pushing``, ``pulling``,
+    ``phase`` -- consumer: ``connecting`` (a pull in its handshake), ``claiming`` (a
+    :meth:`~kvpush.Consumer.claim` in its producers' handshakes), ``claimed`` (a claim
+    sent, not pulled yet), ``pushing``, ``pulling``,
     ``push_closing`` / ``pull_closing`` (ending without success, waiting until nothing can
     land), or ``none`` (no live use: finished, or never seen). Producer: ``waiting``
     (registrations, no source yet), ``partial`` (layer-wise, some layers done), ``held``
@@ -130,9 +131,10 @@ class RequestStatus:
     the producer's source use (0 where none). ``parts`` / ``parts_landed``: consumer, the
     (producer, layer group) parts the use waits for and those whose data landed; producer,
     the owners the source serves and those done. ``deadline`` is the
-    :func:`time.monotonic` time the next bound falls (consumer: the request's timeout, or
-    its abort grace once closing; producer: the lease of a held source, else the earliest
-    registration wait), None if none. ``bytes_moved``: bytes landed so far (consumer).
+    :func:`time.monotonic` time the next bound falls (consumer: the request's timeout, its
+    abort grace once closing, or when a claiming claim is given up; producer: the lease of
+    a held source, else the earliest registration wait), None if none. ``bytes_moved``:
+    bytes landed so far (consumer).
     """
 
     request_id: str

@@ -228,21 +228,15 @@ class Accepting:
 
 
 class Dialing:
-    """A consumer's sessions with its producers, one DEALER socket each.
-
-    ``claims_lost(producer, request_id, xid)`` tells the facade that a producer gave up a
-    claim (its Failed or Abort of that xid) or, with ``request_id`` None, that every claim
-    on ``producer`` is gone (it was lost)."""
+    """A consumer's sessions with its producers, one DEALER socket each."""
 
     def __init__(self, driver: Driver, core: ConsumerCore, *, peer_timeout_s: float,
-                 heartbeat_s: float, connect_timeout_s: float,
-                 claims_lost: Callable[[str, str | None, int | None], None]) -> None:
+                 heartbeat_s: float, connect_timeout_s: float) -> None:
         self._driver = driver
         self._core = core
         self._peer_timeout_s = peer_timeout_s
         self._heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
-        self._claims_lost = claims_lost
         agent = driver.agent
         self.machine = Dialers(DialConfig(driver.name, driver.layout, driver.key,
                                           peer_timeout_s, wall=driver.wall,
@@ -374,8 +368,6 @@ class Dialing:
             if msg is None:
                 continue
             if isinstance(msg, (m.Posted, m.Failed, m.AbortAck, m.PullHeld, m.Abort)):
-                if isinstance(msg, (m.Failed, m.Abort)):
-                    self._claims_lost(d.name, msg.request_id, msg.xid)
                 self._core.on_message(self._driver.clock(), d.name, msg)
                 driver.apply()
             else:
@@ -474,7 +466,6 @@ class Dialing:
         log.info("%s: lost producer %s: %s", self._driver.name, down.name, down.why)
         self._driver.stats.peers_lost += 1
         self._drop_conn(str(down.conn))
-        self._claims_lost(down.name, None, None)  # a pull of them starts anew
         self._core.peer_lost(self._driver.clock(), down.name, down.why)
         self._driver.apply()
         self._driver.agent.remove_peer(down.name)

@@ -41,7 +41,7 @@ from ..errors import (
 from ..layout import KVLayout
 from ..metrics import LIVE, Stats
 from ..request import RequestState, RequestStatus, TransferMode, TransferResult
-from .effects import Abandon, Dial, Effect, Emit, Post, Send, XferEnd
+from .effects import Abandon, ClaimGone, Dial, Effect, Emit, Post, Send, XferEnd
 from .table import Table, row
 from .timers import Timer, TimerHeap
 
@@ -60,6 +60,7 @@ class Phase(enum.Enum):
     """Where a request use is. A use that has its result (or a claim given up) is DONE, and
     its record is gone."""
 
+    CLAIMING = "claiming"          # pull later: its Claim waits for its producers' handshakes
     CLAIMED = "claimed"            # claimed (pull later, or push later): not begun
     CONNECTING = "connecting"      # pull: the driver connects to its producers first
     PUSHING = "pushing"            # registered; waiting for every part's Landed
@@ -85,6 +86,7 @@ class Event(enum.Enum):
     EXPECT = "expect"              # the engine's expect continues a push claim
     PULL = "pull"                  # the engine's pull continues a claim or a connecting use
     CONNECT_FAILED = "connect_failed"  # dialed(): a handshake failed, or the wrong producer
+    CONNECTED = "connected"        # dialed(): every producer of a claiming use is up
 
 
 #: Graces a closing use waits for NIXL to let go of its READs (each asks it again) before
@@ -98,6 +100,16 @@ _PULL_END = (P.PULL_CLOSING, P.DONE)
 #: it, the method of ConsumerCore that runs each (none: allowed, and changes nothing, e.g. a
 #: second abort of a closing use) and the phases it may lead to.
 TABLE: Table[Phase, Event] = Table("consumer request", {
+    P.CLAIMING: {
+        # connected: the Claim goes to every producer
+        E.CONNECTED: row("_claim_connected", P.CLAIMED),
+        # given up, no result (a claim has no handle): a handshake failed or reached another
+        # producer, the dial time or the tickets' lease ran out, a producer is lost, the
+        # engine aborts, its pull comes first (and connects as a pull of its own), close
+        E.CONNECT_FAILED: row("_claim_failed", P.DONE), E.DEADLINE: row("_claim_failed", P.DONE),
+        E.PEER_LOST: row("_end_claim", P.DONE), E.ABORT: row("_end_claim", P.DONE),
+        E.PULL: row("_end_claim", P.DONE), E.CLOSE: row("_end_claim", P.DONE),
+    },
     P.CLAIMED: {
         E.EXPECT: row("_continue_claim", P.PUSHING), E.PULL: row("_continue_claim", P.PULLING),
         # the producer refused or gave up the claim, or is lost; the engine aborts; close
@@ -144,7 +156,7 @@ TABLE: Table[Phase, Event] = Table("consumer request", {
         E.PEER_LOST: row("_on_peer_lost", *_PULL_END),
         E.GRACE_OVER: row("_on_grace_over", *_PULL_END), E.CLOSE: row("_on_close", *_PULL_END),
     },
-}, initial=[P.CLAIMED, P.CONNECTING, P.PUSHING, P.PULLING], final=[P.DONE])
+}, initial=[P.CLAIMING, P.CLAIMED, P.CONNECTING, P.PUSHING, P.PULLING], final=[P.DONE])
 del P, E, _PUSH_END, _PULL_END
 
 _CLOSING = {Phase.PUSHING: Phase.PUSH_CLOSING, Phase.PULLING: Phase.PULL_CLOSING,
@@ -243,10 +255,11 @@ class _Request:
     began: dict[str, float] = field(default_factory=dict)   # PullBegin sent at
     held_until: dict[str, float] = field(default_factory=dict)  # began + hold_s
     read_end: dict[str, float] = field(default_factory=dict)    # READ seen ended at
-    # connecting: the pull to begin once every producer is connected, and the tickets of
-    # those still being dialled, by address
+    # connecting (claiming): the pull to begin once every producer is connected, and the
+    # tickets of those still being dialled, by address
     dialing: dict[str, m.PullTicket] = field(default_factory=dict)
     begin: tuple[Any, ...] = ()
+    lease_end: float = math.inf   # claiming: when the tickets' leases run out
     timer: Timer | None = None    # its one armed timer: the deadline, or closing, the grace
 
     @property
@@ -270,6 +283,15 @@ def _per_ticket(tickets: Sequence[m.PullTicket], sharers: int | Sequence[int]) -
     if len(counts) != len(tickets):
         raise ValueError(f"sharers names {len(counts)} counts for {len(tickets)} tickets")
     return {t.producer: n for t, n in zip(tickets, counts, strict=True)}
+
+
+def _dial_error(t: m.PullTicket, name: str | None,
+                error: KvpushError | None) -> KvpushError | None:
+    """Why the Dial of ticket ``t``'s address, answered ``name``/``error``, did not connect
+    its producer (None: it did)."""
+    if error is None and name != t.producer:
+        return PeerUnavailable(f"{t.address} is {name!r}, the ticket names {t.producer!r}")
+    return error
 
 
 def pull_length_error(t: m.PullTicket, src: np.ndarray, dst: np.ndarray, ours: KVLayout,
@@ -334,11 +356,10 @@ class ConsumerCore:
         return out
 
     def status(self, rid: str) -> str:
-        """The phase of ``rid``'s live use, ``"claimed"``, or ``"none"``."""
-        req = self._requests.get(rid)
-        if req is not None:
-            return req.phase.value
-        return "claimed" if rid in self._claims else "none"
+        """The phase of ``rid``'s live use, its claim's (``"claiming"``, ``"claimed"``), or
+        ``"none"``."""
+        req = self._requests.get(rid) or self._claims.get(rid)
+        return "none" if req is None else req.phase.value
 
     def snapshot(self, rid: str) -> RequestStatus:
         """``rid``'s live use here, as a typed snapshot (see :class:`kvpush.RequestStatus`)."""
@@ -347,9 +368,10 @@ class ConsumerCore:
             claim = self._claims.get(rid)
             if claim is None:
                 return RequestStatus(rid, "none")
-            return RequestStatus(rid, "claimed", claim.mode, claim.xid,
+            return RequestStatus(rid, claim.phase.value, claim.mode, claim.xid,
                                  next(iter(claim.sids.values())) if len(claim.sids) == 1
-                                 else 0, parts=len(claim.sids))
+                                 else 0, parts=len(claim.sids),
+                                 deadline=None if claim.deadline == math.inf else claim.deadline)
         if req.phase is Phase.CONNECTING:
             return RequestStatus(rid, "connecting", req.mode, req.xid, 0, req.ids,
                                  deadline=req.deadline)
@@ -464,10 +486,16 @@ class ConsumerCore:
         ``dial_s``: a ticket's producer not connected yet is dialled first (a
         :class:`~kvpush.protocol.effects.Dial` of at most ``dial_s`` and the budget); the
         use waits in CONNECTING until :meth:`dialed` has answered for every one of them.
-        Without it, such a pull fails at once (``PeerUnavailable``)."""
+        Without it, such a pull fails at once (``PeerUnavailable``). A pull of a claim
+        still CLAIMING ends the claim (no producer holds anything for it) and connects
+        itself, under the claim's xid, within the tickets' lease."""
         rid = tickets[0].request_id
         xid = self._new_xid() if xid is None else xid
         names = [t.producer for t in tickets]
+        claiming = self._claims.get(rid)
+        if claiming is not None and claiming.phase is Phase.CLAIMING and claiming.xid == xid:
+            budget = min(budget, claiming.lease_end - now)
+            self._event(now, claiming, Event.PULL, why="its pull came first")
         waited = self._requests.get(rid)
         if waited is not None and waited.phase is Phase.CONNECTING and waited.xid == xid:
             self._event(now, waited, Event.PULL)  # connected: the pull begins
@@ -558,15 +586,20 @@ class ConsumerCore:
         Every connecting pull waiting on it goes on: it fails (FAILED, nothing posted: its
         blocks are safe) when the handshake failed, the address is another producer than
         its ticket names, or the producer's blocks do not match this pull's; it begins
-        once none is left to dial."""
+        once none is left to dial. A claiming claim is given up the same ways (no result)
+        and sends its Claim once none is left to dial."""
+        for claim in [c for c in self._claims.values()
+                      if c.phase is Phase.CLAIMING and address in c.dialing]:
+            failed = _dial_error(claim.dialing.pop(address), name, error)
+            if failed is not None:
+                self._event(now, claim, Event.CONNECT_FAILED, error=failed)
+            elif not claim.dialing:
+                self._event(now, claim, Event.CONNECTED)
         for req in [r for r in self._requests.values()
                     if r.phase is Phase.CONNECTING and address in r.dialing]:
             t = req.dialing.pop(address)
             tickets, sources, sharers = req.begin
-            failed = error
-            if failed is None and name != t.producer:
-                failed = PeerUnavailable(f"{t.address} is {name!r}, the ticket names "
-                                         f"{t.producer!r}")
+            failed = _dial_error(t, name, error)
             if failed is None:
                 failed = pull_length_error(t, sources[tickets.index(t)], req.ids,
                                            self.layout, self._layouts.get(t.producer))
@@ -578,18 +611,32 @@ class ConsumerCore:
                           req.xid)
 
     def claim(self, now: float, tickets: m.PullTicket | Sequence[m.PullTicket],
-              sharers: int | Sequence[int] = 1, xid: int | None = None) -> int:
+              sharers: int | Sequence[int] = 1, xid: int | None = None,
+              dial_s: float | None = None, lease_s: float = math.inf) -> int:
         """Pull later: ask each ticket's producer to hold its source use for this consumer;
-        returns the claim's xid, which the pull passes to continue it."""
+        returns the claim's xid, which the pull passes to continue it.
+
+        ``dial_s``: a ticket's producer not connected yet is dialled first (a
+        :class:`~kvpush.protocol.effects.Dial` of at most ``dial_s`` and ``lease_s``, the
+        seconds left of the tickets' leases); the claim waits in CLAIMING and is given up
+        (logged, no result) if a handshake fails, reaches another producer, or has not
+        ended by then. Without it, only the producers connected now are sent the Claim."""
         batch = [tickets] if isinstance(tickets, m.PullTicket) else list(tickets)
-        rid = batch[0].request_id
         xid = self._new_xid() if xid is None else xid
-        sids = {t.producer: t.sid for t in batch}
-        counts = _per_ticket(batch, sharers)
-        self._claim(now, rid, xid, TransferMode.PULL, sids, counts)
-        for name, sid in sids.items():
-            if name in self._peers:
-                self._out.append(Send(name, m.Claim(rid, xid, sid, counts[name])))
+        claim = self._claim(now, batch[0].request_id, xid, TransferMode.PULL,
+                            {t.producer: t.sid for t in batch}, _per_ticket(batch, sharers))
+        missing = {t.address: t for t in batch if t.producer not in self._peers}
+        if dial_s is None or not missing:
+            self._send_claim(claim)
+            return xid
+        claim.phase, claim.dialing, claim.lease_end = Phase.CLAIMING, missing, now + lease_s
+        claim.deadline = now + min(dial_s, lease_s)
+        if claim.deadline <= now:
+            self._event(now, claim, Event.DEADLINE)
+            return xid
+        self._arm(claim, claim.deadline, "deadline")
+        for address in claim.dialing:
+            self._out.append(Dial(address, claim.deadline - now))
         return xid
 
     def claim_push(self, now: float, rid: str, producers: Sequence[str],
@@ -602,20 +649,19 @@ class ConsumerCore:
         counts = [sharers] * len(names) if isinstance(sharers, int) else list(sharers)
         if len(counts) != len(names):
             raise ValueError(f"sharers names {len(counts)} counts for {len(names)} producers")
-        per = dict(zip(names, counts, strict=True))
-        self._claim(now, rid, xid, TransferMode.PUSH, dict.fromkeys(names, 0), per)
-        for name in names:
-            if name in self._peers:
-                self._out.append(Send(name, m.Claim(rid, xid, 0, per[name], push=True)))
+        self._send_claim(self._claim(now, rid, xid, TransferMode.PUSH, dict.fromkeys(names, 0),
+                                     dict(zip(names, counts, strict=True))))
         return xid
 
     def abort_claim(self, now: float, rid: str, xid: int, reason: str) -> None:
-        """Give a claim up (the engine's abort, or a pull of another source use)."""
+        """Give a claim up (the engine's abort, or a pull of another source use); the
+        producers it was sent to are told."""
         claim = self._claims.get(rid)
-        sids = claim.sids if claim is not None and claim.xid == xid else {}
-        if claim is not None and claim.xid == xid:
-            self._event(now, claim, Event.ABORT, why=reason)
-        for name in sids:
+        if claim is None or claim.xid != xid:
+            return
+        sent = claim.phase is Phase.CLAIMED
+        self._event(now, claim, Event.ABORT, why=reason)
+        for name in claim.sids if sent else ():
             if name in self._peers:
                 self._out.append(Send(name, m.Abort(rid, xid, reason)))
 
@@ -715,10 +761,32 @@ class ConsumerCore:
 
     # claims
     def _claim(self, now: float, rid: str, xid: int, mode: TransferMode,
-               sids: dict[str, int], sharers: dict[str, int]) -> None:
+               sids: dict[str, int], sharers: dict[str, int]) -> _Request:
         claim = _Request(rid, xid, mode, Phase.CLAIMED, np.empty(0, dtype=np.int64),
                          list(sids), now, math.inf, sids=sids, sharers=sharers)
         self._claims[rid] = claim
+        return claim
+
+    def _send_claim(self, claim: _Request) -> None:
+        """The Claim to each of its producers connected now."""
+        push = claim.mode is TransferMode.PUSH
+        for name, sid in claim.sids.items():
+            if name in self._peers:
+                self._out.append(Send(name, m.Claim(claim.rid, claim.xid, sid,
+                                                    claim.sharers[name], push=push)))
+
+    def _claim_connected(self, now: float, req: _Request) -> None:
+        self._disarm(req)
+        req.phase, req.deadline = Phase.CLAIMED, math.inf
+        self._send_claim(req)
+
+    def _claim_failed(self, now: float, req: _Request, error: KvpushError | None = None) -> None:
+        """A claiming claim could not be made (no producer holds anything for it): a pull
+        of its tickets meets the same handshake itself."""
+        why = str(error or "its producers did not all connect in time")
+        if not isinstance(error, ClosedError):
+            log.warning("consumer core: claim of %r given up: %s", req.rid, why)
+        self._end_claim(now, req, why)
 
     def _continue_claim(self, now: float, req: _Request) -> None:
         """The engine's expect or pull continues the claim: its use begins (a record of its
@@ -745,10 +813,12 @@ class ConsumerCore:
                    error or ClosedError("consumer closed"), req.started)
 
     def _end_claim(self, now: float, req: _Request, why: str) -> None:
-        """The claim is given up (no result: nothing was begun)."""
+        """The claim is given up (no result: nothing was begun); the facade is told."""
+        self._disarm(req)
         if self._claims.get(req.rid) is req:
             del self._claims[req.rid]
         req.phase = Phase.DONE
+        self._out.append(Emit(ClaimGone(req.rid, req.xid)))
         log.info("consumer core: claim of %r dropped: %s", req.rid, why)
 
     def _refuse(self, req: _Request, event: Event, why: str) -> None:
@@ -1056,10 +1126,10 @@ class ConsumerCore:
         it is."""
         req, kind, when = entry
         req.timer = None
-        if self._requests.get(req.rid) is not req:
+        if self._requests.get(req.rid) is not req and self._claims.get(req.rid) is not req:
             return
         if kind == "deadline":
-            if req.phase in (Phase.PUSHING, Phase.PULLING):
+            if req.phase in (Phase.PUSHING, Phase.PULLING, Phase.CLAIMING):
                 self._event(now, req, Event.DEADLINE)
         elif req.grace == when:
             self._event(now, req, Event.GRACE_OVER)

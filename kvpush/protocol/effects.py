@@ -21,7 +21,8 @@ import numpy as np
 from .. import messages as m
 from ..request import Release, TransferResult
 
-__all__ = ["Abandon", "Dial", "DropPeer", "Effect", "Emit", "Post", "Send", "XferEnd"]
+__all__ = ["Abandon", "ClaimGone", "Dial", "DropPeer", "Effect", "Emit", "Post", "Send",
+           "XferEnd"]
 
 
 class XferEnd(enum.Enum):
@@ -76,11 +77,22 @@ class Abandon:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimGone:
+    """A consumer's claim ``xid`` of ``request_id`` ended without its pull or expect (the
+    engine, a producer or the core gave it up): it has no result, so this tells the facade,
+    which answers "already claimed" on the engine's thread, to forget it."""
+
+    request_id: str
+    xid: int
+
+
+@dataclass(frozen=True, slots=True)
 class Emit:
     """Hand a :class:`~kvpush.request.Release` (producer) or a
-    :class:`~kvpush.request.TransferResult` (consumer) to the engine."""
+    :class:`~kvpush.request.TransferResult` (consumer) to the engine, or a
+    :class:`ClaimGone` to the consumer's facade."""
 
-    item: Release | TransferResult
+    item: Release | TransferResult | ClaimGone
 
 
 @dataclass(frozen=True, slots=True)

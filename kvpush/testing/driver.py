@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import messages as m
-from ..errors import AuthenticationError, ProtocolError
+from ..errors import AuthenticationError, PeerUnavailable, ProtocolError
 from ..layout import KVLayout
-from ..protocol.effects import Abandon, DropPeer, Emit, Post, Send, XferEnd
+from ..protocol.effects import Abandon, ClaimGone, Dial, DropPeer, Emit, Post, Send, XferEnd
 from ..protocol.session import (
     AcceptConfig,
     Acceptor,
@@ -85,6 +85,8 @@ class Endpoint:
         # consumer: the engine's connect() calls not answered yet, by the address whose
         # session answers them: (the producer the address reaches, when called)
         self.waiters: dict[str, list[tuple[str, float]]] = {}
+        # consumer: the core's Dials not answered yet (by address): when each runs out
+        self.dials: dict[str, list[float]] = {}
         self._conns = 0
         self._dial_armed = math.inf
 
@@ -388,6 +390,7 @@ class Endpoint:
                     d = self.dialers.by_name.get(eff.name)
                     if d is not None:
                         self._resolve(d.address, eff.name)
+                    self._answer_dials()
                 self.flush()
             elif isinstance(eff, PeerDown):
                 self.sim.checker.trace(f"{self.name} lost {eff.name}: {eff.why}")
@@ -483,6 +486,32 @@ class Endpoint:
         ident = self.idents.pop(address, None)
         if ident is not None:
             self.conn_address.pop(ident, None)
+
+    def _core_dial(self, eff: Dial) -> None:
+        """The core's Dial (a pull or a claim whose producer is not connected), answered as
+        :meth:`kvpush.sessions.Dialing.dial` answers it: once the session at the address is
+        up (at once if it is), else with PeerUnavailable when the Dial's time runs out. The
+        engine keeps every producer dialled, so no session is started here."""
+        self.sim.checker.trace(f"{self.name} dial {eff.address} for {eff.timeout:.3f} s")
+        self.dials.setdefault(eff.address, []).append(self.sim.sched.now + eff.timeout)
+        self.sim.sched.after(0.0, self.run, self._answer_dials)
+        self.sim.sched.after(eff.timeout, self.run, self._answer_dials)
+
+    def _answer_dials(self) -> None:
+        """Answer the core's Dials whose session is up, and those whose time ran out."""
+        now = self.sim.sched.now
+        for address, due in list(self.dials.items()):
+            d = self.dialers.by_address.get(address)
+            up = d is not None and d.up
+            over = [t for t in due if up or t <= now]
+            self.dials[address] = [t for t in due if t not in over]
+            if not self.dials[address]:
+                del self.dials[address]
+            for _ in over:
+                self.sim.checker.trace(f"{self.name} dialed {address}: "
+                                       f"{d.name if up and d else 'timed out'}")
+                self.core.dialed(now, address, d.name if up and d else None, None if up else
+                                 PeerUnavailable(f"no session with {address} in time"))
 
     def _resolve(self, address: str, name: str) -> None:
         """The session at ``address`` is up with producer ``name``."""
@@ -600,8 +629,13 @@ class Endpoint:
                 self.engine.on_release(eff.item)
             elif isinstance(eff.item, TransferResult) and self.role == "consumer":
                 self.engine.on_result(eff.item)
+            elif isinstance(eff.item, ClaimGone) and self.role == "consumer":
+                self.sim.checker.trace(f"{self.name} claim gone {eff.item.request_id} "
+                                       f"xid={eff.item.xid:x}")
             else:
                 self.sim.checker.fail("bad_effect", f"{self.name}: {eff!r}")
+        elif isinstance(eff, Dial) and self.role == "consumer":
+            self._core_dial(eff)
         elif isinstance(eff, DropPeer):
             self.sim.checker.trace(f"{self.name} drop {eff.peer}: {eff.why}")
             if self.role == "producer":

@@ -73,6 +73,7 @@ class Timings:
     request_timeout_s: float = 1.5
     abort_grace_s: float = 0.3
     lease_margin_s: float = 0.05
+    connect_timeout_s: float = 0.5   # a claim's or pull's Dial of a producer not connected
     # both
     heartbeat_s: float = 0.25
     peer_timeout_s: float = 1.0
@@ -622,7 +623,7 @@ class Simulation:
             return
         if req.mode is TransferMode.PULL:
             req.tickets[pe.name] = m.PullTicket(
-                producer=pe.name, address=f"sim://{pe.name}", request_id=req.rid,
+                producer=pe.name, address=self.addresses[pe.name][0], request_id=req.rid,
                 block_ids=m.encode_ids(src.ids), lease_s=self.timings.lease_s,
                 issued_at=self.sched.now + pe.clock_skew, sid=src.sid,
                 checksums=pe.links.checksums(src.ids) if self.timings.verify else b"")
@@ -810,7 +811,10 @@ class Simulation:
         xid = self.rng.getrandbits(63) | 1
         self.checker.trace(f"{ce.name} engine claim {req.rid} xid={xid:x}")
         share = self._share(req, cname)[1][0]
-        ce.run(lambda: ce.core.claim(self.sched.now, ticket, share, xid))
+        t = self.timings
+        ce.run(lambda: ce.core.claim(self.sched.now, ticket, share, xid,
+                                     dial_s=t.connect_timeout_s,
+                                     lease_s=self._lease_left(ce, ticket)))
         later = self.rng.uniform(0, self.timings.lease_s * 1.5)
         if self.rng.random() < 0.2:
             self.sched.after(later, self._unclaim, req, ce, xid)
@@ -877,16 +881,22 @@ class Simulation:
         # as the facade: the READ's budget is the timeout and what is left of the leases
         # (judged on this side's own wall clock), or the whole timeout when claimed
         budget = t.request_timeout_s if claimed else min(
-            t.request_timeout_s, *(k.issued_at + k.lease_s - t.lease_margin_s
-                                   - (now + ce.clock_skew) for k in tickets))
+            t.request_timeout_s, self._lease_left(ce, tickets))
         xid = claimed or self.rng.getrandbits(63) | 1
         try:
             xid = ce.core.pull(now, tickets, srcs, use.ids, budget,
-                               self._share(use.req, ce.name)[1][0], xid)
+                               self._share(use.req, ce.name)[1][0], xid,
+                               dial_s=t.connect_timeout_s)
         except KvpushError as exc:
             self._refused(ce, use, exc)
             return
         self._started(ce, use, xid)
+
+    def _lease_left(self, ce: Endpoint, tickets: list[m.PullTicket]) -> float:
+        """Seconds left of the tickets' leases less lease_margin_s, judged on ``ce``'s own
+        wall clock (as the facade does)."""
+        return min(k.issued_at + k.lease_s - self.timings.lease_margin_s
+                   - (self.sched.now + ce.clock_skew) for k in tickets)
 
     def _consumer_abort(self, req: Request, cname: str) -> None:
         ce = self.endpoints[cname]

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -334,25 +335,43 @@ def unconnected() -> Iterator[tuple[ScriptedProducer, kvpush.Consumer, Any]]:
 
 def test_a_claim_returns_before_its_producer_answers_and_the_pull_continues_it(
         unconnected: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
-    """claim() used to connect on the caller's thread (the engine's: blocked for the whole
-    handshake). It returns at once; the Claim follows the handshake, and a pull made
-    while the handshake runs continues it (same xid, Claim before PullBegin)."""
+    """claim() returns at once and its handshake runs on the loop; status() reads the
+    claim's phase from the core (claiming). A pull made while the handshake runs keeps the
+    claim's xid and connects itself: the claim was never sent, so only PullBegin comes."""
     prod, consumer, dst = unconnected
     ticket = prod.ticket("cc", [1, 2], sid=70)
     t0 = time.monotonic()
     xid = consumer.claim(ticket)
     assert time.monotonic() - t0 < 0.5  # no answer has been sent yet
     status = consumer.status("cc")
-    assert (status.phase, status.xid, status.sid) == ("claimed", xid, 70)
+    assert (status.phase, status.xid, status.sid) == ("claiming", xid, 70)
+    assert status.deadline is not None and status.deadline <= time.monotonic() + 2.0
     time.sleep(0.2)  # the handshake is waiting for us
     handle = consumer.pull(ticket, np.array([8, 9]), timeout=10)
     assert handle.xid == xid and not handle.done()
+    assert consumer.status("cc").phase == "connecting"
     prod.accept()
-    claim = prod.recv()
-    assert isinstance(claim, m.Claim) and (claim.xid, claim.sid) == (xid, 70)
     begin = prod.recv()
     assert isinstance(begin, m.PullBegin) and begin.xid == xid
     prod.send(m.PullHeld("cc", xid, 30.0))
+    assert handle.wait(5).state is kvpush.RequestState.READY
+    check_blocks(dst, np.array([8, 9]), np.array([1, 2]), 7)
+
+
+def test_a_claim_connected_later_is_sent_and_continued_by_its_pull(
+        unconnected: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    prod, consumer, dst = unconnected
+    ticket = prod.ticket("cl", [1, 2], sid=76)
+    xid = consumer.claim(ticket)
+    prod.accept()
+    claim = prod.recv()
+    assert isinstance(claim, m.Claim) and (claim.xid, claim.sid) == (xid, 76)
+    assert consumer.status("cl").phase == "claimed"
+    handle = consumer.pull(ticket, np.array([8, 9]), timeout=10)
+    assert handle.xid == xid
+    begin = prod.recv()
+    assert isinstance(begin, m.PullBegin) and begin.xid == xid
+    prod.send(m.PullHeld("cl", xid, 30.0))
     assert handle.wait(5).state is kvpush.RequestState.READY
     check_blocks(dst, np.array([8, 9]), np.array([1, 2]), 7)
 
@@ -384,6 +403,59 @@ def test_a_claim_whose_handshake_fails_is_given_up_and_the_pull_fails_with_it(
     res = handle.wait(5)
     assert res.state in (kvpush.RequestState.FAILED, kvpush.RequestState.TIMED_OUT)
     assert res.blocks_safe
+
+
+def _gone(consumer: kvpush.Consumer, rid: str) -> None:
+    deadline = time.monotonic() + 5
+    while consumer.status(rid).phase != "none":
+        assert time.monotonic() < deadline, consumer.status(rid)
+        time.sleep(0.02)
+
+
+def test_a_claim_whose_handshake_reaches_another_producer_is_forgotten(
+        unconnected: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    """The ticket names a producer the address does not reach: the core gives the claim up
+    and tells the facade, so the id can be claimed again (not 'already claimed')."""
+    prod, consumer, _ = unconnected
+    wrong = msgspec.structs.replace(prod.ticket("cw", [1], sid=77), producer="elsewhere")
+    xid = consumer.claim(wrong)
+    prod.accept()
+    _gone(consumer, "cw")
+    xid2 = consumer.claim(prod.ticket("cw", [1], sid=77))
+    claim = prod.recv()
+    assert isinstance(claim, m.Claim) and claim.xid == xid2 != xid
+
+
+@pytest.mark.parametrize("how", ["failed", "abort", "lost"])
+def test_a_claim_its_producer_gives_up_or_loses_is_forgotten(
+        how: str, pair: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    """The producer's Failed or Abort of the claim, or its loss (Bye), ends the claim in
+    the core, which tells the facade: a later pull of the tickets starts a use of its own
+    (a new xid) and the id can be claimed again."""
+    prod, consumer, _ = pair
+    ticket = prod.ticket("cg", [1], sid=78)
+    xid = consumer.claim(ticket)
+    assert isinstance(prod.recv(), m.Claim)
+    prod.send(m.Failed("cg", xid, "not_owner", "taken") if how == "failed" else
+              m.Abort("cg", xid, "gave up") if how == "abort" else m.Bye(prod.name))
+    _gone(consumer, "cg")
+    handle = consumer.pull(ticket, np.array([2]), timeout=10)
+    assert handle.xid != xid
+    consumer.abort("cg")
+    assert handle.wait(5).state is kvpush.RequestState.ABORTED
+    assert consumer.claim(ticket) not in (xid, handle.xid)
+
+
+def test_a_claim_whose_lease_runs_out_in_its_handshake_is_forgotten(
+        unconnected: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    prod, consumer, _ = unconnected
+    ticket = prod.ticket("cx", [1], sid=79, lease_s=1.3)  # lease_margin_s 1: 0.3 s left
+    xid = consumer.claim(ticket)
+    assert consumer.status("cx").phase == "claiming"
+    _gone(consumer, "cx")
+    handle = consumer.pull(ticket, np.array([2]), timeout=10)
+    assert handle.xid != xid
+    assert handle.wait(5).state is kvpush.RequestState.TIMED_OUT
 
 
 def test_a_claim_on_a_closed_consumer_keeps_no_record(

@@ -81,8 +81,7 @@ class Side:
             self.core = ConsumerCore(self.cache.layout, self.config, d.links, d.stats)
             self.sessions = Dialing(d, self.core, peer_timeout_s=self.config.peer_timeout_s,
                                     heartbeat_s=self.config.heartbeat_s,
-                                    connect_timeout_s=self.config.connect_timeout_s,
-                                    claims_lost=lambda *_: None)
+                                    connect_timeout_s=self.config.connect_timeout_s)
         d.start(self.core, self.sessions, self.delivered.append, lambda: None)
 
 

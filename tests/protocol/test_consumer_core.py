@@ -15,9 +15,9 @@ from kvpush import messages as m
 from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError, PeerUnavailable, RequestAborted
 from kvpush.protocol.consumer import TABLE, ConsumerCore, CoreConfig, Event, Phase
-from kvpush.protocol.effects import Abandon, Dial, Emit, Post, Send, XferEnd
+from kvpush.protocol.effects import Abandon, ClaimGone, Dial, Emit, Post, Send, XferEnd
 from kvpush.protocol.table import TransitionError
-from kvpush.request import RequestState, TransferResult
+from kvpush.request import RequestState, TransferMode, TransferResult
 from tests.support.cores import CORES, LAYOUT, FakeLinks, P, Q, core, expect, results, sends
 
 
@@ -53,7 +53,8 @@ def test_a_claim_is_a_use_in_the_claimed_phase() -> None:
     xid = c.claim(0.0, t)
     assert c.status("r") == "claimed" and c.snapshot("r").xid == xid
     c.on_message(0.1, P, m.Failed("r", xid, "not_held", "gone"))
-    assert c.status("r") == "none" and c.drain() == [Send(P, m.Claim("r", xid, 7, 1))]
+    assert c.status("r") == "none" and c.drain() == [Send(P, m.Claim("r", xid, 7, 1)),
+                                                     Emit(ClaimGone("r", xid))]
 
 
 def test_push_ready_once_every_part_landed() -> None:
@@ -287,7 +288,8 @@ def test_a_claim_becomes_the_pull_or_is_dropped_when_refused() -> None:
     assert c.claim(0.0, [ticket("q", 6)], xid=31) == 31
     c.drain()
     c.on_message(0.1, P, m.Failed("q", 31, "not_owner", "taken"))
-    assert c.status("q") == "none" and c.drain() == [] and c.stats.stale_messages == 0
+    assert c.status("q") == "none" and c.stats.stale_messages == 0
+    assert c.drain() == [Emit(ClaimGone("q", 31))]   # no result: the facade forgets it
     c.claim(0.0, ticket("s", 7), xid=41)
     c.drain()
     c.abort_claim(0.2, "s", 41, "engine")
@@ -443,7 +445,7 @@ def test_a_push_claim_becomes_the_registration_or_is_given_up() -> None:
     c.claim_push(0.0, "q", [P], xid=31)
     c.drain()
     c.on_message(0.1, P, m.Failed("q", 31, "lease_expired", "released"))
-    assert c.status("q") == "none" and c.drain() == []
+    assert c.status("q") == "none" and c.drain() == [Emit(ClaimGone("q", 31))]
     # A claimed push whose expect fails at once (producer lost since) gives the claim up.
     c.claim_push(0.0, "s", [P, Q], xid=41)
     c.drain()
@@ -536,6 +538,81 @@ def test_two_pulls_dialling_one_producer_both_begin_on_its_answer() -> None:
     c.dialed(1.0, "tcp://r:1", R, None)   # the second Dial's answer: nothing more
     assert c.drain() == []
     assert c.status("p") == c.status("q") == "pulling"
+
+
+def _claim_connecting(c: ConsumerCore, lease_s: float = 20.0) -> m.PullTicket:
+    """Claim ``p`` (xid 21) from P, connected, and R, not: R is dialled first."""
+    t = _ticket_of_r()
+    c.claim(0.5, [ticket("p", 6), t], 2, 21, dial_s=5.0, lease_s=lease_s)
+    assert c.drain() == [Dial("tcp://r:1", min(5.0, lease_s))]
+    return t
+
+
+def test_a_claim_waits_for_its_producers_handshakes_in_claiming() -> None:
+    """A claim whose producer is not connected waits in CLAIMING (the facade's status
+    reads it there) while the driver dials it, and sends its Claim to every producer once
+    all are up."""
+    c = core()
+    _claim_connecting(c)
+    snap = c.snapshot("p")
+    assert (snap.phase, snap.xid, snap.mode, snap.parts, snap.deadline) == \
+        ("claiming", 21, TransferMode.PULL, 2, 5.5)
+    assert c.pending == 0 and c.next_deadline() == 5.5
+    c.peer_up(1.0, R, LAYOUT)
+    c.dialed(1.0, "tcp://r:1", R, None)
+    assert sends(c.drain()) == [m.Claim("p", 21, 6, 2), m.Claim("p", 21, 5, 2)]
+    assert c.status("p") == "claimed" and c.next_deadline() is None
+    c.tick(6.0)   # its dial bound no longer applies
+    assert c.drain() == [] and c.status("p") == "claimed"
+
+
+@pytest.mark.parametrize("how", ["failed", "other_producer", "lease", "peer_lost", "abort",
+                                 "close"])
+def test_a_claim_given_up_in_its_handshake_tells_the_facade_and_sends_nothing(
+        how: str) -> None:
+    """However a claiming claim ends -- its handshake failed or reached another producer,
+    the tickets' lease ran out, a producer already up is lost, the engine aborts, the
+    consumer closes -- it ends with no result and no message to a producer (none holds
+    anything for it), and the facade is told (ClaimGone), so a later claim or pull of the
+    id starts anew; a late answer changes nothing."""
+    c = core()
+    _claim_connecting(c, lease_s=2.0)
+    if how == "failed":
+        c.dialed(1.0, "tcp://r:1", None, PeerUnavailable("no answer"))
+    elif how == "other_producer":
+        c.dialed(1.0, "tcp://r:1", Q, None)
+    elif how == "lease":
+        c.tick(2.5)
+    elif how == "peer_lost":
+        c.peer_lost(1.0, P, "silent")
+    elif how == "abort":
+        c.abort_claim(1.0, "p", 21, "engine")
+    else:
+        c.close(1.0)
+    assert c.drain() == [Emit(ClaimGone("p", 21))]
+    assert c.status("p") == "none" and c.stats.events_refused == 0
+    c.peer_up(3.0, R, LAYOUT)
+    c.dialed(3.0, "tcp://r:1", R, None)
+    assert c.drain() == []
+
+
+def test_a_pull_of_a_claiming_claim_connects_itself_within_the_lease() -> None:
+    """The claim was never sent, so no producer holds its source past the lease: the pull
+    (the claim's xid, a budget that trusted the claim) ends the claim and connects as a
+    pull of its own, bounded by the tickets' lease."""
+    c = core()
+    t = _claim_connecting(c, lease_s=2.0)
+    c.pull(1.0, [ticket("p", 6), t], [np.array([3, 4]), np.array([3, 4])], np.array([8, 9]),
+           29.0, 2, 21, dial_s=5.0)
+    assert c.drain() == [Emit(ClaimGone("p", 21)), Dial("tcp://r:1", 1.5)]
+    snap = c.snapshot("p")
+    assert (snap.phase, snap.xid, snap.deadline) == ("connecting", 21, 2.5)
+
+
+def test_a_claim_without_dial_s_is_sent_to_the_producers_connected_now() -> None:
+    c = core()
+    c.claim(0.5, [ticket("p", 6), _ticket_of_r()], 1, 21)
+    assert c.drain() == [Send(P, m.Claim("p", 21, 6, 1))] and c.status("p") == "claimed"
 
 
 def test_a_pull_without_dial_s_fails_at_once_on_a_producer_not_connected() -> None:

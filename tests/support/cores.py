@@ -77,7 +77,7 @@ def sends(effects: list[Any]) -> list[m.Message]:
 
 
 def results(effects: list[Any]) -> list[TransferResult]:
-    return [e.item for e in effects if isinstance(e, Emit)]
+    return [e.item for e in effects if isinstance(e, Emit) and isinstance(e.item, TransferResult)]
 
 
 def expect(c: ConsumerCore, rid: str = "r", xid: int = 11, producers: tuple[str, ...] = (P,),
