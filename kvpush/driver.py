@@ -679,8 +679,9 @@ class Driver:
         flight are polled by every :meth:`step` (:meth:`busy` says whether any are)."""
         first = self.timers.next_deadline()
         core_due = self.core.next_deadline() if self._parts else None
-        due = [t for t in (first, core_due) if t is not None]
-        return min(due) if due else None
+        if first is None or core_due is None:
+            return core_due if first is None else first
+        return min(first, core_due)
 
     def busy(self) -> bool:
         """True while a transfer or an awaited notification needs NIXL polled."""
