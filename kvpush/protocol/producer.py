@@ -173,7 +173,7 @@ TABLE: Table[State, Event] = Table("producer request", {
     },
     S.ABORTED_EARLY: {
         E.PREFILL_DONE: row("_on_prefill_done", S.ENDED, S.ENDING),
-        E.LAYER_DONE: row("_on_layer_done", S.ABORTED_EARLY),
+        E.LAYER_DONE: row("_on_layer_done", S.RELEASED_EARLY),
         E.CONSUMER_ABORT: row("_on_consumer_abort", S.ABORTED_EARLY),
         E.TOMB_OVER: row("_on_tomb_over", S.ABORTED_EARLY),
     },
@@ -878,8 +878,22 @@ class ProducerCore:
         return np.array_equal(ids, req.released[1])
 
     def _on_layer_done(self, req: _Request, ids: np.ndarray, layer: int, sid: int) -> None:
-        if req.state in (State.RELEASED_EARLY, State.ABORTED_EARLY):
+        if req.state is State.RELEASED_EARLY:
             return  # swallowed: prefill_done settles the use
+        if req.state is State.ABORTED_EARLY:
+            # A layer of a use the engine aborted before its prefill ended (or of a use of
+            # the id begun while that abort's tombstone stands: its registrations were
+            # refused). Nothing will read these blocks, so they go back now, once; the
+            # use's later layer_done and prefill_done are swallowed as a use released
+            # early. Swallowing this one instead left the blocks with nobody when the
+            # engine aborted again rather than calling prefill_done.
+            self._out.append(Emit(Release(req.rid, ReleaseReason.ABORTED, ids, req.why,
+                                          {"released": self._now}, sid or m.new_id(),
+                                          mode=TransferMode.PUSH)))
+            self.stats.blocks_released += len(ids)
+            req.released, req.aborted = (sid, ids), True
+            req.state = State.RELEASED_EARLY
+            return
         if req.state is State.ENDED:
             self._reuse(req)
         if req.state is State.WAITING:

@@ -197,3 +197,27 @@ def test_a_registration_naming_another_use_than_a_partial_one_is_refused() -> No
     assert h.posts() == []
     (failed,) = h.sent(m.Failed)
     assert (failed.xid, failed.code) == (1, "not_held")
+
+
+def test_layers_handed_after_an_early_abort_come_back_when_the_engine_aborts_again() -> None:
+    """The engine aborts a use before its prefill (a registration is waiting), then hands
+    layers of the id (a late call, or a new use while the abort's tombstone stands) and
+    aborts again instead of calling prefill_done. The layers' blocks come back once,
+    ABORTED, and the late prefill_done and abort change nothing (they were swallowed, and
+    the blocks stayed with nobody)."""
+    h = Harness()
+    h.register("A", "r", 1, [1, 2], groups=LAYERS)
+    h.core.abort(h.now, "r", "engine gave up")
+    h.run()
+    assert [f.code for f in h.sent(m.Failed)] == ["aborted"]
+    h.core.layer_done(h.now, "r", np.array([5, 6]), 0, 9)
+    h.core.layer_done(h.now, "r", np.array([5, 6]), 1, 9)
+    h.core.abort(h.now, "r", "engine gave up again")
+    h.run()
+    (release,) = h.releases()
+    assert release.reason is ReleaseReason.ABORTED
+    assert release.block_ids.tolist() == [5, 6] and release.sid == 9
+    h.prefill("r", [5, 6], sid=9)                   # the use's own, late
+    h.advance(30.0)                                  # past any lease and tombstone
+    assert len(h.releases()) == 1 and h.core.held() == 0 and h.core.records() == 0
+    assert h.posts() == []
