@@ -1,19 +1,17 @@
 """The decode side: connects to producers, registers destination blocks early (push) or
-READs source blocks (pull), counts completions, and reports each request exactly once.
+READs source blocks (pull), and reports each request exactly once.
 
-A result is reported only when the request's transfers have really ended, or says
-``blocks_safe=False`` where that cannot be learnt: nothing is cancelled, since NIXL's
-release of a transfer in progress does not stop its bytes (``docs/PROTOCOL.md``).
+A result is reported only once the request's transfers have really ended, or says
+``blocks_safe=False`` where that cannot be learnt: NIXL's release of a transfer in progress
+does not stop its bytes (``docs/PROTOCOL.md``).
 
 This module is the facade: the public methods validate on the engine's thread and hand
-the call to its :class:`~kvpush.driver.Driver`, whose loop thread owns the NIXL agent and
-the ZeroMQ sockets. Each producer connection -- handshake (layouts, authentication, Hello
-retransmits), heartbeats, liveness, rejoin -- is a session of
-:class:`kvpush.sessions.Dialing`. What happens to each request -- its states, which message
-may change it, when it ends and how -- is decided by
-:class:`kvpush.protocol.consumer.ConsumerCore`, which takes the loop's events and answers
-with effects (:mod:`kvpush.protocol.effects`) that the driver carries out. The facade keeps
-the configuration, the handles the engine waits on and the queue of results.
+the call to a :class:`~kvpush.driver.Driver`, whose loop thread owns the NIXL agent and the
+sockets. Each producer connection is a session of :class:`kvpush.sessions.Dialing`; each
+request -- its phases (claims and handshakes included), which message may change it, how
+it ends -- is :class:`kvpush.protocol.consumer.ConsumerCore`'s. The facade keeps the
+configuration, the handles the engine waits on, the queue of results, and the xid of each
+claim not continued yet (what the engine's thread must answer at once).
 """
 
 from __future__ import annotations
@@ -25,17 +23,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import msgspec
-
 from . import _trace
-from . import messages as m
 from ._loop import no_blocking
 from .agent import TransportConfig
 from .aio import DrainQueue, drain_iter
 from .auth import check_key
-from .endpoint import Endpoint, check_durations, check_timeout, queue_result
+from .endpoint import Endpoint, check_durations, check_timeout, queue_result, sharer_counts
 from .errors import (
-    AuthenticationError,
     ClosedError,
     InvalidBlockIds,
     KvpushError,
@@ -58,28 +52,13 @@ from .request import (
     TransferResult,
 )
 from .sessions import Dialing
+from .tickets import Tickets, lease_left, parse_tickets, source_ids
 
 __all__ = ["Consumer", "ConsumerConfig", "new_xid"]
 
 log = logging.getLogger("kvpush.consumer")
 
-
-def check_sharers(value: Any, what: str = "sharers") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) \
-            or not 1 <= value <= m.MAX_SHARERS:
-        raise ValueError(f"{what} must be an int in [1, {m.MAX_SHARERS}], got {value!r}")
-    return value
-
-
-def sharer_counts(sharers: int | Sequence[int], n: int, what: str) -> list[int]:
-    """``sharers`` as one valid count for each of ``n`` producers or tickets (one count for
-    all, or a sequence of ``n``)."""
-    if isinstance(sharers, (list, tuple)):
-        counts = [check_sharers(s, "each of sharers") for s in sharers]
-        if len(counts) != n:
-            raise ValueError(f"sharers names {len(counts)} counts for {n} {what}")
-        return counts
-    return [check_sharers(sharers)] * n
+Feed = Callable[[float], None]
 
 
 @dataclass(frozen=True)
@@ -96,23 +75,22 @@ class ConsumerConfig:
     heartbeat_s
         Interval of heartbeats to each producer.
     peer_timeout_s
-        A producer that has not answered a heartbeat this long after it was sent is declared
-        gone; its requests fail. (Messages waiting unread are read first, so a stall of
-        this side's own loop does not count as the producer's silence.)
+        A producer that has not answered a heartbeat this long after it was sent is gone;
+        its requests fail. (Messages waiting unread are read first: a stall of this side's
+        loop is not the producer's silence.)
     abort_grace_s
         After an abort, timeout or failure, how long to wait for the request's transfers to
-        end (see :class:`~kvpush.request.TransferResult`) before reporting it with
-        ``blocks_safe=False``.
+        end before reporting it with ``blocks_safe=False``.
     lease_margin_s
         Pull: a READ is started only if the ticket's lease has at least this long left.
     verify
         Check every received block against the producer's per-block checksums (push: asked
-        for in the registration; pull: the ticket must carry them, ``ProducerConfig.verify``).
-        A mismatch fails the request, never silently. Requests with several producer parts
-        are not verified (each part holds only a share of a block).
+        for in the registration; pull: the ticket must carry them, ``ProducerConfig.verify``);
+        a mismatch fails the request. Requests with several producer parts are not verified
+        (each part holds only a share of a block).
     auth_key
-        Shared key (bytes, >= 16) to authenticate every control message and notification
-        (see :mod:`kvpush.auth`); must equal the producers'. None: no authentication.
+        Shared key (bytes, >= 16) authenticating every control message and notification
+        (:mod:`kvpush.auth`); must equal the producers'. None: no authentication.
     """
 
     name: str | None = None
@@ -139,9 +117,9 @@ class ConsumerConfig:
 
 
 class _Claim(NamedTuple):
-    """A claim (``Consumer.claim`` / ``claim_push``) not continued yet, as the engine's
-    threads see it: what a pull of the same tickets (an expect from the same producers)
-    continues. Its state lives in the core, which tells when it is gone (ClaimGone)."""
+    """A claim not continued yet, as the engine's threads see it (its state is the
+    core's): the xid a pull of the same tickets, or an expect from the same producers,
+    continues."""
 
     xid: int
     push: bool
@@ -174,17 +152,11 @@ class Consumer(Endpoint):
         self._finished: DrainQueue[TransferResult] = DrainQueue()
         # called on the loop thread with every result (kvpush.prometheus)
         self._observers: list[Callable[[TransferResult], None]] = []
-        # Every request's state lives in the core; this facade keeps only the handles the
-        # engine waits on (by xid).
-        self._handles: dict[int, TransferHandle] = {}
-        # claims not continued yet, by request id, so that a pull or expect takes the
-        # claim's xid and a second claim is refused on the caller's thread; written by the
-        # engine's threads (claim, pull, expect, abort) and the loop (ClaimGone), hence the lock
+        self._handles: dict[int, TransferHandle] = {}   # by xid, until the result
+        # Claims not continued yet, by request id: written by the engine's threads (claim,
+        # pull, expect, abort) and the loop (the core's ClaimGone), hence the lock.
         self._claims: dict[str, _Claim] = {}
         self._claims_lock = threading.Lock()
-        # The sessions with producers: handshake, authentication, heartbeats, liveness,
-        # one connection per producer (kvpush.protocol.session, the machine the simulator
-        # runs too).
         self._core, self._sessions = self._assemble(
             layout, config,
             lambda d: ConsumerCore(layout, config, d.links, d.stats),
@@ -236,28 +208,27 @@ class Consumer(Endpoint):
                source_tail: bool = False, sharers: int | Sequence[int] = 1,
                sids: Sequence[int] | None = None) -> TransferHandle:
         """Push: the decode engine allocated ``block_ids`` for ``request_id``; register them
-        with each producer (a producer name from :meth:`connect`, or one per rank that owes
-        data). Returns at once; the handle reports the result.
+        with each producer (a name from :meth:`connect`; one per rank that owes data).
+        Returns at once; the handle reports the result. Its ``xid`` (and its result's) names
+        this use of ``request_id``; an expect from the producers a :meth:`claim_push` named
+        continues that claim (its xid).
 
-        ``layerwise``: each producer writes every layer as soon as it is final
-        (``Producer.layer_done``) and the request is READY once every layer of every
-        producer has landed.
+        ``layerwise``: each producer writes every layer once it is final
+        (``Producer.layer_done``); READY once every layer of every producer has landed.
 
         ``source_tail``: ``block_ids`` receive only the *last* ``len(block_ids)`` of the
-        producer's source blocks (this side holds the earlier ones already: a prefix-cache
-        hit); without it the two counts must match.
+        producer's source blocks (this side holds the earlier ones: a prefix-cache hit);
+        without it the two counts must match.
 
         ``sharers``: how many consumer endpoints take a share of each producer's source
-        for this request (heterogeneous TP: decode ranks each written their head share of
-        one prefill request); one int for every producer, or one per producer. The
-        producer holds its source until that many have finished or given up.
+        (heterogeneous TP: each decode rank is written its head share); one int for every
+        producer, or one per producer. The producer holds its source until that many have
+        finished or given up.
 
-        ``sids``: each producer's source use (the ``sid`` its engine named in
-        ``Producer.prefill_done``), when the router relays it: the registration then attaches
-        to that use only (docs/PROTOCOL.md, owners). Needed to reuse an id while a producer
-        may still hold its previous use.
-
-        The handle's ``xid`` (and its result's) names this use of ``request_id``."""
+        ``sids``: each producer's source use (the ``sid`` of ``Producer.prefill_done``),
+        when the router relays it: the registration attaches to that use only
+        (docs/PROTOCOL.md, owners), so an id can be reused while a producer may still hold
+        its previous use."""
         handle, feed = self._prepare_expect(request_id, block_ids, producers, timeout,
                                             layerwise, source_tail, sharers, sids)
         self._driver.submit(feed)
@@ -266,11 +237,10 @@ class Consumer(Endpoint):
     def _prepare_expect(self, request_id: str, block_ids: Any,
                         producers: str | Sequence[str], timeout: float | None,
                         layerwise: bool, source_tail: bool, sharers: int | Sequence[int],
-                        sids: Sequence[int] | None = None
-                        ) -> tuple[TransferHandle, Callable[[float], None]]:
+                        sids: Sequence[int] | None = None) -> tuple[TransferHandle, Feed]:
         """Validate an expect (caller's thread; raises on bad input) and make the event
         that registers it on the loop thread."""
-        rid = self._check_request_id(request_id)
+        rid = check_request_id(request_id)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
@@ -286,17 +256,12 @@ class Consumer(Endpoint):
         seconds = self.config.request_timeout_s if timeout is None \
             else check_timeout(timeout, "expect timeout")
         groups = self.layout.num_layers if layerwise else 1
-        with self._claims_lock:
-            claim = self._claims.pop(rid, None)
-        stale = None
-        if claim is not None and (not claim.push or list(claim.sids) != names):
-            stale, claim = claim, None  # claimed otherwise (a pull, other producers)
-        handle = TransferHandle(rid, TransferMode.PUSH,
-                                claim.xid if claim is not None else new_xid())
+        xid, stale = self._take_claim(rid, _Claim(0, True, dict.fromkeys(names, 0)))
+        handle = TransferHandle(rid, TransferMode.PUSH, xid or new_xid())
 
         def feed(now: float) -> None:
-            if stale is not None:  # give the other claim up
-                self._core.abort_claim(now, rid, stale.xid, "claim superseded")
+            if stale:
+                self._core.abort_claim(now, rid, stale, "claim superseded")
             self._handles[handle.xid] = handle
             self._core.expect(now, rid, ids, names, seconds, groups, source_tail, shares,
                               handle.xid, uses)
@@ -307,145 +272,120 @@ class Consumer(Endpoint):
                     timeout: float | None = None, layerwise: bool = False,
                     source_tail: bool = False, sharers: int | Sequence[int] = 1
                     ) -> list[TransferHandle | Exception]:
-        """:meth:`expect` for a batch: ``items`` are ``(request_id, block_ids, producers)``
-        and the keyword options apply to each. Every item is validated on its own; the
-        valid ones reach the loop thread in one hand-off, in order. Returns one entry per
-        item: its :class:`~kvpush.request.TransferHandle`, or the exception a single
-        ``expect`` of it would have raised (a bad item refuses only itself). Never blocks."""
-        def prepare(item: Any) -> tuple[TransferHandle, Callable[[float], None]]:
+        """:meth:`expect` for a batch: ``items`` are ``(request_id, block_ids, producers)``,
+        the keyword options apply to each. Each item is validated on its own and the valid
+        ones reach the loop thread in one hand-off, in order. Returns per item its
+        :class:`~kvpush.request.TransferHandle` or the exception a single ``expect`` would
+        have raised (a bad item refuses only itself). Never blocks."""
+        def prepare(item: Any) -> tuple[TransferHandle, Feed]:
             request_id, block_ids, producers = item
             return self._prepare_expect(request_id, block_ids, producers, timeout, layerwise,
                                         source_tail, sharers)
 
         return self._driver.batch(items, prepare)
 
-    def pull_many(self, items: Sequence[tuple[m.PullTicket | bytes
-                                              | Sequence[m.PullTicket | bytes], Any]], *,
+    def pull_many(self, items: Sequence[tuple[Tickets, Any]], *,
                   timeout: float | None = None, source_tail: bool = False,
                   sharers: int | Sequence[int] = 1) -> list[TransferHandle | Exception]:
-        """:meth:`pull` for a batch: ``items`` are ``(tickets, block_ids)`` and the keyword
-        options apply to each; validated one by one, the valid ones handed to the loop
-        thread at once, in order. Returns per item its handle or the exception a single
-        ``pull`` would have raised. Never blocks (handshakes are part of each request)."""
-        def prepare(item: Any) -> tuple[TransferHandle, Callable[[float], None]]:
+        """:meth:`pull` for a batch: ``items`` are ``(tickets, block_ids)``, the keyword
+        options apply to each; as :meth:`expect_many`. Never blocks (handshakes are part
+        of each request)."""
+        def prepare(item: Any) -> tuple[TransferHandle, Feed]:
             tickets, block_ids = item
             return self._prepare_pull(tickets, block_ids, timeout, source_tail, sharers)
 
         return self._driver.batch(items, prepare)
 
-    def pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
-             block_ids: Any, *, timeout: float | None = None,
-             source_tail: bool = False,
-             sharers: int | Sequence[int] = 1) -> TransferHandle:
+    def pull(self, tickets: Tickets, block_ids: Any, *, timeout: float | None = None,
+             source_tail: bool = False, sharers: int | Sequence[int] = 1) -> TransferHandle:
         """Pull: READ the blocks named by a :class:`~kvpush.messages.PullTicket` (or by one
-        ticket per producer rank, for the same request) into ``block_ids``. Returns at once
-        (any thread, callbacks included): a ticket's producer not connected yet is connected
-        to first, on the loop thread, as part of the request (``status().phase`` is
-        ``connecting``; at most ``connect_timeout_s`` and never past the tickets' lease or
+        ticket per producer rank of the request) into ``block_ids``. Returns at once (any
+        thread, callbacks included): a ticket's producer not connected yet is connected to
+        first, on the loop thread, as part of the request (``status().phase`` is
+        ``connecting``; at most ``connect_timeout_s``, never past the tickets' lease or
         ``timeout``); a handshake that fails ends the request FAILED with its error
         (``PeerUnavailable``, ``LayoutMismatch``, ...), nothing posted.
 
-        ``source_tail``: read only the last ``len(block_ids)`` blocks of each ticket (see
-        :meth:`expect`). ``sharers``: how many consumer endpoints read a share of each
-        ticket's source (one count for all, or one per ticket; see :meth:`expect`).
+        ``source_tail``: read only the last ``len(block_ids)`` blocks of each ticket;
+        ``sharers``: one count for all tickets or one per ticket (see :meth:`expect`).
 
         A pull of the tickets a :meth:`claim` named continues that claim (same ``xid``;
-        the producer holds a claimed source past the ticket's lease, so only ``timeout``
-        bounds the READ)."""
+        the producer holds a claimed source past the lease, so only ``timeout`` bounds the
+        READ)."""
         handle, feed = self._prepare_pull(tickets, block_ids, timeout, source_tail, sharers)
         self._driver.submit(feed)
         return handle
 
-    def _prepare_pull(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
-                      block_ids: Any, timeout: float | None, source_tail: bool,
-                      sharers: int | Sequence[int]
-                      ) -> tuple[TransferHandle, Callable[[float], None]]:
+    def _prepare_pull(self, tickets: Tickets, block_ids: Any, timeout: float | None,
+                      source_tail: bool, sharers: int | Sequence[int]
+                      ) -> tuple[TransferHandle, Feed]:
         """Validate a pull (caller's thread; raises on bad input, nothing queued) and make
         the event that starts it on the loop thread."""
         started = time.monotonic()
-        rid, parsed = self._parse_tickets(tickets, "pull")
+        rid, parsed = parse_tickets(tickets, "pull", self.config.auth_key)
         counts = sharer_counts(sharers, len(parsed), "tickets")
         dst = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        sources = [m.decode_ids(t.block_ids) for t in parsed]
-        if source_tail:
-            for t, src in zip(parsed, sources, strict=True):
-                if len(dst) > len(src):
-                    raise InvalidBlockIds(f"source_tail: block_ids has {len(dst)} blocks, "
-                                          f"the ticket of {t.producer} only {len(src)}")
-            skip = [len(src) - len(dst) for src in sources]
-            sources = [src[k:] for src, k in zip(sources, skip, strict=True)]
-            parsed = [msgspec.structs.replace(t, checksums=t.checksums[8 * k:])
-                      if t.checksums else t for t, k in zip(parsed, skip, strict=True)]
-        seconds = self.config.request_timeout_s if timeout is None \
-            else check_timeout(timeout, "pull timeout")
-        deadline = started + seconds
+        parsed, sources = source_ids(parsed, dst, source_tail)
+        deadline = started + (self.config.request_timeout_s if timeout is None
+                              else check_timeout(timeout, "pull timeout"))
         for t, src in zip(parsed, sources, strict=True):
             if self._sessions.up(t.producer):  # others are checked once connected
                 error = pull_length_error(t, src, dst, self.layout,
                                           self._sessions.layout_of(t.producer))
                 if error is not None:
                     raise error
-        with self._claims_lock:
-            claim = self._claims.pop(rid, None)
-        stale = None
-        if claim is not None and (claim.push or
-                                  claim.sids != {t.producer: t.sid for t in parsed}):
-            # Claimed from another source use (an earlier prefill of this id): give it up.
-            stale, claim = claim, None
-        claimed = claim is not None
+        xid, stale = self._take_claim(rid, _Claim(0, False, {t.producer: t.sid for t in parsed}))
+        margin = self.config.lease_margin_s
 
         def budget() -> float:
             """Seconds left to the READ: the timeout, and (unless claimed: the producer
             holds a claimed source past the lease) every ticket's lease."""
             left = deadline - time.monotonic()
-            return left if claimed else min(left, self._lease_left(parsed))
+            return left if xid else min(left, lease_left(parsed, margin))
 
-        handle = TransferHandle(rid, TransferMode.PULL,
-                                claim.xid if claim is not None else new_xid())
+        handle = TransferHandle(rid, TransferMode.PULL, xid or new_xid())
 
         def feed(now: float) -> None:
-            if stale is not None:
-                self._core.abort_claim(now, rid, stale.xid, "claim superseded")
+            if stale:
+                self._core.abort_claim(now, rid, stale, "claim superseded")
             self._handles[handle.xid] = handle
             self._core.pull(now, parsed, sources, dst, budget(), counts, handle.xid,
                             dial_s=self.config.connect_timeout_s)
 
         return handle, feed
 
-    def claim(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
-              sharers: int | Sequence[int] = 1) -> int:
-        """Pull later: this consumer will READ the tickets' blocks but cannot yet (its
-        engine has no free blocks). Asks each ticket's producer to hold its source past the
-        ticket's lease while this consumer is connected (bounded by the producer's
-        ``max_wait_s``). A later :meth:`pull` of the same tickets continues the claim (its
-        ``xid``); :meth:`abort` of the request gives it up. Returns the xid at once (any
-        thread, callbacks included).
+    def claim(self, tickets: Tickets, sharers: int | Sequence[int] = 1) -> int:
+        """Pull later: this consumer will READ the tickets' blocks but cannot yet (no free
+        blocks). Asks each ticket's producer to hold its source past the ticket's lease
+        while this consumer is connected (bounded by the producer's ``max_wait_s``). A
+        later :meth:`pull` of the same tickets continues the claim (its ``xid``);
+        :meth:`abort` gives it up. Returns the xid at once (any thread, callbacks included).
 
-        A ticket's producer not connected yet is connected to first, on the loop thread
+        A producer not connected yet is connected to first, on the loop thread
         (``status().phase`` is ``claiming``; at most ``connect_timeout_s``, never past the
-        tickets' lease). If a handshake fails, the claim is given up (logged): a later pull
-        connects itself and ends with the handshake's error; a pull made during the
-        handshake connects itself too, within the tickets' lease. Raises TransferTimeout
-        if the tickets' lease has run out."""
-        rid, parsed = self._parse_tickets(tickets, "claim")
+        tickets' lease). A claim whose handshake fails, or that its producer refuses or
+        loses, is given up (logged; it has no result): a later pull starts anew, and meets
+        the handshake's error itself. A pull made during the handshake connects itself,
+        within the lease. Raises TransferTimeout if the tickets' lease has run out."""
+        rid, parsed = parse_tickets(tickets, "claim", self.config.auth_key)
         counts = sharer_counts(sharers, len(parsed), "tickets")
-        if self._lease_left(parsed) <= 0:
+        margin = self.config.lease_margin_s
+        if lease_left(parsed, margin) <= 0:
             raise TransferTimeout(f"the pull ticket's lease for {rid!r} has run out")
         claim = _Claim(new_xid(), False, {t.producer: t.sid for t in parsed})
         return self._add_claim(rid, claim, lambda now: self._core.claim(
             now, parsed, counts, claim.xid, dial_s=self.config.connect_timeout_s,
-            lease_s=self._lease_left(parsed)))
+            lease_s=lease_left(parsed, margin)))
 
     def claim_push(self, request_id: str, producers: str | Sequence[str], *,
                    sharers: int | Sequence[int] = 1) -> int:
         """Push later: this consumer will :meth:`expect` ``request_id`` from ``producers``
         (names from :meth:`connect`) but has no blocks for it yet. Asks each producer to
         hold the request's source past its lease while this consumer is connected (bounded
-        by the producer's ``max_wait_s``), whether its prefill is done yet or not. A later
-        :meth:`expect` of the same request from the same producers continues the claim;
-        :meth:`abort` gives it up, and so does this consumer's loss or close. Returns the
-        claim's transfer id (the expect's ``xid``) at once."""
-        rid = self._check_request_id(request_id)
+        by the producer's ``max_wait_s``), whether its prefill is done yet or not. An
+        :meth:`expect` from the same producers continues the claim; :meth:`abort` gives it
+        up, and so does this consumer's loss or close. Returns the xid at once."""
+        rid = check_request_id(request_id)
         names = [producers] if isinstance(producers, str) else list(producers)
         if not names:
             raise ValueError("claim_push needs at least one producer")
@@ -458,8 +398,8 @@ class Consumer(Endpoint):
             now, rid, names, shares, claim.xid))
 
     def _add_claim(self, rid: str, claim: _Claim, feed: Callable[[float], object]) -> int:
-        """Record ``claim`` for ``rid`` (one per id) and queue ``feed``, which makes it in
-        the core; a closed Consumer keeps no record. Returns the claim's xid."""
+        """Record ``claim`` (one per id) and queue ``feed``, which makes it in the core;
+        a closed Consumer keeps no record."""
         with self._claims_lock:
             if rid in self._claims:
                 raise InvalidBlockIds(f"request {rid!r} is already claimed")
@@ -471,17 +411,26 @@ class Consumer(Endpoint):
             raise
         return claim.xid
 
+    def _take_claim(self, rid: str, use: _Claim) -> tuple[int, int]:
+        """The xid of ``rid``'s claim that ``use`` (a pull, an expect) continues, and of one
+        it supersedes (claimed from other producers or another source use); 0: none."""
+        with self._claims_lock:
+            claim = self._claims.pop(rid, None)
+        if claim is None:
+            return 0, 0
+        if (claim.push, claim.sids) != (use.push, use.sids):
+            return 0, claim.xid
+        return claim.xid, 0
+
     def _claim_gone(self, gone: ClaimGone) -> None:
-        """Forget claim ``gone`` (not a later claim of the same id)."""
         with self._claims_lock:
             claim = self._claims.get(gone.request_id)
-            if claim is not None and claim.xid == gone.xid:
+            if claim is not None and claim.xid == gone.xid:  # not a later claim of the id
                 del self._claims[gone.request_id]
 
     def abort(self, request_id: str, reason: str = "aborted by consumer") -> None:
         """Give up ``request_id``; its result (ABORTED) comes once the blocks are safe. A
-        claim not continued yet is given up at its producers (no result: it has no
-        handle)."""
+        claim not continued yet is given up at its producers (no result: no handle)."""
         with self._claims_lock:
             claim = self._claims.pop(request_id, None)
 
@@ -492,65 +441,37 @@ class Consumer(Endpoint):
 
         self._driver.submit(feed)
 
-    def _parse_tickets(self, tickets: m.PullTicket | bytes | Sequence[m.PullTicket | bytes],
-                       what: str) -> tuple[str, list[m.PullTicket]]:
-        batch = [tickets] if isinstance(tickets, (m.PullTicket, bytes, bytearray)) \
-            else list(tickets)
-        parsed = [m.PullTicket.from_bytes(bytes(t)) if isinstance(t, (bytes, bytearray))
-                  else t for t in batch]
-        if not parsed:
-            raise ValueError(f"{what} needs at least one ticket")
-        key = self.config.auth_key
-        if key is not None:  # a router can neither read nor alter a sealed ticket
-            parsed = [t.open(key) for t in parsed]
-        elif any(t.sealed for t in parsed):
-            raise AuthenticationError("the pull ticket is sealed, but this consumer has no "
-                                      "auth_key to open it")
-        rid = self._check_request_id(parsed[0].request_id)
-        if any(t.request_id != rid for t in parsed):
-            raise InvalidBlockIds(f"all tickets of one {what} must be for the same request")
-        if len({t.producer for t in parsed}) != len(parsed):
-            raise InvalidBlockIds(f"two tickets of one {what} name the same producer")
-        return rid, parsed
-
-    def _lease_left(self, tickets: list[m.PullTicket]) -> float:
-        """Seconds until the first of the tickets' leases ends, less ``lease_margin_s``."""
-        now = time.time()
-        return min(t.lease_s - (now - t.issued_at) - self.config.lease_margin_s
-                   for t in tickets)
-
     def get_finished(self) -> list[TransferResult]:
-        """Results since the last call, oldest first (for engines that poll rather than take
-        callbacks; without ``on_finished`` every result is queued here, whether or not its
-        handle is also awaited). Never blocks; any thread."""
+        """Results since the last call, oldest first (for engines that poll; without
+        ``on_finished`` every result is queued here, whether or not its handle is also
+        awaited). Never blocks; any thread."""
         return self._finished.take()
 
     def fileno(self) -> int:
-        """A file descriptor (an eventfd) that is readable when :meth:`get_finished` may
-        have results, and once the Consumer is closed: watch it with a selector, ``epoll``
-        or ``loop.add_reader`` and drain when it fires (draining clears it). Only results
-        queued without an ``on_finished`` callback wake it. Valid for this object's
-        lifetime."""
+        """An eventfd, readable when :meth:`get_finished` may have results and once the
+        Consumer is closed: watch it with a selector, ``epoll`` or ``loop.add_reader`` and
+        drain when it fires (draining clears it). Only results queued without an
+        ``on_finished`` callback wake it. Valid for this object's lifetime."""
         return self._finished.fileno()
 
     def results(self) -> AsyncIterator[TransferResult]:
-        """``async for result in consumer.results()``: every result as it comes, in order,
-        until the Consumer closes (stock asyncio loop or uvloop; it waits on
-        :meth:`fileno`, no thread). The same queue as :meth:`get_finished`: use one of
-        the two. Raises RuntimeError if the Consumer has an ``on_finished`` callback (then
-        nothing is queued)."""
+        """``async for result in consumer.results()``: every result in order until the
+        Consumer closes (stock asyncio or uvloop; it waits on :meth:`fileno`, no thread).
+        The same queue as :meth:`get_finished`: use one of the two. Raises RuntimeError
+        if the Consumer has an ``on_finished`` callback (then nothing is queued)."""
         if self._on_finished is not None:
             raise RuntimeError("Consumer.results(): this Consumer has an on_finished "
                                "callback, so no result is queued for an iterator")
         return drain_iter(self._finished)
 
     def status(self, request_id: str) -> RequestStatus:
-        """A snapshot of ``request_id``'s live use here (:class:`~kvpush.RequestStatus`:
-        phase, mode, xid, parts landed of parts owed, deadline, bytes so far); phase
-        ``none`` once it has its result. Taken on the loop thread: the call waits for the
-        loop briefly (at most 10 s), runs at once inside this Consumer's own callbacks, and
-        raises RuntimeError inside another endpoint's (ClosedError once closed)."""
-        rid = self._check_request_id(request_id)
+        """A snapshot of ``request_id``'s live use or claim here
+        (:class:`~kvpush.RequestStatus`: phase, mode, xid, parts landed of parts owed,
+        deadline, bytes so far); phase ``none`` once it has its result. Taken on the loop
+        thread: it waits for the loop briefly (at most 10 s), runs at once inside this
+        Consumer's own callbacks, and raises RuntimeError inside another endpoint's
+        (ClosedError once closed)."""
+        rid = check_request_id(request_id)
         status: RequestStatus = self._driver.call_and_wait(
             lambda: self._core.snapshot(rid), 10.0, "Consumer.status()")
         return status
@@ -575,10 +496,6 @@ class Consumer(Endpoint):
         if theirs is None:
             raise PeerUnavailable(f"not connected to {name!r}")
         return theirs
-
-    @staticmethod
-    def _check_request_id(request_id: Any) -> str:
-        return check_request_id(request_id)
 
     # -- loop thread ---------------------------------------------------------------------
     def _deliver(self, result: Any) -> None:

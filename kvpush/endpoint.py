@@ -14,8 +14,10 @@ from typing import Any, TypeVar
 
 from .driver import Core, Driver, Sessions
 from .layout import KVLayout
+from .messages import MAX_SHARERS
 
-__all__ = ["RESULT_QUEUE", "Endpoint", "check_durations", "check_timeout", "queue_result"]
+__all__ = ["RESULT_QUEUE", "Endpoint", "check_durations", "check_timeout", "queue_result",
+           "sharer_counts"]
 
 log = logging.getLogger("kvpush")
 
@@ -44,6 +46,20 @@ def check_timeout(value: Any, what: str) -> float:
             or not 0 < value <= 86400:
         raise ValueError(f"{what} must be a number of seconds in (0, 86400], got {value!r}")
     return float(value)
+
+
+def sharer_counts(sharers: Any, n: int, what: str) -> list[int]:
+    """``sharers`` as a count in [1, MAX_SHARERS] for each of ``n`` producers or tickets
+    (one int for all, or a sequence of ``n``)."""
+    counts = list(sharers) if isinstance(sharers, (list, tuple)) else [sharers] * n
+    name = "each of sharers" if isinstance(sharers, (list, tuple)) else "sharers"
+    for value in counts:
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 1 <= value <= MAX_SHARERS:
+            raise ValueError(f"{name} must be an int in [1, {MAX_SHARERS}], got {value!r}")
+    if len(counts) != n:
+        raise ValueError(f"sharers names {len(counts)} counts for {n} {what}")
+    return counts
 
 
 def queue_result(queue: deque[Any], item: Any, owner: str, drain: str) -> None:

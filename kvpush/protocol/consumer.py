@@ -337,7 +337,7 @@ class ConsumerCore:
         self._peers: set[str] = set()
         self._layouts: dict[str, KVLayout] = {}    # each connected producer's, as announced
         self._requests: dict[str, _Request] = {}
-        self._claims: dict[str, _Request] = {}     # CLAIMED uses, by request id
+        self._claims: dict[str, _Request] = {}     # CLAIMING and CLAIMED uses, by id
         self._completions = _core.CompletionTable()
         self._keys = itertools.count(1)
         self._read_of: dict[int, str] = {}          # transfer key -> request id
