@@ -471,6 +471,20 @@ def test_a_claim_on_a_closed_consumer_keeps_no_record(
             consumer.claim(ticket)
 
 
+def test_a_claim_ended_by_close_is_forgotten(
+        pair: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
+    """Close gives every claim up in the core, which tells the facade: claiming the same
+    tickets again says 'closed', not 'already claimed' (the facade's record outlived the
+    core's)."""
+    prod, consumer, _ = pair
+    ticket = prod.ticket("cz", [1], sid=80)
+    consumer.claim(ticket)
+    assert isinstance(prod.recv(), m.Claim)
+    consumer.close()
+    with pytest.raises(kvpush.ClosedError):
+        consumer.claim(ticket)
+
+
 def test_a_claim_from_a_callback_returns_at_once(
         pair: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
     prod, consumer, _ = pair
