@@ -910,6 +910,17 @@ class Acceptor:
         AuthenticationError carries the reason (see :meth:`_on_hello`)."""
         key = self.cfg.key
         if key is None:
+            # No key, so nothing to authenticate; but the challenge still says which
+            # instance the Hello was made for. A Hello made for this producer's previous
+            # instance (held in a socket while it restarted) is refused, so the consumer
+            # probes again and learns that it reaches a new instance: taken as it was, it
+            # left the consumer with a session on the new instance that it believed on the
+            # old one, and a second spelling of the address, probed meanwhile, looked like
+            # another producer, said Hello too, and ended the first session.
+            try:
+                self.challenges.redeem(msg.challenge, now)
+            except AuthenticationError as exc:
+                raise _Refused("challenge", str(exc)) from None
             return msg.agent_metadata, ""
         try:
             self.guard.check(msg.nonce, msg.sent_at, self.cfg.wall())

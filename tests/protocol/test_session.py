@@ -117,6 +117,28 @@ def test_a_retransmitted_hello_crossing_a_producer_restart_starts_a_new_attempt(
     assert d.state is s.DialState.PROBING
 
 
+def test_without_a_key_a_hello_made_for_the_previous_instance_is_refused() -> None:
+    """No key: a Hello answering the challenge of a producer's previous instance (held in
+    a socket while it restarted) is refused ("challenge"), and the consumer probes again:
+    its session then names the instance it reaches (a second spelling of the address is
+    joined to it rather than taken for another producer, which said Hello as well and
+    ended the first session)."""
+    dials, old = _pair(None)
+    d, out = dials.dial(0.0, "tcp://p0:1", b"cmeta", 10.0)
+    got, _ = old.receive(0.0, b"id", _frames(out)[0].frame)
+    got, _ = dials.receive(0.0, d, _frames(got)[0].frame)
+    (hello,) = _frames(got)
+    assert isinstance(hello.msg, m.Hello)
+    _, new = _pair(None)                      # the producer restarted
+    got, _ = new.receive(0.01, b"id", hello.frame)
+    assert not any(isinstance(e, (s.Admit, s.PeerUp)) for e in got)
+    (refusal,) = _frames(got)
+    assert isinstance(refusal.msg, m.HelloReject) and refusal.msg.field == "challenge"
+    got, _ = dials.receive(0.01, d, refusal.frame)
+    assert not any(isinstance(e, s.ConnectFailed) for e in got)
+    assert d.state is s.DialState.PROBING
+
+
 def test_a_hello_replayed_to_another_producer_is_refused() -> None:
     """Two producers share the key and the port; a consumer dialled one by a host name.
     Its Hello, captured and replayed to the other, answers no challenge of that one."""
