@@ -260,7 +260,9 @@ class Dialing:
 
     def connect(self, address: str, timeout: float, on_result: Waiter) -> None:
         """Dial ``address`` (or join the session that already reaches it); ``on_result``
-        gets the producer's name once the session is up, or the handshake's error."""
+        gets the producer's name once the session is up, or the handshake's error, at the
+        latest ``timeout`` from now (PeerUnavailable; a session other callers wait on
+        goes on)."""
         d = self.machine.by_address.get(address)  # (a producer's every address dialled)
         if d is not None and d.up:
             on_result(d.name, None)
@@ -278,8 +280,36 @@ class Dialing:
         now = self._driver.clock()
         d, effects = self.machine.dial(now, address, self._driver.agent.metadata,
                                        now + timeout)
-        self._waiters.setdefault(d.address, []).append(on_result)
+        self._waiters.setdefault(d.address, []).append(self._bounded(address, timeout,
+                                                                    on_result))
         self._carry_out(effects)
+
+    def _bounded(self, address: str, timeout: float, on_result: Waiter) -> Waiter:
+        """``on_result``, called once: with the session's outcome, or when ``timeout``
+        passes first. A session already dialling keeps the deadline its first caller gave
+        it, so a later caller's shorter one is kept here."""
+        timer: Timer | None = None
+        done = False
+
+        def once(name: str | None, error: KvpushError | None) -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            if timer is not None:
+                timer.cancel()
+            on_result(name, error)
+
+        def expire() -> None:
+            for waiters in self._waiters.values():
+                if once in waiters:
+                    waiters.remove(once)
+            once(None, PeerUnavailable(f"handshake with {address} did not finish in "
+                                       f"{timeout:g} s"))
+
+        if math.isfinite(timeout):
+            timer = self._driver.after(timeout, expire)
+        return once
 
     # -- what the driver asks (kvpush.driver.Sessions) ----------------------------------
     def send(self, peer: str, msg: m.Message) -> None:

@@ -204,3 +204,25 @@ def test_a_handshake_with_the_wrong_key_fails_without_threads(pair: Any) -> None
         wrong.driver.close()
     name, error = got[0]
     assert name is None and isinstance(error, KvpushError), got
+
+
+def test_a_connect_to_an_address_already_dialled_ends_at_its_own_timeout(pair: Any) -> None:
+    """A second connect() to an address whose handshake is under way (its first caller
+    gave it 100 s) is answered at its own 1 s, with PeerUnavailable; the first caller
+    keeps waiting. (A pull's Dial is such a caller: it waited past its request's time.)"""
+    _, c, clock = pair()
+    start = clock.now
+    first: list[Any] = []
+    second: list[Any] = []
+    address = "tcp://nobody-listens:9"
+    c.driver.call_soon(lambda: c.sessions.connect(address, 100.0,
+                                                  lambda *got: first.append(got)))
+    c.driver.call_soon(lambda: c.sessions.connect(address, 1.0,
+                                                  lambda *got: second.append(got)))
+    run((c,), clock, lambda: bool(second))
+    ((name, error),) = second
+    assert name is None and isinstance(error, PeerUnavailable), second
+    assert clock.now - start == pytest.approx(1.0, abs=0.01)
+    assert first == []
+    run((c,), clock, lambda: bool(first), seconds=10.0)
+    assert clock.now - start >= 100.0 and first[0][0] is None
