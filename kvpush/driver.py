@@ -201,7 +201,7 @@ class LoopIO:
     wall: Callable[[], float]                  # wall-clock seconds (sealed frames' age)
     nonce: Callable[[], bytes]                 # 16 fresh bytes (handshakes, identities)
     context: Any                               # makes sockets: ``socket(zmq.ROUTER|DEALER)``
-    agent: Callable[[str, KVLayout], Agent | ChildAgent]   # this endpoint's NIXL agent
+    agent: Callable[[str, KVLayout], Any]      # this endpoint's NIXL agent (Agent's methods)
 
 
 class Driver:
@@ -249,8 +249,11 @@ class Driver:
         LIVE.add("registrations", 1)
         self.ctx: Any = zmq.Context() if io is None else io.context
         self._poller = zmq.Poller()
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._poller.register(self._wake_fd, zmq.POLLIN)
+        # how callers wake a loop blocked in poll (a loop without a thread never blocks)
+        self._wake_fd = -1
+        if self._threaded:
+            self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._poller.register(self._wake_fd, zmq.POLLIN)
         # A data-plane child's channel is readable only once the child has gone.
         self._plane_fd: int | None = None
         self._watch_data_plane()
@@ -683,6 +686,11 @@ class Driver:
             return core_due if first is None else first
         return min(first, core_due)
 
+    @property
+    def in_flight(self) -> int:
+        """Transfers posted whose end the core has not been told yet."""
+        return len(self._xfers)
+
     def busy(self) -> bool:
         """True while a transfer or an awaited notification needs NIXL polled."""
         return self._busy()
@@ -836,6 +844,20 @@ class Driver:
         self._on_close()
         self._teardown()
 
+    def abandon(self) -> None:
+        """A loop without a thread whose process dies: it stops where it is, says no
+        goodbye and tells the core nothing; its sockets close and NIXL lets go."""
+        if self._threaded:
+            raise RuntimeError("abandon() is for a loop without a thread (LoopIO)")
+        with self._close_lock:
+            if self._finalized:
+                return
+            self._finalized = True
+        with self._submit_lock:
+            self._closed = True
+        self._stop = True
+        self._teardown()
+
     def _on_close(self) -> None:
         """On the loop thread as it exits (or in close() when it never ran): the sessions
         say goodbye, the core ends every request (its last results or releases are
@@ -860,7 +882,8 @@ class Driver:
         self.agent.close()
         LIVE.add("registrations", -1)
         self.ctx.destroy(linger=0)
-        os.close(self._wake_fd)
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)
 
     @property
     def closed(self) -> bool:

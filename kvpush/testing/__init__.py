@@ -12,15 +12,17 @@ For an engine's tests (docs/API.md, "Testing an integration"):
   simulated peer sits behind, and the seeded :class:`FrameRule` s that drop, delay,
   duplicate or answer its control frames.
 
-For kvpush's own protocol (docs/SIMULATION.md): the real request cores and peer sessions
-over fakes, not a real ``Producer`` or ``Consumer``.
+For kvpush's own protocol (docs/SIMULATION.md): the production driver, sessions and cores
+below the facades, over fakes.
 
 * :mod:`kvpush.testing.fakes` -- a seeded scheduler, fake KV memory, a fake NIXL that
   copies real bytes at times the scheduler picks (and keeps copying after an abandon), a
   fake control network (FIFO per direction, link cuts), and the ``links`` a core plans with.
-* :mod:`kvpush.testing.driver` -- the I/O driver of one simulated endpoint: the real peer
-  sessions (:mod:`kvpush.protocol.session`: handshake, authentication, heartbeats, peer
-  loss, incarnations), stalls, kills, and the core's effects carried out on the fakes.
+* :mod:`kvpush.testing.wire` -- ZeroMQ's ROUTER and DEALER in memory, for a
+  :class:`kvpush.driver.Driver` run without its thread.
+* :mod:`kvpush.testing.driver` -- one simulated process: the real driver (stepped on the
+  simulated clock), sessions and core over the wire and a NIXL agent on the fakes, with
+  the simulator's checks as observers; stalls, kills, closes.
 * :mod:`kvpush.testing.engines` -- prefill and decode engine models that write and check
   real bytes, and the invariants of docs/PROTOCOL.md.
 * :mod:`kvpush.testing.sim` -- the simulation and its CLI,

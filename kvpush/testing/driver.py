@@ -1,52 +1,229 @@
-"""The simulated I/O driver: what ``Endpoint``/``Agent`` do for a real Producer or Consumer,
-done against the fakes.
+"""One simulated process: the production driver, sessions and core of a Producer or a
+Consumer, run without their thread on the simulation's clock.
 
-One :class:`Endpoint` is one incarnation of a producer or consumer process: its protocol
-core, its fake memory and engine model, its loop (every event it handles goes through
-:meth:`Endpoint.run`, which defers it while the loop is stalled), the handshake (Hellos
-re-sent until answered), heartbeats and peer-liveness timeouts (the driver declares a
-silent peer lost, as the real loop does), and the carrying out of the core's effects.
-A restart is a new Endpoint under the same name.
+One :class:`Endpoint` is one incarnation of a producer or consumer process. Its loop is a
+real :class:`kvpush.driver.Driver` made with a :class:`~kvpush.driver.LoopIO`: the
+simulation's clock (and this process's skewed wall clock), nonces from the seed, ZeroMQ's
+sockets from :mod:`kvpush.testing.wire` over the simulated network, and :class:`SimAgent`,
+a NIXL agent over the fake memory and the fake NIXL. Its sessions are the real
+:class:`kvpush.sessions.Accepting` or :class:`kvpush.sessions.Dialing`, and its core the
+role's real core (or a planted one). The simulation runs one loop iteration
+(:meth:`kvpush.driver.Driver.step`) whenever something may have happened to the process --
+a frame landed in one of its sockets, an engine call was queued, a transfer it posted
+ended, a notification came, its next timer came due -- and none while the process is
+stalled: frames then wait in its sockets and its timers come due late, as in a stopped
+process.
+
+What the simulation checks here it checks by watching, never by doing the loop's work: the
+frames on the wire, the effects of each session machine, what the core is told, and after
+each iteration that the core and the driver agree on the transfers in flight. A restart is
+a new Endpoint under the same name.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+import numpy as np
+import zmq
+
 from .. import messages as m
-from ..errors import AuthenticationError, PeerUnavailable, ProtocolError
+from ..agent import TransportConfig, XferState
+from ..driver import Driver, LoopIO
+from ..errors import ClosedError, PeerUnavailable
 from ..layout import KVLayout
-from ..protocol.effects import Abandon, ClaimGone, Dial, DropPeer, Emit, Post, Send, XferEnd
+from ..progress import ProgressPolicy
+from ..protocol.effects import ClaimGone, XferEnd
 from ..protocol.session import (
-    AcceptConfig,
-    Acceptor,
     Admit,
     ConnectFailed,
-    DialConfig,
-    Dialer,
-    Dialers,
     DialState,
     Link,
     PeerDown,
     PeerUp,
     SessionEffect,
-    SessionStats,
     Transmit,
 )
 from ..request import Release, TransferResult
+from ..sessions import Accepting, Dialing
+from . import wire
 from .engines import DecodeEngine, PrefillEngine
 from .fakes import FakeMemory, SimLinks, Transfer
 
 if TYPE_CHECKING:
     from .sim import Simulation
 
-__all__ = ["Endpoint", "spellings"]
+__all__ = ["Endpoint", "SimAgent", "SimNetwork", "peek", "spellings"]
 
 _IDEMPOTENT = (m.Probe, m.Challenge, m.Hello, m.HelloAck, m.Heartbeat, m.HeartbeatAck)
+_PORT = 5555
+#: loop iterations at one instant after which an endpoint is taken for stuck (a deadline
+#: that stays due after its tick)
+_SAME_INSTANT = 1000
+_decoder = msgspec.msgpack.Decoder(m.Message)
+_SEAL = 2 + 8 + 32   # version, flag, counter, tag
+
+
+def peek(frame: bytes | memoryview) -> m.Message | None:
+    """The message a control frame or a notification carries, seal unchecked: the
+    simulation reads the wire as an observer (the sessions check seals)."""
+    data = bytes(frame)
+    if len(data) < 3:
+        return None
+    try:
+        msg: m.Message = _decoder.decode(data[2:] if data[1] == 0 else data[_SEAL:])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return msg
+
+
+class SimNetwork(wire.Network):
+    """:mod:`kvpush.testing.wire` over the simulation's network (delays, cuts, resets, and
+    duplicates of the frames a peer may see twice); every frame delivered is one an
+    attacker could have captured (fault ``forge``)."""
+
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__()
+        self.sim = sim
+        for i, producer in enumerate(sim.producer_names):   # its spellings reach its host
+            for address in spellings(producer, i):
+                self.hosts[_host(address)] = producer
+
+    def carry(self, src: wire.Socket, dst: wire.Socket, frames: list[bytes],
+              arrive: Callable[[], None]) -> None:
+        assert isinstance(src.ctx, SimContext) and isinstance(dst.ctx, SimContext)
+        sender, receiver = src.ctx.endpoint, dst.ctx.endpoint
+        frame = frames[-1]
+        msg = peek(frame)
+        idempotent = isinstance(msg, _IDEMPOTENT)
+        if not idempotent:
+            self.sim.checker.trace(f"{sender.name} > {receiver.name} {_brief(msg)}")
+        if isinstance(msg, m.PullHeld) and sender.role == "producer":
+            src_rec = sender.engine.sources.get(msg.request_id)
+            if src_rec is not None:
+                src_rec.held_until[msg.xid] = self.sim.sched.now + msg.hold_s
+        # the consumer side of a frame is named by its connection (c1/3.7)
+        who = frames[0].decode() if src.kind == zmq.DEALER else sender.name
+        hello = isinstance(msg, m.Hello)
+
+        def deliver(_: str, __: bytes) -> None:
+            self.sim.sent_frame(who, receiver.name, frame, hello)
+            arrive()
+        self.sim.net.send(sender.name, receiver.name, frame, deliver, idempotent)
+
+
+class SimContext(wire.Context):
+    """The sockets of one incarnation, on its host (a producer's: its name)."""
+
+    def __init__(self, ep: Endpoint, host: str) -> None:
+        super().__init__(ep.sim.wire, host, on_frame=ep.wake, identify=ep.identify)
+        self.endpoint = ep
+
+
+class SimAgent:
+    """The NIXL agent of one incarnation: its fake memory, the peers it loaded (by the
+    incarnation their metadata names), transfers on the fake NIXL, notifications queued
+    for the loop. A post to a peer it does not know, or whose process is gone or is another
+    incarnation than the one loaded, raises PeerUnavailable (NIXL has no connection to it)."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep = ep
+        self.peers: dict[str, int] = {}          # agent name -> incarnation loaded
+        self.inbox: dict[str, list[bytes]] = {}  # notifications not read yet, by sender
+        self.last_explicit = 0
+        self._keys = itertools.count()
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.ep.memory.layout
+
+    def metadata(self) -> bytes:
+        return _meta(self.ep.name, self.ep.inc)
+
+    def add_peer(self, metadata: bytes, layout: KVLayout, name: str) -> str:
+        agent = metadata.rsplit(b"#", 1)[0].decode(errors="replace")
+        self.peers[agent] = _inc(metadata)
+        return agent
+
+    def remove_peer(self, name: str) -> None:
+        self.peers.pop(name, None)
+
+    def post(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
+             runs: Any = None, regions: Any = None) -> Transfer:
+        ep, sim = self.ep, self.ep.sim
+        target = sim.endpoints.get(peer)
+        if peer not in self.peers or target is None or not target.alive \
+                or target.inc != self.peers[peer]:
+            sim.checker.trace(f"{ep.name} post to {peer}: not connected")
+            raise PeerUnavailable(f"NIXL has no connection to {peer}")
+        local = np.asarray(local).astype("int64", copy=False)
+        remote = np.asarray(remote).astype("int64", copy=False)
+        rows = len(ep.memory.data)
+        if len(local) != len(remote) or (len(local) and (
+                local.min() < 0 or local.max() >= rows
+                or remote.min() < 0 or remote.max() >= len(target.memory.data))):
+            sim.checker.fail("bad_effect", f"{ep.name}: {op} to {peer}: descriptor indices "
+                             f"out of range or of unequal length")
+            raise PeerUnavailable("bad descriptors")
+        if op == "WRITE":
+            src, dst, src_rows, dst_rows, consumer = ep.memory, target.memory, local, remote, \
+                peer
+        elif op == "READ":
+            src, dst, src_rows, dst_rows, consumer = target.memory, ep.memory, remote, local, \
+                ep.name
+        else:
+            sim.checker.fail("bad_effect", f"{ep.name}: unknown op {op!r}")
+            raise PeerUnavailable(f"unknown op {op!r}")
+        src_off, dst_off, length = src.overlap(dst)
+        if length == 0:
+            sim.checker.fail("bad_effect", f"{ep.name}: {op} to {peer}, which holds none of "
+                             f"the heads held here")
+            raise PeerUnavailable("no heads in common")
+        msg = peek(notif)
+        xid = int(getattr(msg, "xid", 0))
+        nb = src.num_blocks
+        xfer = Transfer(next(self._keys), op, ep, ep.inc, target, target.inc, src, dst,
+                        src_rows, dst_rows, notif, xid, consumer, sim.sched.now,
+                        src_blocks=frozenset((src_rows % nb).tolist()), src_off=src_off,
+                        dst_off=dst_off,
+                        length=-1 if length == src.block_bytes == dst.block_bytes else length)
+        sim.checker.trace(f"{ep.name} post {op} -> {peer} xid={xid:x} rows={len(local)}")
+        if op == "WRITE":
+            ep.engine.check_write(xfer)
+        sim.start_transfer(xfer)
+        return xfer
+
+    def state(self, xfer: Transfer) -> XferState:
+        if xfer.state == "moving":
+            return XferState.IN_PROGRESS
+        return XferState.DONE if xfer.state == "landed" else XferState.ERROR
+
+    def release(self, xfer: Transfer) -> bool:
+        """NIXL lets go of the handle; a transfer still moving goes on moving."""
+        if not xfer.reported:
+            end = self.ep.sim.nixl.abandon(xfer)
+            xfer.reported = True
+            if end is XferEnd.ABANDONED:
+                self.ep.sim.stats["abandoned_moving"] += 1
+            self.ep.sim.checker.trace(f"{self.ep.name} released {xfer.op} {xfer.key}: "
+                                      f"{end.value}")
+        return True
+
+    def notify(self, sender: str, notif: bytes) -> None:
+        self.inbox.setdefault(sender, []).append(notif)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        out, self.inbox = self.inbox, {}
+        return out
+
+    def close(self) -> None:
+        """The registrations go: transfers it posted and did not report are let go of."""
 
 
 class Endpoint:
@@ -59,6 +236,7 @@ class Endpoint:
         self.role = role
         self.inc = inc
         self.alive = True
+        self.closing = False
         t = sim.timings
         self.engine: Any
         self.memory: FakeMemory
@@ -72,65 +250,71 @@ class Endpoint:
             self.engine = PrefillEngine(sim, self) if role == "producer" \
                 else DecodeEngine(sim, self)
         self.layout: KVLayout = self.memory.layout
-        self.links = SimLinks(self.memory, sim.peer_memory)
-        # The peer sessions: the real session machines (kvpush.protocol.session), over the
-        # simulated network, with the run's key (or none) and seeded nonces.
+        self.links = SimLinks(self.memory, sim.peer_memory)   # what the core plans with
         self.clock_skew = 0.0        # this process's wall clock minus simulated time
-        self.session_stats = SessionStats()
-        self._attack = False         # the frame being handled is an attacker's
-        self.peer_inc: dict[str, int] = {}   # each peer's incarnation, as last admitted
-        self.dialing: set[str] = set()       # consumer: addresses it keeps connected
-        self.idents: dict[str, str] = {}     # consumer: address -> its socket's identity
-        self.conn_address: dict[str, str] = {}   # consumer: socket identity -> address
-        # consumer: the engine's connect() calls not answered yet, by the address whose
-        # session answers them: (the producer the address reaches, when called)
-        self.waiters: dict[str, list[tuple[str, float]]] = {}
-        # consumer: the core's Dials not answered yet (by address): when each runs out
-        self.dials: dict[str, list[float]] = {}
-        self._conns = 0
-        self._dial_armed = math.inf
-
-        def wall() -> float:
-            return sim.sched.now + self.clock_skew
-
-        if role == "producer":
-            # bound to every interface and dialled by a host name, so only the challenge
-            # tells a Hello meant for this producer from one meant for another
-            self.acceptor = Acceptor(AcceptConfig(name, self.layout, sim.auth_key,
-                                                  t.peer_timeout_s, _address(name),
-                                                  "tcp://0.0.0.0:5555", wall, sim.nonce),
-                                     lambda: _meta(name, inc), self.session_stats)
-        else:
-            self.dialers = Dialers(DialConfig(name, self.layout, sim.auth_key,
-                                              t.peer_timeout_s, t.hello_retry_s, 0.5, wall,
-                                              sim.nonce))
-        self.xfers: dict[int, Transfer] = {}      # posted here, end not yet reported
-        self.closing = False
+        self.dialing: set[str] = set()   # consumer: addresses its engine keeps connected
+        # consumer: the engine's connect() calls not answered yet: (producer, when called)
+        self.waiters: dict[int, tuple[str, str, float]] = {}
+        self._calls = itertools.count()
         self.stalled_until = 0.0
         self.stall_total = 0.0
         self._stall_start = 0.0
-        self.backlog: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        self._armed = math.inf
-        self._same_deadline = 0
-        self.core: Any = None
-        self.core = make_core(self)
+        self._armed = math.inf       # when the next loop iteration is scheduled
+        self._instant = (-1.0, 0)    # (a time, iterations run at it)
+        # an attacker's frames not handled yet, by id (the frame itself is kept: an id
+        # is only unique while its object lives)
+        self._attack: dict[int, bytes] = {}
+        self._attacked = False       # the frame being handled is an attacker's
+        self.agent = SimAgent(self)
+        self._conns = itertools.count(1)
+        self.ctx = SimContext(self, name if role == "producer" else f"{name}.host")
+        io = LoopIO(clock=lambda: sim.sched.now,
+                    wall=lambda: sim.sched.now + self.clock_skew, nonce=sim.nonce,
+                    context=self.ctx, agent=lambda _name, _layout: self.agent)
+        self.driver = Driver(self.layout, role=role, name=name, transport=TransportConfig(),
+                             progress=ProgressPolicy(), auth_key=sim.auth_key, io=io)
+        self.core: Any = make_core(self)
+        self.sessions: Any
+        if role == "producer":
+            # bound to every interface and dialled by a host name, so only the challenge
+            # tells a Hello meant for this producer from one meant for another
+            self.sessions = Accepting(self.driver, self.core, host="0.0.0.0", port=_PORT,
+                                      advertise=name, peer_timeout_s=t.peer_timeout_s)
+        else:
+            self.sessions = Dialing(self.driver, self.core, peer_timeout_s=t.peer_timeout_s,
+                                    heartbeat_s=t.heartbeat_s,
+                                    connect_timeout_s=t.connect_timeout_s)
+        self._watch()
+        self.driver.start(self.core, self.sessions, self._deliver, lambda: None)
+        self.wake()
+        if role == "producer":
+            self._watch_liveness()
 
     @property
     def open(self) -> bool:
         """Whether the engine's calls reach this endpoint (alive and not closing)."""
         return self.alive and not self.closing
 
+    @property
+    def dialers(self) -> Any:
+        """Consumer: its session machines (:class:`kvpush.protocol.session.Dialers`)."""
+        return self.sessions.machine
+
     # -- the loop ----------------------------------------------------------------------
     def run(self, fn: Callable[..., None], *args: Any) -> None:
-        """Handle one event now, or later if the loop is stalled; then carry out effects
-        and re-arm the core's timer."""
+        """An engine's call: queued for the loop (as the facades' calls are), carried out
+        by its next iteration with what it asks of the core."""
         if not self.alive:
             return
-        if self.sim.sched.now < self.stalled_until:
-            self.backlog.append((fn, args))
+
+        def command() -> None:
+            self._call(fn, *args)
+            self.driver.apply()
+        try:
+            self.driver.call_soon(command)
+        except ClosedError:
             return
-        self._call(fn, *args)
-        self.settle()
+        self.wake()
 
     def _call(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -140,53 +324,47 @@ class Endpoint:
                 "core_raised", f"{self.name} ({self.role}) raised {exc!r} in "
                 f"{getattr(fn, '__name__', fn)}{_short(args)}\n{traceback.format_exc()}")
 
-    def settle(self) -> None:
-        self.flush()
+    def wake(self, delay: float = 0.0) -> None:
+        """Run a loop iteration ``delay`` from now (or when a stall ends)."""
         if not self.alive:
             return
-        n = self.core.in_flight()
-        if n != len(self.xfers):   # the core lost (or invented) a transfer it must end
-            self.sim.checker.fail("inflight_mismatch",
-                                  f"{self.name}: core.in_flight()={n}, transfers posted and "
-                                  f"not reported ended: {sorted(self.xfers)}")
-        deadline = self.core.next_deadline()
-        if deadline is not None and deadline < self._armed:
-            self._armed = deadline
-            self.sim.sched.at(deadline, self._timer, deadline)
+        when = max(self.sim.sched.now + delay, self.stalled_until)
+        if when < self._armed:
+            self._armed = when
+            self.sim.sched.at(when, self._step, when)
 
-    def flush(self) -> None:
-        core = self.core
-        for _ in range(10_000):
-            effects = core.drain()
-            if not effects:
-                return
-            for eff in effects:
-                self._effect(eff)
-        self.sim.checker.fail("effects_unbounded", f"{self.name}: drain never emptied")
-
-    def _timer(self, deadline: float) -> None:
-        if not self.alive or deadline != self._armed:
+    def _step(self, when: float) -> None:
+        if not self.alive or when != self._armed:
             return
-        if self.sim.sched.now < self.stalled_until:
-            return   # fires (late) on resume
         self._armed = math.inf
-        self._call(self.core.tick, self.sim.sched.now)
-        nxt = self.core.next_deadline()
-        if nxt is not None and nxt <= deadline:
-            self._same_deadline += 1
-            if self._same_deadline > 1000:
-                self.sim.checker.fail("deadline_stuck",
-                                      f"{self.name}: next_deadline() stays at {nxt} after tick")
-                self._same_deadline = 0
-                self.flush()
-                return
-            self._armed = math.inf
-            self.flush()
-            self._armed = self.sim.sched.now + 1e-6
-            self.sim.sched.at(self._armed, self._timer, self._armed)
+        now = self.sim.sched.now
+        if now < self.stalled_until:
+            self.wake()
             return
-        self._same_deadline = 0
-        self.settle()
+        at, count = self._instant
+        self._instant = (now, count + 1 if at == now else 1)
+        if self._instant[1] > _SAME_INSTANT:
+            self.sim.checker.fail("deadline_stuck", f"{self.name}: {_SAME_INSTANT} loop "
+                                  f"iterations at t={now:.6f} (next wake "
+                                  f"{self.driver.next_wake()})")
+            self._instant = (now, 0)
+            return
+        try:
+            self.driver.step()
+        except Exception as exc:
+            self.sim.checker.fail("core_raised", f"{self.name} ({self.role}) loop raised "
+                                  f"{exc!r}\n{traceback.format_exc()}")
+        if not self.alive:
+            return
+        self._attacked = False
+        n = self.core.in_flight()
+        posted = self.driver.in_flight
+        if n != posted:   # the core lost (or invented) a transfer it must end
+            self.sim.checker.fail("inflight_mismatch", f"{self.name}: core.in_flight()={n}, "
+                                  f"transfers posted and not reported ended: {posted}")
+        due = self.driver.next_wake()
+        if due is not None:
+            self.wake(max(0.0, due - now))
 
     def stall(self, until: float) -> None:
         if until <= self.stalled_until or until <= self.sim.sched.now:
@@ -200,335 +378,241 @@ class Endpoint:
         if not self.alive or until != self.stalled_until:
             return
         self.stall_total += until - self._stall_start   # counted once the stall is over
-        backlog, self.backlog = self.backlog, []
-        if self.sim.sched.rng.random() < 0.5:
-            # the loop may see its overdue timers (the core's, and the peer checks) before
-            # what its sockets hold
-            self._armed = math.inf
-            self._call(self.core.tick, self.sim.sched.now)
-            self.flush()
-            timers = [e for e in backlog if e[0] == self._liveness]
-            backlog = timers + [e for e in backlog if e[0] != self._liveness]
-        for fn, args in backlog:
-            self._call(fn, *args)
-            self.flush()
-        self._armed = math.inf       # timers that came due meanwhile fire now, late
-        self.settle()
+        self._armed = math.inf
+        self.wake()
 
     def close(self, then: Callable[[], None]) -> None:
-        """``Producer.close()`` / ``Consumer.close()``, as the loop carries it out (after
-        what was queued before it): NIXL handles released (their bytes go on), the core
-        closed (everything released CLOSED / ended ABORTED), Bye to every peer; then
-        ``then()``. The engine keeps its KV cache and may open a new endpoint over it."""
+        """``Producer.close()`` / ``Consumer.close()`` after what was queued before it: the
+        driver's own close (Bye to every peer, the core closed, NIXL handles released);
+        then ``then()``. The engine keeps its KV cache and may open a new endpoint over it."""
         self.closing = True     # the engine's calls from now on raise ClosedError
-        self.run(self._close, then)
+        self.run(lambda: self.sim.sched.after(0.0, self._close, then))
 
     def _close(self, then: Callable[[], None]) -> None:
         if not self.alive:
             return
-        now = self.sim.sched.now
-        # ProducerCore.close() leaves the NIXL handles to the driver; ConsumerCore.close()
-        # asks for them (Abandon effects). Whatever is left after the core is released.
-        if self.role == "producer":
-            self._release_handles()
-        self._call(self.core.close, now)
-        self.flush()
-        self._release_handles()
-        if self.role == "producer":
-            for tx in self.acceptor.close():
-                self._transmit(tx)
-        else:
-            for d in self.dialers:
-                if d.up:
-                    self._transmit(Transmit(d.address, d.seal(m.Bye(self.name)),
-                                            msg=m.Bye(self.name)))
+        try:
+            self.driver.close()
+        except Exception as exc:
+            self.sim.checker.fail("core_raised", f"{self.name} close raised {exc!r}\n"
+                                  f"{traceback.format_exc()}")
         self.alive = False
-        self.backlog.clear()
         then()
-
-    def _release_handles(self) -> None:
-        for key in list(self.xfers):
-            xfer = self.xfers.pop(key)
-            self.sim.nixl.abandon(xfer)
-            xfer.reported = True
 
     def kill(self) -> None:
         self.alive = False
-        self.backlog.clear()
         for xfer in list(self.sim.nixl.active.values()):
             if xfer.poster is self or xfer.target is self:
                 self.sim.nixl.kill(xfer)
+        self.driver.abandon()
         self.engine.died()
 
-    # -- control frames ----------------------------------------------------------------
-    def send(self, peer: str, msg: m.Message) -> None:
-        """A core's Send: sealed under the peer's session (dropped when not connected, as
-        the facades do)."""
-        if self.role == "producer":
-            tx = self.acceptor.seal(peer, msg)
+    def _deliver(self, item: Any) -> None:
+        if isinstance(item, Release) and self.role == "producer":
+            self.engine.on_release(item)
+        elif isinstance(item, TransferResult) and self.role == "consumer":
+            self.engine.on_result(item)
+        elif isinstance(item, ClaimGone) and self.role == "consumer":
+            self.sim.checker.trace(f"{self.name} claim gone {item.request_id} "
+                                   f"xid={item.xid:x}")
         else:
-            d = self.dialers.by_name.get(peer)
-            tx = None if d is None or not d.up else Transmit(d.address, d.seal(msg), msg=msg)
-        if tx is not None:
-            self._transmit(tx)
+            self.sim.checker.fail("bad_effect", f"{self.name}: delivered {item!r}")
 
-    def _transmit(self, tx: Transmit) -> None:
-        """Send a frame on a connection. A consumer's connection to one producer is one
-        ZeroMQ socket with a routing identity of its own (``name/incarnation.n``): what the
-        producer sends to an identity whose socket was closed (a session that ended, or a
-        consumer that restarted) is lost, as in ZeroMQ."""
-        msg = tx.msg
-        if isinstance(tx.peer, bytes):          # producer -> a consumer connection
-            ident = tx.peer.decode()
-            peer = ident.partition("/")[0]
-        else:                                   # consumer -> the producer it dialled
-            peer = self.sim.producer_at(tx.peer)
-            ident = self.idents.get(tx.peer, "")
-            if isinstance(msg, m.Hello):
-                self._check_one_connection(tx.peer)
-        target = self.sim.endpoints.get(peer)
-        if target is None or not ident:
-            return
-        idempotent = isinstance(msg, _IDEMPOTENT)
-        if not idempotent:
-            self.sim.checker.trace(f"{self.name} > {peer} {_brief(msg)}")
-        if isinstance(msg, m.PullHeld) and self.role == "producer":
-            src = self.engine.sources.get(msg.request_id)
-            if src is not None:
-                src.held_until[msg.xid] = self.sim.sched.now + msg.hold_s
-        # what an attacker captures: frames once delivered (a copy that overtook the
-        # original would only deliver the genuine frame early)
-        hello = isinstance(msg, m.Hello)
-        if self.role == "producer":
-            def deliver(sender: str, frame: bytes) -> None:
-                self.sim.sent_frame(sender, peer, frame)
-                target.receive(sender, frame, ident)
-        else:
-            def deliver(sender: str, frame: bytes) -> None:
-                self.sim.sent_frame(ident, peer, frame, hello)
-                target.receive(ident, frame)
-        self.sim.net.send(self.name, peer, tx.frame, deliver, idempotent)
+    # -- what reaches the process from outside -----------------------------------------
+    def notification(self, sender: str, frame: bytes) -> None:
+        """A NIXL notification from ``sender`` lands here (the loop reads it when the core
+        waits for one)."""
+        if self.alive:
+            self.agent.notify(sender, frame)
+            self.wake()
 
-    def receive(self, sender: str, frame: bytes, conn: str = "") -> None:
-        """A frame from ``sender`` (producer: a consumer connection's identity; consumer:
-        the producer's name, on connection ``conn``)."""
-        self.run(self._on_frame, sender, frame, conn, False)
+    def transfer_moved(self) -> None:
+        """A transfer this process posted ended: its next poll sees it."""
+        self.wake()
 
     def attacked(self, sender: str, frame: bytes) -> None:
-        """A frame from an attacker (forged, replayed or spliced into a live connection):
-        with a key, it may earn a refusal and nothing else."""
-        self.run(self._on_frame, sender, frame, "", True)
+        """A frame from an attacker, under ``sender``: into the producer's socket as the
+        connection of that identity (its own, or the genuine one it splices into), or into
+        the consumer's connection to producer ``sender``. With a key, it may earn a refusal
+        and nothing else."""
+        if not self.alive:
+            return
+        frame = bytes(bytearray(frame))   # its own object: a replay is not its original
+        if self.role == "producer":
+            sock = getattr(self.sessions, "router", None)
+            parts = [sender.encode(), frame]
+        else:
+            sock = self.sessions.conns.get(_address(sender))
+            parts = [frame]
+        if sock is None or sock.closed:
+            self.sim.stats["frames_to_closed"] += 1
+            return
+        self._attack[id(frame)] = frame
+        sock.inbox.append(parts)
+        self.wake()
 
-    def _on_frame(self, sender: str, frame: bytes, conn: str, attack: bool) -> None:
-        now = self.sim.sched.now
-        self._attack = attack
-        try:
-            if self.role == "producer":
-                effects, got = self.acceptor.receive(now, sender.encode(), frame)
-                self._check_restart(effects)
-            else:
-                # the socket's address (an attacker's frame: the producer's host name)
-                address = self.conn_address.get(conn, "") if conn else _address(sender)
-                d = self.dialers.by_address.get(address)
-                if d is None or d.address != address \
-                        or (conn and self.idents.get(address) != conn):
-                    self.sim.stats["frames_to_closed"] += 1   # its socket is gone
-                    return
-                try:
-                    effects, msg = self.dialers.receive(now, d, frame)
-                except (AuthenticationError, ProtocolError):
-                    self.sim.stats["frames_rejected"] += 1
-                    return
-                twin = self.dialers.by_address.get(address)
-                if twin is not None and twin is not d:
-                    self._join(d, twin)
-                    return
-                self._check_restart(effects, address)
-                got = None if msg is None else (d.name, msg)
-            self._session(effects)
-            if got is None:
-                return
-            if attack:
-                self.sim.checker.fail("forged_accepted", f"{self.name} took {_brief(got[1])} "
-                                      f"from attacker {sender} as {got[0]}'s")
-                return
-            name, msg = got
-            if isinstance(msg, m.Heartbeat):
-                if self.sim.timings.heartbeats_to_core:
-                    self.core.on_message(now, name, msg)
-                return
-            self.sim.checker.trace(f"{self.name} < {name} {_brief(msg)}")
+    # -- the engine's connections (consumer) -------------------------------------------
+    def connect(self, producer: str) -> None:
+        """Keep ``producer`` dialled (and again after it is lost), as an engine that
+        connects to every producer would."""
+        self.dialing.add(_address(producer))
+        self.run(self._redial)
+
+    def _redial(self) -> None:
+        if not self.open:
+            return
+        for address in sorted(self.dialing):
+            if address not in self.dialers.by_address:
+                self._dial(address, None)
+
+    def _dial(self, address: str, producer: str | None) -> None:
+        """The engine's ``connect(address)``; ``producer``: the one it means (checked)."""
+        call = next(self._calls)
+        if producer is not None:
+            self.waiters[call] = (producer, address, self.sim.sched.now)
+
+        def answered(name: str | None, error: Any) -> None:
+            self.waiters.pop(call, None)
+            if producer is not None and error is None and name != producer:
+                self.sim.checker.fail("connect_wrong_peer", f"{self.name}: connect() to "
+                                      f"{producer} at {address} returned {name!r}")
+        sim = self.sim
+        fresh = address not in self.dialers.by_address
+        self.sessions.connect(address, math.inf, answered)
+        if fresh and sim.faults.on("twin") and address == _address(sim.producer_at(address)) \
+                and sim.rng.random() < sim.faults.twin_p:
+            # the engine dials another spelling while this one's handshake goes on
+            sim.sched.after(sim.rng.uniform(0, 4e-3), sim.dial_twin, self,
+                            sim.producer_at(address))
+
+    def connect_twin(self, producer: str, address: str, keep: bool) -> None:
+        """The engine's ``connect(address)``, ``address`` another spelling of a producer
+        this side has a session with (or is dialling). ``keep``: dialled again after a
+        loss, with the first spelling (the two then race through the handshake)."""
+        if keep:
+            self.dialing.add(address)
+        self._dial(address, producer)
+
+    def unresolved(self, before: float) -> list[str]:
+        """Consumer: connect() calls made before ``before`` and not answered."""
+        return [f"{p} at {a} since t={t:.3f}" for p, a, t in self.waiters.values()
+                if t < before]
+
+    def identify(self, sock: wire.Socket) -> bytes:
+        """A connection's routing identity: ``c1/3.7``, the 7th of incarnation 3 of c1."""
+        return f"{self.name}/{self.inc}.{next(self._conns)}".encode()
+
+    # -- watching ----------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Observers on the real session machines, sessions and core: the checks below run
+        on what they do, and change nothing of it."""
+        machine = self.sessions.machine
+        receive = machine.receive
+        carry_out = self.sessions._carry_out
+        on_message = self.core.on_message
+
+        def watched_receive(now: float, peer: Any, frame: Any) -> Any:
+            obj = getattr(frame, "obj", frame)
+            self._attacked = self._attack.get(id(obj)) is obj
+            if self._attacked:
+                del self._attack[id(obj)]
+            result = receive(now, peer, frame)
+            effects = result[0]
+            self._check_restart(effects, peer.address if self.role == "consumer" else "")
+            self._check_effects(effects)
+            got = result[1]
+            if self._attacked and got is not None:
+                msg = got[1] if self.role == "producer" else got
+                self.sim.checker.fail("forged_accepted", f"{self.name} took {_brief(msg)} "
+                                      f"from an attacker")
+            return result
+
+        def watched_carry_out(effects: list[SessionEffect]) -> None:
+            for eff in effects:
+                if isinstance(eff, Transmit) and isinstance(eff.msg, m.Hello):
+                    self._check_one_connection(str(eff.peer))
+                elif isinstance(eff, Admit) and self.role == "producer":
+                    assert isinstance(eff.peer, bytes)
+                    if eff.peer.decode().partition("/")[0] != eff.name:
+                        self.sim.checker.fail("hello_forged", f"{self.name} admits {eff.name}"
+                                              f" on the connection of {eff.peer.decode()}")
+                elif isinstance(eff, PeerUp):
+                    self.sim.checker.trace(f"{self.name} up {eff.name}")
+                elif isinstance(eff, PeerDown):
+                    self.sim.checker.trace(f"{self.name} lost {eff.name}: {eff.why}")
+                elif isinstance(eff, ConnectFailed) and not self.closing:
+                    self.sim.checker.fail("hello_rejected", f"{eff.address} refused "
+                                          f"{self.name}: {eff.error}")
+            carry_out(effects)
+            if self.role == "consumer" and any(isinstance(e, (PeerDown, ConnectFailed))
+                                               for e in effects):
+                self.sim.sched.after(0.0, self.run, self._redial)
+
+        def watched_on_message(now: float, peer: str, msg: Any, *rest: Any) -> Any:
+            if self._attacked:
+                self.sim.checker.fail("forged_accepted", f"{self.name} took {_brief(msg)} "
+                                      f"from an attacker as {peer}'s")
+            self.sim.checker.trace(f"{self.name} < {peer} {_brief(msg)}")
             if isinstance(msg, (m.Register, m.Claim)):
                 self.sim.producer_wait_started(msg.request_id)
             if isinstance(msg, m.Claim):     # it may hold the source up to max_wait_s
                 src = self.engine.sources.get(msg.request_id)
                 if src is not None:
                     src.claimed_at = now
-            self.core.on_message(now, name, msg)
-        finally:
-            self._attack = False
+            return on_message(now, peer, msg, *rest)
 
-    def _session(self, effects: list[SessionEffect]) -> None:
-        """Carry out what a session machine asked, in order."""
+        machine.receive = watched_receive
+        self.sessions._carry_out = watched_carry_out
+        self.core.on_message = watched_on_message
+        if self.role == "producer":
+            check = machine.check
+
+            def watched_check(now: float) -> Any:
+                effects = check(now)
+                self._check_silence(now, effects)
+                return effects
+            machine.check = watched_check
+        else:
+            join = self.sessions._join
+
+            def watched_join(d: Any, twin: Any) -> None:
+                self.sim.stats["twin_joined" if twin.up else "twin_joined_dialling"] += 1
+                self.sim.checker.trace(f"{self.name} joins {d.address} to {twin.address} "
+                                       f"({twin.state.value})")
+                join(d, twin)
+            self.sessions._join = watched_join
+
+    def _watch_liveness(self) -> None:
+        """Every ``peer_timeout_s / 4`` (how often a producer judges its consumers): no
+        consumer silent for ``peer_timeout_s`` outlives the next of those checks, unless this
+        process was stalled since. Whether its loop runs the check at all is what this
+        watches (a check that never runs judges nobody)."""
+        t = self.sim.timings
+        every = t.peer_timeout_s / 4
         now = self.sim.sched.now
+        if not self.alive:
+            return
+        self.sim.sched.after(every, self._watch_liveness)
+        if now < self.stalled_until + every + 1e-3:
+            return
+        kept = [f"{p.name} (silent since t={p.last_seen:.3f})"
+                for p in self.sessions.machine.consumers.values()
+                if p.state is Link.UP and now - p.last_seen > t.peer_timeout_s + every + 1e-3]
+        if kept:
+            self.sim.checker.fail("silence_not_judged",
+                                  f"{self.name}: sessions up past peer_timeout_s of silence "
+                                  f"and its next liveness check: {kept[:3]}")
+
+    def _check_effects(self, effects: list[SessionEffect]) -> None:
+        """An attacker's frame may earn a refusal (sent best effort, or a handshake frame
+        sent again) and nothing else."""
+        if not self._attacked:
+            return
         for eff in effects:
-            if self._attack and not (isinstance(eff, Transmit)
-                                     and (eff.best_effort or eff.again)):
+            if not (isinstance(eff, Transmit) and (eff.best_effort or eff.again)):
                 what = _brief(eff.msg) if isinstance(eff, Transmit) else f"{eff!r:.200}"
                 self.sim.checker.fail("forged_accepted", f"{self.name}: an attacker's frame "
                                       f"made the session do {what}")
-            if isinstance(eff, Transmit):
-                self._transmit(eff)
-            elif isinstance(eff, Admit):
-                self._admit(now, eff)
-            elif isinstance(eff, PeerUp):
-                self.sim.checker.trace(f"{self.name} up {eff.name}")
-                if self.role == "producer":
-                    self.core.peer_up(now, eff.name, eff.layout)
-                else:
-                    self.core.peer_up(now, eff.name)   # the consumer core takes no layout
-                    d = self.dialers.by_name.get(eff.name)
-                    if d is not None:
-                        self._resolve(d.address, eff.name)
-                    self._answer_dials()
-                self.flush()
-            elif isinstance(eff, PeerDown):
-                self.sim.checker.trace(f"{self.name} lost {eff.name}: {eff.why}")
-                if self.role == "producer":
-                    self.core.peer_lost(now, eff.name, eff.why, abandon=eff.abandon)
-                else:
-                    self.core.peer_lost(now, eff.name, eff.why)
-                self.flush()
-            elif isinstance(eff, ConnectFailed):
-                self._drop_conn(eff.address)
-                self.waiters.pop(eff.address, None)   # (their failure is reported here)
-                if not self.closing:
-                    self.sim.checker.fail("hello_rejected", f"{eff.address} refused "
-                                          f"{self.name}: {eff.error}")
-        if self.role == "consumer":
-            self._redial()
-
-    def _admit(self, now: float, eff: Admit) -> None:
-        """The fake agent takes the peer's metadata (``name#incarnation``)."""
-        agent = eff.metadata.rsplit(b"#", 1)[0].decode(errors="replace")
-        self.peer_inc[eff.name] = _inc(eff.metadata)
-        if self.role == "producer":
-            assert isinstance(eff.peer, bytes)
-            if eff.peer.decode().partition("/")[0] != eff.name:
-                self.sim.checker.fail("hello_forged", f"{self.name} admits {eff.name} on "
-                                      f"the connection of {eff.peer.decode()}")
-            self._session(self.acceptor.admitted(now, eff.peer, agent))
-        else:
-            d = self.dialers.by_address.get(str(eff.peer))
-            if d is None:
-                return
-            if agent != eff.name:
-                self._session(self.dialers.refused(now, d, ProtocolError("agent name")))
-            else:
-                self._session(self.dialers.admitted(now, d))
-
-    # -- connections and liveness ------------------------------------------------------
-    def connect(self, producer: str) -> None:
-        """Consumer: keep dialling ``producer`` (and again after it is lost), as an engine
-        that connects to every producer would."""
-        self.dialing.add(_address(producer))
-        self.sim.sched.after(0.0, self.run, self._redial)
-
-    def connect_twin(self, producer: str, address: str, keep: bool) -> None:
-        """Consumer: the engine's ``connect(address)``, ``address`` another spelling of a
-        producer this side has a session with (or is dialling), as the real consumer's
-        ``connect()`` does it: answered at once by a session up at that address, else a new
-        socket and session, or the one dialling there already. ``keep``: dialled again after a loss,
-        with the first spelling (the two then race through the handshake)."""
-        if keep:
-            self.dialing.add(address)
-        waiter = (producer, self.sim.sched.now)
-        d = self.dialers.by_address.get(address)
-        if d is not None and d.up:
-            self._answer([waiter], address, d.name)
-            return
-        if d is None:
-            self._dial(address)
-            d = self.dialers.by_address.get(address)
-        if d is not None:   # (the session that answers: a joined spelling's is its twin)
-            self.waiters.setdefault(d.address, []).append(waiter)
-
-    def _dial(self, address: str) -> None:
-        """A new socket (a new routing identity) and session for ``address``."""
-        self._drop_conn(address)   # (the socket of a session that ended)
-        self._conns += 1
-        ident = f"{self.name}/{self.inc}.{self._conns}"
-        self.idents[address] = ident
-        self.conn_address[ident] = address
-        _, effects = self.dialers.dial(self.sim.sched.now, address, _meta(self.name, self.inc),
-                                       math.inf)
-        sim = self.sim
-        if sim.faults.on("twin") and address == _address(sim.producer_at(address)) \
-                and sim.rng.random() < sim.faults.twin_p:
-            # the engine dials another spelling while this one's handshake goes on
-            sim.sched.after(sim.rng.uniform(0, 4e-3), sim.dial_twin, self,
-                            sim.producer_at(address))
-        self._session(effects)
-
-    def _join(self, d: Dialer, twin: Dialer) -> None:
-        """``d``'s address reaches the producer of ``twin``'s session (as the real
-        consumer joins them): its socket goes, its waiters wait on the twin."""
-        self.sim.stats["twin_joined" if twin.up else "twin_joined_dialling"] += 1
-        self.sim.checker.trace(f"{self.name} joins {d.address} to {twin.address} "
-                               f"({twin.state.value})")
-        self._drop_conn(d.address)
-        if twin.up:
-            self._answer(self.waiters.pop(d.address, []), d.address, twin.name)
-        elif d.address in self.waiters:
-            self.waiters.setdefault(twin.address, []).extend(self.waiters.pop(d.address))
-
-    def _drop_conn(self, address: str) -> None:
-        ident = self.idents.pop(address, None)
-        if ident is not None:
-            self.conn_address.pop(ident, None)
-
-    def _core_dial(self, eff: Dial) -> None:
-        """The core's Dial (a pull or a claim whose producer is not connected), answered as
-        :meth:`kvpush.sessions.Dialing.dial` answers it: once the session at the address is
-        up (at once if it is), else with PeerUnavailable when the Dial's time runs out. The
-        engine keeps every producer dialled, so no session is started here."""
-        self.sim.checker.trace(f"{self.name} dial {eff.address} for {eff.timeout:.3f} s")
-        self.dials.setdefault(eff.address, []).append(self.sim.sched.now + eff.timeout)
-        self.sim.sched.after(0.0, self.run, self._answer_dials)
-        self.sim.sched.after(eff.timeout, self.run, self._answer_dials)
-
-    def _answer_dials(self) -> None:
-        """Answer the core's Dials whose session is up, and those whose time ran out."""
-        now = self.sim.sched.now
-        for address, due in list(self.dials.items()):
-            d = self.dialers.by_address.get(address)
-            up = d is not None and d.up
-            over = [t for t in due if up or t <= now]
-            self.dials[address] = [t for t in due if t not in over]
-            if not self.dials[address]:
-                del self.dials[address]
-            for _ in over:
-                self.sim.checker.trace(f"{self.name} dialed {address}: "
-                                       f"{d.name if up and d else 'timed out'}")
-                self.core.dialed(now, address, d.name if up and d else None, None if up else
-                                 PeerUnavailable(f"no session with {address} in time"))
-
-    def _resolve(self, address: str, name: str) -> None:
-        """The session at ``address`` is up with producer ``name``."""
-        self._answer(self.waiters.pop(address, []), address, name)
-
-    def _answer(self, waiters: list[tuple[str, float]], address: str, name: str) -> None:
-        """connect() calls return ``name``: the producer each dialled, whatever spelling
-        of its address it used."""
-        for producer, _ in waiters:
-            if producer != name:
-                self.sim.checker.fail("connect_wrong_peer", f"{self.name}: connect() to "
-                                      f"{producer} at {address} returned {name!r}")
-
-    def unresolved(self, before: float) -> list[str]:
-        """Consumer: connect() calls made before ``before`` and not answered."""
-        return [f"{p} at {a} since t={t:.3f}" for a, ws in self.waiters.items()
-                for p, t in ws if t < before]
 
     def _check_one_connection(self, address: str) -> None:
         """A Hello goes out on ``address`` only while no other session of this consumer
@@ -557,7 +641,7 @@ class Endpoint:
                 continue
             if self.role == "consumer":   # the producer taken for restarted
                 ep = sim.endpoints.get(eff.name)
-                if ep is not None and ep.inc == self.peer_inc.get(eff.name):
+                if ep is not None and ep.inc == self.agent.peers.get(eff.name):
                     sim.checker.fail("false_restart", f"{self.name} takes {eff.name}#{ep.inc}"
                                      f" for restarted ({eff.why}); it runs as it did")
                 continue
@@ -567,204 +651,45 @@ class Endpoint:
             if ce is None or not ce.alive or ce.role != "consumer" \
                     or conn.partition(".")[0] != str(ce.inc):
                 continue   # a consumer that restarted
-            conn_address = ce.conn_address.get(ident, "")
-            d = ce.dialers.by_address.get(conn_address)
-            if d is not None and d.address == conn_address and d.state is not DialState.DOWN:
+            sock = next((s for s in ce.ctx.sockets
+                         if not s.closed and s.identity == ident.encode()), None)
+            if sock is None:
+                continue   # that connection is closed: its session ended
+            d = ce.dialers.by_address.get(sock.address)
+            if d is not None and d.address == sock.address and d.state is not DialState.DOWN:
                 sim.checker.fail("false_restart", f"{self.name} drops {ident} ({eff.why}) "
                                  f"while {name} holds that session {d.state.value}")
 
-    def _redial(self) -> None:
-        if not self.open:
-            return
-        for address in sorted(self.dialing):
-            if address not in self.dialers.by_address:
-                self._dial(address)
-        due = self.dialers.next_deadline()
-        if due is not None and due < self._dial_armed:
-            self._dial_armed = due
-            self.sim.sched.at(due, self.run, self._dial_tick, due)
-
-    def _dial_tick(self, due: float) -> None:
-        if due != self._dial_armed:
-            return
-        self._dial_armed = math.inf
-        self._session(self.dialers.tick(self.sim.sched.now))
-
-    def start_liveness(self) -> None:
-        self.sim.sched.after(self.sim.sched.rng.uniform(0, self.sim.timings.heartbeat_s),
-                             self.run, self._liveness)
-
-    def _liveness(self) -> None:
-        now = self.sim.sched.now
-        if self.role == "producer":
-            self._session(self.acceptor.check(now))
-            self._check_silence(now)
-        else:
-            self._session(self.dialers.heartbeat(now))
-        self.sim.sched.after(self.sim.timings.heartbeat_s, self.run, self._liveness)
-
-    def _check_silence(self, now: float) -> None:
+    def _check_silence(self, now: float, effects: list[SessionEffect]) -> None:
         """After a liveness check no consumer silent for peer_timeout_s is still up: one
         that is may be gone for good, and its session, claims and transfers would be held
         for ever."""
         t = self.sim.timings
+        dropped = {eff.conn for eff in effects if isinstance(eff, PeerDown)}
         kept = [f"{p.name} (silent since t={p.last_seen:.3f})"
-                for p in self.acceptor.consumers.values()
-                if p.state is Link.UP and now - p.last_seen > t.peer_timeout_s]
+                for ident, p in self.sessions.machine.consumers.items()
+                if p.state is Link.UP and now - p.last_seen > t.peer_timeout_s
+                and ident not in dropped]
         if kept:
             self.sim.checker.fail("silence_not_judged",
                                   f"{self.name}: sessions kept up past peer_timeout_s of "
                                   f"silence by its liveness check: {kept[:3]}")
 
-    # -- effects -----------------------------------------------------------------------
-    def _effect(self, eff: Any) -> None:
-        if isinstance(eff, Send):
-            self.send(eff.peer, eff.msg)
-        elif isinstance(eff, Post):
-            self._post(eff)
-        elif isinstance(eff, Abandon):
-            self._abandon(eff)
-        elif isinstance(eff, Emit):
-            if isinstance(eff.item, Release) and self.role == "producer":
-                self.engine.on_release(eff.item)
-            elif isinstance(eff.item, TransferResult) and self.role == "consumer":
-                self.engine.on_result(eff.item)
-            elif isinstance(eff.item, ClaimGone) and self.role == "consumer":
-                self.sim.checker.trace(f"{self.name} claim gone {eff.item.request_id} "
-                                       f"xid={eff.item.xid:x}")
-            else:
-                self.sim.checker.fail("bad_effect", f"{self.name}: {eff!r}")
-        elif isinstance(eff, Dial) and self.role == "consumer":
-            self._core_dial(eff)
-        elif isinstance(eff, DropPeer):
-            self.sim.checker.trace(f"{self.name} drop {eff.peer}: {eff.why}")
-            if self.role == "producer":
-                self.acceptor.forget(eff.peer)
-            else:
-                d = self.dialers.by_name.get(eff.peer)
-                if d is not None:
-                    self._session([e for e in self.dialers.lose(self.sim.sched.now, d, eff.why)
-                                   if not isinstance(e, PeerDown)])
-        else:
-            self.sim.checker.fail("bad_effect", f"{self.name}: unknown effect {eff!r}")
 
-    def _post(self, eff: Post) -> None:
-        sim = self.sim
-        now = sim.sched.now
-        if eff.key in self.xfers:
-            sim.checker.fail("bad_effect", f"{self.name}: transfer key {eff.key} posted twice")
-            return
-        sealer = self._notif_sealer(eff.peer)
-        target = sim.endpoints.get(eff.peer)
-        if sealer is False or target is None or not target.alive \
-                or target.inc != self.peer_inc.get(eff.peer):
-            sim.checker.trace(f"{self.name} post {eff.key} to {eff.peer}: LOST")
-            self.core.transfer_ended(now, eff.key, XferEnd.LOST)
-            return
-        local = eff.local.astype("int64", copy=False)
-        remote = eff.remote.astype("int64", copy=False)
-        rows = len(self.memory.data)
-        if len(local) != len(remote) or (len(local) and (
-                local.min() < 0 or local.max() >= rows
-                or remote.min() < 0 or remote.max() >= len(target.memory.data))):
-            sim.checker.fail("bad_effect", f"{self.name}: {eff.op} {eff.key} descriptor "
-                             f"indices out of range or of unequal length")
-            self.core.transfer_ended(now, eff.key, XferEnd.ERROR)
-            return
-        notif = m.encode(eff.notif, sealer or None)
-        xid = int(getattr(eff.notif, "xid", 0))
-        if eff.op == "WRITE":
-            src, dst, src_rows, dst_rows = self.memory, target.memory, local, remote
-            consumer = eff.peer
-        elif eff.op == "READ":
-            src, dst, src_rows, dst_rows = target.memory, self.memory, remote, local
-            consumer = self.name
-        else:
-            sim.checker.fail("bad_effect", f"{self.name}: unknown op {eff.op!r}")
-            return
-        nb = src.num_blocks
-        src_off, dst_off, length = src.overlap(dst)
-        if length == 0:
-            sim.checker.fail("bad_effect", f"{self.name}: {eff.op} {eff.key} to {eff.peer}, "
-                             f"which holds none of the heads held here")
-            self.core.transfer_ended(now, eff.key, XferEnd.ERROR)
-            return
-        xfer = Transfer(eff.key, eff.op, self, self.inc, target, target.inc, src, dst,
-                        src_rows, dst_rows, notif, xid, consumer, now,
-                        src_blocks=frozenset((src_rows % nb).tolist()), src_off=src_off,
-                        dst_off=dst_off,
-                        length=-1 if length == src.block_bytes == dst.block_bytes else length)
-        self.xfers[eff.key] = xfer
-        sim.checker.trace(f"{self.name} post {eff.op} {eff.key} -> {eff.peer} xid={xid:x} "
-                          f"rows={len(local)}")
-        if eff.op == "WRITE":
-            self.engine.check_write(xfer)
-        sim.start_transfer(xfer)
-        if xfer.state == "landed":   # done inside the post: the driver says so at once
-            self.transfer_finished(xfer, XferEnd.DONE)
-
-    def _abandon(self, eff: Abandon) -> None:
-        xfer = self.xfers.pop(eff.key, None)
-        if xfer is None:
-            self.sim.checker.fail("bad_effect", f"{self.name}: Abandon of transfer {eff.key}, "
-                                  f"which is not in flight (never posted, or its end was "
-                                  f"already reported)")
-            return
-        end = self.sim.nixl.abandon(xfer)
-        xfer.reported = True
-        self.sim.checker.trace(f"{self.name} abandon {eff.key}: {end.value}")
-        if end is XferEnd.ABANDONED:
-            self.sim.stats["abandoned_moving"] += 1
-        self.core.transfer_ended(self.sim.sched.now, eff.key, end)
-
-    def transfer_finished(self, xfer: Transfer, end: XferEnd) -> None:
-        """The poster's poll sees the transfer's end (scheduled by the simulation)."""
-        if xfer.reported or self.xfers.get(xfer.key) is not xfer:
-            return
-        xfer.reported = True
-        del self.xfers[xfer.key]
-        self.sim.checker.trace(f"{self.name} xfer {xfer.key} ended {end.value}")
-        self.core.transfer_ended(self.sim.sched.now, xfer.key, end)
-
-    def _notif_sealer(self, peer: str) -> Any:
-        """The sealer of notifications to connected ``peer`` (None without a key), or
-        False when it is not connected."""
-        if self.role == "producer":
-            p = self.acceptor.connected(peer)
-            return False if p is None else p.notif_sealer
-        d = self.dialers.by_name.get(peer)
-        return False if d is None or not d.up else d.notif_sealer
-
-    def notification(self, sender: str, frame: bytes) -> None:
-        if self.role == "producer":
-            p = self.acceptor.connected(sender)
-            known, opener = p is not None, None if p is None else p.notif_opener
-        else:
-            d = self.dialers.by_name.get(sender)
-            known = d is not None and d.up
-            opener = None if d is None else d.notif_opener
-        if not known:
-            self.sim.stats["notifs_from_unknown"] += 1
-            return
-        try:
-            msg = m.decode(frame, opener)
-        except AuthenticationError:
-            self.sim.stats["notifs_rejected"] += 1
-            return
-        self.sim.checker.trace(f"{self.name} notif < {sender} {_brief(msg)}")
-        self.core.on_notification(self.sim.sched.now, sender, msg)
+def _host(address: str) -> str:
+    return address.partition("://")[2].rpartition(":")[0]
 
 
 def _address(producer: str) -> str:
     """The address consumers dial ``producer`` at (every producer listens on one port)."""
-    return f"tcp://{producer}:5555"
+    return f"tcp://{producer}:{_PORT}"
 
 
 def spellings(producer: str, index: int) -> tuple[str, ...]:
     """The addresses that reach ``producer`` (the ``index``-th): the host name consumers
     dial, its IP, and a fully qualified name (another spelling a consumer may dial)."""
-    return (_address(producer), f"tcp://10.0.{index // 250}.{index % 250 + 1}:5555",
-            f"tcp://{producer}.sim.internal:5555")
+    return (_address(producer), f"tcp://10.0.{index // 250}.{index % 250 + 1}:{_PORT}",
+            f"tcp://{producer}.sim.internal:{_PORT}")
 
 
 def _meta(name: str, inc: int) -> bytes:

@@ -1,7 +1,8 @@
 """Deterministic simulation of producers and consumers (``python -m kvpush.testing.sim``).
 
-The protocol cores (:mod:`kvpush.protocol`) run unchanged against the fakes of
-:mod:`kvpush.testing.fakes`, driven by :mod:`kvpush.testing.driver`, with engine models
+The production driver, sessions and protocol cores run unchanged, stepped on a simulated
+clock over the fakes of :mod:`kvpush.testing.fakes` (:mod:`kvpush.testing.driver`), with
+engine models
 (:mod:`kvpush.testing.engines`) that write real bytes and check every invariant of
 docs/PROTOCOL.md as it happens. One ``random.Random(seed)`` draws everything (arrivals,
 delays, faults, block ids, transfer ids), and time is simulated, so a seed replays exactly::
@@ -43,10 +44,9 @@ import msgspec
 from .. import messages as m
 from ..errors import KvpushError, RequestAborted
 from ..metrics import LIVE
-from ..protocol.effects import XferEnd
 from ..request import RequestState, TransferMode
 from .checker import Checker
-from .driver import Endpoint, spellings
+from .driver import Endpoint, SimNetwork, spellings
 from .engines import DecodeEngine, Request, Source, Use
 from .fakes import FakeMemory, FakeNixl, Network, Scheduler, Transfer
 
@@ -77,8 +77,6 @@ class Timings:
     # both
     heartbeat_s: float = 0.25
     peer_timeout_s: float = 1.0
-    hello_retry_s: float = 0.05
-    heartbeats_to_core: bool = False
     verify: bool = False          # per-block checksums travel with the data (both sides)
     # engines
     quarantine_s: float = 5.0
@@ -246,6 +244,7 @@ class Simulation:
         # every producer is reachable under several spellings of its address (fault "twin")
         self.addresses = {p: spellings(p, i) for i, p in enumerate(self.producer_names)}
         self._address_of = {a: p for p, spelt in self.addresses.items() for a in spelt}
+        self.wire = SimNetwork(self)   # the endpoints' sockets, over self.net
         # ~concurrency of a few requests per producer at a time
         self.rate = rate if rate is not None else 40.0 * producers
         self.endpoints: dict[str, Endpoint] = {}
@@ -318,7 +317,6 @@ class Simulation:
         if self.faults.on("skew"):
             ep.clock_skew = self.rng.uniform(-self.faults.skew_s, self.faults.skew_s)
         self.endpoints[name] = ep
-        ep.start_liveness()
         if role == "consumer":
             # a producer holding none of its heads would refuse the handshake (the layouts
             # cannot exchange blocks), as a real one does: it is not dialled
@@ -333,6 +331,11 @@ class Simulation:
         0); return the number of violations. A stopped run is the same run cut short: its
         violations are the first ones the whole run would report."""
         self._wall0 = time.perf_counter()
+        # The drivers and cores count live resources in the process-wide
+        # kvpush.metrics.LIVE; simulated ones are not the process's, so the counts go back
+        # to what they were.
+        with LIVE._lock:
+            live_before = dict(LIVE._counts)
         for p in self.producer_names:
             self._spawn(p, "producer", 0)
         for c in self.consumer_names:
@@ -346,10 +349,6 @@ class Simulation:
             self.sched.after(self.rng.expovariate(self.faults.twin_rate), self._twin)
         chk = self.checker
         sched = self.sched
-        # The cores count live resources in the process-wide kvpush.metrics.LIVE; simulated
-        # ones are not the process's, so the counts go back to what they were.
-        with LIVE._lock:
-            live_before = dict(LIVE._counts)
         stop = self.stop_after
         try:
             if stop:
@@ -1020,8 +1019,7 @@ class Simulation:
 
     def _on_landed(self, xfer: Transfer) -> None:
         poster = xfer.poster
-        self.sched.after(self._poll_delay(), poster.run, poster.transfer_finished, xfer,
-                         XferEnd.DONE)
+        self.sched.after(self._poll_delay(), poster.transfer_moved)
         delay = self.rng.uniform(10e-6, 1e-3)
         f = self.faults
         if f.on("slownotif") and self.rng.random() < f.slownotif_p:
@@ -1040,12 +1038,11 @@ class Simulation:
         if until:
             self.sched.at(until + self.rng.uniform(10e-6, 1e-3), self._deliver_notif, xfer)
             return
-        target.run(target.notification, xfer.poster.name, xfer.notif)
+        target.notification(xfer.poster.name, xfer.notif)
 
     def _on_error(self, xfer: Transfer) -> None:
         poster = xfer.poster
-        self.sched.after(self._poll_delay(), poster.run, poster.transfer_finished, xfer,
-                         XferEnd.ERROR)
+        self.sched.after(self._poll_delay(), poster.transfer_moved)
 
     def _on_stopped(self, xfer: Transfer) -> None:
         use: Use | None = getattr(xfer, "use", None)
@@ -1054,8 +1051,7 @@ class Simulation:
             use.ep.engine.transfer_stopped(use)
         if xfer.state == "dead" and xfer.poster.alive and not xfer.reported:
             poster = xfer.poster
-            self.sched.after(self._poll_delay() + 1e-3, poster.run, poster.transfer_finished,
-                             xfer, XferEnd.ERROR)
+            self.sched.after(self._poll_delay() + 1e-3, poster.transfer_moved)
 
     # -- faults ------------------------------------------------------------------------
     def _fault(self, name: str) -> None:

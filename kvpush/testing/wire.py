@@ -98,19 +98,24 @@ class Network:
 
 class Context:
     """A socket factory on one host of a :class:`Network`. ``on_frame`` is called each
-    time a frame lands in one of its sockets (the owner steps its driver then)."""
+    time a frame lands in one of its sockets (the owner steps its driver then);
+    ``identify``, when given, names each DEALER as it connects, in place of the
+    ``IDENTITY`` it was given (a test that wants readable identities)."""
 
     def __init__(self, net: Network, host: str = "127.0.0.1",
-                 on_frame: Callable[[], None] | None = None) -> None:
+                 on_frame: Callable[[], None] | None = None,
+                 identify: Callable[[Socket], bytes] | None = None) -> None:
         self.net = net
         self.host = host
         self.on_frame: Callable[[], None] = on_frame or (lambda: None)
+        self.identify = identify
         self.sockets: list[Socket] = []
 
     def socket(self, kind: int) -> Socket:
         if kind not in (zmq.ROUTER, zmq.DEALER):
             raise ValueError(f"only ROUTER and DEALER sockets, got {kind}")
         sock = Socket(self, kind)
+        self.sockets = [s for s in self.sockets if not s.closed]
         self.sockets.append(sock)
         return sock
 
@@ -132,6 +137,7 @@ class Socket:
         self.peers: dict[bytes, Socket] = {}  # ROUTER: connected DEALERs by identity
         self._router: Socket | None = None    # DEALER: the ROUTER it reaches now
         self._held: list[bytes] = []          # DEALER: frames waiting for a ROUTER
+        self._named: bytes | None = None      # DEALER: the context's name for it
 
     # -- options -----------------------------------------------------------------------
     def setsockopt(self, option: int, value: Any) -> None:
@@ -149,6 +155,8 @@ class Socket:
 
     @property
     def identity(self) -> bytes:
+        if self._named is not None:
+            return self._named
         value = self.options.get(zmq.IDENTITY, b"")
         return value if isinstance(value, bytes) else str(value).encode()
 
@@ -162,6 +170,8 @@ class Socket:
         if self.kind != zmq.DEALER:
             raise ValueError("only a DEALER connects here")
         self.address = address
+        if self.ctx.identify is not None:
+            self._named = self.ctx.identify(self)
         router = self.ctx.net._router_at(address)
         if router is None:
             self.ctx.net._wait_for(self)
