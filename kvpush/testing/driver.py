@@ -223,7 +223,8 @@ class SimAgent:
         return out
 
     def close(self) -> None:
-        """The registrations go: transfers it posted and did not report are let go of."""
+        """Nothing to let go of: the fake memory stays with the engine (an endpoint opened
+        again over the same cache uses it), and the driver released every transfer."""
 
 
 class Endpoint:
