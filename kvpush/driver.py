@@ -739,16 +739,19 @@ class Driver:
         self._restart_data_plane(0.05)
 
     def _restart_data_plane(self, delay: float) -> None:
-        if self._stop or not isinstance(self.agent, ChildAgent):
+        # a ChildAgent (or the simulator's agent, whose child is simulated)
+        restart = getattr(self.agent, "restart", None)
+        if self._stop or restart is None:
             return
         try:
-            self.agent.restart()
+            restart()
         except Exception as exc:
             log.error("%s: data plane did not restart (%s); retrying in %.2f s", self.name,
                       exc, delay)
             self.after(delay, lambda: self._restart_data_plane(min(delay * 2, 5.0)))
             return
-        log.warning("%s: data plane restarted (pid %s)", self.name, self.agent.pid)
+        log.warning("%s: data plane restarted (pid %s)", self.name,
+                    getattr(self.agent, "pid", None))
         self._watch_data_plane()
         self.sessions.data_plane_restarted()
 

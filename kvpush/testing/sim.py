@@ -126,9 +126,9 @@ class Timings:
 #: Fault names for ``--faults`` (comma separated; "all", "none").
 FAULTS = ("cut", "stall", "kill", "dup", "xerr", "slow", "abort", "pabort", "reuse",
           "double", "late", "sharers", "skew", "claim", "close", "slownotif", "twice",
-          "order", "inuse", "reset", "retry", "forge", "twin")
+          "order", "inuse", "reset", "retry", "forge", "twin", "plane", "jump")
 #: Faults that come at ``Faults.rate`` per simulated second rather than per request.
-_PROCESS_FAULTS = frozenset({"cut", "stall", "kill", "close", "reset"})
+_PROCESS_FAULTS = frozenset({"cut", "stall", "kill", "close", "reset", "plane", "jump"})
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,7 @@ class Faults:
     late_p: float = 0.02
     sharers_p: float = 0.05
     skew_s: float = 0.02         # wall clocks differ by up to this (pull tickets' leases)
+    jump_s: float = 0.1          # a process's wall clock steps by up to this ("jump")
     claim_p: float = 0.1         # a pull or push is claimed first (the engine has no blocks)
     slownotif_p: float = 0.02    # a NIXL notification is read late (the target polls late)
     twice_p: float = 0.02        # the engine calls prefill_done twice for one use
@@ -1076,6 +1077,21 @@ class Simulation:
             dur = rng.uniform(0.01, 2.5 * t.peer_timeout_s)
             self.net.cut(p, c, now + dur)
             self.checker.trace(f"FAULT cut {p}-{c} for {dur:.3f}s")
+        elif kind == "plane":
+            # the data-plane child of a process dies (a contained data plane): its
+            # transfers stop, its sessions end and are made again over a new child
+            name = rng.choice(self.producer_names + self.consumer_names)
+            ep = self.endpoints[name]
+            self.checker.trace(f"FAULT plane {name}#{ep.inc}")
+            ep.lose_data_plane()
+        elif kind == "jump":
+            # a process's wall clock steps (NTP): what it judges by wall time (pull
+            # tickets' leases, handshake frames' age) moves with it; its timers do not
+            name = rng.choice(self.producer_names + self.consumer_names)
+            ep = self.endpoints[name]
+            step = rng.uniform(-self.faults.jump_s, self.faults.jump_s)
+            ep.clock_skew += step
+            self.checker.trace(f"FAULT jump {name} wall clock {step:+.3f}s")
         elif kind == "stall":
             name = rng.choice(self.producer_names + self.consumer_names)
             dur = rng.uniform(0.005, 2.0 * t.peer_timeout_s)
