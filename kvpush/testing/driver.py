@@ -364,11 +364,7 @@ class Endpoint:
                                   f"{self.driver.next_wake()})")
             self._instant = (now, 0)
             return
-        try:
-            self.driver.step()
-        except Exception as exc:
-            self.sim.checker.fail("core_raised", f"{self.name} ({self.role}) loop raised "
-                                  f"{exc!r}\n{traceback.format_exc()}")
+        self._call(self.driver.step)
         if not self.alive:
             return
         n = self.core.in_flight()
@@ -405,11 +401,7 @@ class Endpoint:
     def _close(self, then: Callable[[], None]) -> None:
         if not self.alive:
             return
-        try:
-            self.driver.close()
-        except Exception as exc:
-            self.sim.checker.fail("core_raised", f"{self.name} close raised {exc!r}\n"
-                                  f"{traceback.format_exc()}")
+        self._call(self.driver.close)
         self.alive = False
         then()
 
