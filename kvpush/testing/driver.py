@@ -260,7 +260,8 @@ class Endpoint:
             self.engine.ep = self
         else:
             first, heads, total = sim.heads_of(name)   # its tensor-parallel shard
-            self.memory = FakeMemory(t.num_regions, t.num_blocks, heads, first, total)
+            self.memory = FakeMemory(t.num_regions * (2 if t.kv_apart else 1), t.num_blocks,
+                                     heads, first, total, kv_apart=t.kv_apart)
             self.engine = PrefillEngine(sim, self) if role == "producer" \
                 else DecodeEngine(sim, self)
         self.layout: KVLayout = self.memory.layout

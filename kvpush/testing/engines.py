@@ -145,15 +145,17 @@ class PrefillEngine:
         self.free.extend(src.ids.tolist())
 
     def layer_done(self, src: Source, layer: int) -> None:
-        """Layer ``layer`` (one region per layer here) is final: the engine wrote it."""
-        self.ep.memory.fill(src.ids, src.tag, region=layer)
+        """Layer ``layer`` (its region, or its K and V regions) is final: the engine wrote
+        it."""
+        for region in self.ep.memory.layer_regions(layer):
+            self.ep.memory.fill(src.ids, src.tag, region=region)
         src.layers_written.add(layer)
         src.handed = True
 
     def prefill_done(self, src: Source) -> None:
         mem = self.ep.memory
         for r in range(mem.num_regions):
-            if r not in src.layers_written:
+            if r // mem.regions_per_layer not in src.layers_written:
                 mem.fill(src.ids, src.tag, region=r)
         src.snapshot = mem.snapshot(src.ids)
         src.done_at = self.sim.sched.now
@@ -211,6 +213,7 @@ class PrefillEngine:
         nb = self.ep.memory.num_blocks
         for row in xfer.src_rows.tolist():
             b, region = row % nb, row // nb
+            layer = region // self.ep.memory.regions_per_layer
             src = self.owner.get(b)
             if src is None or not src.handed or src.released:
                 self.sim.checker.fail(
@@ -219,12 +222,12 @@ class PrefillEngine:
                     f"(xid {xfer.xid:x}) reading block {b}, which no source held by kvpush "
                     f"holds")
                 return
-            if src.done_at < 0 and region not in src.layers_written:
+            if src.done_at < 0 and layer not in src.layers_written:
                 self.sim.checker.fail(
                     "write_before_final",
                     f"{self.ep.name} posted WRITE {xfer.key} to {xfer.consumer} "
-                    f"(xid {xfer.xid:x}) reading layer {region} of {src.req.rid!r} before "
-                    f"the engine said it is final")
+                    f"(xid {xfer.xid:x}) reading region {region} (layer {layer}) of "
+                    f"{src.req.rid!r} before the engine said it is final")
                 return
 
     def died(self) -> None:

@@ -87,17 +87,21 @@ class FakeMemory:
     ``r * num_blocks + b`` of the region-major lists kvpush prepares). A block holds
     ``heads`` KV heads one after another (head-major, K and V packed, 16 bytes a head):
     heads ``[head_start, head_start + heads)`` of ``total_heads`` (a tensor-parallel
-    shard). :attr:`layout` is a real :class:`~kvpush.layout.KVLayout` over it (one region
-    per layer, uint8)."""
+    shard). :attr:`layout` is a real :class:`~kvpush.layout.KVLayout` over it (uint8): one
+    region per layer, K and V packed, or with ``kv_apart`` two (K, then V: a block of a
+    region holds one of them, 16 bytes a head)."""
 
     HEAD_BYTES = 16
 
     __slots__ = ("block_bytes", "data", "head_start", "heads", "layout", "num_blocks",
-                 "num_regions", "owner", "words")
+                 "num_regions", "owner", "regions_per_layer", "words")
 
     def __init__(self, num_regions: int = 2, num_blocks: int = 32, heads: int = 1,
-                 head_start: int = 0, total_heads: int = 0) -> None:
+                 head_start: int = 0, total_heads: int = 0, kv_apart: bool = False) -> None:
+        if kv_apart and num_regions % 2:
+            raise ValueError("K and V apart need two regions a layer")
         self.num_regions = num_regions
+        self.regions_per_layer = 2 if kv_apart else 1
         self.num_blocks = num_blocks
         self.heads = heads
         self.head_start = head_start
@@ -109,9 +113,15 @@ class FakeMemory:
         self.words = self.data.view(np.uint64)
         regions = [self.data[r * num_blocks:(r + 1) * num_blocks] for r in range(num_regions)]
         self.layout = KVLayout.from_buffers(
-            regions, num_layers=num_regions, num_blocks=num_blocks, tokens_per_block=1,
-            num_kv_heads=heads, head_size=self.HEAD_BYTES // 2, dtype="uint8",
-            kv_packed=True, head_start=head_start, total_kv_heads=total_heads)
+            regions, num_layers=num_regions // self.regions_per_layer, num_blocks=num_blocks,
+            tokens_per_block=1, num_kv_heads=heads,
+            head_size=self.HEAD_BYTES // 2 * self.regions_per_layer, dtype="uint8",
+            kv_packed=not kv_apart, head_start=head_start, total_kv_heads=total_heads)
+
+    def layer_regions(self, layer: int) -> range:
+        """The regions of layer ``layer`` (its K and V when they are apart)."""
+        per = self.regions_per_layer
+        return range(layer * per, (layer + 1) * per)
 
     def overlap(self, other: FakeMemory) -> tuple[int, int, int]:
         """The heads both hold, as (byte offset here, byte offset in ``other``, bytes)."""

@@ -60,7 +60,8 @@ class Timings:
     """Durations (simulated seconds) and sizes of a simulation. Short on purpose: faults
     outlast timeouts often, so every timeout path runs."""
 
-    num_regions: int = 3
+    num_regions: int = 3          # layers (regions, or region pairs with kv_apart)
+    kv_apart: bool = False        # K and V of a layer in regions of their own
     num_blocks: int = 128
     tp: int = 1                   # producer ranks per request (tensor parallel)
     ctp: int = 1                  # consumer ranks per request, sharing each source
@@ -485,7 +486,8 @@ class Simulation:
             self._fault("late")
         layerwise = mode is TransferMode.PUSH and rng.random() < t.layerwise_p
         if layerwise:
-            req.groups = t.num_regions                 # one region per layer here
+            req.groups = t.num_regions                 # one per layer
+            self.stats["layerwise"] += 1
         if old is not None:
             # the prefill engine starts it once the previous use's blocks are back
             req.pending += 1
@@ -1360,6 +1362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ctp", type=int, default=1,
                     help="consumer ranks per request, each taking its share of the heads "
                          "(sharers)")
+    ap.add_argument("--kv-apart", action="store_true",
+                    help="K and V of each layer in regions of their own (a layer-wise "
+                         "push writes both regions of a layer per layer_done)")
     ap.add_argument("--verify", action="store_true",
                     help="per-block checksums with the data (ConsumerConfig.verify)")
     ap.add_argument("--transfer-timeout", type=float, default=None, metavar="S",
@@ -1385,7 +1390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = args.progress or (args.requests // 10 if args.requests >= 20_000 else 0)
     if args.tp < 1 or args.producers % args.tp or args.ctp < 1 or args.consumers % args.ctp:
         raise SystemExit("--producers must be a multiple of --tp, --consumers of --ctp")
-    timings = Timings(verify=args.verify, tp=args.tp, ctp=args.ctp).with_order(
+    timings = Timings(verify=args.verify, tp=args.tp, ctp=args.ctp,
+                      kv_apart=args.kv_apart).with_order(
         args.timings, args.seed)
     if args.transfer_timeout is not None:
         if not 0 < args.transfer_timeout < 60:

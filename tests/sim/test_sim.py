@@ -224,6 +224,20 @@ def test_regression_close_breaks_the_pullheld_promise() -> None:
         assert not found, found
 
 
+@pytest.mark.parametrize(("tp", "ctp"), [(1, 1), (2, 2)])
+def test_layerwise_with_k_and_v_apart(tp: int, ctp: int) -> None:
+    """K and V of a layer in regions of their own: a layer-wise push writes both regions
+    of a layer per layer_done and never a region of a layer not final; every READY holds
+    the source's bytes."""
+    out = io.StringIO()
+    sim = Simulation(5, requests=2000, producers=4, consumers=4, faults=Faults.parse("all"),
+                     out=out, timings=Timings(tp=tp, ctp=ctp, kv_apart=True, layerwise_p=0.6))
+    assert sim.run() == 0, out.getvalue()
+    layout = sim.endpoints["p0"].memory.layout
+    assert not layout.kv_packed and layout.num_regions == 2 * layout.num_layers
+    assert sim.stats["layerwise"] > 500 and sim.stats["results_ready"] > 1000
+
+
 @pytest.mark.parametrize(("tp", "ctp"), [(2, 1), (2, 2), (1, 4), (4, 2)])
 def test_sixteen_by_sixteen_with_ranks_real_cores(tp: int, ctp: int) -> None:
     out = io.StringIO()
