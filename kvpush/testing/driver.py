@@ -35,6 +35,7 @@ import zmq
 
 from .. import messages as m
 from ..agent import TransportConfig, XferState
+from ..dataplane import DataPlaneLost
 from ..driver import Driver, LoopIO
 from ..errors import ClosedError, PeerUnavailable
 from ..layout import KVLayout
@@ -137,6 +138,7 @@ class SimAgent:
         # agent name -> (incarnation, data-plane generation) of the metadata loaded
         self.peers: dict[str, tuple[int, int]] = {}
         self.generation = 0   # data-plane children started before this one
+        self.lost: str | None = None   # why the data-plane child died, until restarted
         self.inbox: dict[str, list[bytes]] = {}  # notifications not read yet, by sender
         self.last_explicit = 0
         self._keys = itertools.count()
@@ -160,6 +162,7 @@ class SimAgent:
     def restart(self) -> None:
         """A new data-plane child: new NIXL metadata, no peer loaded, no notification
         left (the driver makes the handshakes again)."""
+        self.lost = None
         self.generation += 1
         self.peers.clear()
         self.inbox.clear()
@@ -170,6 +173,8 @@ class SimAgent:
     def post(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
              runs: Any = None, regions: Any = None) -> Transfer:
         ep, sim = self.ep, self.ep.sim
+        if self.lost is not None:   # as a ChildAgent whose child died answers
+            raise DataPlaneLost(f"data plane lost: {self.lost}")
         target = sim.endpoints.get(peer)
         if peer not in self.peers or target is None or not target.alive \
                 or self.peers[peer] != (target.inc, target.agent.generation):
@@ -213,12 +218,13 @@ class SimAgent:
         return xfer
 
     def state(self, xfer: Transfer) -> XferState:
-        if xfer.state == "moving":
+        if xfer.state == "moving" or self.lost is not None:
             return XferState.IN_PROGRESS
         return XferState.DONE if xfer.state == "landed" else XferState.ERROR
 
     def release(self, xfer: Transfer) -> bool:
-        """NIXL lets go of the handle; a transfer still moving goes on moving."""
+        """NIXL lets go of the handle; a transfer still moving goes on moving (a dead
+        child's moved no more)."""
         if not xfer.reported:
             end = self.ep.sim.nixl.abandon(xfer)
             xfer.reported = True
@@ -232,6 +238,8 @@ class SimAgent:
         self.inbox.setdefault(sender, []).append(notif)
 
     def notifications(self) -> dict[str, list[bytes]]:
+        if self.lost is not None:
+            return {}
         out, self.inbox = self.inbox, {}
         return out
 
@@ -365,6 +373,8 @@ class Endpoint:
                                   f"{self.driver.next_wake()})")
             self._instant = (now, 0)
             return
+        if self.agent.lost is not None:
+            self._call(self._plane_lost)
         self._call(self.driver.step)
         if not self.alive:
             return
@@ -434,14 +444,16 @@ class Endpoint:
             self.wake()
 
     def lose_data_plane(self) -> None:
-        """The data-plane child dies: its transfers stop where they are, and the loop
-        learns it (a real one from the child's channel) and restarts it."""
+        """The data-plane child dies now: its transfers stop where they are and its agent
+        answers as a dead child's does; the loop learns it at its next iteration, before
+        anything else (a real one from the child's channel), and restarts it."""
         if not self.open:
             return
         for xfer in list(self.sim.nixl.active.values()):
             if xfer.poster is self or xfer.target is self:
                 self.sim.nixl.kill(xfer)
-        self.run(self._plane_lost)
+        self.agent.lost = "the child was killed (simulated)"
+        self.wake()
 
     def _plane_lost(self) -> None:
         self._losing_plane = True   # handshakes it ends were not refused
