@@ -118,7 +118,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     nonce: bytes = b""        # with authentication: fresh per connection attempt
     sent_at: float = 0.0      # wall clock, with authentication
     to: str = ""              # the address the consumer dialed (the producer checks it)
-    challenge: bytes = b""    # the Challenge's nonce (required with authentication)
+    challenge: bytes = b""    # the nonce of the Challenge it answers (required)
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):

@@ -20,7 +20,7 @@ from kvpush import messages as m
 from kvpush.agent import Agent
 from kvpush.auth import Opener
 from kvpush.driver import READ_BYTES, READ_MESSAGES, STRANGER_FRAME_BYTES
-from tests.support.harness import fill, make_cache
+from tests.support.harness import fill, make_cache, raw_hello
 
 KEY = b"q" * 32
 _CACHES: list[object] = []  # registered memory must outlive its endpoint
@@ -287,8 +287,8 @@ def raw_consumer() -> Iterator[tuple[kvpush.Producer, zmq.Socket[Any]]]:
     agent = Agent("raw-consumer", theirs.layout, kvpush.TransportConfig())
     ctx, sock = attacker(p.address)
     try:
-        sock.send(m.encode(m.Hello("raw-consumer", agent.metadata(), theirs.layout.to_wire())))
-        assert sock.poll(10000) and isinstance(m.decode(sock.recv()), m.HelloAck)
+        assert isinstance(raw_hello(sock, "raw-consumer", agent.metadata(),
+                                    theirs.layout.to_wire()), m.HelloAck)
         yield p, sock
     finally:
         sock.send(m.encode(m.Bye("raw-consumer")))

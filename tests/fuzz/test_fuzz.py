@@ -43,7 +43,7 @@ from kvpush.layout import LayoutWire
 from kvpush.plan import validate_block_ids
 from tests.support import ROOT
 from tests.support import reference as _reference
-from tests.support.harness import CANARY, ChildProducer, check_blocks, fill, make_cache
+from tests.support.harness import CANARY, ChildProducer, check_blocks, fill, make_cache, raw_hello
 
 EXAMPLES = int(os.environ.get("KVPUSH_FUZZ_EXAMPLES", "500"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -530,8 +530,8 @@ def test_live_producer_survives_a_rogue_consumer(live: ChildProducer) -> None:
     rids = [f"r{i}" for i in range(8)]
     prefilled: set[str] = set()
     try:
-        sock.send(m.encode(m.Hello("rogue", agent.metadata(), layout.to_wire())))
-        assert sock.poll(10000) and isinstance(m.decode(sock.recv()), m.HelloAck)
+        assert isinstance(raw_hello(sock, "rogue", agent.metadata(), layout.to_wire()),
+                          m.HelloAck)
         rid_s = st.sampled_from(rids) | texts
         id_payload = st.lists(st.integers(-2, 70), max_size=6).map(
             lambda v: m.encode_ids(np.array(v, dtype=np.int64))) | blobs
@@ -581,8 +581,8 @@ def _handshaken(address: str) -> tuple[zmq.Context[Any], zmq.Socket[Any], Any]:
     sock.connect(address)
     layout = make_cache(**CACHE).layout
     agent = kvpush.agent.Agent("rogue2", layout, kvpush.TransportConfig())
-    sock.send(m.encode(m.Hello("rogue2", agent.metadata(), layout.to_wire())))
-    assert sock.poll(10000) and isinstance(m.decode(sock.recv()), m.HelloAck)
+    assert isinstance(raw_hello(sock, "rogue2", agent.metadata(), layout.to_wire()),
+                      m.HelloAck)
     return ctx, sock, agent
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 import kvpush
+from kvpush import messages as m
 from kvpush.layout import KVLayout
 
 HEADER = 16  # bytes of (block id, region, seed) at the start of every block
@@ -123,6 +124,21 @@ def check_canaries(cache: Cache, touched: np.ndarray) -> None:
         if len(bad):
             raise AssertionError(f"region {r}: untouched blocks changed: "
                                  f"{np.nonzero(mask)[0][bad][:10]}")
+
+
+def raw_hello(sock: Any, name: str, metadata: bytes, wire: Any,
+              timeout: float = 10.0) -> m.Message:
+    """A consumer's handshake without a key, frame by frame on a raw DEALER ``sock``: the
+    Probe, the producer's Challenge, the Hello answering it. Returns the producer's answer
+    to the Hello (HelloAck, or HelloReject)."""
+    nonce = os.urandom(16)
+    sock.send(m.encode(m.Probe(nonce)))
+    assert sock.poll(int(timeout * 1000)), "no Challenge"
+    challenge = m.decode(sock.recv())
+    assert isinstance(challenge, m.Challenge), challenge
+    sock.send(m.encode(m.Hello(name, metadata, wire, nonce, challenge=challenge.nonce)))
+    assert sock.poll(int(timeout * 1000)), "no answer to the Hello"
+    return m.decode(sock.recv())
 
 
 def drain_released(p: kvpush.Producer, want: int, timeout: float = 10) -> list[kvpush.Release]:
