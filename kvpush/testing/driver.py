@@ -418,9 +418,7 @@ class Endpoint:
 
     def kill(self) -> None:
         self.alive = False
-        for xfer in list(self.sim.nixl.active.values()):
-            if xfer.poster is self or xfer.target is self:
-                self.sim.nixl.kill(xfer)
+        self._stop_transfers()
         self.driver.abandon()
         self.engine.died()
 
@@ -449,11 +447,15 @@ class Endpoint:
         anything else (a real one from the child's channel), and restarts it."""
         if not self.open:
             return
+        self._stop_transfers()
+        self.agent.lost = "the child was killed (simulated)"
+        self.wake()
+
+    def _stop_transfers(self) -> None:
+        """Every transfer this process posts or is the target of stops where it is."""
         for xfer in list(self.sim.nixl.active.values()):
             if xfer.poster is self or xfer.target is self:
                 self.sim.nixl.kill(xfer)
-        self.agent.lost = "the child was killed (simulated)"
-        self.wake()
 
     def _plane_lost(self) -> None:
         self._losing_plane = True   # handshakes it ends were not refused
@@ -612,7 +614,7 @@ class Endpoint:
 
             def watched_check(now: float) -> Any:
                 effects = check(now)
-                self._check_silence(now, effects)
+                self._check_silence(now)
                 return effects
             machine.check = watched_check
         else:
@@ -638,9 +640,7 @@ class Endpoint:
         self.sim.sched.after(every, self._watch_liveness)
         if now < self.stalled_until + every + 1e-3:
             return
-        kept = [f"{p.name} (silent since t={p.last_seen:.3f})"
-                for p in self.sessions.machine.consumers.values()
-                if p.state is Link.UP and now - p.last_seen > t.peer_timeout_s + every + 1e-3]
+        kept = self._silent(now, t.peer_timeout_s + every + 1e-3)
         if kept:
             self.sim.checker.fail("silence_not_judged",
                                   f"{self.name}: sessions up past peer_timeout_s of silence "
@@ -703,16 +703,18 @@ class Endpoint:
                 sim.checker.fail("false_restart", f"{self.name} drops {ident} ({eff.why}) "
                                  f"while {name} holds that session {d.state.value}")
 
-    def _check_silence(self, now: float, effects: list[SessionEffect]) -> None:
+    def _silent(self, now: float, over: float) -> list[str]:
+        """The producer's consumer sessions up though silent for more than ``over``
+        seconds (a dropped session has left ``consumers`` already)."""
+        return [f"{p.name} (silent since t={p.last_seen:.3f})"
+                for p in self.sessions.machine.consumers.values()
+                if p.state is Link.UP and now - p.last_seen > over]
+
+    def _check_silence(self, now: float) -> None:
         """After a liveness check no consumer silent for peer_timeout_s is still up: one
         that is may be gone for good, and its session, claims and transfers would be held
         for ever."""
-        t = self.sim.timings
-        dropped = {eff.conn for eff in effects if isinstance(eff, PeerDown)}
-        kept = [f"{p.name} (silent since t={p.last_seen:.3f})"
-                for ident, p in self.sessions.machine.consumers.items()
-                if p.state is Link.UP and now - p.last_seen > t.peer_timeout_s
-                and ident not in dropped]
+        kept = self._silent(now, self.sim.timings.peer_timeout_s)
         if kept:
             self.sim.checker.fail("silence_not_judged",
                                   f"{self.name}: sessions kept up past peer_timeout_s of "
