@@ -154,12 +154,30 @@ def test_a_hello_replayed_to_another_producer_is_refused() -> None:
     assert isinstance(tx.msg, m.HelloReject) and tx.best_effort
 
 
+def test_the_first_heartbeat_goes_as_the_session_comes_up() -> None:
+    """The producer counts a new session's silence from its HelloAck, which a congested
+    link can hold for most of the peer timeout: the consumer asks its first question the
+    moment the answer arrives, not a heartbeat period later."""
+    dials, acc = _pair(None)
+    d, seen = _connect(dials, acc)
+    up = next(i for i, e in enumerate(seen) if isinstance(e, s.PeerUp))
+    beats = [tx for tx in _frames(seen[up:]) if isinstance(tx.msg, m.Heartbeat)]
+    assert len(beats) == 1 and d.unanswered == (beats[0].msg.seq, 0.0)  # type: ignore[union-attr]
+    got, msg = acc.receive(0.0, b"id-c0", beats[0].frame)
+    assert msg is not None and isinstance(msg[1], m.Heartbeat)
+    (ack,) = _frames(got)
+    assert isinstance(ack.msg, m.HeartbeatAck)
+    dials.receive(0.0, d, ack.frame)
+    assert d.unanswered is None
+
+
 def test_heartbeats_unanswered_lose_the_producer() -> None:
     dials, acc = _pair(None)
-    d, _ = _connect(dials, acc)
-    assert _frames(dials.heartbeat(1.0))          # asked at 1.0
-    assert _frames(dials.heartbeat(1.5))          # not answered yet, asked again
-    out = dials.heartbeat(2.1)                    # 1.1 s after the first question
+    d, seen = _connect(dials, acc)                # first asked on coming up, at 0.0
+    assert any(isinstance(tx.msg, m.Heartbeat) for tx in _frames(seen))
+    assert _frames(dials.heartbeat(0.5))          # not answered yet, asked again
+    assert _frames(dials.heartbeat(1.0))          # 1.0 s: not past the timeout yet
+    out = dials.heartbeat(1.1)                    # 1.1 s after the first question
     assert [e for e in out if isinstance(e, s.PeerDown)]
     assert not d.up and "tcp://p0:1" not in dials.by_address
 

@@ -108,8 +108,9 @@ def test_the_ci_sized_simulation_catches_the_reverted_fix(
 
 def test_a_run_stopped_at_a_violation_is_the_whole_run_cut_short(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``stop_after`` (what the test above uses) ends a run at its n-th violation: the
-    violations it reports are the whole run's first n, word for word, found in fewer steps."""
+    """``stop_after`` (what the test above uses) ends a run after the step that found its
+    n-th violation: the violations it reports are the whole run's first ones (n, or more
+    when that step found several), word for word, found in fewer steps."""
     second_prefill_releases(monkeypatch)
 
     def sim(stop_after: int = 0) -> Simulation:
@@ -123,8 +124,9 @@ def test_a_run_stopped_at_a_violation_is_the_whole_run_cut_short(
     for n in (1, 2):
         cut = sim(n)
         assert cut.stopped_early and cut.sched.steps < whole.sched.steps
-        assert [str(v) for v in cut.checker.violations] == \
-            [str(v) for v in whole.checker.violations[:n]]
+        # the step that found the n-th violation runs to its end (and may find more)
+        found = [str(v) for v in cut.checker.violations]
+        assert len(found) >= n and found == [str(v) for v in whole.checker.violations[:len(found)]]
         assert "stopped_at_violation" in cut.details()
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="stop_after"):
