@@ -49,6 +49,9 @@ MAX_WAITING_PER_PEER = 1 << 16
 #: consumer's live registrations name its own allocated blocks), at least ``1 << 16``, at
 #: most this many (8 bytes each), whatever cache its Hello claims.
 MAX_IDS_PER_PEER = 1 << 22
+#: Failed xids a request's record remembers (the oldest forgotten first): every owner of a
+#: use twice over.
+MAX_FAILED_PER_REQUEST = 2 * m.MAX_SHARERS
 
 
 def waiting_ids_budget(consumer_blocks: int) -> int:
@@ -374,6 +377,11 @@ class _Request:
     # their place as owners of the live one already: (peer, message, when it came). They wait for
     # the live use's release, then start the next use.
     queued: list[tuple[str, m.Register | m.Claim, float]] = field(default_factory=list)
+    # (peer, xid) -> (code, reason) of every Failed sent about this id, kept across its
+    # uses for as long as the record: a consumer gives its blocks back on a Failed, so
+    # nothing under that xid may be served after it (a registration sent before the Failed
+    # arrived may come after a new use of the id began).
+    failed: dict[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
 
     def live(self) -> list[_Owner]:
         return [s for s in self.owners.values() if s.state in _LIVE]
@@ -989,6 +997,8 @@ class ProducerCore:
         use while this one is held -- it waits for this use's release. An ended use that
         went well makes way for a new one; one that ended badly answers its code."""
         xid, sharers, sid = msg.xid, msg.sharers, msg.sid
+        if self._failed_before(req, peer, xid):
+            return False
         if req.state is State.ENDED:
             if req.code and not (sid and (req.released is None or req.released[0] != sid)):
                 # late: a use that ended badly (a registration naming another use is for
@@ -1060,6 +1070,8 @@ class ProducerCore:
         if msg.push:
             self._on_push_claim(req, peer, msg)
             return
+        if self._failed_before(req, peer, msg.xid):
+            return
         if req.state is not State.HELD:  # a pull claim needs the ticket's source
             self.stats.events_refused += 1
             self._fail(peer, req.rid, msg.xid, *self._refusal(req))
@@ -1106,6 +1118,8 @@ class ProducerCore:
             self.stats.stale_messages += 1  # a duplicate
             return
         if owner is None:
+            if self._failed_before(req, peer, msg.xid):
+                return
             code = self._admit(req, peer, msg.xid, msg.sharers)
             if code:
                 self._fail(peer, req.rid, msg.xid, code, self._ADMIT_REASON[code])
@@ -1563,4 +1577,24 @@ class ProducerCore:
         self._out.append(Send(peer, msg))
 
     def _fail(self, peer: str, rid: str, xid: int, code: str, reason: str) -> None:
+        """Tell ``peer`` its ``xid`` failed: final, the record refuses that xid from now
+        on (:meth:`_failed_before`)."""
         self._send(peer, m.Failed(rid, xid, code, reason))
+        req = self._requests.get(rid)
+        if req is not None and (peer, xid) not in req.failed:
+            if len(req.failed) >= MAX_FAILED_PER_REQUEST:
+                del req.failed[next(iter(req.failed))]
+            req.failed[(peer, xid)] = (code, reason)
+
+    def _failed_before(self, req: _Request, peer: str, xid: int) -> bool:
+        """Whether ``xid`` of ``peer`` was failed already (its Failed is sent again), or
+        is a live owner's (a duplicate, dropped: failing it would tell its consumer that
+        a use still served was over)."""
+        failed = req.failed.get((peer, xid))
+        owner = req.owners.get((peer, xid))
+        if failed is None and (owner is None or owner.state not in _LIVE):
+            return False
+        self.stats.stale_messages += 1
+        if failed is not None:
+            self._send(peer, m.Failed(req.rid, xid, *failed))
+        return True

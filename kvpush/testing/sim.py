@@ -29,6 +29,7 @@ being made. Every ``epoch`` requests the run quiesces: every open request must e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import random
@@ -1381,6 +1382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stop-after", type=int, default=0, metavar="N",
                     help="stop at the N-th violation (default 0: run to the end)")
     ap.add_argument("--verbose", action="store_true", help="show the cores' log warnings")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="write every trace line to FILE (a violation prints only the tail)")
     args = ap.parse_args(argv)
     if not args.verbose:   # the cores log every refused event; the checks say what matters
         logging.getLogger("kvpush").setLevel(logging.ERROR)
@@ -1405,7 +1408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      progress_every=progress, make_producer=_load(args.producer_core),
                      make_consumer=_load(args.consumer_core), stop_after=args.stop_after,
                      auth=args.auth == "on")
-    violations = sim.run()
+    with contextlib.ExitStack() as stack:
+        if args.trace:
+            sim.checker.keep = stack.enter_context(open(args.trace, "w", encoding="utf-8"))
+        violations = sim.run()
     print(sim.details())
     if violations:
         print(f"replay: python -m kvpush.testing.sim --requests {args.requests} "

@@ -552,3 +552,29 @@ def test_a_write_abandoned_because_its_consumer_reconnected_is_not_fenced() -> N
     h.run()
     h.core.peer_up(h.now, "A", layout())
     assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(ReleaseReason.ABORTED, True)]
+
+
+@pytest.mark.parametrize("claimed", [True, False])
+def test_a_failed_xid_is_never_served_after(claimed: bool) -> None:
+    """A consumer takes Failed(xid) to mean nothing of that xid will ever be written, and
+    gives its blocks back. A push claim that ran out of ``max_wait_s`` is failed; the same
+    consumer's registration under the claim's xid, sent before the Failed reached it and
+    arriving after a new use of the id began, is refused, not written into blocks that
+    consumer has given away (the simulator's seed 52). The same for a registration
+    failed outright, then registered again under its xid."""
+    h = Harness(lease_s=1.0, max_wait_s=2.0)
+    h.prefill("r", [5, 6], sid=21)
+    if claimed:
+        h.core.on_message(h.now, "A", m.Claim("r", 4, 0, push=True))
+        h.advance(2.5)                       # max_wait_s: the claim is failed
+        assert [f.code for f in h.sent(m.Failed)] == ["timeout"]
+    else:
+        h.register("A", "r", 4, [1, 2, 3])   # three ids for a two-block source: refused
+        assert len(h.sent(m.Failed)) == 1
+        h.advance(2.5)
+    h.prefill("r", [7, 8], sid=22)            # the engine's next use of the id
+    h.register("A", "r", 4, [1, 2], sid=22)  # late: sent before the Failed arrived
+    assert h.posts() == [], "a WRITE under a xid this producer failed"
+    assert [f.xid for f in h.sent(m.Failed)] == [4, 4]
+    h.register("A", "r", 9, [1, 2], sid=22)  # the consumer's retry, under a new xid
+    assert len(h.posts()) == 1

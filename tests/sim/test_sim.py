@@ -436,3 +436,15 @@ def test_cli_last_line(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"requests=300 faults=0 violations=0", lines[-1]), lines[-3:]
     assert rc == 0
+
+
+def test_regression_a_register_under_a_failed_claims_xid() -> None:
+    """A push claim runs out of max_wait_s and is failed; the consumer's Register under
+    the claim's xid, sent before that Failed reached it, arrives after the engine began a
+    new use of the id. Taken, it WROTE into blocks the consumer had given back on the
+    Failed (landed_after_safe at step ~400,000 of this run). The producer core's own rule
+    is ``test_producer_core.py::test_a_failed_xid_is_never_served_after``."""
+    sim = Simulation(52, requests=20_000, faults=Faults.parse("all"), out=io.StringIO(),
+                     stop_after=1)
+    sim.run()
+    assert not sim.checker.violations, sim.checker.violations[0]

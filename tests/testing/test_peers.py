@@ -192,19 +192,21 @@ def test_slow_and_duplicated_frames_still_land_every_byte_once(decode: tuple) ->
     assert sum(n for (_, _, what), n in sim.proxy.counts.items() if what == "duplicate")
 
 
-def test_a_duplicated_registration_fails_the_use_and_nothing_lands(decode: tuple) -> None:
+def test_a_duplicated_registration_is_taken_once(decode: tuple) -> None:
     """ZeroMQ never delivers a frame twice; when a registration comes twice all the same,
-    the producer refuses the second, the use ends FAILED with nothing written, and its
-    source comes back once."""
-    sim, consumer, bufs, name = decode
+    the producer drops the second (answering it Failed would tell the consumer that a use
+    it goes on serving is over: the consumer gives its blocks back on a Failed), the use
+    is served once, every byte exact, and its source comes back once."""
+    sim, consumer, _, name = decode
     sim.add_rule(FrameRule(Action.DUPLICATE, frozenset({"register"}), limit=1))
     handle = consumer.expect("twice", [12], name)
     time.sleep(0.2)
     sim.prefill("twice", [6])
     [result] = results_of(consumer, handle)
-    assert result.state is RequestState.FAILED and result.blocks_safe
-    assert untouched(consumer.layout, bufs, [12])
-    assert [r.reason for r in sim.releases("twice")] == [ReleaseReason.ABORTED]
+    assert result.state is RequestState.READY, result
+    check_blocks(consumer.layout, [12], "twice")
+    assert [r.reason for r in sim.releases("twice")] == [ReleaseReason.TRANSFERRED]
+    assert sum(n for (_, _, what), n in sim.proxy.counts.items() if what == "duplicate")
 
 
 def test_an_authenticated_prefill_behind_its_proxy_serves_and_restarts() -> None:
