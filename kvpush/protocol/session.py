@@ -124,10 +124,13 @@ class PeerDown:
 
 @dataclass(frozen=True, slots=True)
 class ConnectFailed:
-    """Consumer: dialling ``address`` failed for good (its waiters get ``error``)."""
+    """Consumer: dialling ``address`` failed for good (its waiters get ``error``).
+    ``timed_out``: its deadline passed with no answer it could take (else the producer
+    refused it, or the session was ended)."""
 
     address: str
     error: KvpushError
+    timed_out: bool = False
 
 
 def _tx(peer: bytes | str, msg: m.Message, sealer: Sealer | None = None,
@@ -229,6 +232,7 @@ class Dialer:
         self.layout: KVLayout | None = None
         self.why = ""                     # why it went down
         self.error: KvpushError | None = None
+        self.timed_out = False            # the handshake's deadline passed
         # With a key, a refusal that is not sealed cannot end the handshake (anyone can send
         # one): its reason is kept for the error if the handshake times out (a producer
         # without our key can only answer that way).
@@ -331,6 +335,7 @@ class Dialer:
     def _retry(self) -> None:
         now = self._now
         if now >= self.deadline:
+            self.timed_out = True
             self.error = AuthenticationError(
                 f"{self.address} did not answer the handshake with our key; an answer "
                 f"that could not be authenticated said: {self.refusal}") if self.refusal \
@@ -446,7 +451,8 @@ class Dialer:
         elif self.error is None and was is not DialState.ADMITTING:
             self.error = PeerUnavailable(why)
         if was is not DialState.UP:
-            self._out.append(ConnectFailed(self.address, self.error or PeerUnavailable(why)))
+            self._out.append(ConnectFailed(self.address, self.error or PeerUnavailable(why),
+                                           self.timed_out))
 
     # -- frames ------------------------------------------------------------------------
     def _decode(self, frame: bytes | memoryview) -> m.Message:

@@ -584,9 +584,7 @@ class Endpoint:
                     # restarted) may run out of time while its producer is down, and one
                     # under way when this side's data plane dies ends; one that ends
                     # otherwise was refused, which no producer here has cause to do.
-                    timed_out = "no answer from" in str(eff.error) \
-                        or "did not answer the handshake" in str(eff.error)
-                    if timed_out or self._losing_plane:
+                    if eff.timed_out or self._losing_plane:
                         self.sim.checker.trace(f"{self.name} dial {eff.address} timed out")
                     else:
                         self.sim.checker.fail("hello_rejected", f"{eff.address} refused "

@@ -87,14 +87,14 @@ def test_a_producer_without_our_key_fails_the_connect_at_its_deadline_with_its_r
                 dials.receive(0.0, d, answer.frame)
     assert d.state is s.DialState.PROBING         # still trying: it may be an attacker
     (failed,) = [e for e in _until_deadline(dials, d, 1.2) if isinstance(e, s.ConnectFailed)]
-    assert isinstance(failed.error, AuthenticationError)
+    assert isinstance(failed.error, AuthenticationError) and failed.timed_out
     assert "could not be authenticated" in str(failed.error)
 
 
 def test_silence_until_the_deadline_is_peer_unavailable() -> None:
     dials, d, _ = _dial(KEY, deadline=1.0)
     (failed,) = [e for e in _until_deadline(dials, d, 1.2) if isinstance(e, s.ConnectFailed)]
-    assert isinstance(failed.error, PeerUnavailable)
+    assert isinstance(failed.error, PeerUnavailable) and failed.timed_out
 
 
 def test_without_a_key_a_refusal_ends_the_handshake_at_once() -> None:
@@ -102,3 +102,4 @@ def test_without_a_key_a_refusal_ends_the_handshake_at_once() -> None:
     out, _ = dials.receive(0.01, d, m.encode(m.HelloReject("go away")))
     (failed,) = [e for e in out if isinstance(e, s.ConnectFailed)]
     assert isinstance(failed.error, PeerUnavailable) and d.state is s.DialState.DOWN
+    assert not failed.timed_out               # refused, not timed out
