@@ -271,6 +271,10 @@ class Driver:
         self._waiting = self._threaded
         self._emitted = False  # a result or release went to the engine this iteration
         self._notifs_read: float | None = None  # when NIXL's notifications were last read
+        # The core's next deadline as the last iteration's timers left it, for the wait
+        # that follows (nothing runs in between); until known, the wait asks the core.
+        self._core_due: float | None = None
+        self._core_due_known = False
         self._loop_error: BaseException | None = None
         self._stall_logged = -math.inf  # when a stall was last logged
         self._stalls_unlogged = 0
@@ -502,14 +506,16 @@ class Driver:
         """True while something is in flight that only polling NIXL will finish."""
         return bool(self._xfers) or self.core.wants_notifications()
 
-    def _poll_transfers(self) -> bool:
-        """Poll NIXL (transfer states, notifications); True when anything moved."""
+    def _poll_transfers(self, wants: bool) -> bool:
+        """Poll NIXL (transfer states, notifications); True when anything moved.
+        ``wants``: the core's ``wants_notifications`` just before (asked again only if a
+        transfer's end reached the core meanwhile)."""
         if _trace.ON:
             _trace.stamp("poll")
         moved = False
         for key, handle in list(self._xfers.items()):
             moved |= self._check_xfer(key, handle)
-        if self.core.wants_notifications():
+        if self.core.wants_notifications() if moved else wants:
             since, self._notifs_read = self._notifs_read, self.clock()
             for sender, msg in self._notifications():
                 if _trace.ON:
@@ -541,11 +547,17 @@ class Driver:
         return out
 
     def _next_timeout(self) -> float | None:
+        now = self.clock()
         timeout: float | None = self._backoff.next_delay(
-            self.core.predicted(self.clock(), self.policy.spin_s)) if self._busy() else None
-        due = self.next_wake()
+            self.core.predicted(now, self.policy.spin_s)) \
+            if self._xfers or self.core.wants_notifications() else None
+        core_due = self._core_due if self._core_due_known else self.core.next_deadline()
+        self._core_due_known = False
+        due = self.timers.next_deadline()
+        if due is None or (core_due is not None and core_due < due):
+            due = core_due
         if due is not None:
-            until = max(0.0, due - self.clock())
+            until = max(0.0, due - now)
             timeout = until if timeout is None else min(timeout, until)
         return timeout
 
@@ -665,7 +677,8 @@ class Driver:
         """An iteration's end: NIXL polled (while anything is in flight), the timers run.
         One that took past :data:`LOOP_STALL_S` since ``start`` is reported with its parts
         (commands until ``commands``, messages until ``messages``)."""
-        if self._busy() and self._poll_transfers():
+        wants = self.core.wants_notifications()
+        if (self._xfers or wants) and self._poll_transfers(wants):
             self._backoff.progressed()
         polled = self.clock()
         self._run_timers()
@@ -776,6 +789,8 @@ class Driver:
         if due is not None and due <= now:  # the core's own deadlines
             self.core.tick(now)
             self.apply()
+            due = self.core.next_deadline()
+        self._core_due, self._core_due_known = due, True
 
     def read_frames(self, sock: zmq.Socket[Any]) -> Iterator[list[zmq.Frame]]:
         """The messages waiting on ``sock``, read one at a time (not copied: a frame
