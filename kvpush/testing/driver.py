@@ -84,6 +84,15 @@ def peek(frame: bytes | memoryview) -> m.Message | None:
     return msg
 
 
+#: How long a frame may stay in a driver's outbox after its peer has room again (the
+#: driver's retries back off to 50 ms).
+OUTBOX_RETRY_S = 0.2
+#: Every simulated socket's high-water mark. ZeroMQ's here is ``driver.SEND_HWM`` (16,384
+#: frames); the simulation's streams are short, so a small one is what lets a stalled
+#: process's peers meet it: their frames wait in the driver's outbox and go in order.
+SIM_HWM = 8
+
+
 class SimNetwork(wire.Network):
     """:mod:`kvpush.testing.wire` over the simulation's network (delays, cuts, resets, and
     duplicates of the frames a peer may see twice); every frame delivered is one an
@@ -92,6 +101,7 @@ class SimNetwork(wire.Network):
     def __init__(self, sim: Simulation) -> None:
         super().__init__()
         self.sim = sim
+        self.hwm = SIM_HWM
         for i, producer in enumerate(sim.producer_names):   # its spellings reach its host
             for address in spellings(producer, i):
                 self.hosts[_host(address)] = producer
@@ -284,6 +294,8 @@ class Endpoint:
         self._stall_start = 0.0
         self._armed = math.inf       # when the next loop iteration is scheduled
         self._instant = (-1.0, 0)    # (a time, iterations run at it)
+        # outbox key -> since when its peer has had room (see _check_outbox)
+        self._outbox_room: dict[tuple[Any, bytes | None], float] = {}
         # an attacker's frames not handled yet, by id (the frame itself is kept: an id
         # is only unique while its object lives)
         self._attack: dict[int, bytes] = {}
@@ -383,9 +395,29 @@ class Endpoint:
         if n != posted:   # the core lost (or invented) a transfer it must end
             self.sim.checker.fail("inflight_mismatch", f"{self.name}: core.in_flight()={n}, "
                                   f"transfers posted and not reported ended: {posted}")
+        self._check_outbox(now)
         due = self.driver.next_wake()
         if due is not None:
             self.wake(max(0.0, due - now))
+
+    def _check_outbox(self, now: float) -> None:
+        """A control frame ZeroMQ refused waits in the driver's outbox only while its peer
+        cannot take it: once the peer has had room for :data:`OUTBOX_RETRY_S` (the
+        driver retries every 50 ms at most), the frame must have gone."""
+        room = self._outbox_room
+        for key in list(room):
+            if key not in self.driver._outbox:
+                del room[key]
+        for key in self.driver._outbox:
+            sock, identity = key
+            assert isinstance(sock, wire.Socket)
+            if not sock.would_take(identity):
+                room.pop(key, None)
+            elif now - room.setdefault(key, now) > OUTBOX_RETRY_S:
+                self.sim.checker.fail("outbox_stuck", f"{self.name}: frames for "
+                                      f"{identity or sock.address!r} still queued "
+                                      f"{now - room[key]:.3f} s after the peer had room")
+                room[key] = now
 
     def stall(self, until: float) -> None:
         if until <= self.stalled_until or until <= self.sim.sched.now:
@@ -607,6 +639,16 @@ class Endpoint:
         machine.receive = watched_receive
         self.sessions._carry_out = watched_carry_out
         self.core.on_message = watched_on_message
+        try_send = self.driver.try_send
+
+        def watched_try_send(sock: Any, frame: bytes, identity: bytes | None) -> bool:
+            box = self.driver._outbox.get((sock, identity))
+            if box and box[0] is not frame:
+                self.sim.checker.fail("frame_overtook_outbox", f"{self.name}: a control "
+                                      f"frame sent ahead of {len(box)} queued before it "
+                                      f"for {identity or sock.address!r}")
+            return try_send(sock, frame, identity)
+        self.driver.try_send = watched_try_send  # type: ignore[method-assign]
         if self.role == "producer":
             check = machine.check
 

@@ -8,6 +8,11 @@ bound at its address in order, each as one message; the ROUTER sees them under t
 (``ROUTER_HANDOVER``), and a send to an identity not connected raises ``EHOSTUNREACH``
 (``ROUTER_MANDATORY``); a DEALER whose address has nothing bound keeps its frames until
 something binds there (a restarted producer), and reconnects to whatever is bound there now.
+A send past the high-water mark raises ``zmq.Again``: a DEALER's when the ROUTER holds that
+many of its frames unread (or, with nothing bound at its address, it keeps that many), a
+ROUTER's when the DEALER holds that many unread (without ``ROUTER_MANDATORY`` the frame is
+dropped) -- the socket's ``SNDHWM`` (0: none), or
+:attr:`Network.hwm` when set (a small one makes a stalled reader's peers meet it).
 What it leaves to :class:`Network.carry`: when (and whether, and how often) a frame arrives.
 By default every frame arrives at once; the simulator delays, drops and duplicates them. A
 frame in flight to a socket closed meanwhile is lost, as a frame queued in a closed ZeroMQ
@@ -16,7 +21,7 @@ socket is.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +55,8 @@ class Network:
         self.hosts: dict[str, str] = {}
         self._waiting: list[Socket] = []            # DEALERs whose address has no ROUTER
         self._ports = 40000
+        #: every socket's high-water mark, when set (None: each socket's own ``SNDHWM``)
+        self.hwm: int | None = None
 
     def canonical(self, address: str, host: str = "") -> str:
         scheme, _, rest = address.partition("://")
@@ -138,6 +145,7 @@ class Socket:
         self._router: Socket | None = None    # DEALER: the ROUTER it reaches now
         self._held: list[bytes] = []          # DEALER: frames waiting for a ROUTER
         self._named: bytes | None = None      # DEALER: the context's name for it
+        self._unread: Counter[bytes] = Counter()  # ROUTER: frames in the inbox, by sender
 
     # -- options -----------------------------------------------------------------------
     def setsockopt(self, option: int, value: Any) -> None:
@@ -196,6 +204,34 @@ class Socket:
         return router
 
     # -- frames ------------------------------------------------------------------------
+    def would_take(self, identity: bytes | None = None) -> bool:
+        """Whether a send now would be taken (``identity``: a ROUTER's peer): the peer is
+        reachable and below the high-water mark."""
+        if self.closed:
+            return False
+        if self.kind == zmq.DEALER:
+            router = self.ctx.net._router_at(self.address)
+            if router is None:
+                return not self._at_hwm(len(self._held))
+            return not self._at_hwm(router._unread[self.identity])
+        dealer = self.peers.get(identity or b"")
+        if dealer is None or dealer.closed or dealer._router is not self:
+            return False
+        return not self._at_hwm(len(dealer.inbox))
+
+    def _full(self, queued: int, flags: int) -> None:
+        """Raise ``zmq.Again`` for a send that finds ``queued`` frames waiting at the
+        high-water mark (a blocking send would wait; nothing here may block)."""
+        if self._at_hwm(queued):
+            if not flags & zmq.NOBLOCK:
+                raise RuntimeError("a blocking send at the high-water mark would wait forever")
+            raise zmq.Again()
+
+    def _at_hwm(self, queued: int) -> bool:
+        hwm = self.ctx.net.hwm
+        limit = int(self.options.get(zmq.SNDHWM, 0)) if hwm is None else hwm
+        return bool(limit) and queued >= limit
+
     def send(self, frame: bytes, flags: int = 0) -> None:
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
@@ -203,8 +239,10 @@ class Socket:
             raise ValueError("a ROUTER sends with send_multipart([identity, frame])")
         router = self._reach()
         if router is None:
+            self._full(len(self._held), flags)
             self._held.append(bytes(frame))
             return
+        self._full(router._unread[self.identity], flags)
         self._carry(router, [self.identity, bytes(frame)])
 
     def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
@@ -219,6 +257,10 @@ class Socket:
             if self.options.get(zmq.ROUTER_MANDATORY):
                 raise zmq.ZMQError(zmq.EHOSTUNREACH, "host unreachable")
             return
+        if self.options.get(zmq.ROUTER_MANDATORY):
+            self._full(len(dealer.inbox), flags)
+        elif self._at_hwm(len(dealer.inbox)):
+            return  # without ROUTER_MANDATORY, ZeroMQ drops it
         self._carry(dealer, [frame])
 
     def _carry(self, dst: Socket, frames: list[bytes]) -> None:
@@ -226,6 +268,8 @@ class Socket:
             if dst.closed:
                 return  # lost with the socket it was queued in
             dst.inbox.append(frames)
+            if dst.kind == zmq.ROUTER:
+                dst._unread[frames[0]] += 1
             dst.ctx.on_frame()
         self.ctx.net.carry(self, dst, frames, arrive)
 
@@ -235,6 +279,12 @@ class Socket:
         if not self.inbox:
             raise zmq.Again()
         frames = self.inbox.popleft()
+        if self.kind == zmq.ROUTER:
+            left = self._unread[frames[0]] - 1
+            if left > 0:
+                self._unread[frames[0]] = left
+            else:
+                del self._unread[frames[0]]
         return [Frame(f) for f in frames] if not copy else list(frames)
 
     def close(self, linger: int | None = None) -> None:
@@ -242,6 +292,7 @@ class Socket:
             return
         self.closed = True
         self.inbox.clear()
+        self._unread.clear()
         if self.kind == zmq.ROUTER:
             self.ctx.net._unbind(self)
             for dealer in self.peers.values():   # they reconnect to what binds here next

@@ -226,3 +226,38 @@ def test_a_connect_to_an_address_already_dialled_ends_at_its_own_timeout(pair: A
     assert first == []
     run((c,), clock, lambda: bool(first), seconds=10.0)
     assert clock.now - start >= 100.0 and first[0][0] is None
+
+
+def test_the_wire_refuses_a_send_past_the_high_water_mark() -> None:
+    """What the simulator's sockets keep of ZeroMQ's high-water mark: a DEALER's send
+    raises Again once the ROUTER holds that many of its frames unread, a ROUTER's with
+    ROUTER_MANDATORY once the DEALER does (without it the frame is dropped); reading makes
+    room, and would_take says so beforehand."""
+    net = Network()
+    net.hwm = 2
+    ctx = Context(net)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.bind("tcp://127.0.0.1:5000")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"d")
+    dealer.connect("tcp://127.0.0.1:5000")
+    dealer.send(b"1", zmq.NOBLOCK)
+    dealer.send(b"2", zmq.NOBLOCK)
+    assert not dealer.would_take()
+    with pytest.raises(zmq.Again):
+        dealer.send(b"3", zmq.NOBLOCK)
+    assert router.recv_multipart() == [b"d", b"1"]
+    assert dealer.would_take()
+    dealer.send(b"3", zmq.NOBLOCK)
+    router.send_multipart([b"d", b"a"], zmq.NOBLOCK)
+    router.send_multipart([b"d", b"b"], zmq.NOBLOCK)
+    assert not router.would_take(b"d") and not router.would_take(b"nobody")
+    with pytest.raises(zmq.Again):
+        router.send_multipart([b"d", b"c"], zmq.NOBLOCK)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    router.send_multipart([b"d", b"c"], zmq.NOBLOCK)   # dropped, as ZeroMQ does
+    assert [dealer.recv_multipart() for _ in range(2)] == [[b"a"], [b"b"]]
+    with pytest.raises(zmq.Again):
+        dealer.recv_multipart(zmq.NOBLOCK)
+    assert [router.recv_multipart() for _ in range(2)] == [[b"d", b"2"], [b"d", b"3"]]

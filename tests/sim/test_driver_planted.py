@@ -58,11 +58,32 @@ def failed_transfer_reported_done(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(driver.Driver, "_end_xfer", end_xfer)
 
 
+def outbox_never_retried(mp: pytest.MonkeyPatch) -> None:
+    """Control frames ZeroMQ refused at the high-water mark wait in the outbox, and are
+    never retried: only a peer's loss clears them."""
+    def flush(self: Any) -> None:
+        self._flush_timer = None
+    mp.setattr(driver.Driver, "_flush", flush)
+
+
+def frames_overtake_the_outbox(mp: pytest.MonkeyPatch) -> None:
+    """A control frame goes out at once when ZeroMQ takes it, ahead of frames for the same
+    peer still waiting in the outbox (a Failed overtaking its Posted)."""
+    orig = driver.Driver.send_frame
+
+    def send_frame(self: Any, sock: Any, frame: bytes, identity: bytes | None = None) -> None:
+        if not self.try_send(sock, frame, identity):
+            orig(self, sock, frame, identity)
+    mp.setattr(driver.Driver, "send_frame", send_frame)
+
+
 PLANTED: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "liveness_checked_once": liveness_checked_once,
     "connects_never_answered": connects_never_answered,
     "abandoned_write_reported_done": abandoned_write_reported_done,
     "failed_transfer_reported_done": failed_transfer_reported_done,
+    "outbox_never_retried": outbox_never_retried,
+    "frames_overtake_the_outbox": frames_overtake_the_outbox,
 }
 
 
