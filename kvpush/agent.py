@@ -50,6 +50,10 @@ DORMANT_MAX = 64
 #: A connection set-up or tear-down call into NIXL (``add_remote_agent``,
 #: ``remove_remote_agent``) longer than this is logged: the loop thread waits on it.
 SLOW_CALL_S = 0.1
+#: A post (prepare and post, the copy NIXL may run inline included) longer than this is
+#: logged: past what a copy takes, it waited on UCX (a connection being set up to a peer
+#: that does not progress), and every request of the endpoint waited with it.
+SLOW_POST_S = 1.0
 
 #: A request is posted as explicit merged descriptors (one per region and run) rather than
 #: by prepared indices when it names at least this many indices ...
@@ -425,6 +429,18 @@ class Agent:
         Raises :class:`PeerUnavailable` when the peer is gone, :class:`TransferFailed` when
         NIXL refuses the request.
         """
+        started = time.monotonic()
+        try:
+            return self._post(op, peer, local_idx, remote_idx, notif, runs, regions)
+        finally:
+            took = time.monotonic() - started
+            if took > SLOW_POST_S:
+                log.warning("%s: NIXL %s to %s of %d descriptor(s) took %.3f s (the loop "
+                            "thread waited on it)", self.name, op, peer, len(local_idx), took)
+
+    def _post(self, op: str, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray,
+              notif: bytes, runs: np.ndarray | None,
+              regions: tuple[int, int] | None) -> Any:
         remote = self._remote_dlists.get(peer)
         if remote is None:
             raise PeerUnavailable(f"no connection to {peer!r}")

@@ -115,10 +115,6 @@ class SimNetwork(wire.Network):
         idempotent = isinstance(msg, _IDEMPOTENT)
         if not idempotent:
             self.sim.checker.trace(f"{sender.name} > {receiver.name} {_brief(msg)}")
-        if isinstance(msg, m.PullHeld) and sender.role == "producer":
-            src_rec = sender.engine.sources.get(msg.request_id)
-            if src_rec is not None:
-                src_rec.held_until[msg.xid] = self.sim.sched.now + msg.hold_s
         # the consumer side of a frame is named by its connection (c1/3.7)
         who = frames[0].decode() if src.kind == zmq.DEALER else sender.name
         hello = isinstance(msg, m.Hello)
@@ -651,6 +647,17 @@ class Endpoint:
         self.driver.try_send = watched_try_send  # type: ignore[method-assign]
         if self.role == "producer":
             check = machine.check
+            send = self.sessions.send
+
+            def watched_send(peer: str, msg: m.Message) -> None:
+                # A PullHeld's hold counts from the core's answer (its hold timer starts
+                # then), however long the frame then waits in the outbox.
+                if isinstance(msg, m.PullHeld):
+                    src_rec = self.engine.sources.get(msg.request_id)
+                    if src_rec is not None:
+                        src_rec.held_until[msg.xid] = self.sim.sched.now + msg.hold_s
+                send(peer, msg)
+            self.sessions.send = watched_send
 
             def watched_check(now: float) -> Any:
                 effects = check(now)

@@ -137,3 +137,21 @@ def test_stall_lines_are_rate_limited_and_count_what_they_left_out(
     lines = [r.getMessage() for r in caplog.records if "took 0.500 s" in r.getMessage()]
     assert len(lines) == 2, lines
     assert "more since" not in lines[0] and re.search(r"; [1-9]\d* more since", lines[1])
+
+
+def test_a_slow_post_names_itself(caplog: pytest.LogCaptureFixture,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A post that holds the loop thread past SLOW_POST_S (it waited on UCX, beyond any
+    copy) is logged with its peer, so a loop stall in "commands" says which call it was."""
+    import kvpush.agent as agent_mod
+    monkeypatch.setattr(agent_mod, "SLOW_POST_S", 0.0)     # every post counts as slow here
+    src, dst = make_cache(num_blocks=8), make_cache(num_blocks=8)
+    with caplog.at_level(logging.WARNING, logger="kvpush"), \
+            kvpush.Producer(src.layout) as p, kvpush.Consumer(dst.layout) as c:
+        name = c.connect(p.address, timeout=10)
+        handle = c.expect("slow", [1, 2], name)
+        p.prefill_done("slow", [3, 4])
+        assert handle.wait(10).state is kvpush.RequestState.READY
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.search(rf"NIXL WRITE to {re.escape(c.name)} of \d+ descriptor\(s\) took",
+                         m) for m in lines), lines
