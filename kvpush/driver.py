@@ -549,13 +549,10 @@ class Driver:
     def _next_timeout(self) -> float | None:
         now = self.clock()
         timeout: float | None = self._backoff.next_delay(
-            self.core.predicted(now, self.policy.spin_s)) \
-            if self._xfers or self.core.wants_notifications() else None
-        core_due = self._core_due if self._core_due_known else self.core.next_deadline()
+            self.core.predicted(now, self.policy.spin_s)) if self._busy() else None
+        due = self._first_due(self._core_due if self._core_due_known
+                              else self.core.next_deadline())
         self._core_due_known = False
-        due = self.timers.next_deadline()
-        if due is None or (core_due is not None and core_due < due):
-            due = core_due
         if due is not None:
             until = max(0.0, due - now)
             timeout = until if timeout is None else min(timeout, until)
@@ -693,8 +690,11 @@ class Driver:
         """When the loop next has work of its own (a timer, the core's deadline), on its
         clock; None: only a command, a frame or a transfer's end brings work. Transfers in
         flight are polled by every :meth:`step` (:meth:`busy` says whether any are)."""
+        return self._first_due(self.core.next_deadline() if self._parts else None)
+
+    def _first_due(self, core_due: float | None) -> float | None:
+        """The earlier of the next timer and ``core_due`` (the core's next deadline)."""
         first = self.timers.next_deadline()
-        core_due = self.core.next_deadline() if self._parts else None
         if first is None or core_due is None:
             return core_due if first is None else first
         return min(first, core_due)

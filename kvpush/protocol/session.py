@@ -407,9 +407,9 @@ class Dialer:
         self.state = DialState.UP
         assert self.layout is not None
         self._out.append(PeerUp(self.name, self.layout))
-        # The producer counts this session's silence from the HelloAck it sent, and this
-        # side holds that answer only now (late, over a congested link): the first
-        # Heartbeat goes at once, not up to a heartbeat period later.
+        # The producer counts a new session's silence from the HelloAck it sent, which a
+        # congested link can hold for most of peer_timeout_s: the first Heartbeat goes as
+        # the session comes up, not a heartbeat period later.
         self._on_heartbeat()
 
     def _on_reject(self, msg: m.HelloReject) -> None:

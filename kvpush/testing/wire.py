@@ -214,10 +214,15 @@ class Socket:
             if router is None:
                 return not self._at_hwm(len(self._held))
             return not self._at_hwm(router._unread[self.identity])
-        dealer = self.peers.get(identity or b"")
+        dealer = self._dealer(identity or b"")
+        return dealer is not None and not self._at_hwm(len(dealer.inbox))
+
+    def _dealer(self, identity: bytes) -> Socket | None:
+        """ROUTER: the DEALER connected under ``identity`` now (None: not connected)."""
+        dealer = self.peers.get(identity)
         if dealer is None or dealer.closed or dealer._router is not self:
-            return False
-        return not self._at_hwm(len(dealer.inbox))
+            return None
+        return dealer
 
     def _full(self, queued: int, flags: int) -> None:
         """Raise ``zmq.Again`` for a send that finds ``queued`` frames waiting at the
@@ -251,8 +256,8 @@ class Socket:
         if self.kind != zmq.ROUTER or len(frames) != 2:
             raise ValueError("a ROUTER sends [identity, frame]")
         identity, frame = bytes(frames[0]), bytes(frames[1])
-        dealer = self.peers.get(identity)
-        if dealer is None or dealer.closed or dealer._router is not self:
+        dealer = self._dealer(identity)
+        if dealer is None:
             self.peers.pop(identity, None)
             if self.options.get(zmq.ROUTER_MANDATORY):
                 raise zmq.ZMQError(zmq.EHOSTUNREACH, "host unreachable")
