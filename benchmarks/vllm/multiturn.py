@@ -15,7 +15,10 @@ spin removed (``benchmarks/vllm/anchors.py``, as in ``benchmarks.vllm.compare``)
 tokens). Driven as vLLM's multi-turn proxy drives them: the decode leg is not streamed
 (where vLLM returns ``kv_transfer_params``) and the next turn's prefill request carries them
 as they came. Per configuration, C conversations of T turns run twice on the same servers
-with distinct random prompts: with the kept turn passed on ("reuse") and without ("none").
+with distinct random prompts: with the kept turn passed on ("reuse") and without ("none"),
+the two ways taking turns to go first, after ``--warmup`` uncounted rounds of both (a fresh
+server's first requests are slower, and the prefill instance's first loads from a decode
+instance carry the connection and the learning of what a load costs).
 Each turn appends the previous answer and new user tokens. TTFT of a turn: pull (kvpush pull
 and vLLM), the prefill leg's wall time plus the decode instance's own TTFT (vLLM's
 ``time_to_first_token_seconds`` histogram, one request at a time); push, both legs leave
@@ -31,7 +34,11 @@ Writes, turns 2..T, TTFT p50 ratios (higher is better unless named): no affinity
 ``vllm_mt_ttft_reuse_speedup_push`` / ``_pull`` (none / reuse),
 ``vllm_mt_ttft_push_over_vllm_bidir`` (kvpush push with reuse / vLLM bidirectional, lower
 is better), sticky ``vllm_mt_sticky_ttft_reuse_speedup`` (the better of push and pull)
-and ``_push`` / ``_pull`` (each: reuse must never be slower), ``vllm_mt_tokens_match``,
+and ``_push`` / ``_pull`` (each: reuse must never be slower), and each of these speed-ups
+per mode paired (``..._paired_push`` / ``_pull``: the median over the turns of a turn's TTFT
+without reuse over the same conversation index and turn's with it, played on the same
+servers a few seconds apart, so the machine's slow stretches hit both),
+``vllm_mt_tokens_match``,
 and a ``vllm_multiturn`` section with every figure, into
 ``benchmarks/results/vllm_multiturn.json``, keeping every other key there.
 
@@ -297,8 +304,13 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
                                                  for w in ttft}
     rids: dict[str, list[str]] = {w: [] for w in ttft}
     played = []
-    for _ in range(args.conversations):
-        for way in ("reuse", "none"):
+    # ``args.warmup`` rounds first, uncounted and unchecked: a fresh server's first requests
+    # are slower whichever way, and the prefill instance's first loads from a decode
+    # instance (the connection's, and one to learn what a load costs) would land in
+    # whichever way went first. Then the ways take turns going first.
+    for c in range(-args.warmup, args.conversations):
+        counted = c >= 0
+        for way in (("reuse", "none") if c % 2 == 0 else ("none", "reuse")):
             # distinct prompts per way: a prefix cache must not hold the other way's turns
             prompt = [int(x) for x in rng.integers(10, 1000, args.first_tokens)]
             users = [[int(x) for x in rng.integers(10, 1000, args.user_tokens)]
@@ -313,7 +325,7 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
                                               args.answer_tokens, rid)
                 prompts.append(prompt)
                 said.append(tokens)
-                if k:
+                if k and counted:
                     ttft[way].append(t)
                     prefill_ttft[way].append(t_p)
                     rids[way].append(rid)
@@ -326,7 +338,8 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
                         moved[way]["forward"] += _moved(decode.url) - fwd
                 kept = params
                 prompt = prompt + tokens + users[k]
-            played.append((way, prompts, said))
+            if counted:
+                played.append((way, prompts, said))
     p50 = {w: statistics.median(v) for w, v in ttft.items()}
     p90 = {w: float(np.percentile(v, 90)) for w, v in ttft.items()}
     figures: dict[str, Any] = {
@@ -335,6 +348,10 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
         "prefill_instance_ttft_p50_ms": {w: round(statistics.median(v) * 1e3, 2)
                                          for w, v in prefill_ttft.items()},
         "speedup": round(p50["none"] / p50["reuse"], 3),
+        # The same conversation index and turn without and with reuse, played one after
+        # the other on these servers: a slow stretch of the machine hits both of a pair.
+        "paired_speedup": round(statistics.median(
+            n / r for n, r in zip(ttft["none"], ttft["reuse"], strict=True)), 3),
         "ttft_turns_ms": {w: [round(x * 1e3, 1) for x in v] for w, v in ttft.items()},
         "cpu_ms_per_turn_p50": {w: {s: round(statistics.median(v), 1) for s, v in c.items()}
                                 for w, c in cpu_ms.items()}}
@@ -343,7 +360,8 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
                                           for w, m in moved.items()}
     print(f"{config} {mode}: TTFT p50 turns 2..{args.turns}: without reuse "
           f"{p50['none'] * 1e3:.1f} ms, with {p50['reuse'] * 1e3:.1f} ms "
-          f"({p50['none'] / p50['reuse']:.2f}x); the prefill instance's own TTFT p50: "
+          f"({p50['none'] / p50['reuse']:.2f}x; paired {figures['paired_speedup']:.2f}x); "
+          f"the prefill instance's own TTFT p50: "
           f"{statistics.median(prefill_ttft['none']) * 1e3:.1f} / "
           f"{statistics.median(prefill_ttft['reuse']) * 1e3:.1f} ms; CPU ms per turn "
           f"{figures['cpu_ms_per_turn_p50']}", flush=True)
@@ -414,12 +432,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "kvpush" in args.only and both:
         out["vllm_mt_ttft_reuse_speedup_push"] = figures["kvpush_push"]["speedup"]
         out["vllm_mt_ttft_reuse_speedup_pull"] = figures["kvpush_pull"]["speedup"]
+        for mode in ("push", "pull"):
+            out[f"vllm_mt_ttft_reuse_speedup_paired_{mode}"] = \
+                figures[f"kvpush_{mode}"]["paired_speedup"]
     if "kvpush_sticky" in args.only and both:
         for mode in ("push", "pull"):
             out[f"vllm_mt_sticky_ttft_reuse_speedup_{mode}"] = \
                 figures[f"kvpush_sticky_{mode}"]["speedup"]
         out["vllm_mt_sticky_ttft_reuse_speedup"] = max(
             figures["kvpush_sticky_push"]["speedup"], figures["kvpush_sticky_pull"]["speedup"])
+        for mode in ("push", "pull"):
+            out[f"vllm_mt_sticky_ttft_reuse_speedup_paired_{mode}"] = \
+                figures[f"kvpush_sticky_{mode}"]["paired_speedup"]
     if "kvpush" in args.only and "push" in args.modes and "vllm_bidir" in args.only:
         out["vllm_mt_ttft_push_over_vllm_bidir"] = round(
             figures["kvpush_push"]["ttft_p50_ms"]["reuse"]
@@ -429,6 +453,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                            "kvpush_sticky": "sticky (prefill with prefix "
                                            "caching)"},
                              "conversations": args.conversations, "turns": args.turns,
+                             "warmup_rounds": args.warmup,
                              "first_tokens": args.first_tokens,
                              "user_tokens": args.user_tokens,
                              "answer_tokens": args.answer_tokens,
@@ -448,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder (default: the tiny Llama, made here)")
     p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="rounds of one conversation each way played first, not counted")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--first-tokens", type=int, default=512)
     p.add_argument("--user-tokens", type=int, default=128)
