@@ -35,9 +35,9 @@ Writes, turns 2..T, TTFT p50 ratios (higher is better unless named): no affinity
 ``vllm_mt_ttft_push_over_vllm_bidir`` (kvpush push with reuse / vLLM bidirectional, lower
 is better), sticky ``vllm_mt_sticky_ttft_reuse_speedup`` (the better of push and pull)
 and ``_push`` / ``_pull`` (each: reuse must never be slower), and each of these speed-ups
-per mode paired (``..._paired_push`` / ``_pull``: the median over the turns of a turn's TTFT
-without reuse over the same conversation index and turn's with it, played on the same
-servers a few seconds apart, so the machine's slow stretches hit both),
+per mode paired (``..._paired_push`` / ``_pull``: the median, over turns 2..T, of a turn's
+TTFT without reuse divided by that of the same conversation index and turn with reuse,
+played on the same servers seconds apart, so the machine's slow stretches hit both),
 ``vllm_mt_tokens_match``,
 and a ``vllm_multiturn`` section with every figure, into
 ``benchmarks/results/vllm_multiturn.json``, keeping every other key there.
@@ -410,13 +410,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, prompts, answers in checked:
             for k, prompt in enumerate(prompts):
                 before = launch.metrics(colo.url).get(TTFT, 0.0)
-                out = _post(colo.url, {"model": "tiny", "prompt": prompt, "temperature": 0,
-                                       "max_tokens": args.answer_tokens, "ignore_eos": True,
-                                       "return_token_ids": True}, str(uuid.uuid4()))
+                reply = _post(colo.url, {"model": "tiny", "prompt": prompt, "temperature": 0,
+                                         "max_tokens": args.answer_tokens, "ignore_eos": True,
+                                         "return_token_ids": True}, str(uuid.uuid4()))
                 if k:
                     colo_ttft.append(launch.metrics(colo.url).get(TTFT, 0.0) - before)
                 equal[name] = equal.get(name, 0) + \
-                    (answers[k] == list(out["choices"][0]["token_ids"]))
+                    (answers[k] == list(reply["choices"][0]["token_ids"]))
         per = args.conversations * args.turns
         print(f"turns equal to colocated (of {per} each): {equal}; colocated TTFT p50 turns "
               f"2..{args.turns}: {statistics.median(colo_ttft) * 1e3:.1f} ms", flush=True)
@@ -490,6 +490,8 @@ def main(argv: list[str] | None = None) -> None:
                    "(kv_connector_extra_config), e.g. idle_yield_s=0.002")
     p.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, shorter")
     args = p.parse_args(argv)
+    if args.warmup < 0 or args.conversations < 1 or args.turns < 2:
+        p.error("needs --warmup >= 0, --conversations >= 1 and --turns >= 2")
     if args.quick:
         args.conversations, args.turns, args.first_tokens = 2, 3, 256
     out = run(args)
