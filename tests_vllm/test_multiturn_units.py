@@ -139,8 +139,9 @@ def test_prefix_cache_holding_everything_moves_nothing() -> None:
     r = next_turn(history + [7] * 40, out | prefill_params("t2", "pull"))
     assert p.get_num_new_matched_tokens(r, 160) == (0, False)
     p.update_state_after_alloc(r, Blocks(list(range(50, 57))), 0)
-    (recv,) = p.build_plan(STEP).recv
-    assert recv.dst == [] and not recv.report   # the decode instance lets go at once
+    # nothing moves and nothing is said: the decode instance lets the kept turn go when it
+    # keeps the next one over the same blocks, or at its lease
+    assert not p.build_plan(STEP).recv
 
 
 def test_a_prompt_that_does_not_continue_the_conversation_computes() -> None:
@@ -180,6 +181,39 @@ def test_memory_pressure_gives_the_oldest_kept_turns_back_early() -> None:
     assert not d.build_plan(STEP).send_aborts            # each given back once
     with pytest.raises(ValueError, match="reuse_reserve"):
         AdapterConfig(reuse_reserve=1.0)
+
+
+def test_a_kept_turn_goes_when_the_next_turn_is_kept_over_its_blocks() -> None:
+    """The decode instance keeps turn 1 (blocks 10-14) and then turn 2, whose blocks begin
+    with those (its prefix cache found them): turn 1 is released then, once, and not at its
+    lease; a kept turn of another conversation (other blocks) stays."""
+    d = scheduler()
+    pool = SimpleNamespace(num_gpu_blocks=100, get_num_free_blocks=lambda: 90)
+    d.bind_kv_cache_manager(SimpleNamespace(block_pool=pool))
+
+    def finish(name: str, history: list[int], blocks: list[int]) -> dict[str, Any]:
+        params = decode_params(name, ["tcp://127.0.0.1:7000"]) | {"do_remote_prefill": False}
+        r = finished_turn(history, len(history) - 1, params)
+        r.request_id = name
+        hold, out = d.request_finished(r, blocks)
+        assert hold and out is not None
+        return out
+
+    turn1 = list(range(1000, 1170))                   # 169 with KV: 5 full blocks
+    first = finish("c1-t1", turn1, list(range(10, 16)))
+    other = finish("c2-t1", list(range(5000, 5170)), list(range(40, 46)))
+    assert not d.build_plan(STEP).send_aborts
+    turn2 = turn1 + list(range(2000, 2060))           # 229 with KV: 7 full blocks
+    finish("c1-t2", turn2, [*range(10, 15), 20, 21, 22])
+    aborts = d.build_plan(STEP).send_aborts
+    assert [a.split("#")[0] for a in aborts] == [first[PARAM_REUSE]["kvpush_id"]]
+    assert other[PARAM_REUSE]["kvpush_id"] not in str(aborts)
+    assert not d.build_plan(STEP).send_aborts         # once
+    # a turn whose blocks only share a prefix with a kept one (a fork of the conversation
+    # after it) does not supersede it
+    finish("c2-fork", list(range(5000, 5100)) + list(range(9000, 9070)),
+           [*range(40, 43), 60, 61, 62])
+    assert not d.build_plan(STEP).send_aborts
 
 
 # -- load or recompute, from measured costs ------------------------------------------------
@@ -250,9 +284,9 @@ def costed(costs: ReuseCosts) -> KVPushScheduler:
 @pytest.mark.parametrize("cached", [128, 0])
 def test_prefill_decides_per_request_from_its_costs(cached: int) -> None:
     """The prefix cache holds the previous prompt (128 tokens): the 32 kept tokens past it
-    (1 block, 0.5 MB: 11 ms to load, 4 ms to compute) are computed and the decode instance
-    lets go at once. It holds nothing: the 160 kept tokens (5 blocks, 2.5 MB: 15 ms to
-    load, 20 ms to compute) load."""
+    (1 block, 0.5 MB: 11 ms to load, 4 ms to compute) are computed, and nothing is sent.
+    It holds nothing: the 160 kept tokens (5 blocks, 2.5 MB: 15 ms to load, 20 ms to
+    compute) load."""
     history = list(range(1000, 1170))
     _, out = keep_turn("push", history)
     p = costed(measured())
@@ -260,9 +294,12 @@ def test_prefill_decides_per_request_from_its_costs(cached: int) -> None:
     want = (0, False) if cached else (160, True)
     assert p.get_num_new_matched_tokens(r, cached) == want
     p.update_state_after_alloc(r, Blocks(list(range(50, 57))), want[0])
-    (recv,) = p.build_plan(STEP).recv
-    assert recv.report == bool(want[0])
-    assert recv.dst == ([] if cached else [50, 51, 52, 53, 54])
+    recvs = p.build_plan(STEP).recv
+    if cached:
+        assert not recvs
+    else:
+        (recv,) = recvs
+        assert recv.report and recv.dst == [50, 51, 52, 53, 54]
 
 
 def test_scheduler_measures_its_steps_and_its_loads() -> None:

@@ -517,6 +517,7 @@ class KVPushScheduler:
         except ValueError:
             mode = self.config.default_mode
         req_id = request.request_id
+        self._supersede(kept.blocks)
         transfer_id = wire_id(kept.transfer_id, kept.prompt)
         send = _Send(req_id, transfer_id, mode, kept.blocks, kept.tokens, time.time(),
                      new_id(), kept.transfer_id, kept.prompt)
@@ -527,6 +528,25 @@ class KVPushScheduler:
         self._kept_new.append(SendPlan(req_id, transfer_id, mode, kept.blocks, send.sid,
                                        computed=True))
         return kept_params(self._response(send), self.config.lease_s)
+
+    def _supersede(self, blocks: list[int]) -> None:
+        """Decode instance, keeping a turn in ``blocks``: an earlier kept turn whose blocks
+        begin these (the same conversation's previous turn, found in the prefix cache by
+        this one) is released now, not at its lease. The next turn of the conversation
+        names the newer one; a request still loading the earlier one keeps it until its
+        transfer ends (the Producer releases a source no sooner); one that comes later
+        finds it gone and recomputes. Nothing is freed by it (the newer turn holds the
+        shared blocks), so it counts for nothing under memory pressure."""
+        for req_id, transfer_id in list(self._kept.items()):
+            send = self._sends.get(req_id)
+            if send is None or not send.src or len(send.src) > len(blocks) \
+                    or blocks[0] != send.src[0] or blocks[:len(send.src)] != send.src:
+                continue
+            del self._kept[req_id]
+            self._giving[req_id] = 0
+            self._send_aborts.append(transfer_id)
+            log.debug("kvpush: the kept turn %r is superseded by a later turn of its "
+                      "conversation", transfer_id)
 
     def _give_back_kept(self) -> list[str]:
         """Under memory pressure (fewer free blocks than ``reuse_reserve`` of the pool), the
@@ -612,10 +632,11 @@ class KVPushScheduler:
             self._used_kept.popitem(last=False)
         req_id = request.request_id
         if num_external_tokens <= 0:
-            # Computed here (or held by the prefix cache): move nothing, let the source go
-            # now. (Not after this prefill: the decode instance would handle it while it
-            # takes this turn's KV in, instead of while it waits for it.)
-            self._recv_new.append(RecvPlan(req_id, remote, [], report=False))
+            # Computed here (or held by the prefix cache): move nothing, and say nothing.
+            # A message to let the kept turn go costs a turn that computes its step on
+            # either instance, whenever it is sent; the decode instance releases the kept
+            # turn when it keeps this conversation's next one (_supersede), else at its
+            # lease.
             return
         (block_ids,) = blocks.get_block_ids()
         local_blocks = (tokens - num_external_tokens) // self.block_size
