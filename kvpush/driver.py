@@ -932,6 +932,11 @@ class Driver:
             self._flush_delay = 1e-3
             self._flush_timer = self.after(self._flush_delay, self._flush)
 
+    def queued(self, sock: zmq.Socket[Any], identity: bytes | None = None) -> bool:
+        """True while control frames to ``sock`` (``identity``: one connection of a
+        ROUTER) wait in the outbox."""
+        return (sock, identity) in self._outbox
+
     def try_send(self, sock: zmq.Socket[Any], frame: bytes, identity: bytes | None) -> bool:
         try:
             if identity is None:

@@ -192,7 +192,10 @@ class Accepting:
 
     def _transmit(self, tx: Transmit) -> None:
         assert isinstance(tx.peer, bytes)
-        if tx.best_effort:
+        # An answer to a stranger is tried once, never queued; but one to a connection
+        # whose earlier frames still wait in the outbox goes behind them (under the
+        # outbox's bound, as any frame to it): frames to a connection leave in order.
+        if tx.best_effort and not self._driver.queued(self.router, tx.peer):
             if not self._driver.try_send(self.router, tx.frame, tx.peer):
                 log.info("%s: could not answer a stranger", self._driver.name)
         else:

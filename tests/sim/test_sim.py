@@ -438,6 +438,18 @@ def test_cli_last_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0
 
 
+def test_regression_an_answer_to_a_replayed_hello_waits_behind_queued_frames() -> None:
+    """A producer's loop stalls with four control frames queued for a consumer's
+    connection; a Hello replayed on that connection is refused (a best-effort answer) as
+    the loop wakes. Tried at once, the refusal left ahead of the four
+    (frame_overtook_outbox at step 249,214 of this run): an answer to a connection whose
+    frames wait goes behind them."""
+    sim = Simulation(122, requests=10_000, faults=Faults.parse("all"), out=io.StringIO(),
+                     stop_after=1)
+    sim.run()
+    assert not sim.checker.violations, sim.checker.violations[0]
+
+
 def test_regression_a_register_under_a_failed_claims_xid() -> None:
     """A push claim runs out of max_wait_s and is failed; the consumer's Register under
     the claim's xid, sent before that Failed reached it, arrives after the engine began a
