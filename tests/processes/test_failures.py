@@ -8,6 +8,9 @@ transports, and across two hosts with link faults (``tests/netns/test_fault_matr
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -191,3 +194,29 @@ def test_handles_closed_consumer_reports_aborted(producer: ChildProducer) -> Non
     assert isinstance(result.error, kvpush.ClosedError)
     with pytest.raises(kvpush.ClosedError):
         consumer.expect("after", np.array([1]), name)
+
+
+def test_a_first_read_to_a_stopped_producer_holds_no_loop() -> None:
+    """A consumer's first READ from a producer process that cannot run (stopped between its
+    ticket and the pull: its UCX worker makes no progress) is posted without waiting for
+    that peer: the consumer's loop takes its next command at once, and the pull ends READY
+    once the producer runs again."""
+    child = ChildProducer(cache=CACHE, lease_s=30.0, peer_timeout_s=10.0)
+    try:
+        cache = make_cache(**CACHE)
+        config = kvpush.ConsumerConfig(heartbeat_s=0.5, peer_timeout_s=10.0)
+        with kvpush.Consumer(cache.layout, config) as consumer:
+            consumer.connect(child.address, timeout=30)
+            ticket = child.call("prefill_done", ("first", np.arange(8), "pull"))
+            assert child.process.pid is not None
+            os.kill(child.process.pid, signal.SIGSTOP)
+            try:
+                handle = consumer.pull(ticket, np.arange(8))
+                answered = threading.Event()
+                consumer._driver.call_soon(answered.set)
+                assert answered.wait(2.0), "the consumer's loop waited on a stopped peer"
+            finally:
+                os.kill(child.process.pid, signal.SIGCONT)
+            assert handle.wait(30).state is RequestState.READY
+    finally:
+        child.close()
