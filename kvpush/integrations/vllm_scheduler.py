@@ -536,14 +536,14 @@ class KVPushScheduler:
         names the newer one; a request still loading the earlier one keeps it until its
         transfer ends (the Producer releases a source no sooner); one that comes later
         finds it gone and recomputes. Nothing is freed by it (the newer turn holds the
-        shared blocks), so it counts for nothing under memory pressure."""
+        shared blocks), so memory pressure does not count it as blocks on their way back."""
         for req_id, transfer_id in list(self._kept.items()):
             send = self._sends.get(req_id)
-            if send is None or not send.src or len(send.src) > len(blocks) \
-                    or blocks[0] != send.src[0] or blocks[:len(send.src)] != send.src:
+            # the first block rules out most kept turns before a slice is made
+            if send is None or not send.src or blocks[0] != send.src[0] \
+                    or blocks[:len(send.src)] != send.src:
                 continue
             del self._kept[req_id]
-            self._giving[req_id] = 0
             self._send_aborts.append(transfer_id)
             log.debug("kvpush: the kept turn %r is superseded by a later turn of its "
                       "conversation", transfer_id)
