@@ -44,7 +44,8 @@ and a ``vllm_multiturn`` section with every figure, into
 
 Run: ``.venv-vllm/bin/python -m benchmarks.vllm.multiturn`` from the repository root
 (``bash .ci/bootstrap-vllm`` first); ``--quick`` for a short smoke run; ``--only`` to run
-some configurations.
+some configurations. The model and the servers' logs of the last run are in ``--workdir``
+(default ``/tmp/kvpush-vllm-multiturn``; each run overwrites them).
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ import os
 import platform
 import re
 import statistics
-import tempfile
 import threading
 import time
 import urllib.request
@@ -375,7 +375,9 @@ def play(config: str, mode: str, prefill: launch.Process, decode: launch.Process
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model) if args.model else None
-    work = Path(tempfile.mkdtemp(prefix="kvpush-mt-"))
+    work = args.workdir   # the servers' logs of the last run stay here (read by --stages)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"servers' logs in {work}", flush=True)
     if model is None:
         import subprocess
         import sys
@@ -489,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
                    metavar="KEY=JSON", help="a kvpush option of the prefill instance "
                    "(kv_connector_extra_config), e.g. idle_yield_s=0.002")
     p.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, shorter")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/kvpush-vllm-multiturn"),
+                   help="the model made here and the servers' logs (each run overwrites them)")
     args = p.parse_args(argv)
     if args.warmup < 0 or args.conversations < 1 or args.turns < 2:
         p.error("needs --warmup >= 0, --conversations >= 1 and --turns >= 2")
