@@ -325,6 +325,9 @@ class Network:
         self.sched = sched
         self._last: dict[tuple[str, str], float] = {}
         self._cut: dict[frozenset[str], tuple[float, float]] = {}   # pair -> (start, until)
+        #: per endpoint, the seconds its links have been cut (or are cut to be), counted as
+        #: each cut is made or lengthened (see :meth:`held_s`)
+        self._held_s: dict[str, float] = {}
         self.delay = (50e-6, 2e-3)
         self.slow_p = 0.01          # chance of a slow frame (a retransmission, a full queue)
         self.slow_delay = 20e-3
@@ -341,7 +344,18 @@ class Network:
         start, old = self._cut.get(key, (now, 0.0))
         if old <= now:
             start = now
+        added = max(until, old) - max(old, now)
+        if added > 0:
+            for end in (a, b):
+                self._held_s[end] = self._held_s.get(end, 0.0) + added
         self._cut[key] = (start, max(until, old))
+
+    def held_s(self, endpoint: str) -> float:
+        """Seconds the links of ``endpoint`` hold frames for, over the run so far, a cut
+        counted whole as it is made (a cut healed early still counts whole: a bound that
+        uses it only grows). A frame sent before a cut arrives when it heals, so what a peer
+        learns from it (that the sender is alive) is late by up to that much."""
+        return self._held_s.get(endpoint, 0.0)
 
     def cut_until(self, a: str, b: str) -> float:
         entry = self._cut.get(frozenset((a, b)))

@@ -685,7 +685,14 @@ class Simulation:
         t = self.timings
         bound = now + t.lease_s + t.transfer_timeout_s + t.peer_timeout_s + t.heartbeat_s \
             + t.slack_s
-        self.sched.at(bound, self._check_released, src, pe.stall_total, bound)
+        self.sched.at(bound, self._check_released, src, self._delayed_s(pe), bound)
+
+    def _delayed_s(self, pe: Endpoint) -> float:
+        """How much a producer's bounds have moved so far: its loop's stalls, and the cuts
+        of its links (a consumer's frames held by a cut arrive when it heals and show it
+        alive then, so an abandoned WRITE's fence, which waits for the consumer's Abort or
+        its loss, ends up to the cut's length later)."""
+        return pe.stall_total + self.net.held_s(pe.name)
 
     def _producer_abort(self, req: Request, src: Source) -> None:
         pe = self._producer_now(src)
@@ -720,10 +727,10 @@ class Simulation:
             t = self.timings
             bound = now + t.transfer_timeout_s + t.peer_timeout_s + t.heartbeat_s \
                 + t.slack_s
-            self.sched.at(bound, self._check_released, src, pe.stall_total, bound,
+            self.sched.at(bound, self._check_released, src, self._delayed_s(pe), bound,
                           "the engine's abort")
 
-    def _check_released(self, src: Source, stall0: float, bound: float,
+    def _check_released(self, src: Source, delayed0: float, bound: float,
                         since: str = "") -> None:
         pe = src.ep
         if src.released or pe.engine.dead or pe.engine.sources.get(src.req.rid) is not src:
@@ -733,11 +740,11 @@ class Simulation:
             claimed = src.claimed_at + t.max_wait_s + t.transfer_timeout_s \
                 + t.peer_timeout_s + t.heartbeat_s + t.slack_s
             if claimed > bound:
-                self.sched.at(claimed, self._check_released, src, stall0, claimed)
+                self.sched.at(claimed, self._check_released, src, delayed0, claimed)
                 return
-        ext = pe.stall_total - stall0 + max(0.0, pe.stalled_until - self.sched.now)
+        ext = self._delayed_s(pe) - delayed0 + max(0.0, pe.stalled_until - self.sched.now)
         if ext > 1e-9:
-            self.sched.after(ext, self._check_released, src, pe.stall_total, bound + ext,
+            self.sched.after(ext, self._check_released, src, self._delayed_s(pe), bound + ext,
                              since)
             return
         after = f" after {since}" if since else ""

@@ -110,6 +110,20 @@ def test_control_frames_are_fifo_per_pair_and_a_long_cut_loses_them() -> None:
     assert lost == [] and net.lost == 1
 
 
+def test_a_cut_counts_toward_both_ends_once_however_it_is_lengthened() -> None:
+    sched = Scheduler(5)
+    net = Network(sched)
+    net.cut("a", "z", 0.5)
+    net.cut("z", "a", 0.3)         # inside the cut: nothing more held
+    net.cut("a", "z", 0.8)         # lengthened by 0.3
+    assert net.held_s("a") == net.held_s("z") == pytest.approx(0.8)
+    assert net.held_s("b") == 0.0
+    sched.at(2.0, lambda: None)
+    sched.step()
+    net.cut("b", "z", 2.25)        # a new cut, after the first healed
+    assert net.held_s("z") == pytest.approx(1.05) and net.held_s("b") == pytest.approx(0.25)
+
+
 def test_frames_and_notifications_race_but_both_arrive() -> None:
     sim = Simulation(5, requests=300, faults=Faults.parse("none"))
     assert sim.run() == 0
@@ -457,6 +471,19 @@ def test_regression_a_register_under_a_failed_claims_xid() -> None:
     Failed (landed_after_safe at step ~400,000 of this run). The producer core's own rule
     is ``test_producer_core.py::test_a_failed_xid_is_never_served_after``."""
     sim = Simulation(52, requests=20_000, faults=Faults.parse("all"), out=io.StringIO(),
+                     stop_after=1)
+    sim.run()
+    assert not sim.checker.violations, sim.checker.violations[0]
+
+
+def test_regression_a_fence_outlasts_its_bound_by_a_cut_of_the_consumers_link() -> None:
+    """A producer abandons a claimed push's WRITE while its link to the consumer is cut;
+    the consumer's frames sent before the cut arrive when it heals, so the producer counts
+    the consumer's silence (the fence ends at its loss) from then. The release came 0.27 s
+    after the bound the checker set from the producer's stalls alone (never_released at
+    step 474,225 of this run): the bound also moves by the cuts of the producer's links.
+    The producer was right; the checker's bound was short."""
+    sim = Simulation(132, requests=20_000, faults=Faults.parse("all"), out=io.StringIO(),
                      stop_after=1)
     sim.run()
     assert not sim.checker.violations, sim.checker.violations[0]
