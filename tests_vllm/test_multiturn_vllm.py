@@ -8,7 +8,9 @@ colocated vLLM instance's (prefix caching on), and the bytes moved each way must
 the blocks the receiving side lacks. The lease and a decode restart between turns must end
 in a recompute with the right tokens, never an error. A second pair, its prefill with prefix
 caching and ``reuse_load`` ``measured`` (the sticky scenario), chooses per turn from its
-measured costs whether to load or compute what it lacks.
+measured costs whether to load or compute what it lacks, by push and by pull. Last, kvpush's
+router (``examples/vllm/router.py``) in front of the first pair drives the turns of a client
+that knows nothing of KV, and the kept KV must come back the same way.
 """
 
 from __future__ import annotations
@@ -296,26 +298,27 @@ def decisions(log: Path, since: int) -> tuple[list[tuple[str, int, float | None,
     return found, len(text)
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_sticky_turns_load_or_compute_from_measured_costs(
-        sticky_pair: ReusePair, colocated: Colocated, model_dir: Path) -> None:
+        sticky_pair: ReusePair, colocated: Colocated, model_dir: Path, mode: str) -> None:
     """The prefill's prefix cache holds each previous prompt: only the previous answer's
-    blocks are lacking. The first such turn loads them (nothing measured yet: it learns the
-    link); every later one loads them only when its measured link beats its measured
+    blocks are lacking. A turn decided before anything is measured loads them (it learns
+    the link); every other one loads them only when its measured link beats its measured
     prefill time per token, and the bytes moved back say which it did (which way it goes
     depends on the machine: the rule is what is checked). The first prompt's length (28
     past a block boundary, each turn adding 32 tokens) makes every answer end in a block
-    the prefill's prefix cache lacks."""
-    pair, seed, mode = sticky_pair, 500, "push"
+    the prefill's prefix cache lacks. Both modes, on one pair of servers: the second
+    conversation starts with what the first one measured."""
+    pair, seed = sticky_pair, 500 if mode == "push" else 550
     prompt, kept = first_prompt(seed, 220), None
     turns: dict[str, tuple[list[int], list[int]]] = {}
     mark = pair.prefill.log.stat().st_size
-    chosen = []
     measured = 0        # turns decided from measured estimates of both costs
     cached = 0          # tokens of the previous prompt in the prefill's prefix cache
     for k in range(TURNS + 1):
         back_before = moved(pair.prefill.url)
         tokens, kept_next = pair.turn(prompt, mode, kept)
-        turns[f"mt-sticky-{k}"] = (prompt, tokens)
+        turns[f"mt-sticky-{mode}-{k}"] = (prompt, tokens)
         found, mark = decisions(pair.prefill.log, mark)
         if k:
             assert kept is not None
@@ -329,14 +332,12 @@ def test_sticky_turns_load_or_compute_from_measured_costs(
                 assert what == "loads", found          # nothing measured yet: learn
             back = lacking // BLOCK * BYTES_PER_BLOCK if what == "loads" else 0
             assert settled(pair.prefill.url, back_before, back) == back, f"turn {k}"
-            chosen.append(what)
         else:
             assert not found
         kept, cached = kept_next, len(prompt) // BLOCK * BLOCK
         prompt = prompt + tokens + user_text(seed + k + 1)
-    assert chosen[0] == "loads", chosen
     assert measured, "no turn was decided from measured costs"
-    check_colocated(colocated, model_dir, "mt-sticky", turns)
+    check_colocated(colocated, model_dir, f"mt-sticky-{mode}", turns)
 
 
 def test_prefix_cache_holding_every_kept_token_moves_nothing(
@@ -418,3 +419,52 @@ def test_a_turn_on_another_decode_instance(reuse_pair: ReusePair, sticky_pair: R
         kept = kept_next
         prompt = prompt + tokens + user_text(seed + k + 1)
     check_colocated(colocated, model_dir, "mt-moved", turns)
+
+
+# -- kvpush's router in front of the real pair ------------------------------------------------
+@pytest.fixture(scope="module")
+def reuse_router(reuse_pair: ReusePair, workdir: Path) -> Iterator[launch.Process]:
+    """``examples/vllm/router.py`` in front of ``reuse_pair`` (the decode server's URL
+    outlives its restart: same port)."""
+    fleet = launch.Fleet()
+    try:
+        router = fleet.add(launch.start_router(
+            launch.free_port(), prefill=reuse_pair.prefill.url, decode=reuse_pair.decode.url,
+            log_dir=workdir / "logs-multiturn",
+            args=["--producers", f"tcp://127.0.0.1:{reuse_pair.prefill_kv}"]))
+        launch.wait_healthy([router], timeout_s=60)
+        yield router
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_turns_through_kvpushs_router_reuse_the_kept_kv(
+        reuse_pair: ReusePair, reuse_router: launch.Process, colocated: Colocated,
+        model_dir: Path, mode: str) -> None:
+    """A client that knows nothing of KV sends each turn (the whole conversation so far,
+    not streamed, named by ``kvpush_conversation``) to kvpush's router: the router sends
+    the next turn's prefill the ``kvpush_reuse`` of the decode answer before it, the prefill
+    loads exactly the kept blocks, and every turn's tokens equal colocated."""
+    seed = 900 if mode == "push" else 950
+    prompt = first_prompt(seed)
+    turns: dict[str, tuple[list[int], list[int]]] = {}
+    history = 0            # tokens with KV at the decode server after the last turn
+    mark = reuse_pair.prefill.log.stat().st_size
+    for k in range(TURNS):
+        back_before = moved(reuse_pair.prefill.url)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True, "kvpush_mode": mode,
+                "kvpush_conversation": f"router-{mode}"}
+        status, out = _post(reuse_router.url + "/v1/completions", body, str(uuid.uuid4()), 120)
+        assert status == 200, out
+        tokens = tokens_of(out)
+        turns[f"mt-router-{mode}-{k}"] = (prompt, tokens)
+        found, mark = decisions(reuse_pair.prefill.log, mark)
+        assert [what for what, *_ in found] == (["loads"] if k else []), f"turn {k}: {found}"
+        back = history // BLOCK * BYTES_PER_BLOCK
+        assert settled(reuse_pair.prefill.url, back_before, back) == back, \
+            f"turn {k}: bytes moved back"
+        history = len(prompt) + len(tokens) - 1
+        prompt = prompt + tokens + user_text(seed + k + 1)
+    check_colocated(colocated, model_dir, f"mt-router-{mode}", turns)
