@@ -325,7 +325,7 @@ class Network:
         self.sched = sched
         self._last: dict[tuple[str, str], float] = {}
         self._cut: dict[frozenset[str], tuple[float, float]] = {}   # pair -> (start, until)
-        #: per endpoint, the seconds its links have been cut (or are cut to be), counted as
+        #: per endpoint, the seconds its links have been cut or are cut to be, counted as
         #: each cut is made or lengthened (see :meth:`held_s`)
         self._held_s: dict[str, float] = {}
         self.delay = (50e-6, 2e-3)
@@ -351,11 +351,20 @@ class Network:
         self._cut[key] = (start, max(until, old))
 
     def held_s(self, endpoint: str) -> float:
-        """Seconds the links of ``endpoint`` hold frames for, over the run so far, a cut
-        counted whole as it is made (a cut healed early still counts whole: a bound that
-        uses it only grows). A frame sent before a cut arrives when it heals, so what a peer
-        learns from it (that the sender is alive) is late by up to that much."""
-        return self._held_s.get(endpoint, 0.0)
+        """Seconds the links of ``endpoint`` have held frames so far (cuts of its links, each
+        link apart; ``heal_all`` does not take back what its cuts would have held). A frame
+        sent before a cut arrives when it heals, so what a peer learns from it (that the
+        sender is alive) is late by up to that much."""
+        return self._held_s.get(endpoint, 0.0) - sum(self._ongoing(endpoint))
+
+    def held_for_s(self, endpoint: str) -> float:
+        """Seconds the cuts of ``endpoint``'s links still hold frames for, from now."""
+        return sum(self._ongoing(endpoint))
+
+    def _ongoing(self, endpoint: str) -> list[float]:
+        now = self.sched.now
+        return [until - now for pair, (_, until) in self._cut.items()
+                if endpoint in pair and until > now]
 
     def cut_until(self, a: str, b: str) -> float:
         entry = self._cut.get(frozenset((a, b)))

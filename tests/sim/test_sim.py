@@ -111,17 +111,27 @@ def test_control_frames_are_fifo_per_pair_and_a_long_cut_loses_them() -> None:
 
 
 def test_a_cut_counts_toward_both_ends_once_however_it_is_lengthened() -> None:
+    """What a cut has held so far and still holds for, at each end of the link."""
     sched = Scheduler(5)
     net = Network(sched)
+
+    def at(t: float) -> None:
+        sched.at(t, lambda: None)
+        sched.step()
     net.cut("a", "z", 0.5)
     net.cut("z", "a", 0.3)         # inside the cut: nothing more held
     net.cut("a", "z", 0.8)         # lengthened by 0.3
-    assert net.held_s("a") == net.held_s("z") == pytest.approx(0.8)
-    assert net.held_s("b") == 0.0
-    sched.at(2.0, lambda: None)
-    sched.step()
+    assert net.held_s("a") == net.held_s("z") == 0.0
+    assert net.held_for_s("a") == net.held_for_s("z") == pytest.approx(0.8)
+    at(0.6)
+    assert net.held_s("z") == pytest.approx(0.6) and net.held_for_s("z") == pytest.approx(0.2)
+    assert net.held_s("b") == net.held_for_s("b") == 0.0
+    at(2.0)
     net.cut("b", "z", 2.25)        # a new cut, after the first healed
+    assert net.held_s("z") == pytest.approx(0.8) and net.held_for_s("z") == pytest.approx(0.25)
+    at(3.0)
     assert net.held_s("z") == pytest.approx(1.05) and net.held_s("b") == pytest.approx(0.25)
+    assert net.held_for_s("z") == 0.0
 
 
 def test_frames_and_notifications_race_but_both_arrive() -> None:
