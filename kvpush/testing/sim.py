@@ -691,8 +691,7 @@ class Simulation:
         """How much a producer's bounds have moved so far: its loop's stalls, and the cuts
         of its links (a consumer's frames held by a cut arrive when it heals and show it
         alive then, so an abandoned WRITE's fence, which waits for the consumer's Abort or
-        its loss, ends up to the cut's length later). A stall or cut still going on when
-        a bound is checked moves it by what is left of it."""
+        its loss, ends up to the cut's length later)."""
         return pe.stall_total + self.net.held_s(pe.name)
 
     def _producer_abort(self, req: Request, src: Source) -> None:
@@ -743,6 +742,8 @@ class Simulation:
             if claimed > bound:
                 self.sched.at(claimed, self._check_released, src, delayed0, claimed)
                 return
+        # what the producer's stalls and cuts moved the bound since it was set, and what is
+        # left of a stall or cut still going on now
         ext = self._delayed_s(pe) - delayed0 + max(0.0, pe.stalled_until - self.sched.now) \
             + self.net.held_for_s(pe.name)
         if ext > 1e-9:
