@@ -268,15 +268,20 @@ class Deployment:
 
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, host: Host, cmd: Sequence[str], env: dict[str, str],
-               port: int, cores: str = "") -> launch.Process:
+               port: int, cores: str = "", scratch: Path | None = None) -> launch.Process:
         log = self.logs / f"{name}.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", host.ns, *cmd], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True, cwd=str(self.logs))
+        try:
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(["ip", "netns", "exec", host.ns, *cmd], stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True, cwd=str(self.logs))
+        except BaseException:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            raise
         # ``ip netns exec`` and ``taskset`` exec: the pid is the service's own, and its
         # session (process group) holds every process it starts.
-        return launch.Process(name, proc, log, port, cores)
+        return launch.Process(name, proc, log, port, cores, scratch)
 
     def host_env(self, host: Host, cores: str = "") -> dict[str, str]:
         env = {**os.environ, **launch.BASE_ENV,
@@ -315,7 +320,9 @@ class Deployment:
                "--kv-transfer-config",
                json.dumps(launch.kvpush_config(role, cfg.pop("port", 0), **cfg)),
                *extra_args]
-        proc = self._spawn(name, host, cmd, self.host_env(host, cores), HTTP_PORT, cores)
+        scratch = launch.rpc_folder(name)
+        env = {**self.host_env(host, cores), "VLLM_RPC_BASE_PATH": str(scratch)}
+        proc = self._spawn(name, host, cmd, env, HTTP_PORT, cores, scratch)
         service = Service(name, host, HTTP_PORT, proc)
         self.instances[name] = service
         return service

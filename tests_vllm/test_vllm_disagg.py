@@ -206,6 +206,10 @@ def test_prefill_killed_mid_request(pair: Pair, reference: dict[str, list[int]])
                    "kv_transfer_params": {"do_remote_prefill": True, "kvpush_id": tid,
                                           "kvpush_mode": "push",
                                           "kvpush_producers": [pair.producer_address]}}
+    # vLLM's IPC sockets are in the server's own folder, not the system's temp folder, and
+    # go with it when it is killed (it cannot remove them itself).
+    scratch = pair.prefill.scratch
+    assert scratch is not None and any(p.is_socket() for p in scratch.iterdir()), scratch
     pair.prefill.signal_group(signal.SIGSTOP)
     out: dict[str, Any] = {}
 
@@ -224,6 +228,7 @@ def test_prefill_killed_mid_request(pair: Pair, reference: dict[str, list[int]])
                                     timeout=60)
     elapsed = time.monotonic() - start
     killer.join()
+    assert not scratch.exists(), sorted(scratch.iterdir())
     finish = (body.get("choices") or [{}])[0].get("finish_reason")
     assert status >= 400 or finish == "error", (status, body)
     assert elapsed < 20, f"the decode server took {elapsed:.1f} s to give up"

@@ -4,17 +4,21 @@
 Every server runs in its own session (process group) pinned to its own cores: ``taskset``
 for all its processes, ``VLLM_CPU_OMP_THREADS_BIND`` for vLLM's model threads (see
 ``/work/shared/docs/VLLM_ON_CPU.md``). :meth:`Process.stop` ends the whole group (SIGTERM,
-then SIGKILL), so nothing outlives a test.
+then SIGKILL), so nothing outlives a test. A vLLM server opens its ZeroMQ IPC sockets in a
+folder of its own (:func:`rpc_folder`), which goes with the group: a server that is killed
+cannot remove its sockets itself, and they would pile up in the system's temp folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -102,6 +106,8 @@ class Process:
     log: Path
     port: int
     cores: str = ""
+    #: A folder the group alone uses (vLLM's IPC sockets), removed once the group has ended.
+    scratch: Path | None = None
 
     @property
     def url(self) -> str:
@@ -142,24 +148,33 @@ class Process:
             except subprocess.TimeoutExpired:
                 pass
         self.signal_group(signal.SIGKILL)  # the engine processes, even if the parent left
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        self._reap()
 
     def kill(self) -> None:
         """SIGKILL the whole group at once (a crash, as the fault tests need)."""
         self.signal_group(signal.SIGKILL)
+        self._reap()
+
+    def _reap(self) -> None:
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        if self.scratch is not None:  # a process still in the group after SIGKILL is gone soon
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def rpc_folder(name: str) -> Path:
+    """A new folder for one vLLM server's ZeroMQ IPC sockets (``VLLM_RPC_BASE_PATH``; vLLM
+    puts them in the system's temp folder otherwise). Short, because a socket's path must
+    fit in 107 bytes."""
+    return Path(tempfile.mkdtemp(prefix=f"kvpush-{name[:20]}-"))
 
 
 def start_vllm(model: str | Path, port: int, *, name: str, cores: str, log_dir: Path,
@@ -181,12 +196,18 @@ def start_vllm(model: str | Path, port: int, *, name: str, cores: str, log_dir: 
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     # kvpush comes from the venv (``.ci/bootstrap-vllm`` puts it there); the log folder as
     # working directory keeps a checkout's in-place kvpush/ off ``python -m``'s path.
-    full_env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": omp_bind or cores}
+    scratch = rpc_folder(name)
+    full_env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": omp_bind or cores,
+                "VLLM_RPC_BASE_PATH": str(scratch)}
     full_env.update(env or {})
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True, cwd=str(log_dir))
-    return Process(name, proc, log, port, cores)
+    try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True, cwd=str(log_dir))
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return Process(name, proc, log, port, cores, scratch)
 
 
 def start_router(port: int, *, prefill: str, decode: str, log_dir: Path,
