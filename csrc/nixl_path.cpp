@@ -9,6 +9,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <time.h>
+
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -61,6 +64,36 @@ void load(const std::string& path) {
     g_api = resolved;
     g_loaded = true;
 }
+
+// CPU time that threads spend inside NIXL with the GIL let go, summed over the process while
+// counting is on (count_released): a thread's CPU less this is an upper bound on the GIL it
+// held. Off by default, so a call costs no clock reads.
+std::atomic<bool> g_counting{false};
+std::atomic<uint64_t> g_released_ns{0};
+
+uint64_t thread_cpu_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<uint64_t>(ts.tv_sec) * 1000000000ULL + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+// Lets the GIL go for the scope of a call into NIXL. Members are made in order and unmade in
+// reverse, and the destructor's body runs before them: the clock is read after the GIL is let
+// go and before it is taken back, so waiting for the GIL is not counted as released.
+class NoGil {
+   public:
+    NoGil() = default;
+    ~NoGil() {
+        if (counting_) g_released_ns.fetch_add(thread_cpu_ns() - start_, std::memory_order_relaxed);
+    }
+    NoGil(const NoGil&) = delete;
+    NoGil& operator=(const NoGil&) = delete;
+
+   private:
+    py::gil_scoped_release release_;
+    bool counting_ = g_counting.load(std::memory_order_relaxed);
+    uint64_t start_ = counting_ ? thread_cpu_ns() : 0;
+};
 
 nixl_capi_mem_type_t mem_type(const std::string& mem) {
     if (mem == "DRAM" || mem == "cpu") return 0;
@@ -146,7 +179,7 @@ struct DlistHandle {
         if (handle == nullptr) return;
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.release_xfer_dlist_handle(state->agent, handle);
         }
         handle = nullptr;
@@ -173,7 +206,7 @@ struct XferHandle {
         if (req == nullptr) return;
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.release_xfer_req(state->agent, req);
         }
         check(st, "release_xfer_req");
@@ -252,7 +285,7 @@ class NixlAgent {
         char* name = nullptr;
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.load_remote_md(state_->agent, metadata.data(), metadata.size(), &name);
         }
         check(st, "load_remote_md");
@@ -264,7 +297,7 @@ class NixlAgent {
     void remove_remote_agent(const std::string& name) {
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.invalidate_remote_md(state_->agent, name.c_str());
         }
         check(st, "invalidate_remote_md");
@@ -280,7 +313,7 @@ class NixlAgent {
         const std::string name = agent_name == "NIXL_INIT_AGENT" ? "" : agent_name;
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.prep_xfer_dlist(state_->agent, name.c_str(), descs.dlist, &out->handle, nullptr);
         }
         check(st, "prep_xfer_dlist");
@@ -309,7 +342,7 @@ class NixlAgent {
         const auto rn = static_cast<size_t>(remote_idx.size());
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;  // the arrays stay referenced by the caller's frame
+            NoGil nogil;  // the arrays stay referenced by the caller's frame
             st = g_api.make_xfer_req(state_->agent, operation, local.handle, li, ln, remote.handle,
                                      ri, rn, &out->req, args.args);
         }
@@ -326,7 +359,7 @@ class NixlAgent {
         out->state = state_;
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.create_xfer_req(state_->agent, operation, local.dlist, remote.dlist,
                                        peer.c_str(), &out->req, args.args);
         }
@@ -339,7 +372,7 @@ class NixlAgent {
         nixl_capi_xfer_req_t req = live(handle);
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.post_xfer_req(state_->agent, req, nullptr);
         }
         return state_name(st);
@@ -349,7 +382,7 @@ class NixlAgent {
         nixl_capi_xfer_req_t req = live(handle);
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.get_xfer_status(state_->agent, req);
         }
         return state_name(st);
@@ -361,7 +394,7 @@ class NixlAgent {
         size_t senders = 0;
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.notif_map_clear(map);
             if (st == NIXL_CAPI_SUCCESS) st = g_api.get_notifs(state_->agent, map, nullptr);
             if (st == NIXL_CAPI_SUCCESS) st = g_api.notif_map_size(map, &senders);
@@ -388,7 +421,7 @@ class NixlAgent {
     void send_notif(const std::string& peer, const std::string& message) {
         nixl_capi_status_t st;
         {
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             st = g_api.gen_notif(state_->agent, peer.c_str(), message.data(), message.size(), nullptr);
         }
         check(st, "gen_notif");
@@ -406,6 +439,13 @@ PYBIND11_MODULE(_nixlc, m) {
     m.def("load", &load, py::arg("path"),
           "Open NIXL's C API (libnixl_capi.so at path); once per process");
     m.def("loaded", [] { return g_loaded; }, "Whether load() succeeded");
+    m.def(
+        "count_released", [](bool on) { g_counting.store(on, std::memory_order_relaxed); },
+        py::arg("on"),
+        "Count (or stop counting) the CPU time threads spend inside NIXL without the GIL");
+    m.def(
+        "released_cpu_ns", [] { return g_released_ns.load(std::memory_order_relaxed); },
+        "CPU ns threads of this process spent inside NIXL without the GIL while counting was on");
 
     py::class_<Registration, std::shared_ptr<Registration>>(m, "Registration");
     py::class_<XferDescs, std::shared_ptr<XferDescs>>(m, "XferDescs");

@@ -185,3 +185,36 @@ def ticks_during_posts(api: str, posts: int = 6) -> list[int]:
 def test_a_post_over_the_c_api_lets_other_threads_run() -> None:
     advanced = ticks_during_posts("c")
     assert sum(1 for a in advanced if a > 0) >= len(advanced) // 2, advanced
+
+
+def test_the_cpu_a_post_spends_without_the_gil_is_counted_while_counting_is_on(
+        agents: Any) -> None:
+    """``released_cpu_ns`` is what the GIL figures of ``benchmarks.cpu_per_request`` take
+    off a thread's CPU: a 64 MiB post's copy runs inside NIXL without the GIL, so most of
+    the posting thread's CPU in the post is counted, none of it while counting is off."""
+    from kvpush import _nixlc
+
+    nb = 256   # 2 regions x 256 blocks of 128 KiB: 64 MiB
+    kw: dict[str, Any] = dict(num_blocks=nb, num_layers=1, kv_packed=False,
+                              tokens_per_block=64, num_kv_heads=8, head_size=128)
+    mine, theirs = make_cache(**kw), make_cache(**kw)   # alive while their agents are
+    init = agents("kvpush-capi-count-i", "c", mine)
+    target = agents("kvpush-capi-count-t", "c", theirs)
+    peer = init.add_peer(target.metadata(), target.layout, target.name)
+    idx = np.arange(2 * nb, dtype=np.int32)
+    _wait_done(init, target, init.post("WRITE", peer, idx, idx, b""))  # connected, warm
+
+    def post() -> tuple[int, int]:
+        released, cpu = _nixlc.released_cpu_ns(), time.thread_time_ns()
+        handle = init.post("WRITE", peer, idx, idx, b"")
+        cpu, released = time.thread_time_ns() - cpu, _nixlc.released_cpu_ns() - released
+        _wait_done(init, target, handle)
+        return released, cpu
+
+    assert post()[0] == 0
+    _nixlc.count_released(True)
+    try:
+        released, cpu = post()
+    finally:
+        _nixlc.count_released(False)
+    assert 0.5 * cpu < released <= cpu, (released, cpu)
