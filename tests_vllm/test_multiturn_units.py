@@ -369,3 +369,32 @@ def test_reuse_load_is_measured_or_always() -> None:
     assert AdapterConfig().reuse_load == "measured"
     with pytest.raises(ValueError, match="reuse_load"):
         AdapterConfig(reuse_load="sometimes")
+
+
+def test_a_requests_kept_prefix_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks for a request's external tokens, then tells its allocation: the kept
+    prefix's fingerprint (the dear part of the check) is taken once, and nothing of the
+    request stays once it has been allocated or finished."""
+    from kvpush.integrations import vllm_reuse
+
+    history = list(range(1000, 1170))
+    _, out = keep_turn("push", history)
+    p = scheduler()
+    taken: list[int] = []
+    fingerprint = vllm_reuse.prompt_fingerprint
+
+    def counted(num_tokens: int, token_ids: Any) -> str:
+        taken.append(num_tokens)
+        return fingerprint(num_tokens, token_ids)
+
+    monkeypatch.setattr(vllm_reuse, "prompt_fingerprint", counted)
+    a = next_turn(history + [7] * 40, out | prefill_params("t2", "push"))
+    assert p.get_num_new_matched_tokens(a, 0) == (160, True)
+    assert p.get_num_new_matched_tokens(a, 0) == (160, True)    # not allocated: asked again
+    p.update_state_after_alloc(a, Blocks(list(range(50, 57))), 160)
+    assert taken == [160]
+    b = next_turn(history + [8] * 40, out | prefill_params("t3", "push"))
+    b.request_id = "p3"
+    assert p.get_num_new_matched_tokens(b, 0) == (0, False)      # a has loaded it
+    p.request_finished(b, [])                                   # aborted while waiting
+    assert taken == [160, 160] and not p._offers

@@ -177,6 +177,10 @@ class KVPushScheduler:
         # req id -> (kept tokens lacking, load them, estimated load s, compute s): logged
         # once vLLM allocates the request
         self._decided: dict[str, tuple[int, bool, float | None, float | None]] = {}
+        # req id -> the kept prefix its params offer, checked and parsed (None: none): vLLM
+        # asks when it counts the request's external tokens and again once it allocates
+        # it, and the check fingerprints the kept tokens (~60 us per 2k tokens here)
+        self._offers: dict[str, tuple[int, RemotePrefill] | None] = {}
         # kept turns a request here has loaded or let go (transfer ids, the latest
         # _USED_KEPT): another request naming one computes instead of waiting on a source
         # that is gone (two turns of one conversation sent at once, a client's retry)
@@ -270,6 +274,7 @@ class KVPushScheduler:
             self._timed.pop(req_id, None)
             self._first_loads.discard(req_id)
             self._decided.pop(req_id, None)
+            self._offers.pop(req_id, None)
         self._candidates.pop(req_id, None)
         self._full_tokens.pop(req_id, None)
         owned = self._owned.pop(req_id, None)
@@ -577,8 +582,21 @@ class KVPushScheduler:
         if not self.reuse or not params or not params.get("do_remote_decode") \
                 or params.get("_kvpush_reused"):
             return None
+        req_id = request.request_id
+        if req_id in self._offers:
+            found = self._offers[req_id]
+        else:
+            found = self._offers[req_id] = self._parse_offer(request)
+        if found is not None and found[1].transfer_id in self._used_kept:
+            log.info("kvpush: request %s: the kept turn %r is taken by another request "
+                     "here; computing it", req_id, found[1].transfer_id)
+            return None
+        return found
+
+    def _parse_offer(self, request: Any) -> tuple[int, RemotePrefill] | None:
         ids = getattr(request, "prompt_token_ids", None)
-        found = offer(params, ids, int(request.num_prompt_tokens), self.block_size)
+        found = offer(request.kv_transfer_params, ids, int(request.num_prompt_tokens),
+                      self.block_size)
         if found is None:
             return None
         try:
@@ -587,10 +605,6 @@ class KVPushScheduler:
         except ValueError as exc:
             log.warning("kvpush: request %s: kept KV not usable (%s); computing it here",
                         request.request_id, exc)
-            return None
-        if remote.transfer_id in self._used_kept:
-            log.info("kvpush: request %s: the kept turn %r is taken by another request "
-                     "here; computing it", request.request_id, remote.transfer_id)
             return None
         return found.tokens, remote
 
@@ -611,6 +625,7 @@ class KVPushScheduler:
 
     def _reuse_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         found = self._reuse_offer(request)
+        self._offers.pop(request.request_id, None)   # decided now, one way or the other
         if found is None:
             return
         tokens, remote = found
