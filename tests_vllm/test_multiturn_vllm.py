@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,33 +217,55 @@ def test_a_streamed_decode_leg_keeps_nothing(reuse_pair: ReusePair, colocated: C
     check_colocated(colocated, model_dir, "mt-stream", turns)
 
 
+Turn = Callable[[list[int]], tuple[list[int], dict[str, Any] | None]]
+
+
+def converse(pair: ReusePair, colocated: Colocated, model_dir: Path, tag: str, seed: int,
+             send: Turn, forward: bool = True) -> None:
+    """``TURNS`` turns of one conversation, each sent by ``send(prompt)`` -> (tokens, the
+    decode's params or None where the client does not see them): every turn after the
+    first loads what the decode server kept of the one before (the prefill's log says so),
+    exactly those blocks move back and, with ``forward``, only the prompt's blocks past
+    them move forward; every turn's tokens equal colocated."""
+    prompt = first_prompt(seed)
+    turns: dict[str, tuple[list[int], list[int]]] = {}
+    history = 0            # tokens with KV at the decode server after the last turn
+    mark = pair.prefill.log.stat().st_size
+    for k in range(TURNS):
+        back_before, fwd_before = moved(pair.prefill.url), moved(pair.decode.url)
+        tokens, kept = send(prompt)
+        turns[f"{tag}-{k}"] = (prompt, tokens)
+        found, mark = decisions(pair.prefill.log, mark)
+        assert [what for what, *_ in found] == (["loads"] if k else []), f"turn {k}: {found}"
+        if kept is not None:
+            assert kept["kvpush_reuse"]["kvpush_num_tokens"] == \
+                (len(prompt) + len(tokens) - 1) // BLOCK * BLOCK
+        # back: the kept blocks of the previous turn (this prefill caches nothing)
+        back = history // BLOCK * BYTES_PER_BLOCK
+        assert settled(pair.prefill.url, back_before, back) == back, \
+            f"turn {k}: bytes moved back"
+        if forward:
+            fwd = (-(-len(prompt) // BLOCK) - history // BLOCK) * BYTES_PER_BLOCK
+            assert settled(pair.decode.url, fwd_before, fwd) == fwd, \
+                f"turn {k}: bytes moved forward"
+        history = len(prompt) + len(tokens) - 1
+        prompt = prompt + tokens + user_text(seed + k + 1)
+    check_colocated(colocated, model_dir, tag, turns)
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_turns_match_colocated_and_move_only_what_is_lacking(
         reuse_pair: ReusePair, colocated: Colocated, model_dir: Path, mode: str) -> None:
-    seed = 100 if mode == "push" else 200
-    prompt, kept = first_prompt(seed), None
-    turns: dict[str, tuple[list[int], list[int]]] = {}
-    history = 0            # tokens with KV at the decode server after the last turn
-    mark = reuse_pair.prefill.log.stat().st_size
-    for k in range(TURNS):
-        back_before, fwd_before = moved(reuse_pair.prefill.url), moved(reuse_pair.decode.url)
+    kept: dict[str, Any] | None = None
+
+    def send(prompt: list[int]) -> tuple[list[int], dict[str, Any] | None]:
+        nonlocal kept
         tokens, kept = reuse_pair.turn(prompt, mode, kept)
-        found, mark = decisions(reuse_pair.prefill.log, mark)
-        assert [what for what, *_ in found] == (["loads"] if k else []), found
-        turns[f"mt-{mode}-{k}"] = (prompt, tokens)
-        assert kept is not None and kept["kvpush_reuse"]["kvpush_num_tokens"] == \
-            (len(prompt) + len(tokens) - 1) // BLOCK * BLOCK
-        # back: the kept blocks of the previous turn (this prefill caches nothing)
-        back_blocks = history // BLOCK
-        assert settled(reuse_pair.prefill.url, back_before, back_blocks * BYTES_PER_BLOCK) \
-            == back_blocks * BYTES_PER_BLOCK, f"turn {k}: bytes moved back"
-        # forward: only the prompt's blocks past those the decode server kept
-        fwd_blocks = -(-len(prompt) // BLOCK) - history // BLOCK
-        assert settled(reuse_pair.decode.url, fwd_before, fwd_blocks * BYTES_PER_BLOCK) \
-            == fwd_blocks * BYTES_PER_BLOCK, f"turn {k}: bytes moved forward"
-        history = len(prompt) + len(tokens) - 1
-        prompt = prompt + tokens + user_text(seed + k + 1)
-    check_colocated(colocated, model_dir, f"mt-{mode}", turns)
+        assert kept is not None
+        return tokens, kept
+
+    converse(reuse_pair, colocated, model_dir, f"mt-{mode}", 100 if mode == "push" else 200,
+             send)
 
 
 @pytest.mark.parametrize("what", ["lease", "restart"])
@@ -445,26 +467,15 @@ def test_turns_through_kvpushs_router_reuse_the_kept_kv(
     """A client that knows nothing of KV sends each turn (the whole conversation so far,
     not streamed, named by ``kvpush_conversation``) to kvpush's router: the router sends
     the next turn's prefill the ``kvpush_reuse`` of the decode answer before it, the prefill
-    loads exactly the kept blocks, and every turn's tokens equal colocated."""
-    seed = 900 if mode == "push" else 950
-    prompt = first_prompt(seed)
-    turns: dict[str, tuple[list[int], list[int]]] = {}
-    history = 0            # tokens with KV at the decode server after the last turn
-    mark = reuse_pair.prefill.log.stat().st_size
-    for k in range(TURNS):
-        back_before = moved(reuse_pair.prefill.url)
+    loads exactly the kept blocks, only the rest moves forward, and every turn's tokens
+    equal colocated."""
+    def send(prompt: list[int]) -> tuple[list[int], dict[str, Any] | None]:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "return_token_ids": True, "kvpush_mode": mode,
                 "kvpush_conversation": f"router-{mode}"}
         status, out = _post(reuse_router.url + "/v1/completions", body, str(uuid.uuid4()), 120)
         assert status == 200, out
-        tokens = tokens_of(out)
-        turns[f"mt-router-{mode}-{k}"] = (prompt, tokens)
-        found, mark = decisions(reuse_pair.prefill.log, mark)
-        assert [what for what, *_ in found] == (["loads"] if k else []), f"turn {k}: {found}"
-        back = history // BLOCK * BYTES_PER_BLOCK
-        assert settled(reuse_pair.prefill.url, back_before, back) == back, \
-            f"turn {k}: bytes moved back"
-        history = len(prompt) + len(tokens) - 1
-        prompt = prompt + tokens + user_text(seed + k + 1)
-    check_colocated(colocated, model_dir, f"mt-router-{mode}", turns)
+        return tokens_of(out), None
+
+    converse(reuse_pair, colocated, model_dir, f"mt-router-{mode}",
+             900 if mode == "push" else 950, send)
