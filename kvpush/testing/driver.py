@@ -286,8 +286,9 @@ class Endpoint:
         self.waiters: dict[int, tuple[str, str, float]] = {}
         self._calls = itertools.count()
         self.stalled_until = 0.0
-        self.stall_total = 0.0
+        self.stall_total = 0.0       # stalls over (see stalled_s)
         self._stall_start = 0.0
+        self._stall_counted = True   # the last stall is in stall_total
         self._armed = math.inf       # when the next loop iteration is scheduled
         self._instant = (-1.0, 0)    # (a time, iterations run at it)
         # outbox key -> since when its peer has had room (see _check_outbox)
@@ -420,13 +421,22 @@ class Endpoint:
             return
         if self.sim.sched.now >= self.stalled_until:
             self._stall_start = self.sim.sched.now
+            self._stall_counted = False
         self.stalled_until = until
         self.sim.sched.at(until, self._resume, until)
+
+    def stalled_s(self) -> float:
+        """Seconds this loop has been stalled so far, a stall going on counted up to now
+        (the checker's bounds move by it as it elapses, and by what is left of it)."""
+        if self._stall_counted:
+            return self.stall_total
+        return self.stall_total + min(self.sim.sched.now, self.stalled_until) - self._stall_start
 
     def _resume(self, until: float) -> None:
         if not self.alive or until != self.stalled_until:
             return
         self.stall_total += until - self._stall_start   # counted once the stall is over
+        self._stall_counted = True
         self._armed = math.inf
         self.wake()
 

@@ -691,8 +691,12 @@ class Simulation:
         """How much a producer's bounds have moved so far: its loop's stalls, and the cuts
         of its links (a consumer's frames held by a cut arrive when it heals and show it
         alive then, so an abandoned WRITE's fence, which waits for the consumer's Abort or
-        its loss, ends up to the cut's length later)."""
-        return pe.stall_total + self.net.held_s(pe.name)
+        its loss, ends up to the cut's length later); each as it elapses."""
+        return pe.stalled_s() + self.net.held_s(pe.name)
+
+    def _delaying_s(self, pe: Endpoint) -> float:
+        """What is left of a stall of ``pe``'s loop or a cut of its links going on now."""
+        return max(0.0, pe.stalled_until - self.sched.now) + self.net.held_for_s(pe.name)
 
     def _producer_abort(self, req: Request, src: Source) -> None:
         pe = self._producer_now(src)
@@ -743,12 +747,13 @@ class Simulation:
                 self.sched.at(claimed, self._check_released, src, delayed0, claimed)
                 return
         # what the producer's stalls and cuts moved the bound since it was set, and what is
-        # left of a stall or cut still going on now
-        ext = self._delayed_s(pe) - delayed0 + max(0.0, pe.stalled_until - self.sched.now) \
-            + self.net.held_for_s(pe.name)
+        # left of a stall or cut still going on now (credited now: the recheck counts from
+        # its end, so none of it is counted twice)
+        ahead = self._delaying_s(pe)
+        ext = self._delayed_s(pe) - delayed0 + ahead
         if ext > 1e-9:
-            self.sched.after(ext, self._check_released, src, self._delayed_s(pe), bound + ext,
-                             since)
+            self.sched.after(ext, self._check_released, src, self._delayed_s(pe) + ahead,
+                             bound + ext, since)
             return
         after = f" after {since}" if since else ""
         self.checker.fail("never_released",
@@ -857,7 +862,7 @@ class Simulation:
         use.started = now
         t = self.timings
         use.deadline = now + t.request_timeout_s + t.abort_grace_s + t.slack_s
-        use.stall0 = ce.stall_total
+        use.stall0 = ce.stalled_s()
         self.sched.at(use.deadline, self._check_result, use, use.stall0, use.deadline)
         self.checker.trace(f"{ce.name} engine {use.req.mode.value} {use.req.rid} "
                            f"xid={xid:x} ids={use.ids.tolist()} sharers={use.req.sharers}")
@@ -921,7 +926,7 @@ class Simulation:
             # the result must come within abort_grace_s (documented), or its deadline
             use.deadline = min(use.deadline, now + self.timings.abort_grace_s
                                + self.timings.slack_s)
-            self.sched.at(use.deadline, self._check_result, use, ce.stall_total, use.deadline)
+            self.sched.at(use.deadline, self._check_result, use, ce.stalled_s(), use.deadline)
         self.checker.trace(f"{ce.name} engine abort {req.rid}")
         ce.run(lambda: ce.core.abort(self.sched.now, req.rid, RequestState.ABORTED,
                                      RequestAborted("aborted by the sim's engine")))
@@ -930,10 +935,12 @@ class Simulation:
         ce = use.ep
         if use.result is not None or ce.engine.dead or bound != use.deadline:
             return
-        ext = ce.stall_total - stall0 + max(0.0, ce.stalled_until - self.sched.now)
+        ahead = max(0.0, ce.stalled_until - self.sched.now)
+        ext = ce.stalled_s() - stall0 + ahead
         if ext > 1e-9:
             use.deadline = bound + ext
-            self.sched.after(ext, self._check_result, use, ce.stall_total, use.deadline)
+            self.sched.after(ext, self._check_result, use, ce.stalled_s() + ahead,
+                             use.deadline)
             return
         self.checker.fail("no_result_in_time",
                           f"{ce.name}: {use.req.rid!r} (xid {use.xid:x}, {use.req.mode.value} "

@@ -134,6 +134,56 @@ def test_a_cut_counts_toward_both_ends_once_however_it_is_lengthened() -> None:
     assert net.held_for_s("z") == 0.0
 
 
+def test_a_stall_or_cut_moves_a_release_bound_once() -> None:
+    """A release bound checked while the producer's loop is stalled, or one of its links
+    cut, moves by what is left of the stall or cut, and the recheck counts from what was
+    credited then. What the checker reads (what elapsed plus what is left) stays the same
+    through a stall or cut, so none of it is counted twice. Before, a stall counted only
+    once over, and a check during it credited its remainder, then the whole stall again."""
+    from kvpush.metrics import LIVE
+
+    sim = Simulation(5, requests=10, faults=Faults.parse("none"))
+    with LIVE._lock:
+        live_before = dict(LIVE._counts)
+    try:
+        pe = sim._spawn("p0", "producer", 0)
+        sim._spawn("c0", "consumer", 0)
+
+        def credited() -> float:
+            return sim._delayed_s(pe) + sim._delaying_s(pe)
+
+        def at(t: float) -> None:
+            sim.sched.at(t, lambda: None)
+            while sim.sched.now < t and sim.sched.step():
+                pass
+            assert sim.sched.now == pytest.approx(t)
+
+        at(1.0)
+        assert credited() == 0.0
+        pe.stall(1.5)
+        assert credited() == pytest.approx(0.5)
+        at(1.2)
+        assert pe.stalled_s() == pytest.approx(0.2)
+        assert credited() == pytest.approx(0.5)
+        pe.stall(1.7)                     # lengthened
+        assert credited() == pytest.approx(0.7)
+        at(1.7)
+        at(2.0)
+        assert pe.stalled_s() == pytest.approx(0.7) and credited() == pytest.approx(0.7)
+        sim.net.cut("p0", "c0", 2.4)
+        assert credited() == pytest.approx(1.1)
+        pe.stall(2.1)                     # a stall inside the cut: both count
+        assert credited() == pytest.approx(1.2)
+        at(2.05)
+        assert credited() == pytest.approx(1.2)
+        at(3.0)
+        assert credited() == pytest.approx(1.2)
+    finally:
+        with LIVE._lock:
+            LIVE._counts.clear()
+            LIVE._counts.update(live_before)
+
+
 def test_frames_and_notifications_race_but_both_arrive() -> None:
     sim = Simulation(5, requests=300, faults=Faults.parse("none"))
     assert sim.run() == 0
