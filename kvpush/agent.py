@@ -97,10 +97,11 @@ class TransportConfig:
         must then come from :func:`kvpush.shared_array` / :func:`kvpush.shared_tensor`).
         See :mod:`kvpush.dataplane`.
     nixl_api
-        ``"python"`` (default: NIXL's Python binding, which holds the GIL through every call,
-        a post's copy included) or ``"c"`` (``kvpush._nixlc``: NIXL's C API, every call
-        into NIXL without the GIL). With ``"c"`` NIXL's errors all read as
-        :class:`TransferFailed` (its C API does not say which), a dead peer's included.
+        ``"python"`` (default: NIXL's Python binding; the pinned nixl's lets the process's
+        other threads run during a post's copy) or ``"c"`` (``kvpush._nixlc``: NIXL's C
+        API, every call into NIXL without the GIL, whatever the binding does). With
+        ``"c"`` NIXL's errors all read as :class:`TransferFailed` (its C API does not say
+        which), a dead peer's included.
     """
 
     backend: str = "UCX"
