@@ -269,19 +269,12 @@ class Deployment:
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, host: Host, cmd: Sequence[str], env: dict[str, str],
                port: int, cores: str = "", scratch: Path | None = None) -> launch.Process:
-        log = self.logs / f"{name}.log"
-        try:
-            with open(log, "ab") as out:
-                proc = subprocess.Popen(["ip", "netns", "exec", host.ns, *cmd], stdout=out,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, start_new_session=True, cwd=str(self.logs))
-        except BaseException:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
-            raise
         # ``ip netns exec`` and ``taskset`` exec: the pid is the service's own, and its
         # session (process group) holds every process it starts.
-        return launch.Process(name, proc, log, port, cores, scratch)
+        return launch.spawn(name, ["ip", "netns", "exec", host.ns, *cmd],
+                            self.logs / f"{name}.log", port, cores=cores, env=env,
+                            cwd=self.logs, scratch=scratch, append=True,
+                            stdin=subprocess.DEVNULL)
 
     def host_env(self, host: Host, cores: str = "") -> dict[str, str]:
         env = {**os.environ, **launch.BASE_ENV,

@@ -170,6 +170,24 @@ class Process:
             return "(no log)"
 
 
+def spawn(name: str, cmd: Sequence[str], log: Path, port: int, *, cores: str = "",
+          env: Mapping[str, str] | None = None, cwd: Path, scratch: Path | None = None,
+          append: bool = False, stdin: int | None = None) -> Process:
+    """Start ``cmd`` in a session (process group) of its own, its output to ``log``
+    (appended to with ``append``). ``scratch``: a folder the group alone uses, removed
+    with it, and at once if it cannot start."""
+    try:
+        with open(log, "ab" if append else "wb") as out:
+            proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=stdin, env=env, start_new_session=True,
+                                    cwd=str(cwd))
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return Process(name, proc, log, port, cores, scratch)
+
+
 def rpc_folder(name: str) -> Path:
     """A new folder for one vLLM server's ZeroMQ IPC sockets (``VLLM_RPC_BASE_PATH``; vLLM
     puts them in the system's temp folder otherwise). Short, because a socket's path must
@@ -200,14 +218,8 @@ def start_vllm(model: str | Path, port: int, *, name: str, cores: str, log_dir: 
     full_env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": omp_bind or cores,
                 "VLLM_RPC_BASE_PATH": str(scratch)}
     full_env.update(env or {})
-    try:
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True, cwd=str(log_dir))
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return Process(name, proc, log, port, cores, scratch)
+    return spawn(name, cmd, log, port, cores=cores, env=full_env, cwd=log_dir,
+                 scratch=scratch)
 
 
 def start_router(port: int, *, prefill: str, decode: str, log_dir: Path,
@@ -221,10 +233,7 @@ def start_router(port: int, *, prefill: str, decode: str, log_dir: Path,
            "--decode", decode, *args]
     if nice:
         cmd = ["nice", "-n", str(nice), *cmd]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=str(log_dir))
-    return Process("router", proc, log, port)
+    return spawn("router", cmd, log, port, cwd=log_dir)
 
 
 def wait_healthy(processes: Iterable[Process], timeout_s: float) -> None:
