@@ -36,7 +36,7 @@ import random
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -192,6 +192,21 @@ class _Epoch:
     quiet_since: float = math.inf   # when the epoch's last open request ended
 
 
+@contextlib.contextmanager
+def live_counts_kept() -> Iterator[None]:
+    """The drivers and cores count live resources in the process-wide
+    :data:`kvpush.metrics.LIVE`; simulated ones are not the process's, so the counts go
+    back to what they were when this ends."""
+    with LIVE._lock:
+        before = dict(LIVE._counts)
+    try:
+        yield
+    finally:
+        with LIVE._lock:
+            LIVE._counts.clear()
+            LIVE._counts.update(before)
+
+
 class Simulation:
     """A cluster of ``producers`` x ``consumers`` endpoints under one seed.
 
@@ -334,11 +349,10 @@ class Simulation:
         0); return the number of violations. A stopped run is the same run cut short: its
         violations are the first ones the whole run would report."""
         self._wall0 = time.perf_counter()
-        # The drivers and cores count live resources in the process-wide
-        # kvpush.metrics.LIVE; simulated ones are not the process's, so the counts go back
-        # to what they were.
-        with LIVE._lock:
-            live_before = dict(LIVE._counts)
+        with live_counts_kept():
+            return self._run()
+
+    def _run(self) -> int:
         for p in self.producer_names:
             self._spawn(p, "producer", 0)
         for c in self.consumer_names:
@@ -353,19 +367,14 @@ class Simulation:
         chk = self.checker
         sched = self.sched
         stop = self.stop_after
-        try:
-            if stop:
-                while not self._done and sched.step():
-                    if len(chk.violations) >= stop:
-                        self.stopped_early = True
-                        break
-            else:
-                while not self._done and sched.step():
-                    pass
-        finally:
-            with LIVE._lock:
-                LIVE._counts.clear()
-                LIVE._counts.update(live_before)
+        if stop:
+            while not self._done and sched.step():
+                if len(chk.violations) >= stop:
+                    self.stopped_early = True
+                    break
+        else:
+            while not self._done and sched.step():
+                pass
         return len(chk.violations)
 
     def summary(self) -> str:

@@ -20,7 +20,7 @@ from kvpush.testing import (
     Timings,
     Transfer,
 )
-from kvpush.testing.sim import main
+from kvpush.testing.sim import live_counts_kept, main
 from tests.support import ROOT
 from tests.support.sim_doubles import EagerConsumer, EarlyReleaseProducer, HastyConsumer
 
@@ -140,12 +140,8 @@ def test_a_stall_or_cut_moves_a_release_bound_once() -> None:
     credited then. What the checker reads (what elapsed plus what is left) stays the same
     through a stall or cut, so none of it is counted twice. Before, a stall counted only
     once over, and a check during it credited its remainder, then the whole stall again."""
-    from kvpush.metrics import LIVE
-
     sim = Simulation(5, requests=10, faults=Faults.parse("none"))
-    with LIVE._lock:
-        live_before = dict(LIVE._counts)
-    try:
+    with live_counts_kept():
         pe = sim._spawn("p0", "producer", 0)
         sim._spawn("c0", "consumer", 0)
 
@@ -178,10 +174,6 @@ def test_a_stall_or_cut_moves_a_release_bound_once() -> None:
         assert credited() == pytest.approx(1.2)
         at(3.0)
         assert credited() == pytest.approx(1.2)
-    finally:
-        with LIVE._lock:
-            LIVE._counts.clear()
-            LIVE._counts.update(live_before)
 
 
 def test_frames_and_notifications_race_but_both_arrive() -> None:
