@@ -221,12 +221,12 @@ Turn = Callable[[list[int]], tuple[list[int], dict[str, Any] | None]]
 
 
 def converse(pair: ReusePair, colocated: Colocated, model_dir: Path, tag: str, seed: int,
-             send: Turn, forward: bool = True) -> None:
+             send: Turn) -> None:
     """``TURNS`` turns of one conversation, each sent by ``send(prompt)`` -> (tokens, the
     decode's params or None where the client does not see them): every turn after the
     first loads what the decode server kept of the one before (the prefill's log says so),
-    exactly those blocks move back and, with ``forward``, only the prompt's blocks past
-    them move forward; every turn's tokens equal colocated."""
+    exactly those blocks move back and only the prompt's blocks past them move forward;
+    every turn's tokens equal colocated."""
     prompt = first_prompt(seed)
     turns: dict[str, tuple[list[int], list[int]]] = {}
     history = 0            # tokens with KV at the decode server after the last turn
@@ -244,10 +244,9 @@ def converse(pair: ReusePair, colocated: Colocated, model_dir: Path, tag: str, s
         back = history // BLOCK * BYTES_PER_BLOCK
         assert settled(pair.prefill.url, back_before, back) == back, \
             f"turn {k}: bytes moved back"
-        if forward:
-            fwd = (-(-len(prompt) // BLOCK) - history // BLOCK) * BYTES_PER_BLOCK
-            assert settled(pair.decode.url, fwd_before, fwd) == fwd, \
-                f"turn {k}: bytes moved forward"
+        fwd = (-(-len(prompt) // BLOCK) - history // BLOCK) * BYTES_PER_BLOCK
+        assert settled(pair.decode.url, fwd_before, fwd) == fwd, \
+            f"turn {k}: bytes moved forward"
         history = len(prompt) + len(tokens) - 1
         prompt = prompt + tokens + user_text(seed + k + 1)
     check_colocated(colocated, model_dir, tag, turns)
