@@ -231,7 +231,7 @@ class Consumer(Endpoint):
         its previous use."""
         handle, feed = self._prepare_expect(request_id, block_ids, producers, timeout,
                                             layerwise, source_tail, sharers, sids)
-        self._driver.submit(feed)
+        self._driver.submit(feed, opens=True)
         return handle
 
     def _prepare_expect(self, request_id: str, block_ids: Any,
@@ -313,7 +313,7 @@ class Consumer(Endpoint):
         the producer holds a claimed source past the lease, so only ``timeout`` bounds the
         READ)."""
         handle, feed = self._prepare_pull(tickets, block_ids, timeout, source_tail, sharers)
-        self._driver.submit(feed)
+        self._driver.submit(feed, opens=True)
         return handle
 
     def _prepare_pull(self, tickets: Tickets, block_ids: Any, timeout: float | None,
@@ -482,8 +482,9 @@ class Consumer(Endpoint):
 
     @property
     def pending(self) -> int:
-        """Requests with no result yet (handshakes of pulls included)."""
-        return self._core.pending
+        """Requests with no result yet (handshakes of pulls included), from the caller's
+        view: one whose ``expect`` or ``pull`` has returned counts at once."""
+        return self._driver.pending(lambda: self._core.pending)
 
     def producers(self) -> list[str]:
         """Names of producers connected now."""

@@ -234,6 +234,11 @@ class Driver:
         self._teardown_on_exit = False
         self._finalized = False
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Requests handed in (counted under the submit lock) and fed to the core (counted
+        # under _feeding, held across the feed): see :meth:`pending`.
+        self._opened = 0
+        self._fed = 0
+        self._feeding = threading.Lock()
         self.timers = TimerHeap()
         self.agent: Agent | ChildAgent = make_agent(self.name, layout, transport) \
             if io is None else io.agent(self.name, layout)
@@ -291,11 +296,13 @@ class Driver:
             self.thread.start()
 
     # -- loop plumbing ---------------------------------------------------------------------
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread."""
+    def call_soon(self, fn: Callable[[], None], opens: int = 0) -> None:
+        """Run ``fn`` on the loop thread. ``opens``: how many requests ``fn`` starts
+        (through :meth:`_open`; counted by :meth:`pending` from now on)."""
         with self._submit_lock:
             if self._closed:
                 raise ClosedError(f"{self.role} {self.name} is closed")
+            self._opened += opens
             self._commands.put(fn)
             # Only a loop blocked in poll needs waking; otherwise it drains the queue on
             # its next iteration. Saves the engine's thread a syscall that lets go of the
@@ -308,10 +315,11 @@ class Driver:
     def batch(self, items: Sequence[Any],
               prepare: Callable[[Any], tuple[Any, Callable[[float], object]]]) -> list[Any]:
         """A batch call: ``prepare`` validates one item on the caller's thread and returns
-        (what the caller gets for it, the core event for it). An item it refuses with
-        KvpushError, ValueError or TypeError gets that exception in its place; the others'
-        events reach the loop thread in one hand-off, in order, each carried out before
-        the next (one that raises a KvpushError is logged and does not stop the others)."""
+        (what the caller gets for it, the core event that starts its request). An item it
+        refuses with KvpushError, ValueError or TypeError gets that exception in its place;
+        the others' events reach the loop thread in one hand-off, in order, each carried out
+        before the next (one that raises a KvpushError is logged and does not stop the
+        others)."""
         out: list[Any] = []
         feeds: list[Callable[[float], object]] = []
         for item in items:
@@ -323,15 +331,33 @@ class Driver:
             out.append(answer)
             feeds.append(feed)
         if feeds:
-            self.call_soon(lambda: self._run_batch(feeds))
+            self.call_soon(lambda: self._run_batch(feeds), len(feeds))
         return out
 
     def _run_batch(self, feeds: list[Callable[[float], object]]) -> None:
         for feed in feeds:
             try:
-                self.event(feed)
+                self._open(feed)
             except KvpushError as exc:
                 log.warning("%s: %s", self.name, exc)
+
+    def pending(self, held: Callable[[], int]) -> int:
+        """The requests a caller has handed in and not seen end (any thread): ``held``
+        counts those the core holds (the role's core's count), plus those queued for the
+        loop. Exact: a request is counted once from the moment its call returns, never
+        twice (the loop feeds a request and counts it fed under the lock this reads with);
+        callbacks on the loop thread may call it (no feed holds the lock past the core)."""
+        with self._feeding:
+            return self._opened - self._fed + held()
+
+    def _open(self, feed: Callable[[float], object]) -> None:
+        """:meth:`event` for a feed that starts a request (:meth:`pending`)."""
+        with self._feeding:
+            try:
+                feed(self.clock())
+            finally:
+                self._fed += 1
+        self.apply()
 
     def on_loop(self) -> bool:
         """True on this endpoint's loop thread (inside a callback)."""
@@ -431,9 +457,13 @@ class Driver:
         feed(self.clock())
         self.apply()
 
-    def submit(self, feed: Callable[[float], object]) -> None:
-        """:meth:`event` on the loop thread (any thread; raises ClosedError once closed)."""
-        self.call_soon(lambda: self.event(feed))
+    def submit(self, feed: Callable[[float], object], opens: bool = False) -> None:
+        """:meth:`event` on the loop thread (any thread; raises ClosedError once closed).
+        ``opens``: the feed starts a request (:meth:`pending`)."""
+        if opens:
+            self.call_soon(lambda: self._open(feed), 1)
+        else:
+            self.call_soon(lambda: self.event(feed))
 
     def _post(self, effect: Post) -> None:
         if _trace.ON:

@@ -155,7 +155,7 @@ class Producer(Endpoint):
         there (:func:`new_id`).
         """
         ticket, feed = self._prepare_prefill(request_id, block_ids, mode, sid)
-        self._driver.submit(feed)
+        self._driver.submit(feed, opens=True)
         return ticket
 
     def _prepare_prefill(self, request_id: str, block_ids: Any, mode: TransferMode,
@@ -280,8 +280,9 @@ class Producer(Endpoint):
 
     @property
     def pending(self) -> int:
-        """Requests whose source blocks are held (not yet released)."""
-        return self._core.held()
+        """Requests whose source blocks are held (not yet released), from the caller's
+        view: one whose ``prefill_done`` has returned counts at once."""
+        return self._driver.pending(self._core.held)
 
     # -- loop thread ------------------------------------------------------------------------
     def _deliver(self, release: Any) -> None:

@@ -83,6 +83,39 @@ def test_mismatched_lengths_in_pull(pair: tuple) -> None:
     assert p.pending == 1
 
 
+def test_a_request_counts_as_pending_once_its_call_returns(pair: tuple) -> None:
+    """``pending`` is the caller's view: a request whose call has returned counts while
+    the loop thread has not taken it in yet (a Prometheus scrape right after ``expect``
+    read 0 when it did not). The loop thread is held busy for the first part."""
+    p, c, _src, _dst, name = pair
+    busy = threading.Event()
+
+    def hold(endpoint: kvpush.Producer | kvpush.Consumer) -> None:
+        held = threading.Event()
+
+        def run() -> None:
+            held.set()
+            busy.wait(10)
+
+        endpoint._driver.call_soon(run)
+        assert held.wait(10)
+
+    hold(p)
+    hold(c)
+    try:
+        handles = [c.expect("counted", [1], name)]
+        handles += c.expect_many([("counted-too", [2], name)])
+        ticket = p.prefill_done("counted", [3])
+        assert ticket is None
+        p.prefill_done_many([("counted-too", [4])])
+        assert c.pending == 2 and p.pending == 2
+    finally:
+        busy.set()
+    assert all(h.wait(10).ok for h in handles)
+    assert [r.reason for r in drain_released(p, 2)] == [kvpush.ReleaseReason.TRANSFERRED] * 2
+    assert p.pending == 0 and c.pending == 0
+
+
 def test_registration_of_mismatched_length_fails_cleanly(pair: tuple) -> None:
     p, c, _src, dst, name = pair
     h = c.expect("mis", np.array([1, 2]), name)

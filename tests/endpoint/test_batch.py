@@ -25,9 +25,9 @@ def _count_handoffs(endpoint: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]
     calls = [0]
     original = endpoint._driver.call_soon
 
-    def counting(fn: Any) -> None:
+    def counting(fn: Any, opens: int = 0) -> None:
         calls[0] += 1
-        original(fn)
+        original(fn, opens)
 
     monkeypatch.setattr(endpoint._driver, "call_soon", counting)
     return calls
