@@ -238,7 +238,7 @@ class Driver:
         # under _feeding, held across the feed): see :meth:`pending`.
         self._opened = 0
         self._fed = 0
-        self._feeding = threading.Lock()
+        self._feeding = threading.RLock()  # re-entrant: a log handler in a feed may count
         self.timers = TimerHeap()
         self.agent: Agent | ChildAgent = make_agent(self.name, layout, transport) \
             if io is None else io.agent(self.name, layout)
@@ -345,8 +345,8 @@ class Driver:
         """The requests a caller has handed in and not seen end (any thread): ``held``
         counts those the core holds (the role's core's count), plus those queued for the
         loop. Exact: a request is counted once from the moment its call returns, never
-        twice (the loop feeds a request and counts it fed under the lock this reads with);
-        callbacks on the loop thread may call it (no feed holds the lock past the core)."""
+        twice (the loop feeds a request and counts it fed under the lock this reads with;
+        code on the loop thread reads it too, the lock being re-entrant)."""
         with self._feeding:
             return self._opened - self._fed + held()
 

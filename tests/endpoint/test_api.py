@@ -4,6 +4,7 @@ incompatible layouts are refused at handshake; lifecycles release everything."""
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import threading
 import time
@@ -114,6 +115,33 @@ def test_a_request_counts_as_pending_once_its_call_returns(pair: tuple) -> None:
     assert all(h.wait(10).ok for h in handles)
     assert [r.reason for r in drain_released(p, 2)] == [kvpush.ReleaseReason.TRANSFERRED] * 2
     assert p.pending == 0 and c.pending == 0
+
+
+def test_pending_can_be_read_by_code_a_request_runs_on_the_loop_thread(pair: tuple) -> None:
+    """A log handler runs inside the core's work on the loop thread, and may read
+    ``pending`` there (the count's lock is re-entrant): an expect that supersedes a pull
+    claim logs the claim's end while the loop takes the expect in."""
+    p, c, _src, _dst, name = pair
+    c.claim(p.prefill_done("superseded", [5], TransferMode.PULL))
+    seen: list[int] = []
+
+    class Counting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "superseded" in record.getMessage():
+                seen.append(c.pending)
+
+    logger = logging.getLogger("kvpush.consumer")
+    handler, level = Counting(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        result = c.expect("superseded", [6], name, timeout=2).wait(10)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    # Giving the claim up gives the producer's source up: the push finds it aborted.
+    assert result.state is RequestState.ABORTED, result
+    assert seen == [1], result
 
 
 def test_registration_of_mismatched_length_fails_cleanly(pair: tuple) -> None:
