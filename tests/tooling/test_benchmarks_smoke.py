@@ -19,6 +19,7 @@ import pytest
 from benchmarks import (
     _common,
     busy_engine,
+    control_frames,
     core_stream,
     cpu,
     cpu_per_request,
@@ -201,6 +202,23 @@ def test_hot_path_suite(results: dict[str, dict[str, object]]) -> None:
                             for key in ("release", "ready", "raw_nixl", "core", "hint")
                             for size in ("64kib", "1mib", "16mib")))
     results["hot_path"] = r
+
+
+def test_control_frames() -> None:
+    r = control_frames.run(quick=True, progress=False, frames=5)
+    rows = {row["transport"]: row for row in r["rows"]}
+    assert set(rows) == set(control_frames.TRANSPORTS)
+    for row in rows.values():
+        assert row["total_us"] > 0 and row["main_us"] > 0
+        assert row["total_us"] == pytest.approx(row["initiator_us"] + row["answerer_us"])
+    # only ZeroMQ moves frames through I/O threads
+    assert rows["zmq_tcp"]["zmq_io_us"] > 0
+    assert rows["tcp"]["zmq_io_us"] == rows["unix"]["zmq_io_us"] == 0
+    assert "| unix |" in control_frames.table(r)
+    with pytest.raises(ValueError):
+        control_frames.measure(frames=0)
+    with pytest.raises(ValueError):
+        control_frames.measure(transports=("udp",))
 
 
 def test_core_stream(results: dict[str, dict[str, object]]) -> None:
