@@ -12,6 +12,13 @@
   descriptors by index (``make_prepped_xfer``) -- unless it is made of long runs of
   adjacent blocks: then it is posted as explicit merged descriptors, one per (region, run)
   (``initialize_xfer``), which NIXL prepares far faster there (:func:`explicit_is_cheaper`).
+* Host memory is **populated** at registration (``TransportConfig.populate_host_memory``):
+  every page faulted in, writable, its bytes unchanged. A cache allocated lazily (numpy's
+  ``zeros``, torch's ``empty``) otherwise takes each page's first fault inside the first
+  transfer that touches it -- and on one host a WRITE's faults in the target's pages are
+  taken by the *initiator's* post (the copy runs there), so a decode engine's cold cache
+  stalled its producer's loop, every peer's requests with it, for 0.1-0.25 s here (with
+  transparent huge pages, each fault zeroes 2 MiB and may compact memory first).
 * A dropped peer's NIXL metadata (its UCX endpoint) is **kept** (at most
   :data:`DORMANT_MAX` such peers, and until the agent closes): NIXL's
   ``remove_remote_agent`` closes the endpoint in flush mode, and a flush-mode close of a
@@ -26,10 +33,14 @@ Only the loop thread touches an agent after construction (NIXL's sync mode is NO
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import functools
 import logging
+import mmap
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +48,7 @@ import numpy as np
 
 from ._core import PreparedLink
 from .errors import PeerUnavailable, TransferFailed
-from .layout import KVLayout, head_overlap
+from .layout import KVLayout, MemoryKind, Region, head_overlap
 from .plan import plan_split_transfer, plan_transfer
 
 __all__ = ["Agent", "Link", "TransportConfig", "XferState"]
@@ -102,12 +113,20 @@ class TransportConfig:
         API, every call into NIXL without the GIL, whatever the binding does). With
         ``"c"`` NIXL's errors all read as :class:`TransferFailed` (its C API does not say
         which), a dead peer's included.
+    populate_host_memory
+        ``True`` (default): fault every page of the host (DRAM) KV cache in at
+        registration, its bytes unchanged (:func:`populate`), so no transfer takes a first
+        page fault. A cache already written (vLLM zeroes its own) costs nothing here; one
+        allocated lazily becomes resident at once, in the time writing it once would take
+        (``docs/ARCHITECTURE.md``). ``False``: pages are faulted in by the first transfer
+        that touches them.
     """
 
     backend: str = "UCX"
     ucx_error_mode: str = "none"
     data_plane: str = "inprocess"
     nixl_api: str = "python"
+    populate_host_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.ucx_error_mode not in _ERROR_MODES:
@@ -126,6 +145,68 @@ class TransportConfig:
             raise ValueError(
                 f"TransportConfig.nixl_api must be one of {_NIXL_APIS}, got {self.nixl_api!r}"
             )
+        if not isinstance(self.populate_host_memory, bool):
+            raise TypeError("TransportConfig.populate_host_memory must be a bool, got "
+                            f"{self.populate_host_memory!r}")
+
+
+#: madvise(2) advice that faults every page of a range in, writable, leaving its bytes as
+#: they are (Linux 5.14 and later).
+MADV_POPULATE_WRITE = 23
+#: Populating longer than this is logged (the endpoint's construction waited on it).
+SLOW_POPULATE_S = 1.0
+
+
+def populate(regions: Sequence[Region]) -> int:
+    """Fault in every page of the host-memory ``regions`` now, writable, bytes unchanged
+    (``MADV_POPULATE_WRITE``); returns the bytes populated. Never raises: a kernel without
+    the advice, or memory it cannot populate (a read-only or device mapping), is logged and
+    left to fault as it is touched -- only the first transfers' latency is at stake."""
+    host = [r for r in regions if r.kind is MemoryKind.DRAM and r.length > 0]
+    if not host:
+        return 0
+    if not _can_populate():
+        log.info("this kernel cannot populate pages ahead (MADV_POPULATE_WRITE, Linux "
+                 "5.14+): the first transfers into the KV cache fault its pages in")
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    madvise = _libc().madvise
+    started = time.monotonic()
+    done = 0
+    for region in host:
+        start = region.addr - region.addr % page
+        length = region.addr + region.length - start
+        if madvise(start, length, MADV_POPULATE_WRITE) == 0:
+            done += length
+            continue
+        log.warning("cannot populate the region at %#x (%d bytes) ahead: %s; the first "
+                    "transfers into it fault its pages in", region.addr, region.length,
+                    os.strerror(ctypes.get_errno()))
+    took = time.monotonic() - started
+    if took > SLOW_POPULATE_S:
+        log.info("populated %d MiB of KV cache in %.1f s", done >> 20, took)
+    return done
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+@functools.cache
+def _can_populate() -> bool:
+    """Whether the kernel knows MADV_POPULATE_WRITE: asked once, of a page of our own
+    (EINVAL also answers a region it cannot populate, so a region's EINVAL cannot say)."""
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        ok: bool = _libc().madvise(address, mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0
+        return ok
+    finally:
+        page.close()
 
 
 @dataclass(frozen=True)
@@ -259,6 +340,8 @@ class Agent:
             raise TransferFailed(f"cannot create NIXL backend {config.backend}: {exc}") from exc
         mem = layout.kind.value
         self._mem = mem
+        if config.populate_host_memory:
+            populate(layout.regions)
         self._reg = self._agent.register_memory(
             [(r.addr, r.length, r.device_id, "") for r in layout.regions], mem
         )
