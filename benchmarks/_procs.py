@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["RemoteError", "Worker", "clock_ticks", "cpu_seconds", "run_queue_waits",
-           "thread_cpu_seconds"]
+           "thread_cpu_seconds", "thread_schedstats"]
 
 
 class RemoteError(RuntimeError):
@@ -43,27 +43,36 @@ def thread_cpu_seconds(tid: int) -> float:
     return _stat_cpu_seconds(f"/proc/self/task/{tid}/stat")
 
 
-def run_queue_waits() -> dict[int, tuple[str, int]] | None:
-    """Every live thread of this process: native id -> (its command name, nanoseconds it
-    has spent runnable but waiting for a CPU), from Linux's ``/proc/self/task/*/schedstat``;
-    None where the kernel does not keep them."""
-    out: dict[int, tuple[str, int]] = {}
+def thread_schedstats(pid: int | str = "self") -> dict[int, tuple[str, int, int]] | None:
+    """Every live thread of process ``pid`` (default: this one): native id -> (its command
+    name, nanoseconds it has run on a CPU, nanoseconds it has spent runnable but waiting
+    for one), from Linux's ``/proc/PID/task/*/schedstat``; None where the kernel does not
+    keep them or the process is gone."""
+    out: dict[int, tuple[str, int, int]] = {}
     try:
-        tids = os.listdir("/proc/self/task")
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
     for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                waited = int(f.read().split()[1])
-            with open(f"/proc/self/task/{tid}/comm", "rb") as f:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                ran, waited = (int(x) for x in f.read().split()[:2])
+            with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
                 name = f.read().decode(errors="replace").strip()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue   # the thread ended meanwhile
         except (OSError, IndexError, ValueError):
             return None
-        out[int(tid)] = (name, waited)
+        out[int(tid)] = (name, ran, waited)
     return out
+
+
+def run_queue_waits() -> dict[int, tuple[str, int]] | None:
+    """Every live thread of this process: native id -> (its command name, nanoseconds it
+    has spent runnable but waiting for a CPU); None where the kernel does not keep them."""
+    stats = thread_schedstats()
+    return None if stats is None else {
+        tid: (name, waited) for tid, (name, _, waited) in stats.items()}
 
 
 def _stat_cpu_seconds(path: str) -> float:

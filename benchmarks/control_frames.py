@@ -43,7 +43,7 @@ import zmq
 from kvpush.driver import control_socket
 
 from ._common import Progress, save_json
-from ._procs import Worker, stop_all
+from ._procs import Worker, stop_all, thread_schedstats
 
 __all__ = ["TRANSPORTS", "measure", "run", "table"]
 
@@ -55,17 +55,13 @@ def _cpu_by_kind() -> dict[str, int]:
     """This process's CPU ns so far by thread kind: ``main`` (the thread that sends and
     receives), ``zmq_io`` (libzmq's I/O threads, ``ZMQbg/IO/*``), ``other``."""
     out = {"main": 0, "zmq_io": 0, "other": 0}
-    me = str(os.getpid())
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                ns = int(f.read().split()[0])
-            with open(f"/proc/self/task/{tid}/comm", "rb") as f:
-                name = f.read().decode(errors="replace").strip()
-        except FileNotFoundError:
-            continue   # the thread ended meanwhile
-        kind = "main" if tid == me else "zmq_io" if name.startswith("ZMQbg/IO") else "other"
-        out[kind] += ns
+    stats = thread_schedstats()
+    if stats is None:
+        raise RuntimeError("this kernel keeps no per-thread schedstat")
+    for tid, (name, ran, _) in stats.items():
+        kind = "main" if tid == os.getpid() else \
+            "zmq_io" if name.startswith("ZMQbg/IO") else "other"
+        out[kind] += ran
     return out
 
 

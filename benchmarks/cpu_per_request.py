@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from ._common import Progress, RawAgent, open_endpoint, save_json
-from ._procs import Worker, stop_all
+from ._procs import Worker, stop_all, thread_schedstats
 from .critical_path import _make_cache
 from .hot_path import SHAPES
 
@@ -330,19 +330,13 @@ def side_split(state: dict[str, Any], conn: mpc.Connection, on: bool,
 # Orchestration
 # =========================================================================================
 def _threads(pid: int) -> dict[int, tuple[str, int, int]]:
-    """Every thread of process ``pid``: tid -> (command name, ns on a CPU, ns runnable but
-    waiting for one), from ``/proc/PID/task/*/schedstat``."""
-    out: dict[int, tuple[str, int, int]] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
-            with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
-                name = f.read().decode(errors="replace").strip()
-        except (FileNotFoundError, ProcessLookupError):
-            continue   # the thread ended meanwhile
-        out[int(tid)] = (name, run_ns, wait_ns)
-    return out
+    """Every thread of worker ``pid``: tid -> (command name, ns on a CPU, ns runnable but
+    waiting for one)."""
+    stats = thread_schedstats(pid)
+    if stats is None:
+        raise RuntimeError(f"no schedstat for process {pid}: it has gone, or this kernel "
+                           "does not keep them")
+    return stats
 
 
 class _Side:
