@@ -1411,8 +1411,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="write every trace line to FILE (a violation prints only the tail)")
     args = ap.parse_args(argv)
-    if not args.verbose:   # the cores log every refused event; the checks say what matters
-        logging.getLogger("kvpush").setLevel(logging.ERROR)
     faults = Faults.parse(args.faults)
     if args.fault_rate is not None:
         faults = replace(faults, rate=args.fault_rate)
@@ -1435,6 +1433,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      make_consumer=_load(args.consumer_core), stop_after=args.stop_after,
                      auth=args.auth == "on")
     with contextlib.ExitStack() as stack:
+        if not args.verbose:  # the cores log every refused event; the checks say what matters
+            kv = logging.getLogger("kvpush")
+            stack.callback(kv.setLevel, kv.level)  # as found: main() may run in a process
+            kv.setLevel(logging.ERROR)             # that goes on (a test's)
         if args.trace:
             sim.checker.keep = stack.enter_context(open(args.trace, "w", encoding="utf-8"))
         violations = sim.run()

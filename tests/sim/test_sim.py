@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import re
 import sys
 
@@ -502,6 +503,17 @@ def test_cli_last_line(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"requests=300 faults=0 violations=0", lines[-1]), lines[-3:]
     assert rc == 0
+
+
+def test_the_cli_leaves_kvpushs_log_level_as_it_found_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``main`` quiets the cores' log for its run only: it runs inside test processes, and
+    kvpush's warnings left at ERROR after it hid every later test's (a test of the agent's
+    warning failed whenever it ran after a CLI test)."""
+    kv = logging.getLogger("kvpush")
+    assert kv.level == logging.NOTSET
+    assert main(["--requests", "50", "--seed", "5", "--faults", "none"]) == 0
+    assert kv.level == logging.NOTSET
 
 
 def test_regression_an_answer_to_a_replayed_hello_waits_behind_queued_frames() -> None:
