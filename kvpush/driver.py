@@ -150,10 +150,12 @@ class Core(Protocol):
     def drain(self) -> list[Any]: ...
     def next_deadline(self) -> float | None: ...
     def tick(self, now: float) -> None: ...
-    def transfer_ended(self, now: float, key: int, end: XferEnd) -> None: ...
+    def transfer_ended(self, now: float, key: int, end: XferEnd, inline: bool = False) -> None:
+        ...
     def on_notification(self, now: float, peer: str, msg: m.Message,
                         since: float | None = None) -> None: ...
     def wants_notifications(self) -> bool: ...
+    def quiet_until(self, now: float) -> float | None: ...
     def predicted(self, now: float, spin_s: float) -> tuple[float, float] | None: ...
     def close(self, now: float) -> None: ...
 
@@ -491,17 +493,19 @@ class Driver:
         self.stats.transfers_posted += 1
         self.stats.descriptors_posted += effect.descriptors
         self.stats.transfers_explicit += self.agent.last_explicit
-        self._check_xfer(effect.key, handle)  # on a host UCX often finishes inside the post
+        # On a host UCX often finishes inside the post: the core hears that it did.
+        self._check_xfer(effect.key, handle, inline=True)
 
-    def _check_xfer(self, key: int, handle: Any) -> bool:
-        """Report a transfer that ended; True if it had."""
+    def _check_xfer(self, key: int, handle: Any, inline: bool = False) -> bool:
+        """Report a transfer that ended (``inline``: checked right after its post); True
+        if it had."""
         state = self.agent.state(handle)
         if state is XferState.IN_PROGRESS:
             return False
         if _trace.ON:
             _trace.stamp("xfer_end")
         self.agent.release(handle)
-        self._end_xfer(key, XferEnd.DONE if state is XferState.DONE else XferEnd.ERROR)
+        self._end_xfer(key, XferEnd.DONE if state is XferState.DONE else XferEnd.ERROR, inline)
         return True
 
     def _abandon(self, key: int) -> None:
@@ -519,10 +523,10 @@ class Driver:
         self._end_xfer(key, {XferState.IN_PROGRESS: XferEnd.ABANDONED,
                              XferState.DONE: XferEnd.DONE}.get(state, XferEnd.ERROR))
 
-    def _end_xfer(self, key: int, end: XferEnd) -> None:
+    def _end_xfer(self, key: int, end: XferEnd, inline: bool = False) -> None:
         del self._xfers[key]
         LIVE.add("transfers_in_flight", -1)
-        self.core.transfer_ended(self.clock(), key, end)
+        self.core.transfer_ended(self.clock(), key, end, inline)
 
     def _release_xfers(self) -> None:
         """At close: release every transfer handle (the core is told by its close())."""
@@ -578,8 +582,13 @@ class Driver:
 
     def _next_timeout(self) -> float | None:
         now = self.clock()
-        timeout: float | None = self._backoff.next_delay(
-            self.core.predicted(now, self.policy.spin_s)) if self._busy() else None
+        timeout: float | None = None
+        if self._busy():
+            # Quiet only while no transfer of this side's own is in flight: its bytes may
+            # need this side's progress.
+            timeout = self._backoff.next_delay(
+                self.core.predicted(now, self.policy.spin_s),
+                None if self._xfers else self.core.quiet_until(now))
         due = self._first_due(self._core_due if self._core_due_known
                               else self.core.next_deadline())
         self._core_due_known = False

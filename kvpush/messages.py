@@ -172,6 +172,10 @@ class Posted(_Msg, tag="posted", frozen=True):
     # Sent over the control socket because a NIXL notification alone would need the
     # producer to keep progressing its agent until a first connection is up.
     empty: bool = False
+    # The producer's last WRITE of this size to this consumer had moved its bytes by the
+    # time its post returned (UCX over shared memory or CMA): the consumer's progress does
+    # not move them, so it need not poll before the landing it predicts.
+    inline: bool = False
 
 
 class Failed(_Msg, tag="failed", frozen=True):
@@ -234,6 +238,10 @@ class PullBegin(_Msg, tag="pull_begin", frozen=True):
     xid: Id
     sid: Id
     sharers: Sharers = 1
+    # The consumer's last READ of this size from this producer had moved its bytes by the
+    # time its post returned: the producer's progress does not move them, so it need not
+    # poll for the PullDone before the moment it predicts.
+    inline: bool = False
 
 
 class Claim(_Msg, tag="claim", frozen=True):

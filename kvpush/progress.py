@@ -17,12 +17,18 @@ kvpush turns it off and drives progress from its one loop thread:
   progress, between ``min_sleep_s`` and ``max_sleep_s``. A completion is then noticed at
   most that fraction late (about 12 % by default), however long the transfer, while a long
   transfer costs only a few polls per millisecond;
-* when the loop can predict a completion (the consumer learns how long pushes of each size
-  take from their hint to their landing, each landing placed in the middle of its last look
+* when the loop can predict a completion (each side learns how long the transfers it waits
+  for take, by size class, from when it heard of one -- a push's ``Posted`` hint, a pull's
+  ``PullBegin`` -- to its notification, each landing placed in the middle of the last look
   without it and the look that found it), it wakes at the predicted moment and polls every
   ``min_sleep_s`` for a quarter of the predicted duration (at least ``spin_s``): a
   completion on time is noticed at once, an early or late one no later than without the
-  prediction.
+  prediction;
+* when, besides, every transfer awaited moves its bytes without this side's progress (the
+  initiator's last transfer of that size to this peer had ended by the time its post
+  returned: UCX over shared memory or CMA; it says so in the hint) and this side has none
+  of its own in flight, nothing is polled before the predicted moment: the loop sleeps to
+  it.
 
 Two presets: :meth:`ProgressPolicy.latency_first` (short sleeps, longer spin) and
 :meth:`ProgressPolicy.cpu_first` (no spin, longer sleeps). The default sits between.
@@ -110,12 +116,17 @@ class Backoff:
         ``min_sleep_s`` rather than back off."""
         return time.monotonic() - self._last_progress < self._policy.inflight_s
 
-    def next_delay(self, window: tuple[float, float] | None = None) -> float:
+    def next_delay(self, window: tuple[float, float] | None = None,
+                   quiet_until: float | None = None) -> float:
         """Seconds to wait before the next poll (0.0 while spinning). ``window``: a
         (start, end) monotonic interval in which a completion is predicted: the delay never
-        runs past its start, and inside it is at most ``min_sleep_s``."""
+        runs past its start, and inside it is at most ``min_sleep_s``. ``quiet_until``: a
+        moment before which no poll can find anything (what is awaited moves without this
+        side's progress and is predicted no earlier): the delay runs to it."""
         policy = self._policy
         now = time.monotonic()
+        if quiet_until is not None and now < quiet_until:
+            return quiet_until - now
         waited = now - self._last_progress
         if waited < policy.spin_s:
             return 0.0

@@ -21,7 +21,7 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ from ..layout import KVLayout
 from ..metrics import LIVE, Stats
 from ..request import RequestState, RequestStatus, TransferMode, TransferResult
 from .effects import Abandon, ClaimGone, Dial, Effect, Emit, Post, Send, XferEnd
+from .landings import Landings
 from .table import Table, row
 from .timers import Timer, TimerHeap
 
@@ -237,6 +238,7 @@ class _Request:
     landed: set[int] = field(default_factory=set)    # parts whose data landed
     settled: set[int] = field(default_factory=set)   # parts that will write nothing more
     posted: dict[int, float] = field(default_factory=dict)  # announced, not landed: when
+    inline: set[int] = field(default_factory=set)    # of those, the ones hinted Posted.inline
     fence: set[int] = field(default_factory=set)     # closing: posted parts whose Landed must come
     waiting_acks: set[str] = field(default_factory=set)  # closing push: producers to confirm
     asked: bool = False           # Abort sent to the producers
@@ -343,11 +345,12 @@ class ConsumerCore:
         self._read_of: dict[int, str] = {}          # transfer key -> request id
         # each live use's one armed timer (the deadline, or closing, its grace)
         self._timers = TimerHeap()
-        # Seconds from a push part's Posted hint to its landing, smoothed, by size class
-        # (bit length of its bytes): when the driver should poll for the next landing.
-        # Learnt from when each landing was first seen and when it was last not seen yet
-        # (see _learn_landing).
-        self._landing_s: dict[int, float] = {}
+        # Seconds from a push part's Posted hint to its landing, by size class (bit length
+        # of its bytes): when the driver should poll for the next landing.
+        self._landings = Landings()
+        # By producer: the size classes whose last READ from it had ended by the time its
+        # post returned (PullBegin.inline).
+        self._inline: dict[str, set[int]] = {}
         self._posting: dict[str, _Request] = {}     # push parts announced and not landed
 
     # -- outputs -----------------------------------------------------------------------
@@ -402,21 +405,24 @@ class ConsumerCore:
     def next_deadline(self) -> float | None:
         return self._timers.next_deadline()
 
+    def _waits(self) -> Iterator[tuple[int, float, bool]]:
+        """(size class, hinted at, inline) of every announced push part still to land."""
+        for req in self._posting.values():
+            size = self._size_class(req)
+            for part, hinted in req.posted.items():
+                yield size, hinted, part in req.inline
+
+    def quiet_until(self, now: float) -> float | None:
+        """Until when the driver need not poll NIXL for this side's notifications (see
+        :meth:`Landings.quiet_until`: every announced part came ``inline``)."""
+        return self._landings.quiet_until(now, self._waits())
+
     def predicted(self, now: float, spin_s: float) -> tuple[float, float] | None:
         """The earliest predicted landing of an announced push part still to come: from
         the smoothed hint-to-landing time of its size class, to be polled closely for a
         quarter of that time (at least ``spin_s``)."""
-        best: tuple[float, float] | None = None
-        for req in self._posting.values():
-            took = self._landing_s.get(self._size_class(req))
-            if took is None:
-                continue
-            for hinted in req.posted.values():
-                start = hinted + took
-                end = start + max(0.25 * took, spin_s)
-                if end > now and (best is None or start < best[0]):
-                    best = (start, end)
-        return best
+        return self._landings.window(now, spin_s, ((size, hinted)
+                                                   for size, hinted, _ in self._waits()))
 
     # -- peers -------------------------------------------------------------------------
     def peer_up(self, now: float, peer: str, layout: KVLayout | None = None) -> None:
@@ -428,6 +434,7 @@ class ConsumerCore:
         """``peer`` is gone (silent, Bye, NIXL disconnect, restarted elsewhere)."""
         self._peers.discard(peer)
         self._layouts.pop(peer, None)
+        self._inline.pop(peer, None)
         for claim in [c for c in self._claims.values() if peer in c.sids]:
             self._event(now, claim, Event.PEER_LOST, why=f"producer {peer} lost: {why}")
         for req in list(self._requests.values()):
@@ -556,7 +563,9 @@ class ConsumerCore:
             # The producer's PullHeld gates READY: ask before the READ so the round trip
             # overlaps it. Its hold_s counts from this moment (see _on_held).
             req.began[name] = now
-            self._out.append(Send(name, m.PullBegin(rid, xid, sid, req.sharers[name])))
+            self._out.append(Send(name, m.PullBegin(
+                rid, xid, sid, req.sharers[name],
+                inline=nbytes.bit_length() in self._inline.get(name, ()))))
             self._out.append(Post(key, "READ", name, plan.local_indices, plan.remote_indices,
                                   m.PullDone(rid, xid, sid, nbytes, req.sharers[name]), nbytes,
                                   plan.num_descriptors, getattr(plan, "runs", None),
@@ -688,7 +697,7 @@ class ConsumerCore:
                                     part=msg.part, nbytes=0, checksums=b"")
             else:
                 self._request_event(now, peer, msg.request_id, msg.xid, Event.POSTED,
-                                    part=msg.part)
+                                    part=msg.part, inline=msg.inline)
         elif isinstance(msg, m.Failed):
             if not self._drop_claim(now, peer, msg, Event.FAILED):
                 self._request_event(now, peer, msg.request_id, msg.xid, Event.FAILED,
@@ -716,13 +725,21 @@ class ConsumerCore:
         else:
             self.stats.messages_rejected += 1
 
-    def transfer_ended(self, now: float, key: int, end: XferEnd) -> None:
-        """The driver: READ ``key`` ended (or was abandoned)."""
+    def transfer_ended(self, now: float, key: int, end: XferEnd, inline: bool = False) -> None:
+        """The driver: READ ``key`` ended (or was abandoned; ``inline``: by the time its
+        post returned)."""
         rid = self._read_of.pop(key, None)
         req = self._requests.get(rid) if rid is not None else None
         if req is None or key not in req.reads:
             log.warning("consumer core: end of unknown transfer %d", key)
             return
+        read = req.reads[key]
+        if end is XferEnd.DONE and read.peer in self._peers:
+            classes = self._inline.setdefault(read.peer, set())
+            if inline:
+                classes.add(read.nbytes.bit_length())
+            else:
+                classes.discard(read.nbytes.bit_length())
         self._event(now, req, Event.READ_ENDED, key=key, end=end)
 
     def tick(self, now: float) -> None:
@@ -827,31 +844,16 @@ class ConsumerCore:
                  req.xid, req.phase.value, why)
 
     # push
-    def _on_posted(self, now: float, req: _Request, peer: str, part: int) -> None:
+    def _on_posted(self, now: float, req: _Request, peer: str, part: int,
+                   inline: bool = False) -> None:
         if not 0 <= part < req.parts or req.producer_of(part) != peer \
                 or part in req.settled or part in req.posted:
             self._refuse(req, Event.POSTED, f"part {part}")
             return
         req.posted[part] = now
+        if inline:
+            req.inline.add(part)
         self._posting[req.rid] = req
-
-    def _learn_landing(self, req: _Request, hinted: float, seen: float,
-                       since: float | None) -> None:
-        """A part hinted at ``hinted`` landed after ``since`` (the driver's last look that did
-        not find it) and by ``seen``: smooth the hint-to-landing time of its size class.
-
-        The middle of that interval, not ``seen``: the driver sleeps until the predicted
-        window opens, so a landing before the window is seen at its opening, and learning
-        ``seen`` would never move the window earlier: every late sighting would move it
-        later, until the window opens after the landings and each is seen a backoff sleep
-        late."""
-        if since is None:
-            took = seen - hinted
-        else:
-            took = (max(hinted, min(since, seen)) + seen) / 2 - hinted
-        size = self._size_class(req)
-        last = self._landing_s.get(size)
-        self._landing_s[size] = took if last is None else 0.75 * last + 0.25 * took
 
     def _on_landed(self, now: float, req: _Request, peer: str, part: int, nbytes: int,
                    checksums: bytes, since: float | None = None) -> None:
@@ -866,7 +868,7 @@ class ConsumerCore:
             return
         hinted = req.posted.get(part)
         if hinted is not None:
-            self._learn_landing(req, hinted, now, since)
+            self._landings.learn(self._size_class(req), hinted, now, since)
         req.landed.add(part)
         self._settle(req, part)
         if part % req.groups == 0:
@@ -1143,6 +1145,7 @@ class ConsumerCore:
     def _settle(self, req: _Request, part: int) -> None:
         """Part ``part`` of ``req`` will write nothing more."""
         req.settled.add(part)
+        req.inline.discard(part)
         if req.posted.pop(part, None) is not None and not req.posted:
             self._posting.pop(req.rid, None)
 

@@ -31,6 +31,7 @@ from ..layout import KVLayout
 from ..metrics import Stats
 from ..request import OwnerStatus, Release, ReleaseReason, RequestStatus, TransferMode
 from .effects import Abandon, DropPeer, Effect, Emit, Post, Send, XferEnd
+from .landings import Landings
 from .table import Row, Table, TransitionError, row
 from .timers import Timer as _Timer
 from .timers import TimerHeap
@@ -325,6 +326,11 @@ class _Owner:
     # Its consumer was lost while a WRITE was in flight: "silent" (it may only be cut off)
     # or "dead" (peer_lost(abandon=True)). No Failed reaches it and no Abort will come.
     lost: str = ""
+    # pull: when its PullBegin came, its size class (bit length of the source's blocks)
+    # and whether its READ moves without this side's progress (PullBegin.inline)
+    began: float = 0.0
+    size: int = 0
+    inline: bool = False
     # A push that will not complete ends (message to the consumer, release reason, detail)
     # once no WRITE of it is in flight; message "ack" | a Failed code | "" (peer gone).
     end: tuple[str, ReleaseReason, str] | None = None
@@ -408,12 +414,18 @@ class ProducerCore:
         self._requests: dict[str, _Request] = {}
         self._waiting: dict[str, int] = {}       # REGISTERED/CLAIMED owners by peer
         self._waiting_ids: dict[str, int] = {}   # their block ids (REGISTERED) by peer
-        self._pulling = 0                        # PULLING owners
+        self._pulls: dict[int, _Owner] = {}      # PULLING owners, by id()
+        # PullBegin to PullDone, by size class: when to poll for the next PullDone
+        self._landings = Landings()
+        self._since: float | None = None         # the driver's last look for notifications
         #: Gauges for :data:`kvpush.metrics.LIVE` (the facade publishes their changes).
         self.gauges = {"sources_held": 0, "registrations_waiting": 0}
         self._writes: dict[int, tuple[str, tuple[str, int]]] = {}   # key -> (rid, owner)
         self._peers: dict[str, KVLayout] = {}
         self._lost: dict[str, str] = {}          # lost peers with WRITEs still in flight
+        # By peer: the size classes (bit length of the bytes) whose last WRITE to it had
+        # ended by the time its post returned (Posted.inline).
+        self._inline: dict[str, set[int]] = {}
         self._keys = itertools.count(1)
         self._timers = TimerHeap()
         self._expire_tomb_fn = self._expire_tomb   # one bound method for every tombstone
@@ -440,12 +452,19 @@ class ProducerCore:
     def wants_notifications(self) -> bool:
         """True while a READ of this side's blocks may be in flight (its PullDone
         notification is awaited): the driver reads NIXL's notifications."""
-        return self._pulling > 0
+        return bool(self._pulls)
+
+    def quiet_until(self, now: float) -> float | None:
+        """Until when the driver need not poll NIXL for a PullDone (see
+        :meth:`Landings.quiet_until`: every READ in flight was begun ``inline``)."""
+        return self._landings.quiet_until(
+            now, ((o.size, o.began, o.inline) for o in self._pulls.values()))
 
     def predicted(self, now: float, spin_s: float) -> tuple[float, float] | None:
-        """No completion here is predicted (a READ's PullDone comes when the consumer's
-        engine is done): the driver backs off as it polls."""
-        return None
+        """The earliest predicted PullDone of a READ in flight: from the smoothed
+        PullBegin-to-PullDone time of its size class."""
+        return self._landings.window(now, spin_s,
+                                     ((o.size, o.began) for o in self._pulls.values()))
 
     def snapshot(self, rid: str) -> RequestStatus:
         """``rid``'s state here, as a typed snapshot (see :class:`kvpush.RequestStatus`)."""
@@ -559,6 +578,7 @@ class ProducerCore:
         incarnation replaced it): its WRITEs are given up and its READs end at once."""
         self._now = now
         self._peers.pop(peer, None)
+        self._inline.pop(peer, None)
         for req in list(self._requests.values()):
             if req.owners or req.queued or req.state in _SETTLES:
                 self._internal(req, Event.PEER_LOST, peer, why, abandon)
@@ -593,17 +613,18 @@ class ProducerCore:
     def on_notification(self, now: float, peer: str, msg: m.Message,
                         since: float | None = None) -> None:
         """A decoded NIXL notification from ``peer`` (a READ's PullDone), read at ``now``
-        (``since``, the driver's previous look, is the consumer core's to use: nothing here
-        is timed from it)."""
+        (``since``: the driver's previous look, which did not find it)."""
         self._now = now
         if not isinstance(msg, m.PullDone):
             self.stats.messages_rejected += 1
             return
+        self._since = since
         self._dispatch(msg.request_id, Event.PULL_DONE, (peer, msg),
                        refuse=lambda req: self._stale(msg))
 
-    def transfer_ended(self, now: float, key: int, end: XferEnd) -> None:
-        """WRITE ``key`` ended (or was abandoned, or NIXL refused its post)."""
+    def transfer_ended(self, now: float, key: int, end: XferEnd, inline: bool = False) -> None:
+        """WRITE ``key`` ended (or was abandoned, or NIXL refused its post). ``inline``: it
+        had ended by the time its post returned."""
         self._now = now
         entry = self._writes.pop(key, None)
         if entry is None:
@@ -612,6 +633,12 @@ class ProducerCore:
         req = self._requests[rid]
         owner = req.owners[who]
         write = next(w for w in owner.writes.values() if w.key == key)
+        if end is XferEnd.DONE and owner.peer in self._peers:
+            classes = self._inline.setdefault(owner.peer, set())
+            if inline:
+                classes.add(write.nbytes.bit_length())
+            else:
+                classes.discard(write.nbytes.bit_length())
         self._internal(req, Event.WRITE_ENDED, owner, write, end)
         if owner.peer in self._lost and not any(
                 o[0] == owner.peer for _, o in self._writes.values()):
@@ -765,7 +792,10 @@ class ProducerCore:
                 self._waiting_ids[owner.peer] = held
             else:
                 self._waiting_ids.pop(owner.peer, None)
-        self._pulling += (state is OwnerState.PULLING) - (old is OwnerState.PULLING)
+        if state is OwnerState.PULLING:
+            self._pulls[id(owner)] = owner
+        elif old is OwnerState.PULLING:
+            del self._pulls[id(owner)]
         self.gauges["registrations_waiting"] += (state is OwnerState.REGISTERED) - (
             old is OwnerState.REGISTERED)
         owner.state = state
@@ -1127,6 +1157,8 @@ class ProducerCore:
             owner = _Owner(peer, msg.xid, TransferMode.PULL, OwnerState.CLAIMED, msg.sharers)
             self._add_owner(req, owner)
         _cancel(owner.wait)
+        owner.began, owner.size, owner.inline = self._now, len(source.ids).bit_length(), \
+            msg.inline
         self._to(owner, OwnerState.PULLING)
         source.stamps.setdefault("pull_begin", self._now)
         owner.hold = self._after(self._hold_s(), lambda now: self._hold_over(req.rid, who))
@@ -1163,6 +1195,8 @@ class ProducerCore:
         if owner.state not in (OwnerState.CLAIMED, OwnerState.PULLING):
             self._stale(msg)
             return
+        if owner.state is OwnerState.PULLING:
+            self._landings.learn(owner.size, owner.began, self._now, self._since)
         _cancel(owner.wait)
         _cancel(owner.hold)
         if req.state is State.ENDING or owner.end is not None:
@@ -1356,7 +1390,8 @@ class ProducerCore:
         self._writes[key] = (rid, who)
         # The hint goes out before the WRITE: the consumer starts polling for the Landed
         # notification while the bytes move, instead of waking after them.
-        self._send(peer, m.Posted(rid, owner.xid, part))
+        self._send(peer, m.Posted(rid, owner.xid, part,
+                                  inline=nbytes.bit_length() in self._inline.get(peer, ())))
         self._out.append(Post(key, "WRITE", peer, plan.local_indices[lo * n:hi * n],
                               plan.remote_indices[lo * n:hi * n],
                               m.Landed(rid, owner.xid, part, sums, nbytes), nbytes,

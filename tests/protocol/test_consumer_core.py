@@ -38,7 +38,8 @@ def test_a_handler_that_leaves_its_row_is_caught(monkeypatch: pytest.MonkeyPatch
     c = core()
     expect(c, producers=(P,))
 
-    def ends(self: ConsumerCore, now: float, req: object, peer: str, part: int) -> None:
+    def ends(self: ConsumerCore, now: float, req: object, peer: str, part: int,
+             inline: bool = False) -> None:
         req.phase = Phase.PUSH_CLOSING  # type: ignore[attr-defined]
     monkeypatch.setattr(ConsumerCore, "_on_posted", ends)
     with pytest.raises(TransitionError, match="POSTED in PUSHING led to PUSH_CLOSING"):
@@ -153,12 +154,13 @@ class _Clock:
 
 
 def _landings(monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
-              requests: int = 200) -> tuple[float, float]:
+              requests: int = 200, inline: bool = False) -> tuple[float, float, float]:
     """Pushes one after another, each landing ``landing_s`` (+- ``jitter`` of it) after its
-    Posted hint, found by a driver that polls as the endpoint's loop does: once at the hint,
-    then after each ``Backoff.next_delay`` given the core's predicted window, every sleep
-    overrunning by up to 50 us. Returns the median lateness of the sightings over the second
-    half (s) and the hint-to-landing time the core learnt."""
+    Posted hint (``inline`` as given), found by a driver that polls as the endpoint's loop
+    does: once at the hint, then after each ``Backoff.next_delay`` given the core's
+    predicted window and quiet span, every sleep overrunning by up to 50 us. Returns the
+    median lateness of the sightings over the second half (s), the hint-to-landing time the
+    core learnt and the median number of polls per push over the second half."""
     from kvpush import progress
 
     clock = _Clock()
@@ -167,7 +169,8 @@ def _landings(monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
     policy = progress.ProgressPolicy()
     backoff = progress.Backoff(policy)
     c = core()
-    late = []
+    late: list[float] = []
+    polls: list[int] = []
     for i in range(requests):
         rid, xid = f"r{i}", 100 + i
         c.expect(clock.now, rid, np.array([1, 2]), [P], 10.0, 1, False, [1], xid)
@@ -175,18 +178,23 @@ def _landings(monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
         clock.now += 0.01          # the engine's gap: nothing moved for a while
         hinted = clock.now         # (a control message is not progress for the backoff)
         landed = hinted + landing_s * (1 + jitter * rng.uniform(-1, 1))
-        c.on_message(hinted, P, m.Posted(rid, xid, 0))
+        c.on_message(hinted, P, m.Posted(rid, xid, 0, inline=inline))
         since = None
+        polls.append(1)
         while clock.now < landed:  # this poll finds nothing; sleep as the loop would
             since = clock.now
-            clock.now += (backoff.next_delay(c.predicted(clock.now, policy.spin_s))
+            clock.now += (backoff.next_delay(c.predicted(clock.now, policy.spin_s),
+                                             c.quiet_until(clock.now))
                           + rng.uniform(0, 50e-6))
+            polls[-1] += 1
         c.on_notification(clock.now, P, m.Landed(rid, xid, 0, nbytes=300), since)
         backoff.progressed()
         assert results(c.drain())[0].state is RequestState.READY
+        assert c.quiet_until(clock.now) is None  # nothing awaited
         late.append(clock.now - landed)
-    (learnt,) = c._landing_s.values()
-    return float(np.median(late[requests // 2:])), learnt
+    (learnt,) = c._landings._took.values()
+    return (float(np.median(late[requests // 2:])), learnt,
+            float(np.median(polls[requests // 2:])))
 
 
 @pytest.mark.parametrize(("landing_s", "jitter"),
@@ -198,9 +206,51 @@ def test_the_landing_window_is_learnt_from_when_landings_happened(
     late sighting moved it later: it settled on one of the backoff's poll times after the
     landings, seen 0.3-0.4 ms late every time (200 us landings: window at 521 us). Learning
     the middle of (last look without it, sighting] keeps the window on the landings."""
-    late, learnt = _landings(monkeypatch, landing_s, jitter)
+    late, learnt, _ = _landings(monkeypatch, landing_s, jitter)
     assert late < 100e-6, (late, learnt)
     assert abs(learnt - landing_s) < 0.2 * landing_s + 50e-6, learnt
+
+
+@pytest.mark.parametrize(("landing_s", "jitter", "ratio"),
+                         [(1e-3, 0.0, 1.0), (8e-3, 0.0, 0.5), (8e-3, 0.1, 1.0)])
+def test_an_inline_push_is_not_polled_before_its_predicted_landing(
+        monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
+        ratio: float) -> None:
+    """Posted.inline: the bytes move without this side's progress, so the loop sleeps from
+    the hint to the predicted landing instead of polling along the backoff (an 8 ms push:
+    17 polls, 6 so). Fewer polls (under ``ratio`` of those without), the window still
+    learnt from the landings, and the landings seen no later. (The polls left are the
+    window's: landings that spread keep them.)"""
+    late, learnt, polls = _landings(monkeypatch, landing_s, jitter, inline=True)
+    late0, _, polls0 = _landings(monkeypatch, landing_s, jitter, inline=False)
+    assert late < 100e-6 and late <= late0 + 20e-6, (late, late0)
+    assert abs(learnt - landing_s) < 0.2 * landing_s + 50e-6, learnt
+    assert polls < polls0 * ratio, (polls, polls0)
+
+
+def test_a_push_waits_quietly_only_while_every_announced_part_came_inline() -> None:
+    """One part announced without ``inline`` (its producer's WRITEs need this side's
+    progress, or it has not seen one end yet) and the loop polls along the backoff again,
+    whatever the others said; a size class without a prediction, too."""
+    c = core()
+    for i, rid in enumerate(("a", "b")):
+        c.expect(0.0, rid, np.array([1, 2]), [P], 10.0, 1, False, [1], 10 + i)
+    c.drain()
+    c.on_message(1.0, P, m.Posted("a", 10, 0, inline=True))
+    assert c.quiet_until(1.0) is None          # no landing of that size seen yet
+    c.on_notification(1.002, P, m.Landed("a", 10, 0, nbytes=300), 1.0015)
+    c.drain()
+    for i, rid in enumerate(("c", "d")):
+        c.expect(2.0, rid, np.array([1, 2]), [P], 10.0, 1, False, [1], 20 + i)
+    c.drain()
+    c.on_message(2.0, P, m.Posted("c", 20, 0, inline=True))
+    (took,) = c._landings._took.values()
+    assert c.quiet_until(2.0) == pytest.approx(2.0 + took)
+    assert c.quiet_until(2.0 + took) is None   # its moment has come: poll
+    c.on_message(2.0001, P, m.Posted("d", 21, 0))
+    assert c.quiet_until(2.0001) is None
+    c.on_message(2.0002, P, m.Posted("b", 11, 0, inline=True))
+    assert c.quiet_until(2.0002) is None       # "d" still needs polling
 
 
 def test_grace_over_reports_unsafe() -> None:
@@ -228,6 +278,29 @@ def _pull(c: ConsumerCore, rid: str = "p", xid: int = 21) -> int:
     assert isinstance(post, Post) and post.op == "READ" and post.nbytes == 200
     assert post.notif == m.PullDone(rid, xid, 5, 200, sharers=2)
     return post.key
+
+
+def test_a_pull_begin_says_inline_once_a_read_of_its_size_ended_inside_its_post() -> None:
+    """PullBegin.inline: the producer sleeps to its predicted PullDone instead of polling.
+    Said only from what this side saw: the last READ of that size from that producer had
+    ended by the time its post returned; a lost producer is seen anew."""
+    c = core()
+
+    def pull(rid: str, xid: int, inline: bool) -> bool:
+        c.pull(1.0, [ticket(rid)], [np.array([3, 4])], np.array([8, 9]), 10.0, 2, xid)
+        begin, post = c.drain()
+        c.transfer_ended(1.1, post.key, XferEnd.DONE, inline)
+        c.on_message(1.2, P, m.PullHeld(rid, xid, 0.5))
+        c.drain()
+        return bool(begin.msg.inline)
+
+    assert not pull("a", 21, True)       # nothing seen yet
+    assert pull("b", 22, False)          # a's READ ended inside its post
+    assert not pull("c", 23, True)       # b's did not
+    assert pull("d", 24, True)
+    c.peer_lost(2.0, P, "silent")
+    c.peer_up(2.0, P, LAYOUT)
+    assert not pull("e", 25, True)
 
 
 @pytest.mark.parametrize("hold_s, ready", [(0.5, True), (0.05, False), (float("nan"), False)])
