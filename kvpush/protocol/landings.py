@@ -33,10 +33,17 @@ class Landings:
         predicted window opens, so a landing before the window is seen at its opening, and
         learning ``seen`` would never move the window earlier: every late sighting would
         move it later, until the window opens after the landings and each is seen a backoff
-        sleep late."""
+        sleep late.
+
+        But no earlier than a window's length (a quarter of the prediction) before ``seen``:
+        a side that waits quietly looks first at the window's opening, so a landing seen
+        there was last not seen at ``began``, and the middle of that whole span would pull
+        the prediction down by an eighth for every early landing."""
         landed = seen if since is None else (max(began, min(since, seen)) + seen) / 2
-        took = landed - began
         last = self._took.get(size)
+        if last is not None:
+            landed = max(landed, seen - 0.25 * last)
+        took = landed - began
         self._took[size] = took if last is None else 0.75 * last + 0.25 * took
 
     def window(self, now: float, spin_s: float,

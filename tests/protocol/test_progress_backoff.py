@@ -33,8 +33,8 @@ def test_predicted_window_only_shortens_sleeps() -> None:
     now = time.monotonic()
     # the window starts soon: wake at its start, not a whole max sleep later
     assert backoff.next_delay((now + 100e-6, now + 1.0)) <= 100e-6
-    # inside the window: poll every min_sleep
-    assert backoff.next_delay((now - 1e-3, now + 1.0)) == pytest.approx(POLICY.min_sleep_s)
+    # inside a short window: poll every min_sleep
+    assert backoff.next_delay((now - 1e-4, now + 1e-4)) == pytest.approx(POLICY.min_sleep_s)
     # a window far ahead or already over changes nothing
     assert backoff.next_delay((now + 10.0, now + 11.0)) == pytest.approx(POLICY.max_sleep_s)
     assert backoff.next_delay((now - 2.0, now - 1.0)) == pytest.approx(POLICY.max_sleep_s)
@@ -73,3 +73,24 @@ def test_idle_endpoints_do_no_work_per_engine_step() -> None:
         assert a["hot_polls"] == b["hot_polls"]
         # a heartbeat per second (consumer) and the peers' answers; never one per step
         assert a["loop_wakeups"] - b["loop_wakeups"] <= 6 + 4 * elapsed
+
+
+@pytest.mark.parametrize(("window_s", "step_s"), [(2e-3, 125e-6), (200e-6, 20e-6),
+                                                  (20e-3, 500e-6)])
+def test_a_window_is_polled_window_polls_times(window_s: float, step_s: float) -> None:
+    """Inside a predicted window the loop polls ``window_polls`` times through it: a 16 MiB
+    push's 2 ms window (a quarter of 8 ms) every 125 us, not every 20 us (a landing a
+    millisecond after the window opened took 50 polls); never closer than ``min_sleep_s``
+    (a 1 MiB push's window) nor further than ``max_sleep_s``."""
+    backoff = Backoff(POLICY)
+    _waited(backoff, 1.0)
+    now = time.monotonic()
+    assert POLICY.window_polls == 16
+    delay = backoff.next_delay((now - window_s / 2, now + window_s / 2))
+    assert delay == pytest.approx(step_s, rel=0.01)
+    closely = Backoff(ProgressPolicy.latency_first())
+    _waited(closely, 1.0)
+    assert closely.next_delay((now - window_s / 2, now + window_s / 2)) == \
+        pytest.approx(ProgressPolicy.latency_first().min_sleep_s, rel=0.01)
+    with pytest.raises(ValueError, match="window_polls must be in"):
+        ProgressPolicy(window_polls=0)
