@@ -217,9 +217,9 @@ def test_an_inline_push_is_not_polled_before_its_predicted_landing(
         monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
         ratio: float) -> None:
     """Posted.inline: the bytes move without this side's progress, so the loop sleeps from
-    the hint to the predicted landing instead of polling along the backoff. Fewer polls (under ``ratio`` of those without), the window still
-    learnt from the landings, and the landings seen no later. (The polls left are the
-    window's: landings that spread keep them.)"""
+    the hint to the predicted landing instead of polling along the backoff (an 8 ms push:
+    3-5 polls, not 17). Fewer polls (under ``ratio`` of those without), the window still
+    learnt from the landings, and the landings seen no later than the window's step."""
     late, learnt, polls = _landings(monkeypatch, landing_s, jitter, inline=True)
     late0, _, polls0 = _landings(monkeypatch, landing_s, jitter, inline=False)
     # no later than the window's poll step (1/64 of the landing time) behind
