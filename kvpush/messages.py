@@ -59,7 +59,10 @@ __all__ = [
     "new_id",
 ]
 
-PROTOCOL_VERSION = 3
+# Every frame and ticket starts with it; a peer of another version is refused whole (its
+# frames at the first byte, its Hello with them), never half understood: messages refuse
+# fields they do not know (forbid_unknown_fields), so a new field is a new version.
+PROTOCOL_VERSION = 4
 _PLAIN = bytes([PROTOCOL_VERSION, 0])
 _SEALED = bytes([PROTOCOL_VERSION, 1])
 
