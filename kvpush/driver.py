@@ -150,8 +150,8 @@ class Core(Protocol):
     def drain(self) -> list[Any]: ...
     def next_deadline(self) -> float | None: ...
     def tick(self, now: float) -> None: ...
-    def transfer_ended(self, now: float, key: int, end: XferEnd, inline: bool = False) -> None:
-        ...
+    def transfer_ended(self, now: float, key: int, end: XferEnd,
+                       inline_s: float = 0.0) -> None: ...
     def on_notification(self, now: float, peer: str, msg: m.Message,
                         since: float | None = None) -> None: ...
     def wants_notifications(self) -> bool: ...
@@ -493,19 +493,21 @@ class Driver:
         self.stats.transfers_posted += 1
         self.stats.descriptors_posted += effect.descriptors
         self.stats.transfers_explicit += self.agent.last_explicit
-        # On a host UCX often finishes inside the post: the core hears that it did.
-        self._check_xfer(effect.key, handle, inline=True)
+        # On a host UCX often finishes inside the post: the core hears that it did, and how
+        # long the post took.
+        self._check_xfer(effect.key, handle, max(self.clock() - now, 1e-9))
 
-    def _check_xfer(self, key: int, handle: Any, inline: bool = False) -> bool:
-        """Report a transfer that ended (``inline``: checked right after its post); True
-        if it had."""
+    def _check_xfer(self, key: int, handle: Any, inline_s: float = 0.0) -> bool:
+        """Report a transfer that ended (``inline_s``: checked right after its post, which
+        took that long); True if it had."""
         state = self.agent.state(handle)
         if state is XferState.IN_PROGRESS:
             return False
         if _trace.ON:
             _trace.stamp("xfer_end")
         self.agent.release(handle)
-        self._end_xfer(key, XferEnd.DONE if state is XferState.DONE else XferEnd.ERROR, inline)
+        self._end_xfer(key, XferEnd.DONE if state is XferState.DONE else XferEnd.ERROR,
+                       inline_s)
         return True
 
     def _abandon(self, key: int) -> None:
@@ -523,10 +525,10 @@ class Driver:
         self._end_xfer(key, {XferState.IN_PROGRESS: XferEnd.ABANDONED,
                              XferState.DONE: XferEnd.DONE}.get(state, XferEnd.ERROR))
 
-    def _end_xfer(self, key: int, end: XferEnd, inline: bool = False) -> None:
+    def _end_xfer(self, key: int, end: XferEnd, inline_s: float = 0.0) -> None:
         del self._xfers[key]
         LIVE.add("transfers_in_flight", -1)
-        self.core.transfer_ended(self.clock(), key, end, inline)
+        self.core.transfer_ended(self.clock(), key, end, inline_s)
 
     def _release_xfers(self) -> None:
         """At close: release every transfer handle (the core is told by its close())."""

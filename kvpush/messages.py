@@ -176,9 +176,10 @@ class Posted(_Msg, tag="posted", frozen=True):
     # producer to keep progressing its agent until a first connection is up.
     empty: bool = False
     # The producer's last WRITE of this size to this consumer had moved its bytes by the
-    # time its post returned (UCX over shared memory or CMA): the consumer's progress does
-    # not move them, so it need not poll before the landing it predicts.
-    inline: bool = False
+    # time its post returned (UCX over shared memory or CMA), and the post took this long
+    # (seconds; 0: it had not, or none yet): the consumer's progress does not move them, so
+    # it need not poll before the landing it predicts, nor wait past this long for it.
+    inline_s: float = 0.0
 
 
 class Failed(_Msg, tag="failed", frozen=True):
@@ -242,9 +243,9 @@ class PullBegin(_Msg, tag="pull_begin", frozen=True):
     sid: Id
     sharers: Sharers = 1
     # The consumer's last READ of this size from this producer had moved its bytes by the
-    # time its post returned: the producer's progress does not move them, so it need not
-    # poll for the PullDone before the moment it predicts.
-    inline: bool = False
+    # time its post returned, and the post took this long (seconds; 0: not so, or none
+    # yet): the producer need not poll for the PullDone before the moment it predicts.
+    inline_s: float = 0.0
 
 
 class Claim(_Msg, tag="claim", frozen=True):

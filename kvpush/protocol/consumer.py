@@ -42,7 +42,7 @@ from ..layout import KVLayout
 from ..metrics import LIVE, Stats
 from ..request import RequestState, RequestStatus, TransferMode, TransferResult
 from .effects import Abandon, ClaimGone, Dial, Effect, Emit, Post, Send, XferEnd
-from .landings import Landings
+from .landings import Landings, PostTimes
 from .table import Table, row
 from .timers import Timer, TimerHeap
 
@@ -238,7 +238,7 @@ class _Request:
     landed: set[int] = field(default_factory=set)    # parts whose data landed
     settled: set[int] = field(default_factory=set)   # parts that will write nothing more
     posted: dict[int, float] = field(default_factory=dict)  # announced, not landed: when
-    inline: set[int] = field(default_factory=set)    # of those, the ones hinted Posted.inline
+    inline: dict[int, float] = field(default_factory=dict)  # of those: Posted.inline_s
     fence: set[int] = field(default_factory=set)     # closing: posted parts whose Landed must come
     waiting_acks: set[str] = field(default_factory=set)  # closing push: producers to confirm
     asked: bool = False           # Abort sent to the producers
@@ -348,9 +348,9 @@ class ConsumerCore:
         # Seconds from a push part's Posted hint to its landing, by size class (bit length
         # of its bytes): when the driver should poll for the next landing.
         self._landings = Landings()
-        # By producer: the size classes whose last READ from it had ended by the time its
-        # post returned (PullBegin.inline).
-        self._inline: dict[str, set[int]] = {}
+        # How long READs from each producer take when they end inside their post, by size
+        # class: PullBegin.inline_s.
+        self._inline = PostTimes()
         self._posting: dict[str, _Request] = {}     # push parts announced and not landed
 
     # -- outputs -----------------------------------------------------------------------
@@ -405,24 +405,24 @@ class ConsumerCore:
     def next_deadline(self) -> float | None:
         return self._timers.next_deadline()
 
-    def _waits(self) -> Iterator[tuple[int, float, bool]]:
-        """(size class, hinted at, inline) of every announced push part still to land."""
+    def _waits(self) -> Iterator[tuple[int, float, float]]:
+        """(size class, hinted at, Posted.inline_s) of every announced push part still to
+        land."""
         for req in self._posting.values():
             size = self._size_class(req)
             for part, hinted in req.posted.items():
-                yield size, hinted, part in req.inline
+                yield size, hinted, req.inline.get(part, 0.0)
 
     def quiet_until(self, now: float) -> float | None:
         """Until when the driver need not poll NIXL for this side's notifications (see
-        :meth:`Landings.quiet_until`: every announced part came ``inline``)."""
+        :meth:`Landings.quiet_until`: every announced part came ``inline_s``)."""
         return self._landings.quiet_until(now, self._waits())
 
     def predicted(self, now: float, spin_s: float) -> tuple[float, float] | None:
         """The earliest predicted landing of an announced push part still to come: from
         the smoothed hint-to-landing time of its size class, to be polled closely for a
         quarter of that time (at least ``spin_s``)."""
-        return self._landings.window(now, spin_s, ((size, hinted)
-                                                   for size, hinted, _ in self._waits()))
+        return self._landings.window(now, spin_s, self._waits())
 
     # -- peers -------------------------------------------------------------------------
     def peer_up(self, now: float, peer: str, layout: KVLayout | None = None) -> None:
@@ -434,7 +434,7 @@ class ConsumerCore:
         """``peer`` is gone (silent, Bye, NIXL disconnect, restarted elsewhere)."""
         self._peers.discard(peer)
         self._layouts.pop(peer, None)
-        self._inline.pop(peer, None)
+        self._inline.forget(peer)
         for claim in [c for c in self._claims.values() if peer in c.sids]:
             self._event(now, claim, Event.PEER_LOST, why=f"producer {peer} lost: {why}")
         for req in list(self._requests.values()):
@@ -565,7 +565,7 @@ class ConsumerCore:
             req.began[name] = now
             self._out.append(Send(name, m.PullBegin(
                 rid, xid, sid, req.sharers[name],
-                inline=nbytes.bit_length() in self._inline.get(name, ()))))
+                inline_s=self._inline.hint(name, nbytes.bit_length()))))
             self._out.append(Post(key, "READ", name, plan.local_indices, plan.remote_indices,
                                   m.PullDone(rid, xid, sid, nbytes, req.sharers[name]), nbytes,
                                   plan.num_descriptors, getattr(plan, "runs", None),
@@ -697,7 +697,7 @@ class ConsumerCore:
                                     part=msg.part, nbytes=0, checksums=b"")
             else:
                 self._request_event(now, peer, msg.request_id, msg.xid, Event.POSTED,
-                                    part=msg.part, inline=msg.inline)
+                                    part=msg.part, inline_s=msg.inline_s)
         elif isinstance(msg, m.Failed):
             if not self._drop_claim(now, peer, msg, Event.FAILED):
                 self._request_event(now, peer, msg.request_id, msg.xid, Event.FAILED,
@@ -725,9 +725,10 @@ class ConsumerCore:
         else:
             self.stats.messages_rejected += 1
 
-    def transfer_ended(self, now: float, key: int, end: XferEnd, inline: bool = False) -> None:
-        """The driver: READ ``key`` ended (or was abandoned; ``inline``: by the time its
-        post returned)."""
+    def transfer_ended(self, now: float, key: int, end: XferEnd,
+                       inline_s: float = 0.0) -> None:
+        """The driver: READ ``key`` ended (or was abandoned; ``inline_s``: by the time its
+        post returned, which took that long)."""
         rid = self._read_of.pop(key, None)
         req = self._requests.get(rid) if rid is not None else None
         if req is None or key not in req.reads:
@@ -735,11 +736,7 @@ class ConsumerCore:
             return
         read = req.reads[key]
         if end is XferEnd.DONE and read.peer in self._peers:
-            classes = self._inline.setdefault(read.peer, set())
-            if inline:
-                classes.add(read.nbytes.bit_length())
-            else:
-                classes.discard(read.nbytes.bit_length())
+            self._inline.ended(read.peer, read.nbytes.bit_length(), inline_s)
         self._event(now, req, Event.READ_ENDED, key=key, end=end)
 
     def tick(self, now: float) -> None:
@@ -845,14 +842,14 @@ class ConsumerCore:
 
     # push
     def _on_posted(self, now: float, req: _Request, peer: str, part: int,
-                   inline: bool = False) -> None:
+                   inline_s: float = 0.0) -> None:
         if not 0 <= part < req.parts or req.producer_of(part) != peer \
                 or part in req.settled or part in req.posted:
             self._refuse(req, Event.POSTED, f"part {part}")
             return
         req.posted[part] = now
-        if inline:
-            req.inline.add(part)
+        if inline_s > 0:
+            req.inline[part] = inline_s
         self._posting[req.rid] = req
 
     def _on_landed(self, now: float, req: _Request, peer: str, part: int, nbytes: int,
@@ -1145,7 +1142,7 @@ class ConsumerCore:
     def _settle(self, req: _Request, part: int) -> None:
         """Part ``part`` of ``req`` will write nothing more."""
         req.settled.add(part)
-        req.inline.discard(part)
+        req.inline.pop(part, None)
         if req.posted.pop(part, None) is not None and not req.posted:
             self._posting.pop(req.rid, None)
 

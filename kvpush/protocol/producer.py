@@ -31,7 +31,7 @@ from ..layout import KVLayout
 from ..metrics import Stats
 from ..request import OwnerStatus, Release, ReleaseReason, RequestStatus, TransferMode
 from .effects import Abandon, DropPeer, Effect, Emit, Post, Send, XferEnd
-from .landings import Landings
+from .landings import Landings, PostTimes
 from .table import Row, Table, TransitionError, row
 from .timers import Timer as _Timer
 from .timers import TimerHeap
@@ -327,10 +327,11 @@ class _Owner:
     # or "dead" (peer_lost(abandon=True)). No Failed reaches it and no Abort will come.
     lost: str = ""
     # pull: when its PullBegin came, its size class (bit length of the source's blocks)
-    # and whether its READ moves without this side's progress (PullBegin.inline)
+    # and, when its READ moves without this side's progress, the consumer's last such post's
+    # time (PullBegin.inline_s; 0: not so)
     began: float = 0.0
     size: int = 0
-    inline: bool = False
+    inline_s: float = 0.0
     # A push that will not complete ends (message to the consumer, release reason, detail)
     # once no WRITE of it is in flight; message "ack" | a Failed code | "" (peer gone).
     end: tuple[str, ReleaseReason, str] | None = None
@@ -423,9 +424,9 @@ class ProducerCore:
         self._writes: dict[int, tuple[str, tuple[str, int]]] = {}   # key -> (rid, owner)
         self._peers: dict[str, KVLayout] = {}
         self._lost: dict[str, str] = {}          # lost peers with WRITEs still in flight
-        # By peer: the size classes (bit length of the bytes) whose last WRITE to it had
-        # ended by the time its post returned (Posted.inline).
-        self._inline: dict[str, set[int]] = {}
+        # How long WRITEs to each consumer take when they end inside their post, by size
+        # class (bit length of the bytes): Posted.inline_s.
+        self._inline = PostTimes()
         self._keys = itertools.count(1)
         self._timers = TimerHeap()
         self._expire_tomb_fn = self._expire_tomb   # one bound method for every tombstone
@@ -456,15 +457,15 @@ class ProducerCore:
 
     def quiet_until(self, now: float) -> float | None:
         """Until when the driver need not poll NIXL for a PullDone (see
-        :meth:`Landings.quiet_until`: every READ in flight was begun ``inline``)."""
+        :meth:`Landings.quiet_until`: every READ in flight was begun ``inline_s``)."""
         return self._landings.quiet_until(
-            now, ((o.size, o.began, o.inline) for o in self._pulls.values()))
+            now, ((o.size, o.began, o.inline_s) for o in self._pulls.values()))
 
     def predicted(self, now: float, spin_s: float) -> tuple[float, float] | None:
         """The earliest predicted PullDone of a READ in flight: from the smoothed
         PullBegin-to-PullDone time of its size class."""
-        return self._landings.window(now, spin_s,
-                                     ((o.size, o.began) for o in self._pulls.values()))
+        return self._landings.window(
+            now, spin_s, ((o.size, o.began, o.inline_s) for o in self._pulls.values()))
 
     def snapshot(self, rid: str) -> RequestStatus:
         """``rid``'s state here, as a typed snapshot (see :class:`kvpush.RequestStatus`)."""
@@ -578,7 +579,7 @@ class ProducerCore:
         incarnation replaced it): its WRITEs are given up and its READs end at once."""
         self._now = now
         self._peers.pop(peer, None)
-        self._inline.pop(peer, None)
+        self._inline.forget(peer)
         for req in list(self._requests.values()):
             if req.owners or req.queued or req.state in _SETTLES:
                 self._internal(req, Event.PEER_LOST, peer, why, abandon)
@@ -622,9 +623,10 @@ class ProducerCore:
         self._dispatch(msg.request_id, Event.PULL_DONE, (peer, msg),
                        refuse=lambda req: self._stale(msg))
 
-    def transfer_ended(self, now: float, key: int, end: XferEnd, inline: bool = False) -> None:
-        """WRITE ``key`` ended (or was abandoned, or NIXL refused its post). ``inline``: it
-        had ended by the time its post returned."""
+    def transfer_ended(self, now: float, key: int, end: XferEnd,
+                       inline_s: float = 0.0) -> None:
+        """WRITE ``key`` ended (or was abandoned, or NIXL refused its post). ``inline_s``:
+        it had ended by the time its post returned, which took that long."""
         self._now = now
         entry = self._writes.pop(key, None)
         if entry is None:
@@ -634,11 +636,7 @@ class ProducerCore:
         owner = req.owners[who]
         write = next(w for w in owner.writes.values() if w.key == key)
         if end is XferEnd.DONE and owner.peer in self._peers:
-            classes = self._inline.setdefault(owner.peer, set())
-            if inline:
-                classes.add(write.nbytes.bit_length())
-            else:
-                classes.discard(write.nbytes.bit_length())
+            self._inline.ended(owner.peer, write.nbytes.bit_length(), inline_s)
         self._internal(req, Event.WRITE_ENDED, owner, write, end)
         if owner.peer in self._lost and not any(
                 o[0] == owner.peer for _, o in self._writes.values()):
@@ -1157,8 +1155,8 @@ class ProducerCore:
             owner = _Owner(peer, msg.xid, TransferMode.PULL, OwnerState.CLAIMED, msg.sharers)
             self._add_owner(req, owner)
         _cancel(owner.wait)
-        owner.began, owner.size, owner.inline = self._now, len(source.ids).bit_length(), \
-            msg.inline
+        owner.began, owner.size, owner.inline_s = self._now, len(source.ids).bit_length(), \
+            msg.inline_s
         self._to(owner, OwnerState.PULLING)
         source.stamps.setdefault("pull_begin", self._now)
         owner.hold = self._after(self._hold_s(), lambda now: self._hold_over(req.rid, who))
@@ -1391,7 +1389,7 @@ class ProducerCore:
         # The hint goes out before the WRITE: the consumer starts polling for the Landed
         # notification while the bytes move, instead of waking after them.
         self._send(peer, m.Posted(rid, owner.xid, part,
-                                  inline=nbytes.bit_length() in self._inline.get(peer, ())))
+                                  inline_s=self._inline.hint(peer, nbytes.bit_length())))
         self._out.append(Post(key, "WRITE", peer, plan.local_indices[lo * n:hi * n],
                               plan.remote_indices[lo * n:hi * n],
                               m.Landed(rid, owner.xid, part, sums, nbytes), nbytes,

@@ -16,6 +16,7 @@ from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError, PeerUnavailable, RequestAborted
 from kvpush.protocol.consumer import TABLE, ConsumerCore, CoreConfig, Event, Phase
 from kvpush.protocol.effects import Abandon, ClaimGone, Dial, Emit, Post, Send, XferEnd
+from kvpush.protocol.landings import PostTimes
 from kvpush.protocol.table import TransitionError
 from kvpush.request import RequestState, TransferMode, TransferResult
 from tests.support.cores import CORES, LAYOUT, FakeLinks, P, Q, core, expect, results, sends
@@ -39,7 +40,7 @@ def test_a_handler_that_leaves_its_row_is_caught(monkeypatch: pytest.MonkeyPatch
     expect(c, producers=(P,))
 
     def ends(self: ConsumerCore, now: float, req: object, peer: str, part: int,
-             inline: bool = False) -> None:
+             inline_s: float = 0.0) -> None:
         req.phase = Phase.PUSH_CLOSING  # type: ignore[attr-defined]
     monkeypatch.setattr(ConsumerCore, "_on_posted", ends)
     with pytest.raises(TransitionError, match="POSTED in PUSHING led to PUSH_CLOSING"):
@@ -154,13 +155,16 @@ class _Clock:
 
 
 def _landings(monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
-              requests: int = 200, inline: bool = False) -> tuple[float, float, float]:
-    """Pushes one after another, each landing ``landing_s`` (+- ``jitter`` of it) after its
-    Posted hint (``inline`` as given), found by a driver that polls as the endpoint's loop
+              requests: int = 200, inline: bool = False, first_s: float | None = None,
+              ) -> tuple[float, float, float, list[float]]:
+    """Pushes one after another, each landing ``landing_s`` (+- ``jitter`` of it; the
+    first ``first_s`` when given) after its Posted hint, which says ``inline_s`` as a
+    producer whose posts take the landings' times says it, when ``inline``; found by a driver that polls as the endpoint's loop
     does: once at the hint, then after each ``Backoff.next_delay`` given the core's
     predicted window and quiet span, every sleep overrunning by up to 50 us. Returns the
     median lateness of the sightings over the second half (s), the hint-to-landing time the
-    core learnt and the median number of polls per push over the second half."""
+    core learnt, the median number of polls per push over the second half, and every
+    push's lateness."""
     from kvpush import progress
 
     clock = _Clock()
@@ -171,14 +175,19 @@ def _landings(monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
     c = core()
     late: list[float] = []
     polls: list[int] = []
+    posts = PostTimes()
     for i in range(requests):
         rid, xid = f"r{i}", 100 + i
         c.expect(clock.now, rid, np.array([1, 2]), [P], 10.0, 1, False, [1], xid)
         c.drain()
         clock.now += 0.01          # the engine's gap: nothing moved for a while
         hinted = clock.now         # (a control message is not progress for the backoff)
-        landed = hinted + landing_s * (1 + jitter * rng.uniform(-1, 1))
-        c.on_message(hinted, P, m.Posted(rid, xid, 0, inline=inline))
+        took = landing_s * (1 + jitter * rng.uniform(-1, 1)) if i or first_s is None \
+            else first_s
+        landed = hinted + took
+        c.on_message(hinted, P, m.Posted(rid, xid, 0,
+                                         inline_s=posts.hint(P, 0) if inline else 0.0))
+        posts.ended(P, 0, took)
         since = None
         polls.append(1)
         while clock.now < landed:  # this poll finds nothing; sleep as the loop would
@@ -194,7 +203,7 @@ def _landings(monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
         late.append(clock.now - landed)
     (learnt,) = c._landings._took.values()
     return (float(np.median(late[requests // 2:])), learnt,
-            float(np.median(polls[requests // 2:])))
+            float(np.median(polls[requests // 2:])), late)
 
 
 @pytest.mark.parametrize(("landing_s", "jitter"),
@@ -206,13 +215,13 @@ def test_the_landing_window_is_learnt_from_when_landings_happened(
     late sighting moved it later: it settled on one of the backoff's poll times after the
     landings, seen 0.3-0.4 ms late every time (200 us landings: window at 521 us). Learning
     the middle of (last look without it, sighting] keeps the window on the landings."""
-    late, learnt, _ = _landings(monkeypatch, landing_s, jitter)
+    late, learnt, _, _ = _landings(monkeypatch, landing_s, jitter)
     assert late < 100e-6, (late, learnt)
     assert abs(learnt - landing_s) < 0.2 * landing_s + 50e-6, learnt
 
 
 @pytest.mark.parametrize(("landing_s", "jitter", "ratio"),
-                         [(1e-3, 0.0, 1.0), (8e-3, 0.0, 0.5), (8e-3, 0.1, 1.0)])
+                         [(3e-3, 0.0, 1.0), (8e-3, 0.0, 0.5), (8e-3, 0.1, 1.0)])
 def test_an_inline_push_is_not_polled_before_its_predicted_landing(
         monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
         ratio: float) -> None:
@@ -220,37 +229,63 @@ def test_an_inline_push_is_not_polled_before_its_predicted_landing(
     the hint to the predicted landing instead of polling along the backoff (an 8 ms push:
     3-5 polls, not 17). Fewer polls (under ``ratio`` of those without), the window still
     learnt from the landings, and the landings seen no later than the window's step."""
-    late, learnt, polls = _landings(monkeypatch, landing_s, jitter, inline=True)
-    late0, _, polls0 = _landings(monkeypatch, landing_s, jitter, inline=False)
+    late, learnt, polls, _ = _landings(monkeypatch, landing_s, jitter, inline=True)
+    late0, _, polls0, _ = _landings(monkeypatch, landing_s, jitter, inline=False)
     # no later than the window's poll step (1/64 of the landing time) behind
     assert late < 100e-6 and late <= late0 + max(20e-6, landing_s / 64), (late, late0)
     assert abs(learnt - landing_s) < 0.2 * landing_s + 50e-6, learnt
     assert polls < polls0 * ratio, (polls, polls0)
 
 
+def test_a_short_inline_push_is_polled_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under QUIET_MIN_S (a 1 MiB push here) a quiet wait would save a poll or two and see
+    early landings late: such pushes are polled as without ``inline_s`` (which only bounds
+    their predicted window)."""
+    late, _, polls, _ = _landings(monkeypatch, 1e-3, 0.1, inline=True)
+    late0, _, polls0, _ = _landings(monkeypatch, 1e-3, 0.1, inline=False)
+    assert polls == polls0 and abs(late - late0) < 20e-6, (polls, polls0, late, late0)
+
+
+def test_a_quiet_wait_lasts_no_longer_than_the_initiators_last_post(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first push that took 20 ms (the first transfer to a new peer does, here) and then
+    3 ms ones: the prediction learnt from it is long, and a quiet wait, which does not look
+    before the predicted moment, learns slowly (it saw each early landing only at the
+    window's opening). Hinted bool-only, pushes 2-10 were each seen 2-15 ms late; bounded by
+    the producer's ``inline_s`` (the shorter of its last two posts: push 2 gets none, and
+    is polled along the backoff) they are seen on time."""
+    _, _, _, late = _landings(monkeypatch, 3e-3, 0.0, requests=10, inline=True, first_s=0.02)
+    assert late[1] < 600e-6 and max(late[2:]) < 100e-6, [round(x * 1e6) for x in late]
+
+
 def test_a_push_waits_quietly_only_while_every_announced_part_came_inline() -> None:
-    """One part announced without ``inline`` (its producer's WRITEs need this side's
-    progress, or it has not seen one end yet) and the loop polls along the backoff again,
-    whatever the others said; a size class without a prediction, too."""
+    """Quiet until the earliest predicted landing (the learnt time, at most the hint's
+    ``inline_s``) while every announced part came with ``inline_s``; one part without it
+    (its producer's WRITEs need this side's progress, or it has not seen one end yet) and
+    the loop polls along the backoff again."""
     c = core()
     for i, rid in enumerate(("a", "b")):
         c.expect(0.0, rid, np.array([1, 2]), [P], 10.0, 1, False, [1], 10 + i)
     c.drain()
-    c.on_message(1.0, P, m.Posted("a", 10, 0, inline=True))
-    assert c.quiet_until(1.0) is None          # no landing of that size seen yet
-    c.on_notification(1.002, P, m.Landed("a", 10, 0, nbytes=300), 1.0015)
+    c.on_message(1.0, P, m.Posted("a", 10, 0, inline_s=0.006))
+    assert c.quiet_until(1.0) == pytest.approx(1.006)   # nothing learnt: the hint's time
+    c.on_notification(1.004, P, m.Landed("a", 10, 0, nbytes=300), 1.003)
     c.drain()
+    (took,) = c._landings._took.values()
+    assert took == pytest.approx(0.0035)
     for i, rid in enumerate(("c", "d")):
         c.expect(2.0, rid, np.array([1, 2]), [P], 10.0, 1, False, [1], 20 + i)
     c.drain()
-    c.on_message(2.0, P, m.Posted("c", 20, 0, inline=True))
-    (took,) = c._landings._took.values()
-    assert c.quiet_until(2.0) == pytest.approx(2.0 + took)
+    c.on_message(2.0, P, m.Posted("c", 20, 0, inline_s=0.006))
+    assert c.quiet_until(2.0) == pytest.approx(2.0 + took)      # learnt, under the hint's
+    assert c.predicted(2.0, 1e-4) == pytest.approx((2.0 + took, 2.0 + 1.25 * took))
     assert c.quiet_until(2.0 + took) is None   # its moment has come: poll
-    c.on_message(2.0001, P, m.Posted("d", 21, 0))
-    assert c.quiet_until(2.0001) is None
-    c.on_message(2.0002, P, m.Posted("b", 11, 0, inline=True))
-    assert c.quiet_until(2.0002) is None       # "d" still needs polling
+    c.on_message(2.0001, P, m.Posted("d", 21, 0, inline_s=0.0025))
+    assert c.quiet_until(2.0001) == pytest.approx(2.0026)       # the hint's, under the learnt
+    c.on_message(2.0002, P, m.Posted("b", 11, 0, inline_s=0.001))
+    assert c.quiet_until(2.0002) is None       # "b" is predicted under QUIET_MIN_S: polled
+    for bad in (float("nan"), float("inf"), -1.0):
+        assert c._landings.quiet_until(2.0, [(9, 2.0, bad)]) is None
 
 
 def test_grace_over_reports_unsafe() -> None:
@@ -281,26 +316,29 @@ def _pull(c: ConsumerCore, rid: str = "p", xid: int = 21) -> int:
 
 
 def test_a_pull_begin_says_inline_once_a_read_of_its_size_ended_inside_its_post() -> None:
-    """PullBegin.inline: the producer sleeps to its predicted PullDone instead of polling.
+    """PullBegin.inline_s: the producer sleeps to its predicted PullDone instead of polling.
     Said only from what this side saw: the last READ of that size from that producer had
-    ended by the time its post returned; a lost producer is seen anew."""
+    ended by the time its post returned, which took that long; a lost producer is seen
+    anew."""
     c = core()
 
-    def pull(rid: str, xid: int, inline: bool) -> bool:
+    def pull(rid: str, xid: int, inline_s: float) -> float:
         c.pull(1.0, [ticket(rid)], [np.array([3, 4])], np.array([8, 9]), 10.0, 2, xid)
         begin, post = c.drain()
-        c.transfer_ended(1.1, post.key, XferEnd.DONE, inline)
+        c.transfer_ended(1.1, post.key, XferEnd.DONE, inline_s)
         c.on_message(1.2, P, m.PullHeld(rid, xid, 0.5))
         c.drain()
-        return bool(begin.msg.inline)
+        return float(begin.msg.inline_s)
 
-    assert not pull("a", 21, True)       # nothing seen yet
-    assert pull("b", 22, False)          # a's READ ended inside its post
-    assert not pull("c", 23, True)       # b's did not
-    assert pull("d", 24, True)
+    assert pull("a", 21, 0.012) == 0.0   # nothing seen yet
+    assert pull("b", 22, 0.002) == 0.0   # one READ ended inside its post: not yet
+    assert pull("c", 23, 0.0) == 0.002   # two: the shorter of them
+    assert pull("d", 24, 0.003) == 0.0   # c's did not end inside its post
+    assert pull("e", 25, 0.004) == 0.0
+    assert pull("f", 26, 0.003) == 0.003
     c.peer_lost(2.0, P, "silent")
     c.peer_up(2.0, P, LAYOUT)
-    assert not pull("e", 25, True)
+    assert pull("g", 27, 0.003) == 0.0
 
 
 @pytest.mark.parametrize("hold_s, ready", [(0.5, True), (0.05, False), (float("nan"), False)])

@@ -581,45 +581,48 @@ def test_a_failed_xid_is_never_served_after(claimed: bool) -> None:
 
 
 def test_a_posted_hint_says_inline_once_a_write_of_its_size_ended_inside_its_post() -> None:
-    """Posted.inline: the consumer sleeps to its predicted landing instead of polling. The
-    producer says so only from what it saw: a WRITE of the same size to the same consumer
-    that had ended by the time its post returned; one that had not, or a lost consumer,
-    takes it back."""
+    """Posted.inline_s: the consumer sleeps to its predicted landing instead of polling.
+    The producer says so only from what it saw: the last two WRITEs of the same size to
+    the same consumer had ended by the time their posts returned (it says the shorter
+    time); one that had not, or a lost consumer, takes it back."""
     h = Harness()
 
     def push(rid: str, xid: int, peer: str = "A", ids: tuple[int, ...] = (5, 6),
-             inline: bool = True) -> bool:
+             inline_s: float = 0.002) -> float:
         h.effects.clear()
         h.register(peer, rid, xid, list(ids))
         h.prefill(rid, list(ids))
         (posted,) = h.sent(m.Posted, peer)
-        h.end_writes(inline=inline)
-        return bool(posted.inline)
+        h.end_writes(inline_s=inline_s)
+        return float(posted.inline_s)
 
-    assert not push("r1", 11)                    # nothing seen yet
-    assert push("r2", 12)                        # r1's WRITE ended inside its post
-    assert not push("r3", 13, ids=(1, 2, 3, 4))  # another size class: not seen yet
-    assert not push("r4", 14, peer="B")          # another consumer: not seen yet
-    assert push("r5", 15, inline=False)          # the last of the size was inline ...
-    assert not push("r6", 16)                    # ... r5's was not
-    assert push("r7", 17)
+    assert push("r1", 11, inline_s=0.014) == 0.0   # nothing seen yet (the first: slow)
+    assert push("r2", 12, inline_s=0.003) == 0.0   # one seen: not yet
+    assert push("r3", 13) == 0.003                 # the shorter of the last two
+    assert push("r4", 14, ids=(1, 2, 3, 4)) == 0.0  # another size class: not seen yet
+    assert push("r5", 15, peer="B") == 0.0         # another consumer: not seen yet
+    assert push("r6", 16, inline_s=0.0) == 0.002   # r6's does not end inside its post ...
+    assert push("r7", 17) == 0.0                   # ... so none is said
+    assert push("r8", 18) == 0.0
+    assert push("r9", 19) == 0.002
     h.core.peer_lost(h.now, "A", "silent")
     h.core.peer_up(h.now, "A", layout())
-    assert not push("r8", 18)                    # a consumer back from lost: seen anew
+    assert push("r10", 20) == 0.0                  # a consumer back from lost: seen anew
 
 
 def test_a_pull_is_quiet_until_its_predicted_pull_done_when_its_read_moves_inline() -> None:
-    """The PullDone of a READ the consumer begun ``inline`` cannot need this side's
-    progress: once a PullBegin-to-PullDone time of that size is learnt, the loop need not
-    poll before it; any READ in flight not begun inline, and it polls as before."""
+    """The PullDone of a READ the consumer begun with ``inline_s`` cannot need this side's
+    progress: the loop need not poll before the predicted PullDone (the learnt
+    PullBegin-to-PullDone time, at most ``inline_s``); any READ in flight begun without it,
+    and it polls as before."""
     h = Harness()
 
-    def begin(rid: str, xid: int, sid: int, peer: str = "A", inline: bool = True) -> None:
+    def begin(rid: str, xid: int, sid: int, peer: str = "A", inline_s: float = 0.01) -> None:
         h.prefill(rid, [1, 2, 3], TransferMode.PULL, sid=sid)
-        h.core.on_message(h.now, peer, m.PullBegin(rid, xid, sid, inline=inline))
+        h.core.on_message(h.now, peer, m.PullBegin(rid, xid, sid, inline_s=inline_s))
         h.run()
 
-    begin("r1", 21, 101)
+    begin("r1", 21, 101, inline_s=0.0)
     assert h.core.quiet_until(h.now) is None and h.core.predicted(h.now, 1e-4) is None
     h.now += 0.004
     h.core.on_notification(h.now, "A", m.PullDone("r1", 21, 101, 192), h.now - 0.001)
@@ -630,6 +633,6 @@ def test_a_pull_is_quiet_until_its_predicted_pull_done_when_its_read_moves_inlin
     took = 0.0035                                  # the middle of (3 ms, 4 ms]
     assert h.core.quiet_until(h.now) == pytest.approx(10.0 + took)
     assert h.core.predicted(h.now, 1e-4) == pytest.approx((10.0 + took, 10.0 + 1.25 * took))
-    begin("r3", 23, 103, peer="B", inline=False)
+    begin("r3", 23, 103, peer="B", inline_s=0.0)
     assert h.core.quiet_until(h.now) is None       # B's READ may need this side's progress
     assert h.core.predicted(h.now, 1e-4) == pytest.approx((10.0 + took, 10.0 + 1.25 * took))

@@ -159,7 +159,7 @@ class Harness:
         self.core.prefill_done(self.now, rid, np.array(ids, dtype=np.int64), mode, sid)
         self.run()
 
-    def end_writes(self, end: XferEnd = XferEnd.DONE, inline: bool = False) -> None:
+    def end_writes(self, end: XferEnd = XferEnd.DONE, inline_s: float = 0.0) -> None:
         for post in self.posts():
-            self.core.transfer_ended(self.now, post.key, end, inline)
+            self.core.transfer_ended(self.now, post.key, end, inline_s)
         self.run()
