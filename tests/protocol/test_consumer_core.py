@@ -159,12 +159,12 @@ def _landings(monkeypatch: pytest.MonkeyPatch, landing_s: float, jitter: float,
               ) -> tuple[float, float, float, list[float]]:
     """Pushes one after another, each landing ``landing_s`` (+- ``jitter`` of it; the
     first ``first_s`` when given) after its Posted hint, which says ``inline_s`` as a
-    producer whose posts take the landings' times says it, when ``inline``; found by a driver that polls as the endpoint's loop
-    does: once at the hint, then after each ``Backoff.next_delay`` given the core's
-    predicted window and quiet span, every sleep overrunning by up to 50 us. Returns the
-    median lateness of the sightings over the second half (s), the hint-to-landing time the
-    core learnt, the median number of polls per push over the second half, and every
-    push's lateness."""
+    producer whose posts take the landings' times says it, when ``inline``; found by a
+    driver that polls as the endpoint's loop does: once at the hint, then after each
+    ``Backoff.next_delay`` given the core's predicted window and quiet span, every sleep
+    overrunning by up to 50 us. Returns the median lateness of the sightings over the
+    second half (s), the hint-to-landing time the core learnt, the median number of polls
+    per push over the second half, and every push's lateness."""
     from kvpush import progress
 
     clock = _Clock()
