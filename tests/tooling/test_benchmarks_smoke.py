@@ -71,8 +71,8 @@ def test_throughput(results: dict[str, dict[str, object]]) -> None:
             *(f"push_stage_{stage}_us_p50" for stage in throughput.PUSH_STAGES))
     assert all(row["kv_write_gbps"] > 0 and row["raw_default_read_gbps"] > 0
                for row in r["rows"])
-    # The hand-off floors are raw NIXL plus thread hops: never faster than raw NIXL's own
-    # fastest request, and reported beside kvpush's time over them.
+    # The hand-off floors are raw NIXL plus thread hops, reported beside kvpush's time over
+    # them.
     _finite(r["summary"], *(f"{shape}_floor_us_p50_{op}" for shape in ("handoff", "inline")
                             for op in ("write", "read")),
             "kvpush_over_handoff_floor_us_p50_write", "kvpush_over_handoff_floor_us_p50_read",
@@ -83,12 +83,16 @@ def test_throughput(results: dict[str, dict[str, object]]) -> None:
     _finite(r["summary"], "host_wake_hot_us_p50", "host_wake_cold_us_p50",
             "host_wake_penalty_us_p50")
     assert r["summary"]["host_wake_hot_us_p50"] > 0 and r["summary"]["host_wake_cold_us_p50"] > 0
+    # A floor's median is of the order of raw NIXL's fastest request, not below a fraction of
+    # it (a floor taken in the wrong unit would be 1,000 times off). Not "never below": a
+    # smoke run's few raw requests make that a race between two timings, and a floor's
+    # median came out 7 % under the raw best once (44.7 against 47.9 us at 256 KiB).
     for row in r["rows"]:
         for op in ("write", "read"):
             for shape in ("handoff", "inline"):
                 assert row[f"raw_{op}_{shape}_n"] == row[f"raw_{op}_n"]
                 assert (row[f"raw_{op}_{shape}_us_p50"]
-                        >= 1e6 * row["request_bytes"] / row[f"raw_{op}_best_gbps"] / 1e9)
+                        >= 0.5e6 * row["request_bytes"] / row[f"raw_{op}_best_gbps"] / 1e9)
     results["throughput"] = r
 
 
