@@ -34,10 +34,6 @@ class Landings:
     def __init__(self) -> None:
         self._took: dict[int, float] = {}
 
-    def took(self, size: int) -> float | None:
-        """The predicted begin-to-landing time of ``size`` (None: none seen yet)."""
-        return self._took.get(size)
-
     def learn(self, size: int, began: float, seen: float, since: float | None) -> None:
         """A transfer of ``size`` heard of at ``began`` landed after ``since`` (the driver's
         last look that did not find it) and by ``seen``.
