@@ -137,15 +137,17 @@ class Colocated:
 
     def tokens(self, model: Path, names: list[str] | tuple[str, ...], tag: str, *,
                dtype: str | None = None, prefix_caching: bool = True,
+               attention_backend: str | None = None,
                timeout: float = 400.0) -> dict[str, list[int]]:
         """``{name: tokens}`` for the prompts ``names`` of :data:`PROMPTS` (``tag`` names the
-        set: one model, dtype, prompt set and caching per tag)."""
+        set: one model, dtype, prompt set, caching and attention backend per tag)."""
         src, dst = self.workdir / f"ref-{tag}-in.json", self.workdir / f"ref-{tag}-out.json"
         if not dst.exists():
             src.write_text(json.dumps({"prompts": [PROMPTS[n] for n in names],
                                        "max_tokens": MAX_TOKENS}))
             self._run({"model": str(model), "src": str(src), "dst": str(dst), "dtype": dtype,
-                       "prefix_caching": prefix_caching}, timeout)
+                       "prefix_caching": prefix_caching,
+                       "attention_backend": attention_backend}, timeout)
         return dict(zip(names, json.loads(dst.read_text()), strict=True))
 
     def _run(self, job: dict[str, Any], timeout: float) -> None:

@@ -26,13 +26,16 @@ from pathlib import Path
 
 
 def generate(model: str, src: str, dst: str, dtype: str | None = None,
-             prefix_caching: bool = True) -> None:
-    """Write to ``dst`` the greedy tokens of each prompt of ``src``."""
+             prefix_caching: bool = True, attention_backend: str | None = None) -> None:
+    """Write to ``dst`` the greedy tokens of each prompt of ``src`` (``attention_backend``:
+    vLLM's, by name; None: vLLM's choice)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     job = json.loads(Path(src).read_text())
-    extra = {"dtype": dtype} if dtype else {}
+    extra: dict[str, str] = {"dtype": dtype} if dtype else {}
+    if attention_backend:
+        extra["attention_backend"] = attention_backend
     llm = LLM(model=model, block_size=32, max_model_len=4096, optimization_level=0,
               seed=0, enable_prefix_caching=prefix_caching, **extra)
     try:
@@ -56,7 +59,7 @@ def serve(fd: int) -> None:
             try:
                 job = json.loads(line)
                 generate(job["model"], job["src"], job["dst"], job.get("dtype"),
-                         job.get("prefix_caching", True))
+                         job.get("prefix_caching", True), job.get("attention_backend"))
                 answer: dict[str, object] = {"ok": True}
             except Exception as exc:  # answer it; the next job may still run
                 traceback.print_exc()
