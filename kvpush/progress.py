@@ -26,10 +26,10 @@ kvpush turns it off and drives progress from its one loop thread:
   1/64 of its time late at most, an early or late one no later than without the
   prediction;
 * when, besides, every transfer awaited moves its bytes without this side's progress (the
-  initiator's last transfer of that size to this peer had ended by the time its post
-  returned: UCX over shared memory or CMA; it says so in the hint) and this side has none
-  of its own in flight, nothing is polled before the predicted moment: the loop sleeps to
-  it.
+  initiator's transfers of that size to this peer end inside their post: UCX over shared
+  memory or CMA; it says how long they take in the hint), each is predicted to take 2 ms or
+  more, and this side has none of its own in flight, nothing is polled before the
+  predicted moment (at most the hint's time after it): the loop sleeps to it.
 
 Two presets: :meth:`ProgressPolicy.latency_first` (short sleeps, longer spin) and
 :meth:`ProgressPolicy.cpu_first` (no spin, longer sleeps). The default sits between.

@@ -3,10 +3,10 @@ does not drive has begun (a push's ``Posted`` hint, a pull's ``PullBegin``) to t
 notification that ends it, smoothed by the transfer's size class. The driver polls NIXL
 closely around the predicted moment instead of all along (:mod:`kvpush.progress`), and
 not at all before it when the bytes move without this side's progress: the hint then
-carries ``inline_s``, how long the initiator's last such post took, which also bounds the
-prediction (a prediction learnt from one slow transfer, the first to a peer say, would
-otherwise keep quiet waits long for many requests: a quiet wait learns slowly, since it
-does not look before the predicted moment).
+carries ``inline_s``, how long the initiator's such posts take, which also bounds a quiet
+wait (a prediction learnt from one slow transfer, the first to a peer say, would otherwise
+keep quiet waits long for many requests: a quiet wait learns slowly, since it does not
+look before the predicted moment).
 """
 
 from __future__ import annotations
@@ -51,14 +51,6 @@ class Landings:
         took = landed - began
         self._took[size] = took if last is None else 0.75 * last + 0.25 * took
 
-    def _expect(self, size: int, inline_s: float) -> float | None:
-        """The predicted time of a wait of ``size`` hinted ``inline_s``: the smoothed time,
-        at most ``inline_s`` when that is given (> 0 and finite)."""
-        took = self._took.get(size)
-        if 0.0 < inline_s < math.inf:
-            return inline_s if took is None else min(took, inline_s)
-        return took
-
     def window(self, now: float, spin_s: float,
                waits: Iterable[tuple[int, float, float]]) -> tuple[float, float] | None:
         """The earliest predicted landing still to come of ``waits`` ((size, began,
@@ -89,8 +81,8 @@ class Landings:
         for size, began, inline_s in waits:
             if not 0.0 < inline_s < math.inf:
                 return None
-            took = self._expect(size, inline_s)
-            if took is None or took < QUIET_MIN_S:
+            took = min(self._took.get(size, math.inf), inline_s)  # the learnt, at most the hint
+            if took < QUIET_MIN_S:
                 return None
             until = min(until, began + min(took, QUIET_MAX_S))
         return until if now < until < math.inf else None

@@ -239,8 +239,7 @@ def test_an_inline_push_is_not_polled_before_its_predicted_landing(
 
 def test_a_short_inline_push_is_polled_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under QUIET_MIN_S (a 1 MiB push here) a quiet wait would save a poll or two and see
-    early landings late: such pushes are polled as without ``inline_s`` (which only bounds
-    their predicted window)."""
+    early landings late: such pushes are polled as without ``inline_s``."""
     late, _, polls, _ = _landings(monkeypatch, 1e-3, 0.1, inline=True)
     late0, _, polls0, _ = _landings(monkeypatch, 1e-3, 0.1, inline=False)
     assert polls == polls0 and abs(late - late0) < 20e-6, (polls, polls0, late, late0)
