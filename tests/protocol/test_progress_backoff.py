@@ -77,14 +77,18 @@ def test_idle_endpoints_do_no_work_per_engine_step() -> None:
 
 @pytest.mark.parametrize(("window_s", "step_s"), [(2e-3, 125e-6), (200e-6, 20e-6),
                                                   (20e-3, 500e-6)])
-def test_a_window_is_polled_window_polls_times(window_s: float, step_s: float) -> None:
+def test_a_window_is_polled_window_polls_times(window_s: float, step_s: float,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a predicted window the loop polls ``window_polls`` times through it: a 16 MiB
     push's 2 ms window (a quarter of 8 ms) every 125 us, not every 20 us (a landing a
     millisecond after the window opened took 50 polls); never closer than ``min_sleep_s``
-    (a 1 MiB push's window) nor further than ``max_sleep_s``."""
+    (a 1 MiB push's window) nor further than ``max_sleep_s``. The clock stands still: a
+    thread descheduled between the window's making and the delay's reading would find
+    itself past the window's end."""
     backoff = Backoff(POLICY)
     _waited(backoff, 1.0)
     now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now)
     assert POLICY.window_polls == 16
     delay = backoff.next_delay((now - window_s / 2, now + window_s / 2))
     assert delay == pytest.approx(step_s, rel=0.01)
