@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import math
 import threading
@@ -13,6 +12,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from ._enum import IdentityEnum
 from ._loop import no_blocking
 from .errors import KvpushError, TransferTimeout
 
@@ -32,7 +32,7 @@ __all__ = [
 log = logging.getLogger("kvpush")
 
 
-class TransferMode(enum.Enum):
+class TransferMode(IdentityEnum):
     """PUSH: the producer WRITEs into blocks the consumer registered early.
     PULL: the consumer READs blocks the producer exposes after prefill."""
 
@@ -40,7 +40,7 @@ class TransferMode(enum.Enum):
     PULL = "pull"
 
 
-class RequestState(enum.Enum):
+class RequestState(IdentityEnum):
     """A consumer-side request's state. Every state but PENDING is final."""
 
     PENDING = "pending"
@@ -50,7 +50,7 @@ class RequestState(enum.Enum):
     ABORTED = "aborted"
 
 
-class ReleaseReason(enum.Enum):
+class ReleaseReason(IdentityEnum):
     """Why the producer hands source blocks back to the engine."""
 
     TRANSFERRED = "transferred"

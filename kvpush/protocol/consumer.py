@@ -16,7 +16,6 @@ carries out the effects of :meth:`ConsumerCore.drain` (:mod:`kvpush.protocol.eff
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import math
@@ -29,6 +28,7 @@ import numpy as np
 
 from .. import _core
 from .. import messages as m
+from .._enum import IdentityEnum
 from ..errors import (
     ClosedError,
     InvalidBlockIds,
@@ -57,7 +57,7 @@ def new_xid() -> int:
     return int.from_bytes(os.urandom(8), "big") >> 1 | 1
 
 
-class Phase(enum.Enum):
+class Phase(IdentityEnum):
     """Where a request use is. A use that has its result (or a claim given up) is DONE, and
     its record is gone."""
 
@@ -71,7 +71,7 @@ class Phase(enum.Enum):
     DONE = "done"                  # reported (or the claim given up): the record is gone
 
 
-class Event(enum.Enum):
+class Event(IdentityEnum):
     POSTED = "posted"              # Posted: a part's WRITE is being posted
     LANDED = "landed"              # Landed notification (or Posted.empty)
     FAILED = "failed"              # Failed from a producer

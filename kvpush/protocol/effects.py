@@ -12,20 +12,20 @@ core chooses (an ``int``, unique for the core's lifetime).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
 
 from .. import messages as m
+from .._enum import IdentityEnum
 from ..request import Release, TransferResult
 
 __all__ = ["Abandon", "ClaimGone", "Dial", "DropPeer", "Effect", "Emit", "Post", "Send",
            "XferEnd"]
 
 
-class XferEnd(enum.Enum):
+class XferEnd(IdentityEnum):
     """How a transfer ended, as the driver reports it to ``core.transfer_ended``."""
 
     DONE = "done"            # NIXL reports it complete: every byte has landed

@@ -14,7 +14,6 @@ generated from the tables: ``docs/ARCHITECTURE.md``.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import math
@@ -26,6 +25,7 @@ import msgspec
 import numpy as np
 
 from .. import messages as m
+from .._enum import IdentityEnum
 from ..errors import KvpushError, PeerUnavailable
 from ..layout import KVLayout
 from ..metrics import Stats
@@ -62,7 +62,7 @@ def waiting_ids_budget(consumer_blocks: int) -> int:
     return min(max(4 * consumer_blocks, 1 << 16), MAX_IDS_PER_PEER)
 
 
-class State(enum.Enum):
+class State(IdentityEnum):
     WAITING = "waiting"
     PARTIAL = "partial"
     HELD = "held"
@@ -72,7 +72,7 @@ class State(enum.Enum):
     ABORTED_EARLY = "aborted_early"
 
 
-class Event(enum.Enum):
+class Event(IdentityEnum):
     PREFILL_DONE = "prefill_done"
     LAYER_DONE = "layer_done"
     ENGINE_ABORT = "engine_abort"
@@ -186,7 +186,7 @@ TABLE: Table[State, Event] = Table("producer request", {
 del S, E
 
 
-class OwnerState(enum.Enum):
+class OwnerState(IdentityEnum):
     REGISTERED = "registered"  # push: waiting for the source (or its final layers)
     WRITING = "writing"        # push: WRITEs posted, more groups may follow
     CLAIMED = "claimed"        # announced, not begun (pull: no READ yet; push: not

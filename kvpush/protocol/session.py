@@ -33,7 +33,6 @@ from ``nonce`` (the simulator passes seeded ones).
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import ipaddress
 import time
@@ -44,6 +43,7 @@ from typing import Any, Union
 import msgspec
 
 from .. import messages as m
+from .._enum import IdentityEnum
 from ..auth import (
     HELLO_MAX_SKEW_S,
     Challenges,
@@ -142,7 +142,7 @@ SessionEffect = Union[Transmit, Admit, PeerUp, PeerDown, ConnectFailed]  # noqa:
 
 
 # -- the consumer's side: one dialled producer ------------------------------------------
-class DialState(enum.Enum):
+class DialState(IdentityEnum):
     PROBING = "probing"        # Probe sent (re-sent) until a Challenge answers
     HELLO = "hello"            # Hello sent (re-sent) until a HelloAck or HelloReject
     ADMITTING = "admitting"    # HelloAck taken; the agent is given the producer's metadata
@@ -150,7 +150,7 @@ class DialState(enum.Enum):
     DOWN = "down"              # lost, failed, joined to a twin, or closed: nothing more
 
 
-class DialEvent(enum.Enum):
+class DialEvent(IdentityEnum):
     RETRY = "retry"
     CHALLENGE = "challenge"
     TWIN = "twin"
@@ -588,13 +588,13 @@ class Dialers:
 
 
 # -- the producer's side: its consumers ----------------------------------------------------
-class Link(enum.Enum):
+class Link(IdentityEnum):
     ADMITTING = "admitting"    # Hello checked; the agent is given the consumer's metadata
     UP = "up"                  # connected: frames go to the core, heartbeats answered
     DEPARTED = "departed"      # dropped: its later frames are answered under its session
 
 
-class LinkEvent(enum.Enum):
+class LinkEvent(IdentityEnum):
     ADMITTED = "admitted"
     REFUSED = "refused"
     HEARTBEAT = "heartbeat"

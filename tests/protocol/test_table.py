@@ -119,3 +119,23 @@ def test_mermaid_renders_every_edge_once_without_self_loops() -> None:
         "    idle --> busy: start\n"
         "    busy --> done: finish, break\n"
         "    done --> [*]\n")
+
+
+def test_the_machines_states_and_events_hash_by_identity() -> None:
+    """The cores look a state and an event up in their tables on every step: every machine's
+    states and events (and the request enums the cores key on) hash with ``object``'s C
+    slot, not ``Enum``'s Python ``__hash__``."""
+    from kvpush._enum import IdentityEnum
+    from kvpush.protocol import consumer, effects, producer, session
+    from kvpush.request import ReleaseReason, RequestState, TransferMode
+
+    tables = [consumer.TABLE, producer.TABLE, producer.OWNER_TABLE, session.DIAL_TABLE,
+              session.LINK_TABLE]
+    kinds = {type(s) for t in tables for s in t.states()}
+    kinds |= {type(e) for t in tables for _, e, _ in t.edges()}
+    kinds |= {effects.XferEnd, ReleaseReason, RequestState, TransferMode}
+    assert len(kinds) == 13
+    for kind in kinds:
+        assert issubclass(kind, IdentityEnum), kind
+        member = next(iter(kind))
+        assert kind.__hash__ is object.__hash__ and hash(member) == object.__hash__(member)
