@@ -314,7 +314,7 @@ class Deployment:
                json.dumps(launch.kvpush_config(role, cfg.pop("port", 0), **cfg)),
                *extra_args]
         scratch = launch.rpc_folder(name)
-        env = {**self.host_env(host, cores), "VLLM_RPC_BASE_PATH": str(scratch)}
+        env = {**self.host_env(host, cores), **launch.scratch_env(scratch)}
         proc = self._spawn(name, host, cmd, env, HTTP_PORT, cores, scratch)
         service = Service(name, host, HTTP_PORT, proc)
         self.instances[name] = service

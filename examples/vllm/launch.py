@@ -4,13 +4,15 @@
 Every server runs in its own session (process group) pinned to its own cores: ``taskset``
 for all its processes, ``VLLM_CPU_OMP_THREADS_BIND`` for vLLM's model threads (see
 ``/work/shared/docs/VLLM_ON_CPU.md``). :meth:`Process.stop` ends the whole group (SIGTERM,
-then SIGKILL), so nothing outlives a test. A vLLM server opens its ZeroMQ IPC sockets in a
-folder of its own (:func:`rpc_folder`), which goes with the group: a server that is killed
-cannot remove its sockets itself, and they would pile up in the system's temp folder.
+then SIGKILL), so nothing outlives a test. A vLLM server opens its ZeroMQ IPC sockets and
+makes its temporary files in a folder of its own (:func:`rpc_folder`, :func:`scratch_env`),
+which goes with the group: a server that is killed cannot remove them itself, and they
+would pile up in the system's temp folder.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -195,6 +197,19 @@ def rpc_folder(name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"kvpush-{name[:20]}-"))
 
 
+def scratch_env(scratch: Path) -> dict[str, str]:
+    """The environment that keeps a vLLM server's temporary files in ``scratch`` (removed
+    when its process group ends, a killed server's too): its IPC sockets
+    (``VLLM_RPC_BASE_PATH``) and whatever it makes in the temp folder (``TMPDIR``: the
+    ``vllm_dist_<uuid>`` file store of its process group, one per engine, otherwise left
+    in the system's). TorchInductor's compile cache, which also lives in the temp folder by
+    default, stays where it was, shared by every server."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return {"VLLM_RPC_BASE_PATH": str(scratch), "TMPDIR": str(scratch),
+            "TORCHINDUCTOR_CACHE_DIR": inductor}
+
+
 def start_vllm(model: str | Path, port: int, *, name: str, cores: str, log_dir: Path,
                kv_transfer_config: Mapping[str, Any] | None = None,
                extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
@@ -216,7 +231,7 @@ def start_vllm(model: str | Path, port: int, *, name: str, cores: str, log_dir: 
     # working directory keeps a checkout's in-place kvpush/ off ``python -m``'s path.
     scratch = rpc_folder(name)
     full_env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": omp_bind or cores,
-                "VLLM_RPC_BASE_PATH": str(scratch)}
+                **scratch_env(scratch)}
     full_env.update(env or {})
     return spawn(name, cmd, log, port, cores=cores, env=full_env, cwd=log_dir,
                  scratch=scratch)
