@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvpush.metrics import LIVE
+from tests.support.terminate import pytest_configure  # noqa: F401 - the hook: SIGTERM tears down
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from examples.vllm import launch
+from tests.support.terminate import pytest_configure  # noqa: F401 - the hook: SIGTERM tears down
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
