@@ -88,6 +88,7 @@ def explicit_is_cheaper(indices: int, merged: int) -> bool:
 _ERROR_MODES = ("none", "peer")
 _DATA_PLANES = ("inprocess", "child")
 _NIXL_APIS = ("python", "c")
+_CONTROLS = ("tcp", "zmq")
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,12 @@ class TransportConfig:
         allocated lazily becomes resident at once, in the time writing it once would take
         (``docs/ARCHITECTURE.md``). ``False``: pages are faulted in by the first transfer
         that touches them.
+    control
+        How control frames (handshakes, hints, heartbeats) travel: ``"tcp"`` (default:
+        TCP connections the endpoint's loop thread reads and writes itself,
+        :mod:`kvpush.stream`) or ``"zmq"`` (ZeroMQ DEALER and ROUTER sockets, whose I/O
+        threads cost two thread wake-ups more per frame). Both ends of a connection must
+        use the same: a peer that speaks the other is refused at its first bytes.
     """
 
     backend: str = "UCX"
@@ -127,6 +134,7 @@ class TransportConfig:
     data_plane: str = "inprocess"
     nixl_api: str = "python"
     populate_host_memory: bool = True
+    control: str = "tcp"
 
     def __post_init__(self) -> None:
         if self.ucx_error_mode not in _ERROR_MODES:
@@ -144,6 +152,10 @@ class TransportConfig:
         if self.nixl_api not in _NIXL_APIS:
             raise ValueError(
                 f"TransportConfig.nixl_api must be one of {_NIXL_APIS}, got {self.nixl_api!r}"
+            )
+        if self.control not in _CONTROLS:
+            raise ValueError(
+                f"TransportConfig.control must be one of {_CONTROLS}, got {self.control!r}"
             )
         if not isinstance(self.populate_host_memory, bool):
             raise TypeError("TransportConfig.populate_host_memory must be a bool, got "

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from . import _trace
+from . import _trace, stream
 from . import messages as m
 from ._loop import enter_loop, loop_name, no_blocking
 from .agent import Agent, TransportConfig, XferState
@@ -103,6 +103,11 @@ def control_socket(sock: zmq.Socket[Any], peer_timeout_s: float) -> None:
     sock.setsockopt(zmq.RCVHWM, SEND_HWM)
     sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)  # refused before allocation
     close_dead_links(sock, peer_timeout_s)
+
+
+def _poll_key(sock: Any) -> Any:
+    """How ``zmq.Poller`` names ``sock`` in what it returns."""
+    return sock.fileno() if isinstance(sock, stream.Socket) else sock
 
 
 def _precise_sleeps() -> None:
@@ -254,7 +259,9 @@ class Driver:
         self._gauges: dict[str, int] = {}
         self._xfers: dict[int, Any] = {}        # core transfer key -> NIXL handle
         LIVE.add("registrations", 1)
-        self.ctx: Any = zmq.Context() if io is None else io.context
+        # what makes the control sockets: ZeroMQ's, or streams this thread moves itself
+        self.ctx: Any = io.context if io is not None else \
+            zmq.Context() if transport.control == "zmq" else stream.Context()
         self._poller = zmq.Poller()
         # how callers wake a loop blocked in poll (a loop without a thread never blocks)
         self._wake_fd = -1
@@ -265,6 +272,8 @@ class Driver:
         self._plane_fd: int | None = None
         self._watch_data_plane()
         self._sockets: dict[zmq.Socket[Any], Callable[[zmq.Socket[Any]], None]] = {}
+        # A poll names a ZeroMQ socket by itself and a stream socket by its fd.
+        self._polled: dict[Any, zmq.Socket[Any]] = {}
         # Frames ZeroMQ could not take yet, per (socket, identity), in order; retried
         # from a timer that backs off (nothing spins while a peer cannot take them).
         self._outbox: dict[tuple[zmq.Socket[Any], bytes | None], deque[bytes]] = {}
@@ -400,12 +409,15 @@ class Driver:
     def add_socket(self, sock: zmq.Socket[Any],
                     handler: Callable[[zmq.Socket[Any]], None]) -> None:
         self._sockets[sock] = handler
+        self._polled[_poll_key(sock)] = sock
         if self._threaded:
             self._poller.register(sock, zmq.POLLIN)
 
     def remove_socket(self, sock: zmq.Socket[Any]) -> None:
-        if self._sockets.pop(sock, None) is not None and self._threaded:
-            self._poller.unregister(sock)
+        if self._sockets.pop(sock, None) is not None:
+            self._polled.pop(_poll_key(sock), None)
+            if self._threaded:
+                self._poller.unregister(sock)
         for key in [k for k in self._outbox if k[0] is sock]:
             self.drop_outbox(key)
         sock.close(linger=0)
@@ -656,9 +668,10 @@ class Driver:
                     self._check_data_plane()
                 self._drain_commands()
                 commands = self.clock()
-                for sock in list(events):
-                    handler = self._sockets.get(sock)
-                    if handler is not None:
+                for polled in list(events):
+                    sock = self._polled.get(polled)
+                    handler = None if sock is None else self._sockets.get(sock)
+                    if sock is not None and handler is not None:
                         if _trace.ON:
                             _trace.stamp("message")
                         handler(sock)

@@ -42,6 +42,7 @@ import msgspec
 import zmq
 
 from .. import messages as m
+from .. import stream
 from ..auth import COUNTER, TAG_BYTES
 
 __all__ = ["Action", "ControlProxy", "Direction", "FrameRule", "frame_info"]
@@ -205,11 +206,13 @@ class ControlProxy:
     """
 
     def __init__(self, target: str, *, host: str = "127.0.0.1", port: int = 0,
-                 rules: Iterable[FrameRule] = (), name: str = "proxy") -> None:
+                 rules: Iterable[FrameRule] = (), name: str = "proxy",
+                 control: str = "tcp") -> None:
         self.target = target
         self.name = name
         self._judges = [_Judge(r) for r in rules]
-        self._ctx: zmq.Context[Any] = zmq.Context()
+        # the endpoints' kind of control socket (TransportConfig.control)
+        self._ctx: Any = stream.Context() if control == "tcp" else zmq.Context()
         self._front: zmq.Socket[Any] | None = self._bind(f"tcp://{host}:{port}", 0.0)
         self.address: str = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
         self._backs: dict[bytes, zmq.Socket[Any]] = {}
@@ -334,7 +337,8 @@ class ControlProxy:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
-            if not identity.startswith(b"\0"):  # ZeroMQ's own (reserved) ids: not settable
+            if not (identity.startswith(b"\0") and isinstance(sock, zmq.Socket)):
+                # (ZeroMQ's own ids, which a ROUTER gives a peer without one, are reserved)
                 sock.setsockopt(zmq.IDENTITY, identity)
             sock.connect(self.target)
             self._backs[identity] = sock
@@ -383,7 +387,8 @@ class ControlProxy:
                 if self._stop:
                     break
                 for sock in sockets:
-                    if sock in ready and not sock.closed:
+                    if not sock.closed and (sock in ready or (not isinstance(sock, zmq.Socket)
+                                            and sock.fileno() in ready)):
                         self._read(sock)
                 self._deliver_due()
         except Exception:  # pragma: no cover - a bug here would hang the test otherwise

@@ -11,6 +11,7 @@ import zmq
 
 import kvpush
 from kvpush import messages as m
+from kvpush import stream
 from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError
 from tests.support.harness import check_blocks, drain_released, fill, make_cache
@@ -71,7 +72,7 @@ def test_forged_messages_are_rejected_and_counted() -> None:
             kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(auth_key=KEY,
                                                               name="victim")) as c:
         c.connect(p.address, timeout=10)
-        ctx = zmq.Context()
+        ctx = stream.Context()
         try:
             # An attacker that knows the consumer's name (its ZeroMQ identity) but not the key.
             rogue = ctx.socket(zmq.DEALER)

@@ -22,6 +22,7 @@ import zmq
 
 import kvpush
 from kvpush import messages as m
+from kvpush import stream
 from kvpush.agent import Agent
 from kvpush.auth import Opener, Sealer, decrypt, encrypt, new_nonce, session_key
 from kvpush.errors import AuthenticationError, InvalidBlockIds
@@ -41,7 +42,7 @@ class ScriptedProducer:
         self.name = name
         self.key = auth_key
         self.agent = Agent(name, self.cache.layout, kvpush.TransportConfig())
-        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.ctx: zmq.Context[Any] = stream.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")

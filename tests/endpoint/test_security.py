@@ -15,6 +15,7 @@ import zmq
 
 import kvpush
 from kvpush import messages as m
+from kvpush import stream
 from kvpush.auth import Opener, Sealer, decrypt, encrypt
 from kvpush.errors import AuthenticationError, InvalidBlockIds, ProtocolError
 from tests.support.harness import fill, make_cache
@@ -43,7 +44,7 @@ class Sniffer:
     """A ROUTER a consumer connects to, recording what it sends (an observer of the wire)."""
 
     def __init__(self) -> None:
-        self.ctx = zmq.Context()
+        self.ctx = stream.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:*")
@@ -117,7 +118,7 @@ def test_a_hello_replayed_to_another_producer_is_refused() -> None:
     """A Hello captured on its way to one producer, replayed to another that shares the key:
     the second refuses it (the Hello names the address it was meant for)."""
     sniffer, c, p2 = Sniffer(), consumer(), producer()
-    ctx = zmq.Context()
+    ctx = stream.Context()
     attacker = ctx.socket(zmq.DEALER)
     try:
         _, frame = hello_to(sniffer, c)
@@ -189,7 +190,7 @@ def test_a_zeromq_identity_cannot_be_taken_over() -> None:
     """Another connection under the consumer's name (ROUTER_HANDOVER used to hand it the
     consumer's pipe): the consumer's requests still complete."""
     p, c = producer(), consumer()
-    ctx = zmq.Context()
+    ctx = stream.Context()
     attacker = ctx.socket(zmq.DEALER)
     try:
         c.connect(p.address)
@@ -213,7 +214,7 @@ def test_a_zeromq_identity_cannot_be_taken_over() -> None:
 
 def test_a_hello_with_another_agents_metadata_is_refused() -> None:
     p, c = producer(), consumer()
-    ctx = zmq.Context()
+    ctx = stream.Context()
     attacker = ctx.socket(zmq.DEALER)
     try:
         attacker.setsockopt(zmq.LINGER, 0)
@@ -252,7 +253,7 @@ def test_oversized_inputs_are_refused_before_allocation() -> None:
     # A frame over MAX_FRAME_BYTES: libzmq drops the connection that sent it before
     # allocating it; the producer goes on serving the others.
     p, c = producer(), consumer()
-    ctx = zmq.Context()
+    ctx = stream.Context()
     attacker = ctx.socket(zmq.DEALER)
     try:
         attacker.setsockopt(zmq.LINGER, 0)

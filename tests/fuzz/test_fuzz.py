@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvpush
-from kvpush import _core
+from kvpush import _core, stream
 from kvpush import messages as m
 from kvpush.auth import Opener, Sealer
 from kvpush.errors import AuthenticationError, InvalidBlockIds, KvpushError, ProtocolError
@@ -482,7 +482,7 @@ def test_live_producer_survives_garbage_frames(live: ChildProducer) -> None:
     """Unauthenticated junk from a raw DEALER: random bytes, multi-frame and empty messages,
     mutated real messages, MessagePack with the schema's tags and field names, and Hellos
     whose NIXL metadata is garbage. The producer rejects it all and serves as before."""
-    ctx = zmq.Context()
+    ctx = stream.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100000)
@@ -520,7 +520,7 @@ def test_live_producer_survives_a_rogue_consumer(live: ChildProducer) -> None:
     same request ids: every source is released exactly once, and real requests still
     work. (NaN waits and parts near 2**64 once stopped the producer's timers or crashed its
     loop; the two tests after this one pin those cases.)"""
-    ctx = zmq.Context()
+    ctx = stream.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, b"rogue")
@@ -574,7 +574,7 @@ def test_live_producer_survives_a_rogue_consumer(live: ChildProducer) -> None:
 
 
 def _handshaken(address: str) -> tuple[zmq.Context[Any], zmq.Socket[Any], Any]:
-    ctx = zmq.Context()
+    ctx = stream.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, b"rogue2")

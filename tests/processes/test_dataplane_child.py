@@ -259,6 +259,7 @@ def test_a_consumer_that_missed_the_rejoin_bye_hears_it_again(pair) -> None:  # 
     import zmq
 
     from kvpush import messages as m
+    from kvpush import stream
 
     p, c, _, _ = pair
     old = c._sessions.conns[p.address].getsockopt(zmq.IDENTITY)
@@ -266,7 +267,7 @@ def test_a_consumer_that_missed_the_rejoin_bye_hears_it_again(pair) -> None:  # 
     _wait(lambda: p.stats()["data_plane_restarts"] == 1 and c.stats()["peers_lost"] >= 1
           and p.name in c.producers(), 30.0, "the restart and the new handshake")
     assert c._sessions.conns[p.address].getsockopt(zmq.IDENTITY) != old
-    ctx = zmq.Context()
+    ctx = stream.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, old)

@@ -1,17 +1,17 @@
-"""kvpush.testing.proxy on raw ZeroMQ sockets: frames recognised sealed or not, seeded rules
-that choose the same frames every run, delays and stalls that keep a connection's order,
+"""kvpush.testing.proxy on raw control sockets (kvpush.stream's, as the endpoints'): frames
+recognised sealed or not, seeded rules that choose the same frames every run, delays and stalls that keep a connection's order,
 cuts that reset it."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import zmq
 
 from kvpush import messages as m
+from kvpush import stream
 from kvpush.auth import Sealer
 from kvpush.testing import Action, ControlProxy, Direction, FrameRule, frame_info
 
@@ -20,7 +20,7 @@ class Ends:
     """A ROUTER standing for the producer, a DEALER for a consumer, and a proxy between."""
 
     def __init__(self, rules: tuple[FrameRule, ...] = ()) -> None:
-        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.ctx = stream.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
