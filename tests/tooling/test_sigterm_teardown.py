@@ -53,10 +53,9 @@ def _alive(pid: int) -> bool:
 def test_a_terminated_run_stops_what_its_fixtures_started(tmp_path: Path, plugin: bool) -> None:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_service.py").write_text(TEST)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    hook = ["-p", "tests.support.terminate"] if plugin else []
+    cmd = [sys.executable, "-m", "pytest", *hook, "-q", "-p", "no:cacheprovider",
            "-o", "timeout=0", "test_service.py"]
-    if plugin:
-        cmd[3:3] = ["-p", "tests.support.terminate"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT)
