@@ -48,7 +48,8 @@ without the GIL, which cannot be told apart), so it over-counts by that; it miss
 thread holds the GIL while preempted, bounded by those threads' run-queue wait, reported
 beside it (``gil_rq_us``).
 
-``python -m benchmarks.cpu_per_request [--quick] [--json PATH]``
+``python -m benchmarks.cpu_per_request [--quick] [--policy default|latency_first|cpu_first]
+[--json PATH]``
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ VARIANTS = ("push", "pull", "raw_write", "raw_read", "raw_write_notif", "raw_rea
 #: The NIXL interface each endpoint pair's agents use (``TransportConfig.nixl_api``).
 APIS = ("python", "c")
 KINDS = ("engine", "loop", "zmq", "other")   # "idle": the other pair's loop, not counted
+#: The endpoints' progress policies: the default and :class:`kvpush.ProgressPolicy`'s presets.
+POLICIES = ("default", "latency_first", "cpu_first")
 LAG_S = 1e-3     # prefill_done after expect: the registration is there first
 WAIT_S = 60.0
 
@@ -114,8 +117,10 @@ WAIT_S = 60.0
 # Side functions (run in the workers)
 # =========================================================================================
 def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
-               address: dict[str, str] | None = None) -> dict[str, Any]:
+               address: dict[str, str] | None = None, policy: str = "default") -> dict[str, Any]:
     import kvpush
+
+    progress = _policy(policy)
 
     buffers, layout = _make_cache(SHAPE.num_blocks)
     state.update(buffers=buffers, layout=layout, shape=SHAPE, role=role)
@@ -132,7 +137,7 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
     out: dict[str, Any] = {"raw_md": raw.metadata(),
                            "bases": [int(b.ctypes.data) for b in buffers],
                            "engine_tid": threading.get_native_id(), "loop_tids": {},
-                           "address": {}}
+                           "address": {}, "progress": repr(progress)}
     state["pairs"] = {}
     for api in APIS:
         pair: dict[str, Any] = {"cleanup": state["cleanup"]}
@@ -140,11 +145,12 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
         if role == "prefill":
             out["address"][api] = open_endpoint(
                 pair, role, layout,
-                config=kvpush.ProducerConfig(lease_s=120.0, transport=transport),
+                config=kvpush.ProducerConfig(lease_s=120.0, transport=transport,
+                                             progress=progress),
                 on_release=lambda r: event(r.request_id).set())
         else:
             open_endpoint(pair, role, layout, (address or {})[api],
-                          config=kvpush.ConsumerConfig(transport=transport),
+                          config=kvpush.ConsumerConfig(transport=transport, progress=progress),
                           on_finished=lambda r: event(r.request_id).set())
         state["pairs"][api] = pair
         out["loop_tids"][api] = pair["endpoint"]._driver.thread.native_id
@@ -152,6 +158,15 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
     from kvpush import _nixlc  # the "c" pair's agents loaded it
     _nixlc.count_released(True)
     return out
+
+
+def _policy(name: str) -> Any:
+    """The endpoints' :class:`kvpush.ProgressPolicy` by name: ``default`` or a preset's."""
+    import kvpush
+
+    if name not in POLICIES:
+        raise ValueError(f"unknown progress policy {name!r}; choose from {POLICIES}")
+    return kvpush.ProgressPolicy() if name == "default" else getattr(kvpush.ProgressPolicy, name)()
 
 
 def side_released_ns(state: dict[str, Any], conn: mpc.Connection) -> int:
@@ -469,10 +484,13 @@ def period_s(size: str) -> float:
 
 def run(quick: bool, progress: bool = True, requests: int | None = None,
         rounds: int | None = None, idle_s: float | None = None,
-        sizes: tuple[str, ...] = tuple(SIZES), split_size: str = "1mib") -> dict[str, Any]:
+        sizes: tuple[str, ...] = tuple(SIZES), split_size: str = "1mib",
+        policy: str = "default") -> dict[str, Any]:
     """``requests`` per (variant, size), in ``rounds`` batches each, the variants taking
     turns; then the attribution pass (:func:`side_split`) of push and pull at
-    ``split_size``, ``requests`` each."""
+    ``split_size``, ``requests`` each. ``policy``: the endpoints' progress policy
+    (:data:`POLICIES`)."""
+    _policy(policy)
     requests = requests or (20 if quick else 200)
     rounds = rounds or (2 if quick else 4)
     idle_s = idle_s if idle_s is not None else (2.0 if quick else 10.0)
@@ -481,13 +499,15 @@ def run(quick: bool, progress: bool = True, requests: int | None = None,
     pw, dw = Worker("cpr-prefill"), Worker("cpr-decode")
     acc: dict[tuple[str, str], dict[str, Any]] = {}
     split: dict[str, dict[str, Any]] = {}
-    out: dict[str, Any] = {"requests_per_variant": per_batch * rounds,
+    out: dict[str, Any] = {"requests_per_variant": per_batch * rounds, "policy": policy,
                            "load_avg_start": os.getloadavg()}
     try:
-        a = pw.call(_M + "side_setup", role="prefill", timeout=120)
-        b = dw.call(_M + "side_setup", role="decode", address=a["address"], timeout=120)
+        a = pw.call(_M + "side_setup", role="prefill", policy=policy, timeout=120)
+        b = dw.call(_M + "side_setup", role="decode", address=a["address"], policy=policy,
+                    timeout=120)
         pw.call("benchmarks.hot_path:side_raw_connect", md=b["raw_md"], bases=b["bases"])
         dw.call("benchmarks.hot_path:side_raw_connect", md=a["raw_md"], bases=a["bases"])
+        out["progress"] = {"prefill": a["progress"], "decode": b["progress"]}
         prefill, decode = _Side(pw, a), _Side(dw, b)
         rng = np.random.default_rng(0)
         ids = {size: (rng.choice(SHAPE.num_blocks, nb, replace=False).astype(np.int64),
@@ -629,10 +649,12 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES))
     ap.add_argument("--split-size", choices=sorted(SIZES), default="1mib",
                     help="the request size of the attribution pass")
+    ap.add_argument("--policy", choices=POLICIES, default="default",
+                    help="the endpoints' progress policy (kvpush.ProgressPolicy or a preset)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     out = run(args.quick, requests=args.requests, sizes=tuple(args.sizes),
-              split_size=args.split_size)
+              split_size=args.split_size, policy=args.policy)
     print(table(out))
     print(f"load average: start {out['load_avg_start']}, end {out['load_avg_end']}")
     save_json(out, args.json)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import kvpush
 from benchmarks import (
     _common,
     busy_engine,
@@ -255,7 +256,10 @@ def test_cpu(results: dict[str, dict[str, object]]) -> None:
 
 def test_cpu_per_request(results: dict[str, dict[str, object]]) -> None:
     r = cpu_per_request.run(quick=True, progress=False, requests=2, rounds=1, idle_s=0.3,
-                            sizes=("64kib",), split_size="64kib")
+                            sizes=("64kib",), split_size="64kib", policy="cpu_first")
+    # both engines' endpoints ran under the policy asked for
+    preset = repr(kvpush.ProgressPolicy.cpu_first())
+    assert r["progress"] == {"prefill": preset, "decode": preset}
     _finite(r["summary"], "cpu_us_per_request_push_64kib", "cpu_us_per_request_pull_64kib",
             "raw_nixl_cpu_us_per_request_64kib", "raw_nixl_read_notif_cpu_us_per_request_64kib",
             "cpu_per_request_pull_over_raw_nixl_64kib", "gil_us_per_request_push_64kib",
@@ -270,6 +274,11 @@ def test_cpu_per_request(results: dict[str, dict[str, object]]) -> None:
     assert split["push"]["p_nixl_calls"] >= 1 and split["pull"]["d_nixl_calls"] >= 1
     assert "Where kvpush's CPU goes at 64kib" in cpu_per_request.table(r)
     results["cpu_per_request"] = r
+
+
+def test_cpu_per_request_refuses_an_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="unknown progress policy 'fastest'"):
+        cpu_per_request.run(quick=True, progress=False, policy="fastest")
 
 
 def test_report_and_plots(results: dict[str, dict[str, object]], tmp_path: Path) -> None:
