@@ -668,11 +668,7 @@ class ConsumerCore:
         claim = self._claims.get(rid)
         if claim is None or claim.xid != xid:
             return
-        sent = claim.phase is Phase.CLAIMED
         self._event(now, claim, Event.ABORT, why=reason)
-        for name in claim.sids if sent else ():
-            if name in self._peers:
-                self._out.append(Send(name, m.Abort(rid, xid, reason)))
 
     def abort(self, now: float, rid: str, state: RequestState, error: KvpushError) -> None:
         """The engine gives ``rid``'s live use up (no use: nothing happens)."""
@@ -684,7 +680,7 @@ class ConsumerCore:
         """The consumer closes: every use ends ABORTED (``ClosedError``) once its READs
         are abandoned; what may still land makes it ``blocks_safe=False``."""
         for claim in list(self._claims.values()):
-            self._event(now, claim, Event.CLOSE, why="consumer closed")
+            self._event(now, claim, Event.CLOSE, why="consumer closed", tell=False)
         for req in list(self._requests.values()):
             self._event(now, req, Event.CLOSE)
 
@@ -826,14 +822,25 @@ class ConsumerCore:
         self._emit(now, req.rid, req.xid, req.mode, req.ids, state,
                    error or ClosedError("consumer closed"), req.started)
 
-    def _end_claim(self, now: float, req: _Request, why: str) -> None:
-        """The claim is given up (no result: nothing was begun); the facade is told."""
+    def _end_claim(self, now: float, req: _Request, why: str, by: str | None = None,
+                   tell: bool = True) -> None:
+        """The claim is given up (no result: nothing was begun); the facade is told, and so
+        is each producer its Claim went to that is still connected, save ``by`` (the one
+        that refused or gave it up): otherwise it holds its source for the claim up to
+        ``max_wait_s``, whichever way the claim ended here (the engine's abort, one producer
+        of several lost or refusing). ``tell=False``: this side is closing, its Bye ends
+        every claim at once."""
+        sent = req.phase is Phase.CLAIMED
         self._disarm(req)
         if self._claims.get(req.rid) is req:
             del self._claims[req.rid]
         req.phase = Phase.DONE
         self._out.append(Emit(ClaimGone(req.rid, req.xid)))
         log.info("consumer core: claim of %r dropped: %s", req.rid, why)
+        if sent and tell:
+            for name in req.sids:
+                if name != by and name in self._peers:
+                    self._out.append(Send(name, m.Abort(req.rid, req.xid, why)))
 
     def _refuse(self, req: _Request, event: Event, why: str) -> None:
         self.stats.events_refused += 1
@@ -1163,7 +1170,7 @@ class ConsumerCore:
         claim = self._claims.get(msg.request_id)
         if claim is None or claim.xid != msg.xid or peer not in claim.sids:
             return False
-        self._event(now, claim, event, why=f"by {peer}: {msg.reason}")
+        self._event(now, claim, event, why=f"by {peer}: {msg.reason}", by=peer)
         return True
 
     def _verify(self, req: _Request, checksums: bytes | None) -> KvpushError | None:

@@ -569,6 +569,50 @@ def test_a_push_claim_becomes_the_registration_or_is_given_up() -> None:
     assert results(effects)[0].state is RequestState.FAILED
 
 
+def _aborts(effects: list[Any]) -> list[tuple[str, m.Abort]]:
+    return [(e.peer, e.msg) for e in effects
+            if isinstance(e, Send) and isinstance(e.msg, m.Abort)]
+
+
+def test_a_claim_given_up_here_is_given_up_at_each_producer_it_went_to() -> None:
+    """A claim over several producers (tensor-parallel ranks) that ends here however it
+    ends -- one producer lost, one refusing or giving it up, the engine's abort -- is
+    given up at every other producer it went to, which otherwise holds its source for it
+    up to ``max_wait_s`` (found by ``python -m kvpush.testing.sim --requests 10000
+    --seed 192 --producers 8 --consumers 4 --faults all --tp 4 --ctp 2 --timings library
+    --fault-rate 5``: a producer closed, its consumer dropped the claim of a push over it
+    and another rank, and that rank held the prefilled blocks on)."""
+    c = core()
+    c.claim_push(0.0, "lost", [P, Q], 2, 21)
+    c.drain()
+    c.peer_lost(0.1, Q, "closed")
+    effects = c.drain()
+    assert Emit(ClaimGone("lost", 21)) in effects
+    assert _aborts(effects) == [(P, m.Abort("lost", 21, f"producer {Q} lost: closed"))]
+    # the producer that refused it is not told again; the other is
+    c.peer_up(0.15, Q)
+    c.claim_push(0.2, "refused", [P, Q], 2, 31)
+    c.drain()
+    c.on_message(0.3, P, m.Failed("refused", 31, "lease_expired", "released"))
+    assert _aborts(c.drain()) == [(Q, m.Abort("refused", 31, f"by {P}: released"))]
+    c.claim_push(0.4, "aborted", [P, Q], 2, 41)
+    c.drain()
+    c.on_message(0.5, Q, m.Abort("aborted", 41, "gone"))
+    assert _aborts(c.drain()) == [(P, m.Abort("aborted", 41, f"by {Q}: gone"))]
+    # the engine's abort: both
+    c.claim_push(0.6, "engine", [P, Q], 2, 51)
+    c.drain()
+    c.abort_claim(0.7, "engine", 51, "no blocks")
+    assert _aborts(c.drain()) == [(P, m.Abort("engine", 51, "no blocks")),
+                                  (Q, m.Abort("engine", 51, "no blocks"))]
+    # closing: the Bye ends every claim at the producers; no Abort per claim
+    c.claim_push(0.8, "closing", [P, Q], 2, 61)
+    c.drain()
+    c.close(0.9)
+    effects = c.drain()
+    assert Emit(ClaimGone("closing", 61)) in effects and _aborts(effects) == []
+
+
 R = "prod-r"   # a producer this consumer is not connected to
 
 
