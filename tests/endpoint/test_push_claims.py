@@ -79,6 +79,29 @@ def test_a_push_claim_given_up_releases_the_source(how: str) -> None:
             c.close()
 
 
+def test_a_claim_over_two_ranks_given_up_when_one_closes_releases_the_other() -> None:
+    """A push claimed over two producer ranks (tensor parallel) whose one rank closes: the
+    consumer gives the claim up, and tells the other rank, which lets its prefilled source
+    go at once instead of holding it for ``max_wait_s``."""
+    config = kvpush.ProducerConfig(lease_s=LEASE_S, max_wait_s=60.0)
+    src0, src1, dst = make_cache(num_blocks=8), make_cache(num_blocks=8), \
+        make_cache(num_blocks=8)
+    with kvpush.Producer(src0.layout, config) as rank0, \
+            kvpush.Producer(src1.layout, config) as rank1, \
+            kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(heartbeat_s=0.2)) as c:
+        names = [c.connect(rank0.address, timeout=10), c.connect(rank1.address, timeout=10)]
+        c.claim_push("r", names)
+        time.sleep(0.3)                                   # the Claims are on their way
+        rank0.prefill_done("r", np.array([1, 2]))
+        rank1.prefill_done("r", np.array([1, 2]))
+        time.sleep(2 * LEASE_S)
+        assert rank0.get_released() == []                 # held for the claimer
+        rank1.close()
+        (release,) = drain_released(rank0, 1, timeout=10)
+        assert (release.request_id, release.reason) == ("r", ReleaseReason.ABORTED)
+        assert release.blocks_safe
+
+
 def _claiming_consumer(conn: Any, address: str) -> None:
     dst = make_cache(num_blocks=8)
     with kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(heartbeat_s=0.2)) as c:
