@@ -272,6 +272,8 @@ class Endpoint:
             self.memory = reopen.memory
             self.engine = reopen.engine
             self.engine.ep = self
+            if role == "producer":   # claims for a next use went with the closed core
+                self.engine.pending_claims.clear()
         else:
             first, heads, total = sim.heads_of(name)   # its tensor-parallel shard
             self.memory = FakeMemory(t.num_regions * (2 if t.kv_apart else 1), t.num_blocks,
@@ -468,6 +470,12 @@ class Endpoint:
         elif isinstance(item, ClaimGone) and self.role == "consumer":
             self.sim.checker.trace(f"{self.name} claim gone {item.request_id} "
                                    f"xid={item.xid:x}")
+            # Its producers hold nothing for it past the bounds of being told (an Abort,
+            # or this consumer's loss): no more max_wait_s (see Simulation._check_released).
+            for ep in self.sim.endpoints.values():
+                if ep.role == "producer":
+                    ep.engine.claim_gone(self.sim.sched.now, self.name, item.request_id,
+                                         item.xid)
         else:
             self.sim.checker.fail("bad_effect", f"{self.name}: delivered {item!r}")
 
@@ -637,9 +645,7 @@ class Endpoint:
             if isinstance(msg, (m.Register, m.Claim)):
                 self.sim.producer_wait_started(msg.request_id)
             if isinstance(msg, m.Claim):     # it may hold the source up to max_wait_s
-                src = self.engine.sources.get(msg.request_id)
-                if src is not None:
-                    src.claimed_at = now
+                self.engine.took_claim(now, peer, msg)
             return on_message(now, peer, msg, *rest)
 
         machine.receive = watched_receive

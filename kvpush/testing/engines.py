@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import messages as m
 from ..request import Release, RequestState, TransferMode, TransferResult
 
 if TYPE_CHECKING:
@@ -78,7 +79,9 @@ class Source:
     engine_done: bool = False     # the engine writes no more into them (done or aborted)
     released_by: Endpoint | None = None
     quarantine_until: float = 0.0   # Release.blocks_safe False: unchanged until then
-    claimed_at: float = -1.0      # when the producer core last took a Claim of it
+    #: the Claims the producer core took of it, by (consumer, xid): [when it took it, when
+    #: the consumer gave the claim up (-1: not yet)]
+    claims: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -107,6 +110,9 @@ class PrefillEngine:
         self.sources: dict[str, Source] = {}
         #: block id -> the live source holding it
         self.owner: dict[int, Source] = {}
+        #: push Claims the producer core took for the next use of an id (its source not
+        #: allocated yet, or the current one released): the next source's claims
+        self.pending_claims: dict[str, dict[tuple[str, int], list[float]]] = {}
 
     def allocate(self, req: Request) -> Source | None:
         if len(self.free) < req.nblocks or req.rid in self.sources:
@@ -115,6 +121,7 @@ class PrefillEngine:
         ids = [self.free.pop(rng.randrange(len(self.free))) for _ in range(req.nblocks)]
         arr = np.array(ids, dtype=np.int64)
         src = Source(req, self.ep, arr, frozenset(ids), tag=req.number * 64 + len(req.sources))
+        src.claims = self.pending_claims.pop(req.rid, {})
         self.sources[req.rid] = src
         for b in ids:
             self.owner[b] = src
@@ -235,6 +242,27 @@ class PrefillEngine:
         for src in list(self.sources.values()):
             self.sim.source_ended(src)
         self.sources.clear()
+        self.pending_claims.clear()
+
+    def took_claim(self, now: float, consumer: str, msg: m.Claim) -> None:
+        """The producer core took ``msg`` from ``consumer`` just now: the source it holds
+        for the claim is the current one (a pull claim: the one its ``sid`` names), or,
+        for a push claim with none live, the next one."""
+        src = self.sources.get(msg.request_id)
+        key = (consumer, msg.xid)
+        if src is not None and not src.released:
+            if msg.push or msg.sid == src.sid:
+                src.claims[key] = [now, -1.0]
+        elif msg.push:
+            self.pending_claims.setdefault(msg.request_id, {})[key] = [now, -1.0]
+
+    def claim_gone(self, now: float, consumer: str, rid: str, xid: int) -> None:
+        """``consumer`` gave its claim ``xid`` of ``rid`` up just now (``ClaimGone``)."""
+        key = (consumer, xid)
+        src = self.sources.get(rid)
+        for claims in (src.claims if src is not None else {}, self.pending_claims.get(rid, {})):
+            if key in claims and claims[key][1] < 0:
+                claims[key][1] = now
 
 
 class DecodeEngine:

@@ -749,9 +749,14 @@ class Simulation:
         if src.released or pe.engine.dead or pe.engine.sources.get(src.req.rid) is not src:
             return
         t = self.timings
-        if not since and src.claimed_at >= 0:
-            claimed = src.claimed_at + t.max_wait_s + t.transfer_timeout_s \
-                + t.peer_timeout_s + t.heartbeat_s + t.slack_s
+        if not since and src.claims:
+            # A claim its consumer still has holds the source up to max_wait_s from when
+            # the producer took it; one given up there, only until the producer is told
+            # (its consumer's Abort, or that consumer's loss).
+            live = [taken for taken, gone in src.claims.values() if gone < taken]
+            claimed = max(live) + t.max_wait_s if live \
+                else max(gone for _, gone in src.claims.values())
+            claimed += t.transfer_timeout_s + t.peer_timeout_s + t.heartbeat_s + t.slack_s
             if claimed > bound:
                 self.sched.at(claimed, self._check_released, src, delayed0, claimed)
                 return

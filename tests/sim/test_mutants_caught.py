@@ -1,12 +1,14 @@
-"""The simulator finds the bugs the protocol core guards against: each guard is reverted here
-by patching the real ProducerCore, and the CI-sized runs of `.ci/run-sim` (``CI_RUNS``,
-every fault) must report a violation. A mutant the simulator did
+"""The simulator finds the bugs the protocol cores guard against: each guard is reverted here
+by patching the real ProducerCore (or ConsumerCore), and the CI-sized runs of `.ci/run-sim`
+(``CI_RUNS``, every fault; or the run named) must report a violation. A mutant the simulator did
 not catch would mean its faults or invariants miss that class of bug."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from kvpush.protocol import producer as core
 from kvpush.protocol.effects import Emit, XferEnd
 from kvpush.request import Release, ReleaseReason
 from kvpush.testing import Faults, Simulation, Timings
+from kvpush.testing.sim import main
 
 P = core.ProducerCore
 
@@ -104,6 +107,58 @@ def test_the_ci_sized_simulation_catches_the_reverted_fix(
                       **run).run() > 0:  # type: ignore[arg-type]
             return
     raise AssertionError(f"{mutant.__name__}: no violation in the CI-sized runs")
+
+
+def claims_dropped_untold(mp: pytest.MonkeyPatch) -> None:
+    """A consumer's claim over several producers, given up because one of them was lost or
+    refused it, is given up at none of the others (only the engine's abort tells them):
+    each holds its source for the claim up to ``max_wait_s``."""
+    from kvpush import messages as m
+    from kvpush.protocol import consumer as ccore
+    from kvpush.protocol.effects import Send
+
+    C = ccore.ConsumerCore
+    end_claim = C._end_claim
+
+    def untold(self: Any, now: float, req: Any, why: str, by: str | None = None,
+               tell: bool = True) -> None:
+        end_claim(self, now, req, why, by, tell=False)
+
+    def abort_claim(self: Any, now: float, rid: str, xid: int, reason: str) -> None:
+        claim = self._claims.get(rid)
+        if claim is None or claim.xid != xid:
+            return
+        sent = claim.phase is ccore.Phase.CLAIMED
+        self._event(now, claim, ccore.Event.ABORT, why=reason)
+        for name in claim.sids if sent else ():
+            if name in self._peers:
+                self._out.append(Send(name, m.Abort(rid, xid, reason)))
+    mp.setattr(C, "_end_claim", untold)
+    mp.setattr(C, "abort_claim", abort_claim)
+
+
+def _ci_run_args(seed: int) -> list[str]:
+    """The arguments of `.ci/run-sim`'s run of ``seed`` (continued lines joined)."""
+    text = (Path(__file__).resolve().parents[2] / ".ci" / "run-sim").read_text()
+    commands = text.replace("\\\n", " ").split('"$PY" -m kvpush.testing.sim ')[1:]
+    (args,) = [c.split("\n")[0].split() for c in commands
+               if f"--seed {seed} " in c.split("\n")[0]]
+    return [a.replace('"$FAULTS"', "all") for a in args]
+
+
+def test_the_ci_run_over_four_producer_ranks_catches_claims_dropped_untold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`.ci/run-sim`'s run with four producer ranks per request and the library's order of
+    timeouts (where ``max_wait_s`` is far above a lease) reports a source held for a claim
+    its consumer gave up, in its first 2,000 requests: the checker bounds a claimed source
+    by ``max_wait_s`` only while its consumer still has the claim."""
+    claims_dropped_untold(monkeypatch)
+    args = _ci_run_args(192)
+    args[args.index("--requests") + 1] = "2000"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*args, "--stop-after", "1"]) == 1
+    assert "VIOLATION never_released" in out.getvalue()
 
 
 def test_a_run_stopped_at_a_violation_is_the_whole_run_cut_short(
