@@ -646,6 +646,8 @@ class Endpoint:
                 self.sim.producer_wait_started(msg.request_id)
             if isinstance(msg, m.Claim):     # it may hold the source up to max_wait_s
                 self.engine.took_claim(now, peer, msg)
+            elif isinstance(msg, (m.Register, m.PullBegin)):   # a claim of it continues
+                self.engine.claim_gone(now, peer, msg.request_id, msg.xid)
             return on_message(now, peer, msg, *rest)
 
         machine.receive = watched_receive

@@ -80,7 +80,7 @@ class Source:
     released_by: Endpoint | None = None
     quarantine_until: float = 0.0   # Release.blocks_safe False: unchanged until then
     #: the Claims the producer core took of it, by (consumer, xid): [when it took it, when
-    #: the consumer gave the claim up (-1: not yet)]
+    #: the consumer gave the claim up or continued it (-1: neither yet)]
     claims: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
 
@@ -257,7 +257,9 @@ class PrefillEngine:
             self.pending_claims.setdefault(msg.request_id, {})[key] = [now, -1.0]
 
     def claim_gone(self, now: float, consumer: str, rid: str, xid: int) -> None:
-        """``consumer`` gave its claim ``xid`` of ``rid`` up just now (``ClaimGone``)."""
+        """``consumer`` gave its claim ``xid`` of ``rid`` up just now (its ``ClaimGone``),
+        or continued it (this producer took its ``Register`` or ``PullBegin``): the claim
+        holds the source no more; the transfer that continues it is bounded as any is."""
         key = (consumer, xid)
         src = self.sources.get(rid)
         for claims in (src.claims if src is not None else {}, self.pending_claims.get(rid, {})):

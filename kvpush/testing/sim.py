@@ -752,7 +752,8 @@ class Simulation:
         if not since and src.claims:
             # A claim its consumer still has holds the source up to max_wait_s from when
             # the producer took it; one given up there, only until the producer is told
-            # (its consumer's Abort, or that consumer's loss).
+            # (its consumer's Abort, or that consumer's loss); one continued, as long as
+            # the transfer that continues it (bounded as any transfer is).
             live = [taken for taken, gone in src.claims.values() if gone < taken]
             claimed = max(live) + t.max_wait_s if live \
                 else max(gone for _, gone in src.claims.values())
