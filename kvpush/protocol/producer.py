@@ -922,12 +922,16 @@ class ProducerCore:
             # refused). Nothing will read these blocks, so they go back now, once; the
             # use's later layer_done and prefill_done are swallowed as a use released
             # early. Swallowing this one instead left the blocks with nobody when the
-            # engine aborted again rather than calling prefill_done.
+            # engine aborted again rather than calling prefill_done. A layer after the
+            # abort says the engine is still prefilling this use: the record waits for
+            # its prefill_done as for any use released early (max_wait_s past the
+            # tombstone), or a late one would be taken for a new use and these blocks,
+            # the engine's again, held and released a second time.
             self._out.append(Emit(Release(req.rid, ReleaseReason.ABORTED, ids, req.why,
                                           {"released": self._now}, sid or m.new_id(),
                                           mode=TransferMode.PUSH)))
             self.stats.blocks_released += len(ids)
-            req.released, req.aborted = (sid, ids), True
+            req.released, req.aborted = (sid, ids), False
             req.state = State.RELEASED_EARLY
             return
         if req.state is State.ENDED:

@@ -94,6 +94,35 @@ def test_an_abort_after_a_finished_request_does_not_block_later_uses() -> None:
     assert h.sent(m.Failed) == []
 
 
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_prefill_done_long_after_an_abort_and_a_layer_is_still_that_uses(
+        registered: bool) -> None:
+    """The engine aborts a use before its prefill (a registration waiting, or no record
+    yet), then goes on: a layer_done (its blocks go back at once, ABORTED) and, later than
+    ``tombstone_s`` after the abort, its prefill_done. That prefill_done is the same use's
+    and is swallowed; taken for a new use, it held the blocks the engine had back already
+    and released them a second time at the lease (found by ``python -m
+    kvpush.testing.sim --requests 60000 --seed 226 --faults all --timings library
+    --producers 4 --consumers 4 --tp 2 --ctp 2``: ``release_not_held``, where an engine's
+    abort of the id's previous, finished use reached this one)."""
+    h = Harness(tombstone_s=2.0, lease_s=1.0, max_wait_s=10.0)
+    sid = 0x7DCC
+    if registered:
+        h.register("A", "r", 11, [1, 2, 3, 4], sid=sid)
+    h.core.abort(h.now, "r", "engine gave up")
+    h.run()
+    h.advance(1.9)                                   # inside the abort's tombstone
+    h.core.layer_done(h.now, "r", np.array([5, 6, 7, 8]), 1, sid)
+    h.run()
+    h.advance(1.0)                                   # past it
+    h.prefill("r", [5, 6, 7, 8], sid=sid)
+    h.advance(2.0)                                   # past a lease
+    assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]
+    assert h.core.held() == 0
+    assert h.sent(m.Failed) == ([m.Failed("r", 11, "aborted", "engine gave up")]
+                                if registered else [])
+
+
 def test_a_message_of_a_non_owner_changes_nothing() -> None:
     """Consumer B's Abort or PullDone does not release the source consumer A is reading
     (else A reports READY over blocks the engine has reused)."""
