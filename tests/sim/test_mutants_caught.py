@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from kvpush.protocol.effects import Emit, XferEnd
 from kvpush.request import Release, ReleaseReason
 from kvpush.testing import Faults, Simulation, Timings
 from kvpush.testing.sim import main
+from tests.support import ci_sim_runs
 
 P = core.ProducerCore
 
@@ -137,15 +137,6 @@ def claims_dropped_untold(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(C, "abort_claim", abort_claim)
 
 
-def _ci_run_args(seed: int) -> list[str]:
-    """The arguments of `.ci/run-sim`'s run of ``seed`` (continued lines joined)."""
-    text = (Path(__file__).resolve().parents[2] / ".ci" / "run-sim").read_text()
-    commands = text.replace("\\\n", " ").split('"$PY" -m kvpush.testing.sim ')[1:]
-    (args,) = [c.split("\n")[0].split() for c in commands
-               if f"--seed {seed} " in c.split("\n")[0]]
-    return [a.replace('"$FAULTS"', "all") for a in args]
-
-
 def test_the_ci_run_over_four_producer_ranks_catches_claims_dropped_untold(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`.ci/run-sim`'s run with four producer ranks per request and the library's order of
@@ -153,7 +144,7 @@ def test_the_ci_run_over_four_producer_ranks_catches_claims_dropped_untold(
     its consumer gave up, in its first 2,000 requests: the checker bounds a claimed source
     by ``max_wait_s`` only while its consumer still has the claim."""
     claims_dropped_untold(monkeypatch)
-    args = _ci_run_args(192)
+    (args,) = [a for a in ci_sim_runs() if a[a.index("--seed") + 1] == "192"]
     args[args.index("--requests") + 1] = "2000"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

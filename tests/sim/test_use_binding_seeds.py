@@ -17,7 +17,7 @@ import pytest
 
 from kvpush.protocol.producer import CoreConfig, ProducerCore
 from kvpush.testing import Faults, Simulation, Timings
-from tests.support import ROOT
+from tests.support import ci_sim_runs
 
 
 def _run(seed: int, faults: Faults, requests: int = 300, **kw: Any) -> Simulation:
@@ -48,18 +48,12 @@ def _held_for_max_wait(ep: Any) -> ProducerCore:
         tombstone_s=t.tombstone_s, peer_timeout_s=t.peer_timeout_s), ep.links)
 
 
-def _ci_library_run() -> list[str]:
-    """.ci/run-sim's first run with the library's order of timeouts (the one on a line of
-    its own, with the default producers and consumers)."""
-    lines = (ROOT / ".ci" / "run-sim").read_text().splitlines()
-    line = next(ln for ln in lines if "--timings library" in ln and ln.startswith('"$PY"'))
-    return line.split('"$PY" -m kvpush.testing.sim ')[1].replace("\\", "").split()
-
-
 def test_an_unclaimed_source_held_for_max_wait_s_is_caught_by_the_ci_run() -> None:
-    args = _ci_library_run()
-    opt = dict(zip(args[::2], args[1::2], strict=True))
-    seed, requests = int(opt["--seed"]), int(opt["--requests"])
+    """.ci/run-sim's first run with the library's order of timeouts (its default producers
+    and consumers)."""
+    args = next(a for a in ci_sim_runs()
+                if "--timings" in a and a[a.index("--timings") + 1] == "library")
+    seed, requests = int(args[args.index("--seed") + 1]), int(args[args.index("--requests") + 1])
     sim = Simulation(seed, requests=requests, timings=Timings().with_order("library", seed),
                      make_producer=_held_for_max_wait, stop_after=1, out=io.StringIO())
     sim.run()
