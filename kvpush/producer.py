@@ -100,6 +100,15 @@ class ProducerConfig:
             raise ValueError(f"ProducerConfig.port must be in [0, 65535], got {self.port}")
 
 
+def _use(sid: int | None) -> int:
+    """An engine's name for a use of a request id, checked: 0 when it names none."""
+    if sid is None:
+        return 0
+    if isinstance(sid, bool) or not isinstance(sid, int) or not 0 < sid < 1 << 63:
+        raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
+    return sid
+
+
 class Producer(Endpoint):
     """The prefill side of kvpush.
 
@@ -167,11 +176,8 @@ class Producer(Endpoint):
         check_request_id(request_id)
         mode = TransferMode(mode)
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        named = sid is not None
-        if sid is None:
-            sid = new_id()
-        elif isinstance(sid, bool) or not isinstance(sid, int) or not 0 < sid < 1 << 63:
-            raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
+        named = _use(sid)
+        sid = named or new_id()
         # An unnamed push use goes to the core as sid 0: it tells this use's late calls
         # from a new use's by their blocks (a pull's sid is in its ticket: named).
         use = sid if named or mode is TransferMode.PULL else 0
@@ -225,20 +231,27 @@ class Producer(Endpoint):
         if self.layout.layers_per_region != 1:
             raise ValueError("layer_done needs one layer per region (layers_per_region == 1)")
         ids = validate_block_ids(block_ids, self.layout.num_blocks, "block_ids")
-        if sid is not None and (isinstance(sid, bool) or not isinstance(sid, int)
-                                or not 0 < sid < 1 << 63):
-            raise ValueError(f"sid must be an int in [1, 2**63), got {sid!r}")
-        use = sid or 0
+        use = _use(sid)
         self._driver.submit(lambda now: self._core.layer_done(now, request_id, ids, layer,
                                                                use))
 
-    def abort(self, request_id: str, reason: str = "aborted by producer") -> None:
+    def abort(self, request_id: str, reason: str = "aborted by producer", *,
+              sid: int | None = None) -> None:
         """Give up ``request_id``'s live use wherever it is: its owners are told, and its
         blocks are released ``ABORTED`` once no transfer can read them (a WRITE in flight
         is left to end: NIXL cannot stop its bytes). An id with no use here yet: its next
-        ``prefill_done`` (within ``tombstone_s``) is released ``ABORTED`` at once."""
+        ``prefill_done`` (within ``tombstone_s``) is released ``ABORTED`` at once.
+
+        ``sid`` names the use, as in :meth:`prefill_done` (the same one passed there, or a
+        pull ticket's ``sid``). An engine that reuses request ids should name it: an
+        unnamed abort that reaches this side after its use ended aborts the next use of
+        the id. A named one aborts that use only: the live one if it is that use; else,
+        unless that use already ended here, the use when it comes (its ``prefill_done``
+        or first ``layer_done`` within ``tombstone_s``); otherwise nothing. A use whose
+        ``prefill_done`` named no sid is never the one a named abort means."""
         check_request_id(request_id)
-        self._driver.submit(lambda now: self._core.abort(now, request_id, reason))
+        use = _use(sid)
+        self._driver.submit(lambda now: self._core.abort(now, request_id, reason, use))
 
     def get_released(self) -> list[Release]:
         """Releases since the last call, oldest first (for engines that poll rather than

@@ -173,11 +173,15 @@ TABLE: Table[State, Event] = Table("producer request", {
         E.REGISTER: row("_on_register", S.ENDED, S.WAITING),
         E.CLAIM: row("_on_claim", S.ENDED, S.WAITING),
         E.CONSUMER_ABORT: row("_on_consumer_abort", S.ENDED),
+        # one naming a use to come (not the one that ended) aborts it before it starts
+        E.ENGINE_ABORT: row("_on_engine_abort", S.ENDED, S.ABORTED_EARLY),
         E.TOMB_OVER: row("_on_tomb_over", S.ENDED),
     },
+    # a prefill_done or layer_done of another use than the one aborted (both named) starts
+    # that use
     S.ABORTED_EARLY: {
-        E.PREFILL_DONE: row("_on_prefill_done", S.ENDED, S.ENDING),
-        E.LAYER_DONE: row("_on_layer_done", S.RELEASED_EARLY),
+        E.PREFILL_DONE: row("_on_prefill_done", S.ENDED, S.ENDING, S.HELD),
+        E.LAYER_DONE: row("_on_layer_done", S.RELEASED_EARLY, S.PARTIAL),
         E.CONSUMER_ABORT: row("_on_consumer_abort", S.ABORTED_EARLY),
         E.TOMB_OVER: row("_on_tomb_over", S.ABORTED_EARLY),
     },
@@ -379,6 +383,12 @@ class _Request:
     # The engine aborted this use: its prefill_done, even one made after the abort, is
     # still this use's (it never starts a new use here).
     aborted: bool = False
+    # ABORTED_EARLY: the use the engine's abort named (0: it named none, so the next use
+    # whatever its sid)
+    abort_sid: int = 0
+    # The engine's sid of the last use of this id that ended (0: unnamed): an abort naming
+    # it is late, never for the use that comes next.
+    ended_sid: int = 0
     released: tuple[int, np.ndarray] | None = None      # (sid, blocks) of the use released
     # Registrations (and push claims) of the next use of this id from endpoints that took
     # their place as owners of the live one already: (peer, message, when it came). They wait for
@@ -531,14 +541,36 @@ class ProducerCore:
         self._now = now
         self._dispatch(rid, Event.LAYER_DONE, (ids, layer, sid), new=True)
 
-    def abort(self, now: float, rid: str, reason: str) -> None:
+    def abort(self, now: float, rid: str, reason: str, sid: int = 0) -> None:
+        """The engine gives up ``rid``'s use ``sid`` (0: whichever use is live, or the next
+        one when none is). A named abort reaches only that use: the live one when it is
+        that use, else the next one unless that use already ended here (late: ignored)."""
         self._now = now
         self.stats.requests_aborted += 1
-        if rid not in self._requests:  # no use here yet: the next prefill_done is aborted
+        req = self._requests.get(rid)
+        if req is None:  # no use here yet: the next prefill_done is aborted
             req = self._new(rid, State.ABORTED_EARLY)
+            req.abort_sid = sid
             self._tomb(req, "aborted", reason, state=State.ABORTED_EARLY)
             return
-        self._dispatch(rid, Event.ENGINE_ABORT, (reason,))
+        if sid and not self._abort_names_live_or_next(req, sid):
+            self.stats.events_refused += 1
+            log.debug("abort of %r use %x: not the live use, nor the next", rid, sid)
+            return
+        self._dispatch(rid, Event.ENGINE_ABORT, (reason, sid))
+
+    @staticmethod
+    def _abort_names_live_or_next(req: _Request, sid: int) -> bool:
+        """Whether an abort naming use ``sid`` is for ``req``'s live use, or (none live)
+        for the use to come; an abort of a use that ended, or of another than the live
+        one, changes nothing."""
+        if req.source is not None:               # PARTIAL, HELD, ENDING
+            return req.source.named and req.source.sid == sid
+        if req.state is State.RELEASED_EARLY:    # its prefill_done is still to come
+            return req.released is not None and req.released[0] == sid
+        if req.state is State.ABORTED_EARLY:     # a repeat, or another use: the first holds
+            return False
+        return sid != req.ended_sid              # WAITING, ENDED
 
     def close(self, now: float) -> None:
         """Release every held source CLOSED (the driver releases NIXL handles itself)."""
@@ -809,9 +841,12 @@ class ProducerCore:
     # -- engine event handlers ---------------------------------------------------------------
     def _on_prefill_done(self, req: _Request, ids: np.ndarray, mode: TransferMode, sid: int,
                          stamps: dict[str, float]) -> None:
+        if req.state is State.ABORTED_EARLY and self._not_aborted_use(req, sid):
+            self._reuse(req)
         state = req.state
         if state is State.ABORTED_EARLY:
             req.state = State.ENDED   # this use is settled; the id is free after its tomb
+            req.ended_sid = sid
             if mode is TransferMode.PULL:
                 # A ticket for these blocks is out: a READ may start at any moment until
                 # its lease ends, so the blocks stay held (ENDING) until then.
@@ -834,6 +869,8 @@ class ProducerCore:
             # that outlived tombstone_s, or one the engine made after its abort) for a new
             # use, whose blocks were held again and released a second time.
             req.state = State.ENDED
+            if req.released is not None:
+                req.ended_sid = req.released[0]
             self._tomb(req, req.code, req.why)
             return
         if state is State.RELEASED_EARLY:  # another use's blocks: a new use
@@ -903,6 +940,12 @@ class ProducerCore:
                 self._owner_gone(req, owner, ReleaseReason.FAILED, "another use")
 
     @staticmethod
+    def _not_aborted_use(req: _Request, sid: int) -> bool:
+        """Whether an engine call naming ``sid`` is of another use than the one an abort
+        named before it came (both named): that use starts as any new use."""
+        return bool(req.abort_sid and sid and sid != req.abort_sid)
+
+    @staticmethod
     def _same_use(req: _Request, ids: np.ndarray, sid: int) -> bool:
         """Whether an engine call naming ``ids`` and ``sid`` is of the use released early:
         the same source use id when both calls name one (``sid`` non-zero), else (an
@@ -916,6 +959,8 @@ class ProducerCore:
     def _on_layer_done(self, req: _Request, ids: np.ndarray, layer: int, sid: int) -> None:
         if req.state is State.RELEASED_EARLY:
             return  # swallowed: prefill_done settles the use
+        if req.state is State.ABORTED_EARLY and self._not_aborted_use(req, sid):
+            self._reuse(req)
         if req.state is State.ABORTED_EARLY:
             # A layer of a use the engine aborted before its prefill ended (or of a use of
             # the id begun while that abort's tombstone stands: its registrations were
@@ -951,7 +996,12 @@ class ProducerCore:
         req.source.layers.add(layer)
         self._advance(req)
 
-    def _on_engine_abort(self, req: _Request, reason: str) -> None:
+    def _on_engine_abort(self, req: _Request, reason: str, sid: int) -> None:
+        if req.state is State.ENDED:
+            if not sid:   # which use it means cannot be told: the one that ended
+                self.stats.events_refused += 1
+                return
+            self._reuse(req)   # the use it names is still to come
         req.aborted = True
         if req.state is State.RELEASED_EARLY:
             # The engine ends this use instead of (or before) calling prefill_done: the
@@ -964,6 +1014,7 @@ class ProducerCore:
                 self._fail(owner.peer, req.rid, owner.xid, "aborted", reason)
                 self._owner_gone(req, owner, ReleaseReason.ABORTED, reason)
             req.owners, req.sharers = {}, None
+            req.abort_sid = sid
             self._tomb(req, "aborted", reason, state=State.ABORTED_EARLY)
             return
         self._give_up(req, ReleaseReason.ABORTED, reason, code="aborted")
@@ -1555,6 +1606,7 @@ class ProducerCore:
         # use's and is swallowed -- never a new use whose blocks are held and released again.
         early = not source.complete
         req.released = (source.sid if source.named else 0, source.ids)
+        req.ended_sid = req.released[0]
         queued, req.queued = req.queued, []
         if not code and reason is not ReleaseReason.TRANSFERRED:
             code = "aborted" if reason is ReleaseReason.ABORTED else "failed"
@@ -1607,7 +1659,7 @@ class ProducerCore:
         req.extended = False
         req.state, req.code, req.why = State.WAITING, "", ""
         req.owners, req.sharers, req.done_owners = {}, None, set()
-        req.aborted, req.released = False, None
+        req.aborted, req.released, req.abort_sid = False, None, 0
 
     # -- sending -----------------------------------------------------------------------------
     def _send(self, peer: str, msg: m.Message) -> None:

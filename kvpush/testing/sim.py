@@ -729,7 +729,10 @@ class Simulation:
 
     def _call_abort(self, pe: Endpoint, req: Request, src: Source) -> None:
         now = self.sched.now
-        pe.core.abort(now, req.rid, "aborted by the sim's engine")
+        # The use it aborts, named as the engine named it to prefill_done and layer_done
+        # (none yet: unnamed, its next use whatever its sid); a stalled loop can take it
+        # after that use ended and the id's next use began, which a named abort leaves be.
+        pe.core.abort(now, req.rid, "aborted by the sim's engine", src.sid)
         if req.mode is TransferMode.PUSH and src.handed and not src.released:
             # A pushed source the engine gave up goes back once no WRITE can read it: each
             # WRITE ends or is abandoned within transfer_timeout_s of its post, and an

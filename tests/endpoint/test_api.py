@@ -303,6 +303,36 @@ def test_source_tail_moves_only_the_missing_blocks(pair: tuple, mode: TransferMo
                source_tail=True)
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1 << 63, True, "5", 1.0])
+def test_a_use_is_named_by_a_positive_63_bit_int(pair: tuple, bad: object) -> None:
+    p, _c, _src, _dst, _name = pair
+    with pytest.raises(ValueError, match="sid"):
+        p.prefill_done("s", [1], sid=bad)
+    with pytest.raises(ValueError, match="sid"):
+        p.abort("s", sid=bad)
+    assert p.stats()["requests_aborted"] == 0
+
+
+def test_an_abort_naming_a_use_that_ended_leaves_the_next_alone(pair: tuple) -> None:
+    """The engine aborts a use of a reused id just as it ends: named, the abort cannot
+    reach the next use of the id (unnamed, it fails that use's registration)."""
+    p, c, _src, dst, name = pair
+    h = c.expect("u", [0, 1], name)
+    p.prefill_done("u", [7, 8], sid=0x51)
+    assert h.wait(10).ok
+    drain_released(p, 1)
+    h = c.expect("u", [2, 3], name)                  # the id's next use registers
+    deadline = time.monotonic() + 10
+    while p.status("u").phase != "waiting":
+        assert time.monotonic() < deadline, p.status("u")
+        time.sleep(0.01)
+    p.abort("u", "ended already", sid=0x51)          # the engine's late abort
+    p.prefill_done("u", [9, 10], sid=0x52)
+    assert h.wait(10).ok
+    check_blocks(dst, np.array([2, 3]), np.array([9, 10]), 3)
+    assert [r.reason for r in drain_released(p, 1)] == [kvpush.ReleaseReason.TRANSFERRED]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0, True, "5"])
 def test_api_timeouts_must_be_finite_positive(pair: tuple, bad: object) -> None:
     """A NaN timeout once reached the loop's timer heap, where it stops every timer."""

@@ -123,6 +123,74 @@ def test_a_prefill_done_long_after_an_abort_and_a_layer_is_still_that_uses(
                                 if registered else [])
 
 
+def test_a_named_abort_of_a_use_that_ended_leaves_the_next_use_alone() -> None:
+    """With reused ids, the engine's abort of a use that already ended can reach the
+    producer after the next use's registration: unnamed, it aborts that next use (its
+    registration Failed ``aborted``, its prefill_done released at once). Named (the sid
+    given to prefill_done), it changes nothing: the next use is served."""
+    for named in (False, True):
+        h = Harness(tombstone_s=2.0)
+        h.register("A", "r", 11, [1, 2], sid=0xA1)
+        h.prefill("r", [5, 6], sid=0xA1)
+        h.end_writes()                                     # use A1 ended, TRANSFERRED
+        h.advance(0.1)
+        h.register("A", "r", 12, [3, 4], sid=0xB2)         # the next use's registration
+        h.core.abort(h.now, "r", "late", 0xA1 if named else 0)
+        h.run()
+        h.prefill("r", [7, 8], sid=0xB2)
+        h.end_writes()
+        reasons = [r.reason for r in h.releases()]
+        if named:
+            assert reasons == [ReleaseReason.TRANSFERRED] * 2
+            assert h.sent(m.Failed) == []
+        else:
+            assert reasons == [ReleaseReason.TRANSFERRED, ReleaseReason.ABORTED]
+            assert [f.code for f in h.sent(m.Failed)] == ["aborted"]
+
+
+def test_a_named_abort_before_its_use_aborts_that_use_only() -> None:
+    """A named abort with no live use (the id's last use ended, or no record) aborts the
+    use it names when it comes; a prefill_done of another named use starts that use."""
+    h = Harness(tombstone_s=5.0)
+    h.core.abort(h.now, "r", "engine gave up", 0xC3)        # no record yet
+    h.run()
+    h.prefill("r", [1, 2], sid=0xD4)                         # another use: held, served
+    h.register("A", "r", 11, [3, 4])
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED]
+    h.advance(0.1)
+    h.core.abort(h.now, "r", "engine gave up", 0xC3)        # the id's last use ended
+    h.run()
+    h.register("A", "r", 12, [3, 4])                         # refused: the next use aborted
+    h.prefill("r", [1, 2], sid=0xC3)                         # released at once
+    assert [r.reason for r in h.releases()] == [ReleaseReason.TRANSFERRED,
+                                                ReleaseReason.ABORTED]
+    assert [f.code for f in h.sent(m.Failed)] == ["aborted"]
+    assert h.core.held() == 0
+
+
+def test_a_named_abort_reaches_the_live_use_it_names_and_no_other() -> None:
+    h = Harness()
+    h.prefill("r", [1, 2], TransferMode.PULL, sid=0xE5)
+    h.core.abort(h.now, "r", "not this one", 0xF6)           # another use: ignored
+    h.core.abort(h.now, "r", "the ended one", 0)             # unnamed: the live one
+    h.run()
+    h.advance(h.core.config.lease_s + 0.1)                   # no READ began: at the lease
+    assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]
+    h = Harness()
+    h.register("A", "r", 11, [3, 4])
+    h.core.layer_done(h.now, "r", np.array([1, 2]), 0, 0xE5)
+    h.run()
+    h.core.abort(h.now, "r", "not this one", 0xF6)
+    h.run()
+    assert h.sent(m.Failed) == []
+    h.core.abort(h.now, "r", "this one", 0xE5)
+    h.run()
+    h.end_writes()
+    assert [r.reason for r in h.releases()] == [ReleaseReason.ABORTED]
+    assert [f.code for f in h.sent(m.Failed)] == ["aborted"]
+
+
 def test_a_message_of_a_non_owner_changes_nothing() -> None:
     """Consumer B's Abort or PullDone does not release the source consumer A is reading
     (else A reports READY over blocks the engine has reused)."""
