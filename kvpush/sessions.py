@@ -496,7 +496,10 @@ class Dialing:
     def _lose(self, down: PeerDown) -> None:
         """A session that was up ended: its requests and claims fail, NIXL forgets the
         producer, and one that asked to be dialled again (its data plane restarted) is."""
-        log.info("%s: lost producer %s: %s", self._driver.name, down.name, down.why)
+        sock = self.conns.get(str(down.conn))
+        unsent = " (control frames to it were still waiting to go out)" \
+            if sock is not None and self._driver.queued(sock) else ""
+        log.info("%s: lost producer %s: %s%s", self._driver.name, down.name, down.why, unsent)
         self._driver.stats.peers_lost += 1
         self._drop_conn(str(down.conn))
         self._core.peer_lost(self._driver.clock(), down.name, down.why)

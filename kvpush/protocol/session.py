@@ -254,6 +254,9 @@ class Dialer:
         # (seq, when sent) of the oldest Heartbeat not answered: silence counts from a
         # question this side asked, never across a stall of its own loop.
         self.unanswered: tuple[int, float] | None = None
+        # when the producer was last heard from (any frame of this session): a loss says
+        # how long the silence was, and whether answers stopped or everything did
+        self.heard = now
         self._out: list[SessionEffect] = []
         self._now = now
 
@@ -298,6 +301,7 @@ class Dialer:
             return self._run(DialEvent.REJECT, now, msg), None
         if self.state is not DialState.UP:
             raise ProtocolError(f"{type(msg).__name__} before the handshake")
+        self.heard = now
         if isinstance(msg, m.HeartbeatAck):
             return self._run(DialEvent.HEARTBEAT_ACK, now, msg), None
         if isinstance(msg, m.Bye):
@@ -405,6 +409,7 @@ class Dialer:
 
     def _on_admitted(self) -> None:
         self.state = DialState.UP
+        self.heard = self._now
         assert self.layout is not None
         self._out.append(PeerUp(self.name, self.layout))
         # The producer counts a new session's silence from the HelloAck it sent, which a
@@ -431,7 +436,9 @@ class Dialer:
         now = self._now
         asked = self.unanswered
         if asked is not None and now - asked[1] > self.cfg.peer_timeout_s:
-            self._down(f"no answer for {self.cfg.peer_timeout_s} s")
+            self._down(f"no answer for {self.cfg.peer_timeout_s} s ({self.hb_seq - asked[0] + 1} "
+                       f"heartbeats unanswered; last frame from it {now - self.heard:.2f} s "
+                       f"ago)")
             return
         self.hb_seq += 1
         if asked is None:

@@ -178,8 +178,21 @@ def test_heartbeats_unanswered_lose_the_producer() -> None:
     assert _frames(dials.heartbeat(0.5))          # not answered yet, asked again
     assert _frames(dials.heartbeat(1.0))          # 1.0 s: not past the timeout yet
     out = dials.heartbeat(1.1)                    # 1.1 s after the first question
-    assert [e for e in out if isinstance(e, s.PeerDown)]
+    (down,) = [e for e in out if isinstance(e, s.PeerDown)]
     assert not d.up and "tcp://p0:1" not in dials.by_address
+    # what the silence was: the questions left unanswered, and nothing heard at all
+    assert "(3 heartbeats unanswered; last frame from it 1.10 s ago)" in down.why
+
+
+def test_a_loss_says_when_the_producer_was_last_heard() -> None:
+    """Heartbeats unanswered while other frames from the producer still come (its answers
+    alone lost or held) read otherwise in the loss than a producer gone silent."""
+    dials, acc = _pair(None)
+    d, _ = _connect(dials, acc)
+    dials.heartbeat(0.5)
+    dials.receive(0.9, d, m.encode(m.Posted("r", 1, 0)))   # a frame, not an answer
+    (down,) = [e for e in dials.heartbeat(1.1) if isinstance(e, s.PeerDown)]
+    assert down.why.endswith("(2 heartbeats unanswered; last frame from it 0.20 s ago)")
 
 
 def test_a_helloack_before_the_hello_is_refused_and_changes_nothing() -> None:
