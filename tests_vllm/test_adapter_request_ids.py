@@ -80,7 +80,7 @@ def test_second_push_export_of_a_name_never_aborts_the_first() -> None:
     s.on_new_request(fourth)
     fourth.status = SimpleNamespace(name="FINISHED_ABORTED")
     s.request_finished(fourth, [])
-    assert idle(s).send_aborts == [send.transfer_id]
+    assert idle(s).send_aborts == [(send.transfer_id, 0)]   # no send planned: unnamed
 
 
 def test_second_pull_export_of_a_name_gets_its_own() -> None:

@@ -195,15 +195,17 @@ def test_prefill_abort_paths() -> None:
     r = request("p2", prefill_params("t2", "push"), 40, status="FINISHED_ABORTED")
     s.on_new_request(r)
     assert s.request_finished(r, [1]) == (False, None)
-    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={})).send_aborts == ["t2#40"]
+    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={})).send_aborts == [("t2#40", 0)]
     # Aborted after prefill_done was issued: blocks stay until kvpush releases them.
     r = request("p3", prefill_params("t3", "push"), 40)
     s.on_new_request(r)
     s._kv_manager.blocks["p3"] = [5, 6]
-    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={"p3": 40})).send
+    (send,) = s.build_plan(SimpleNamespace(num_scheduled_tokens={"p3": 40})).send
     r.status = SimpleNamespace(name="FINISHED_ABORTED")
     assert s.request_finished(r, [5, 6]) == (True, None)
-    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={})).send_aborts == ["t3#40"]
+    # named: the use whose prefill_done named the same sid, never a later use of "t3#40"
+    assert s.build_plan(SimpleNamespace(num_scheduled_tokens={})).send_aborts == [
+        ("t3#40", send.sid)] and send.sid
 
 
 # -- push with a decode-side prefix hit: the producer moves the tail ------------------------

@@ -177,7 +177,8 @@ def test_memory_pressure_gives_the_oldest_kept_turns_back_early() -> None:
     aborts = d.build_plan(STEP).send_aborts
     # the oldest two go (5 blocks each): 4 + 5 + 5 >= 10
     names = [k["kvpush_reuse"]["kvpush_id"] for k in kept]
-    assert [a.split("#")[0] for a in aborts] == names[:2]
+    assert [a.split("#")[0] for a, _ in aborts] == names[:2]
+    assert all(sid for _, sid in aborts)                 # each names its kept use
     assert not d.build_plan(STEP).send_aborts            # each given back once
     with pytest.raises(ValueError, match="reuse_reserve"):
         AdapterConfig(reuse_reserve=1.0)
@@ -206,7 +207,8 @@ def test_a_kept_turn_goes_when_the_next_turn_is_kept_over_its_blocks() -> None:
     turn2 = turn1 + list(range(2000, 2060))           # 229 with KV: 7 full blocks
     finish("c1-t2", turn2, [*range(10, 15), 20, 21, 22])
     aborts = d.build_plan(STEP).send_aborts
-    assert [a.split("#")[0] for a in aborts] == [first[PARAM_REUSE]["kvpush_id"]]
+    assert [(a.split("#")[0], bool(sid)) for a, sid in aborts] == [
+        (first[PARAM_REUSE]["kvpush_id"], True)]           # named: its kept use
     assert other[PARAM_REUSE]["kvpush_id"] not in str(aborts)
     assert not d.build_plan(STEP).send_aborts         # once
     # a turn whose blocks only share a prefix with a kept one (a fork of the conversation

@@ -799,7 +799,8 @@ class StepPlan:
     recv: list[RecvPlan] = field(default_factory=list)
     recv_aborts: list[str] = field(default_factory=list)      # vLLM request ids
     send: list[SendPlan] = field(default_factory=list)
-    send_aborts: list[str] = field(default_factory=list)      # transfer ids
+    #: (transfer id, the use's sid; 0 when no send was planned: whichever use the id has)
+    send_aborts: list[tuple[str, int]] = field(default_factory=list)
     #: decode side: pulls to claim now (the request waits for blocks; dst is empty)
     claims: list[RecvPlan] = field(default_factory=list)
     #: prefill side: (vLLM request id, transfer id) of sends whose request vLLM preempted

@@ -136,7 +136,7 @@ class KVPushScheduler:
         # prefill side
         self._candidates: dict[str, Any] = {}    # req id -> Request, until its prefill is done
         self._sends: dict[str, _Send] = {}       # issued, not yet reported finished_sending
-        self._send_aborts: list[str] = []        # transfer ids
+        self._send_aborts: list[tuple[str, int]] = []   # (transfer id, sid)
         # requests whose send is planned and that vLLM still runs (their Request objects,
         # to export again if vLLM preempts them)
         self._sent_requests: dict[str, Any] = {}
@@ -310,10 +310,13 @@ class KVPushScheduler:
             if transfer_id is not None and not self._exported_elsewhere(transfer_id, req_id):
                 # Its prefill never finished: a waiting registration should fail now. (Not
                 # when another request here holds that id: the abort would end its use.)
-                self._send_aborts.append(transfer_id)
+                # No send was planned, so no sid names the use.
+                self._send_aborts.append((transfer_id, 0))
             return False, None
         if not normal:
-            self._send_aborts.append(send.transfer_id)
+            # named: an abort that reaches the Producer after this use ended (a retry of
+            # the request under the same transfer id begun meanwhile) leaves the next be
+            self._send_aborts.append((send.transfer_id, send.sid))
             return True, None
         return True, self._response(send)
 
@@ -549,11 +552,11 @@ class KVPushScheduler:
                     or blocks[:len(send.src)] != send.src:
                 continue
             del self._kept[req_id]
-            self._send_aborts.append(transfer_id)
+            self._send_aborts.append((transfer_id, send.sid))
             log.debug("kvpush: the kept turn %r is superseded by a later turn of its "
                       "conversation", transfer_id)
 
-    def _give_back_kept(self) -> list[str]:
+    def _give_back_kept(self) -> list[tuple[str, int]]:
         """Under memory pressure (fewer free blocks than ``reuse_reserve`` of the pool), the
         oldest kept turns are released early (their transfer ids, to abort): vLLM gets
         their blocks back once the Producer has released them (a transfer that reads them
@@ -573,7 +576,7 @@ class KVPushScheduler:
             free += self._giving[req_id]
             log.info("kvpush: %d free blocks; the kept turn %r is given back early", free,
                      transfer_id)
-            ended.append(transfer_id)
+            ended.append((transfer_id, send.sid if send is not None else 0))
         return ended
 
     def _reuse_offer(self, request: Any) -> tuple[int, RemotePrefill] | None:

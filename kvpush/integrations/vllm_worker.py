@@ -566,8 +566,9 @@ class KVPushWorker:
         for recv in plan.recv:
             self._start_recv(recv)
         if plan.send_aborts and self.producer is not None:
-            for transfer_id in plan.send_aborts:
-                self.producer.abort(transfer_id, "request ended on the prefill instance")
+            for transfer_id, sid in plan.send_aborts:
+                self.producer.abort(transfer_id, "request ended on the prefill instance",
+                                    sid=sid or None)
         self._to_send = [s for s in plan.send if not s.computed]
         if self.config.stage_log:
             for send in self._to_send:
