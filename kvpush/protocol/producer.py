@@ -386,8 +386,9 @@ class _Request:
     # ABORTED_EARLY: the use the engine's abort named (0: it named none, so the next use
     # whatever its sid)
     abort_sid: int = 0
-    # The engine's sid of the last use of this id that ended (0: unnamed): an abort naming
-    # it is late, never for the use that comes next.
+    # The engine's sid of the last use of this id that ended or was released (0: unnamed),
+    # set with ``released`` and kept past the next use's start: an abort naming it is late,
+    # never for the use that comes next.
     ended_sid: int = 0
     released: tuple[int, np.ndarray] | None = None      # (sid, blocks) of the use released
     # Registrations (and push claims) of the next use of this id from endpoints that took
@@ -869,8 +870,6 @@ class ProducerCore:
             # that outlived tombstone_s, or one the engine made after its abort) for a new
             # use, whose blocks were held again and released a second time.
             req.state = State.ENDED
-            if req.released is not None:
-                req.ended_sid = req.released[0]
             self._tomb(req, req.code, req.why)
             return
         if state is State.RELEASED_EARLY:  # another use's blocks: a new use
@@ -976,7 +975,7 @@ class ProducerCore:
                                           {"released": self._now}, sid or m.new_id(),
                                           mode=TransferMode.PUSH)))
             self.stats.blocks_released += len(ids)
-            req.released, req.aborted = (sid, ids), False
+            req.released, req.ended_sid, req.aborted = (sid, ids), sid, False
             req.state = State.RELEASED_EARLY
             return
         if req.state is State.ENDED:

@@ -254,8 +254,8 @@ class Dialer:
         # (seq, when sent) of the oldest Heartbeat not answered: silence counts from a
         # question this side asked, never across a stall of its own loop.
         self.unanswered: tuple[int, float] | None = None
-        # when the producer was last heard from (any frame of this session): a loss says
-        # how long the silence was, and whether answers stopped or everything did
+        # the time of the producer's latest frame in this session: a loss by silence says
+        # how long ago it came, telling answers that stopped from a producer gone quiet
         self.heard = now
         self._out: list[SessionEffect] = []
         self._now = now
