@@ -4,6 +4,7 @@ schemas; the next turn's prefill loads only what its prefix cache lacks."""
 
 from __future__ import annotations
 
+import logging
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -249,31 +250,32 @@ def test_a_fit_tilted_by_noise_does_not_make_computing_look_cheap() -> None:
         c.observe_step(tokens, seconds)
     c.observe_load(28 * MB, 0.0135)
     assert c.recompute_s(896) == pytest.approx(0.094)
-    assert c.should_load(896, 28 * MB)
+    assert c.choose(896, 28 * MB).load
 
 
 def test_costs_choose_recompute_for_a_small_answer_and_load_for_a_long_history() -> None:
     c = measured()
     # 48 tokens (1.5 MB): 13 ms to load, 6.5 ms to compute
-    assert not c.should_load(48, 1.5 * MB)
+    assert not c.choose(48, 1.5 * MB).load
     # 600 tokens (19 MB): 48 ms to load, 81 ms to compute
-    assert c.should_load(600, 19 * MB)
+    assert c.choose(600, 19 * MB).load
 
 
 def test_costs_load_until_a_load_is_measured_and_never_assume_small_loads_cheaper() -> None:
     c = ReuseCosts()
-    assert c.should_load(48, 1.5 * MB)              # nothing measured: load, to learn
+    assert c.choose(48, 1.5 * MB) == (True, None, None, "nothing measured yet")  # to learn
     c.observe_step(512, 0.066)
-    assert c.should_load(48, 1.5 * MB)              # still no load measured
+    assert c.choose(48, 1.5 * MB) == (True, None, 6188, "nothing measured yet")
     c.observe_load(19 * MB, 0.030)                  # one size of load: 30 ms
     assert c.load_s(1.5 * MB) == pytest.approx(0.030)   # not 30 ms x 1.5/19
     assert c.load_s(38 * MB) == pytest.approx(0.060)
-    assert not c.should_load(48, 1.5 * MB)          # 30 ms against 6 ms
+    assert not c.choose(48, 1.5 * MB).load          # 30 ms against 6 ms
     # over twice the largest load measured: load it, to measure it (60 ms estimated
     # against 50 ms to compute, but the fit knows nothing there)
     assert c.load_s(39 * MB) > c.recompute_s(390)   # type: ignore[operator]
-    assert c.should_load(390, 39 * MB)
-    assert not c.should_load(380, 38 * MB)
+    assert c.choose(390, 39 * MB).why == "over twice the largest load measured"
+    assert c.choose(390, 39 * MB).load
+    assert c.choose(380, 38 * MB) == (False, 60000, 48984, "")
 
 
 def costed(costs: ReuseCosts) -> KVPushScheduler:
@@ -302,6 +304,29 @@ def test_prefill_decides_per_request_from_its_costs(cached: int) -> None:
     else:
         (recv,) = recvs
         assert recv.report and recv.dst == [50, 51, 52, 53, 54]
+
+
+@pytest.mark.parametrize("load_s, logged", [
+    (0.0048001, "computes the 32 kept tokens its prefix cache lacks (estimated load "
+                "4.800 ms, compute 4.800 ms)"),
+    (0.0047994, "loads the 32 kept tokens its prefix cache lacks (estimated load "
+                "4.799 ms, compute 4.800 ms)")])
+def test_a_choice_is_logged_with_the_figures_it_compared(
+        caplog: pytest.LogCaptureFixture, load_s: float, logged: str) -> None:
+    """A load estimated 0.3 us under the compute is no cheaper in the figures the log
+    gives (4.800 ms each): it computes, and the line says what was compared."""
+    history = list(range(1000, 1170))
+    _, out = keep_turn("push", history)
+    costs = ReuseCosts()
+    costs.observe_load(0.5 * MB, load_s)
+    costs.observe_step(32, 0.0048004)
+    p = costed(costs)
+    r = next_turn(history + [7] * 40, out | prefill_params("t2", "push"))
+    want = (32, True) if logged.startswith("loads") else (0, False)
+    with caplog.at_level(logging.INFO, logger="kvpush.vllm"):
+        assert p.get_num_new_matched_tokens(r, 128) == want
+        p.update_state_after_alloc(r, Blocks(list(range(50, 57))), want[0])
+    assert f"request {r.request_id}: {logged}" in caplog.text
 
 
 def test_scheduler_measures_its_steps_and_its_loads() -> None:

@@ -304,18 +304,19 @@ def sticky_pair(model_dir: Path, workdir: Path) -> Iterator[ReusePair]:
 
 
 DECISION = re.compile(r"kvpush: request \S+: (loads|computes) the (\d+) kept tokens its "
-                      r"prefix cache lacks \(estimated load (\S+)(?: ms)?, compute (\S+)"
-                      r"(?: ms)?\)")
+                      r"prefix cache lacks \(estimated load (\S+)(?: ms)?, compute (\S+?)"
+                      r"(?: ms)?(?:; ([^)]*))?\)")
 
 
 def decisions(log: Path, since: int) -> tuple[list[tuple[str, int, float | None,
-                                                        float | None]], int]:
-    """The prefill's load-or-compute lines past byte ``since`` of its log, and the new end."""
+                                                        float | None, str]], int]:
+    """The prefill's load-or-compute lines past byte ``since`` of its log (what it did, the
+    tokens, both estimates in ms, why when the estimates did not decide), and the new end."""
     text = log.read_bytes()
     found = []
     for m in DECISION.finditer(text[since:].decode(errors="replace")):
         load, compute = (None if v == "unmeasured" else float(v) for v in m.group(3, 4))
-        found.append((m.group(1), int(m.group(2)), load, compute))
+        found.append((m.group(1), int(m.group(2)), load, compute, m.group(5) or ""))
     return found, len(text)
 
 
@@ -344,13 +345,14 @@ def test_sticky_turns_load_or_compute_from_measured_costs(
         if k:
             assert kept is not None
             lacking = kept["kvpush_reuse"]["kvpush_num_tokens"] - cached
-            ((what, tokens_lacking, load_ms, compute_ms),) = found
+            ((what, tokens_lacking, load_ms, compute_ms, why),) = found
             assert tokens_lacking == lacking and 0 < lacking <= 2 * BLOCK
-            if load_ms is not None and compute_ms is not None:
+            if why:                                   # nothing measured, or far out: learn
+                assert what == "loads", found
+            else:                                     # the figures logged decide it
+                assert load_ms is not None and compute_ms is not None, found
                 assert (what == "loads") == (load_ms < compute_ms), found
                 measured += 1
-            else:
-                assert what == "loads", found          # nothing measured yet: learn
             back = lacking // BLOCK * BYTES_PER_BLOCK if what == "loads" else 0
             assert settled(pair.prefill.url, back_before, back) == back, f"turn {k}"
         else:

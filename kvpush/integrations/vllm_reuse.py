@@ -48,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..messages import new_id
 from .vllm_common import PARAM_NUM_TOKENS, PARAM_PROMPT, prompt_fingerprint
@@ -168,6 +168,16 @@ def _line(samples: Iterable[tuple[float, float]]) -> tuple[float, float, float, 
     return a, b, mx, my
 
 
+class ReuseChoice(NamedTuple):
+    """Whether to load the kept tokens a prefix cache lacks, from which estimates (whole
+    microseconds; None: unmeasured), and why when the estimates did not decide it."""
+
+    load: bool
+    load_us: int | None
+    compute_us: int | None
+    why: str
+
+
 class ReuseCosts:
     """The prefill instance's measured costs of loading kept tokens and of computing them.
 
@@ -216,14 +226,19 @@ class ReuseCosts:
         # would then look cheaper than it is.
         return max(b, my / mx if mx > 0 else 0.0) * tokens
 
-    def should_load(self, tokens: int, nbytes: float) -> bool:
-        """Load ``tokens`` kept tokens (``nbytes``) rather than compute them here: when no
-        load or no step has been measured yet, or the load is over twice the largest one
+    def choose(self, tokens: int, nbytes: float) -> ReuseChoice:
+        """Load ``tokens`` kept tokens (``nbytes``) or compute them here. Load when no load
+        or no step has been measured yet, or when the load is over twice the largest one
         measured (to learn: the fit says little that far out, and choosing to compute
-        would never measure it), or when loading is cheaper."""
-        load, compute = self.load_s(nbytes), self.recompute_s(tokens)
+        would never measure it); else load when the estimated load is cheaper, compared
+        in whole microseconds (the figures the choice is logged with)."""
+        load, compute = _us(self.load_s(nbytes)), _us(self.recompute_s(tokens))
         if load is None or compute is None:
-            return True
+            return ReuseChoice(True, load, compute, "nothing measured yet")
         if nbytes > 2 * max(b for b, _ in self._loads):
-            return True
-        return load < compute
+            return ReuseChoice(True, load, compute, "over twice the largest load measured")
+        return ReuseChoice(load < compute, load, compute, "")
+
+
+def _us(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1e6)

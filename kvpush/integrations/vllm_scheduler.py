@@ -50,7 +50,7 @@ from .vllm_common import (
     wire_id,
 )
 from .vllm_hybrid import cache_groups_of, state_backoff, transfer_blocks
-from .vllm_reuse import ReuseCosts, keep, kept_params, offer
+from .vllm_reuse import ReuseChoice, ReuseCosts, keep, kept_params, offer
 
 __all__ = ["KVPushScheduler", "RankInfo"]
 
@@ -174,9 +174,8 @@ class KVPushScheduler:
         # one carries the connection to it, and is no sample of the link's cost
         self._loaded_from: set[tuple[str, ...]] = set()
         self._first_loads: set[str] = set()      # req ids of such first loads
-        # req id -> (kept tokens lacking, load them, estimated load s, compute s): logged
-        # once vLLM allocates the request
-        self._decided: dict[str, tuple[int, bool, float | None, float | None]] = {}
+        # req id -> (kept tokens lacking, the choice): logged once vLLM allocates the request
+        self._decided: dict[str, tuple[int, ReuseChoice]] = {}
         # req id -> the kept prefix its params offer, checked and parsed (None: none): vLLM
         # asks when it counts the request's external tokens and again once it allocates
         # it, and the check fingerprints the kept tokens (~60 us per 2k tokens here)
@@ -621,10 +620,11 @@ class KVPushScheduler:
         # whole blocks past the prefix-cache hit (a partial one is loaded whole)
         blocks = found[0] // self.block_size - num_computed_tokens // self.block_size
         nbytes = blocks * self._bytes_per_block
-        load = self.config.reuse_load == "always" or self.costs.should_load(count, nbytes)
-        self._decided[request.request_id] = (
-            count, load, self.costs.load_s(nbytes), self.costs.recompute_s(count))
-        return (count, True) if load else (0, False)
+        choice = self.costs.choose(count, nbytes)
+        if self.config.reuse_load == "always" and not choice.load:
+            choice = choice._replace(load=True, why="reuse_load is always")
+        self._decided[request.request_id] = (count, choice)
+        return (count, True) if choice.load else (0, False)
 
     def _reuse_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         found = self._reuse_offer(request)
@@ -634,11 +634,12 @@ class KVPushScheduler:
         tokens, remote = found
         decided = self._decided.pop(request.request_id, None)
         if decided is not None:
-            lacking, load, load_s, compute_s = decided
+            lacking, choice = decided
             log.info("kvpush: request %s: %s the %d kept tokens its prefix cache lacks "
-                     "(estimated load %s, compute %s)", request.request_id,
-                     "loads" if load and num_external_tokens > 0 else "computes", lacking,
-                     _ms(load_s), _ms(compute_s))
+                     "(estimated load %s, compute %s%s)", request.request_id,
+                     "loads" if choice.load and num_external_tokens > 0 else "computes",
+                     lacking, _ms(choice.load_us), _ms(choice.compute_us),
+                     f"; {choice.why}" if choice.why else "")
         if self.config.stage_log:
             self._stage("reuse_planned", request.request_id,
                         f"{'load' if num_external_tokens > 0 else 'compute'} "
@@ -817,8 +818,9 @@ def _as_ids(ids: list[int]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def _ms(seconds: float | None) -> str:
-    return "unmeasured" if seconds is None else f"{seconds * 1e3:.2f} ms"
+def _ms(us: int | None) -> str:
+    """Whole microseconds as exact milliseconds (the figures a choice compared)."""
+    return "unmeasured" if us is None else f"{us // 1000}.{us % 1000:03d} ms"
 
 
 def _bytes_per_block(kv_cache_config: Any) -> float:
