@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -121,7 +121,8 @@ class Region:
     def of(cls, buffer: Any) -> Region:
         """The region of a contiguous numpy array or torch tensor (CPU or CUDA).
 
-        The caller keeps ``buffer`` alive for as long as the region is registered.
+        The caller keeps ``buffer`` alive for as long as the region is registered (a
+        layout made by :meth:`KVLayout.from_buffers` holds its buffers).
         """
         if isinstance(buffer, np.ndarray):
             if not buffer.flags.c_contiguous:
@@ -232,6 +233,16 @@ class KVLayout:
     kernel_tokens: int = 0
     identity: tuple[tuple[str, str], ...] = ()
     cache_kind: str = "kv"
+    #: The arrays or tensors the regions are in, held while the layout lives, when it was
+    #: made by :meth:`from_buffers` (else empty: the caller keeps the memory alive). Not
+    #: compared, not pickled, not sent, and not carried by ``dataclasses.replace``: a
+    #: replaced layout's regions may be other memory.
+    buffers: tuple[Any, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A layout pickled for another process (a contained data plane) names memory that
+        # process maps by itself: copying the buffers would copy the whole cache.
+        return {**self.__dict__, "buffers": ()}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", tuple(self.regions))
@@ -506,8 +517,11 @@ class KVLayout:
         cache_kind: str = "kv",
     ) -> KVLayout:
         """A layout over numpy arrays or torch tensors (one per region), each holding
-        ``num_blocks`` contiguous blocks."""
-        return cls(
+        ``num_blocks`` contiguous blocks. The layout holds them (:attr:`buffers`): an
+        endpoint made with it keeps its memory alive, so a peer's WRITE never lands in
+        memory freed and reused meanwhile."""
+        buffers = tuple(buffers)
+        layout = cls(
             regions=tuple(Region.of(b) for b in buffers),
             num_layers=num_layers,
             num_blocks=num_blocks,
@@ -524,6 +538,21 @@ class KVLayout:
             identity=tuple(identity),
             cache_kind=cache_kind,
         )
+        object.__setattr__(layout, "buffers", buffers)
+        return layout
+
+    def with_buffers(self, buffers: Sequence[Any]) -> KVLayout:
+        """This layout's fields over other arrays or tensors (one per region, each as long
+        as the region it replaces), held as :meth:`from_buffers` holds them."""
+        buffers = tuple(buffers)
+        regions = tuple(Region.of(b) for b in buffers)
+        if [r.length for r in regions] != [r.length for r in self.regions]:
+            raise ValueError(f"KVLayout.with_buffers: region lengths "
+                             f"{[r.length for r in regions]} are not this layout's "
+                             f"{[r.length for r in self.regions]}")
+        layout = replace(self, regions=regions)
+        object.__setattr__(layout, "buffers", buffers)
+        return layout
 
 
 #: Fields that decide how a block's bytes are read; they must match exactly.

@@ -55,7 +55,7 @@ import numpy as np
 
 from ..consumer import Consumer, ConsumerConfig
 from ..errors import PeerUnavailable
-from ..layout import KVLayout, MemoryKind, Region
+from ..layout import KVLayout, MemoryKind
 from ..messages import PullTicket
 from ..producer import Producer, ProducerConfig
 from ..request import Release, TransferHandle, TransferMode, TransferResult
@@ -85,8 +85,7 @@ def host_layout(like: KVLayout) -> tuple[list[np.ndarray], KVLayout]:
     rows = like.num_blocks * like.block_stride
     buffers = [np.zeros((like.num_blocks, like.block_stride) if r.length == rows
                         else r.length, np.uint8) for r in like.regions]
-    layout = dataclasses.replace(like, regions=tuple(Region.of(b) for b in buffers))
-    return buffers, layout
+    return buffers, like.with_buffers(buffers)
 
 
 def _blocks(layout: KVLayout, block_ids: Iterable[int]) -> list[tuple[int, int, np.ndarray]]:
