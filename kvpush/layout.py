@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -233,16 +233,24 @@ class KVLayout:
     kernel_tokens: int = 0
     identity: tuple[tuple[str, str], ...] = ()
     cache_kind: str = "kv"
-    #: The arrays or tensors the regions are in, held while the layout lives, when it was
-    #: made by :meth:`from_buffers` (else empty: the caller keeps the memory alive). Not
-    #: compared, not pickled, not sent, and not carried by ``dataclasses.replace``: a
-    #: replaced layout's regions may be other memory.
-    buffers: tuple[Any, ...] = field(default=(), init=False, repr=False, compare=False)
+    # The buffers a layout holds live in a slot, not in a field: no field-wise copy
+    # (``dataclasses.asdict``, ``replace``, ``KVLayout(**layout.__dict__)``), comparison or
+    # pickle takes them along.
+    __slots__ = ("__dict__", "__weakref__", "_buffers")
+
+    @property
+    def buffers(self) -> tuple[Any, ...]:
+        """The arrays or tensors the regions are in, held while the layout lives, when it
+        was made by :meth:`from_buffers` or :meth:`with_buffers` (else empty: the caller
+        keeps the memory alive). Not compared, pickled or sent, and not carried by
+        ``dataclasses.replace``: a replaced layout's regions may be other memory."""
+        held: tuple[Any, ...] = getattr(self, "_buffers", ())
+        return held
 
     def __getstate__(self) -> dict[str, Any]:
         # A layout pickled for another process (a contained data plane) names memory that
         # process maps by itself: copying the buffers would copy the whole cache.
-        return {**self.__dict__, "buffers": ()}
+        return dict(self.__dict__)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", tuple(self.regions))
@@ -538,7 +546,7 @@ class KVLayout:
             identity=tuple(identity),
             cache_kind=cache_kind,
         )
-        object.__setattr__(layout, "buffers", buffers)
+        object.__setattr__(layout, "_buffers", buffers)
         return layout
 
     def with_buffers(self, buffers: Sequence[Any]) -> KVLayout:
@@ -551,7 +559,7 @@ class KVLayout:
                              f"{[r.length for r in regions]} are not this layout's "
                              f"{[r.length for r in self.regions]}")
         layout = replace(self, regions=regions)
-        object.__setattr__(layout, "buffers", buffers)
+        object.__setattr__(layout, "_buffers", buffers)
         return layout
 
 

@@ -47,7 +47,10 @@ def test_a_layouts_buffers_are_not_compared_pickled_or_replaced() -> None:
     back = pickle.loads(sent)
     assert back == layout and back.buffers == ()
     assert layout.to_wire() == bare.to_wire()
-    # replaced regions may be other memory: the replaced layout holds nothing
+    # field-wise copies take the fields only (no copy of the cache); a replaced layout's
+    # regions may be other memory: it holds nothing
+    assert "buffers" not in dataclasses.asdict(layout)
+    assert KVLayout(**layout.__dict__) == layout
     assert dataclasses.replace(layout, num_blocks=4).buffers == ()
 
 
