@@ -681,13 +681,15 @@ def test_link_cut_leaves_no_sockets_behind(fx: Pair) -> None:
     """The UCX side of a cut's leak: NIXL's remove_remote_agent would leave each cut's UCX
     TCP connection open (one socket per side per cut). The agent keeps a dropped peer's
     endpoint, and the same peer back after the cut gets it again: nothing new is opened,
-    nothing leaks."""
+    nothing leaks. A leak adds a socket per side per cut; a socket an earlier cell left
+    (the half-open UCX connection of a peer it killed) may close meanwhile, so fewer is
+    no leak (seen in a fresh-clone CI run: the producer's 7 sockets became 6)."""
     fx.smoke("before-leak")
     before = (sockets(fx.p), sockets(fx.c))
     cut_and_reconnect_twice(fx)
     time.sleep(PEER_TIMEOUT + 0.5)  # ZeroMQ closes the half-open control connections
     after = (sockets(fx.p), sockets(fx.c))
-    assert after == before, \
+    assert after[0] <= before[0] and after[1] <= before[1], \
         f"sockets (producer, consumer): {before} -> {after}\n{fx.link.sockets()}"
 
 
