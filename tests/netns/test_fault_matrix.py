@@ -244,7 +244,8 @@ class Pair:
         rx = self.link.rx_bytes()
         wait_for("bytes flowing on the veth", lambda: self.link.rx_bytes() > rx + 64 * 1024,
                  5.0, every=0.01)
-        assert self.no_result(rid), "the transfer was meant to be still running"
+        assert self.no_result(rid), \
+            f"the transfer was meant to be still running: {self.ledger.results[rid]}"
         return rid
 
     def start_short(self, mode: str, rid: str, deadline: float = 0.6) -> None:
@@ -285,14 +286,17 @@ class Pair:
         self.expect(rid, [5, 9, 10], [1, 2, 3])
         self.prefill(rid, [5, 9, 10], "push")
         res = self.result(rid, 10.0)
-        assert (res["state"], res["corrupted"]) == ("ready", 0), res
+        # a failure shows the kernel's view of every connection (retransmissions, backoff)
+        assert (res["state"], res["corrupted"]) == ("ready", 0), \
+            f"{res}\n{self.link.sockets()}"
         assert self.release(rid, 5.0) == "transferred"
         rid = self.rid(f"{tag}-pull")
         ticket = self.prefill(rid, [20, 21], "pull")
         assert ticket is not None
         self.pull(rid, ticket, [30, 31])
         res = self.result(rid, 10.0)
-        assert (res["state"], res["corrupted"]) == ("ready", 0), res
+        assert (res["state"], res["corrupted"]) == ("ready", 0), \
+            f"{res}\n{self.link.sockets()}"
         assert self.release(rid, 5.0) == "transferred"
 
     def settle(self) -> None:
