@@ -45,7 +45,7 @@ from kvpush.driver import control_socket
 from ._common import Progress, save_json
 from ._procs import Worker, stop_all, thread_schedstats
 
-__all__ = ["TRANSPORTS", "measure", "run", "table"]
+__all__ = ["TRANSPORTS", "measure", "round_trips", "run", "table"]
 
 TRANSPORTS = ("zmq_tcp", "tcp", "unix")
 WAIT_S = 10.0   # the longest wait for any one frame
@@ -224,9 +224,10 @@ def side_close(state: dict[str, Any], conn: mpc.Connection) -> None:
 _M = "benchmarks.control_frames:"
 
 
-def _once(ask: Worker, answer: Worker, transport: str, frames: int, size: int,
+def round_trips(ask: Worker, answer: Worker, transport: str, frames: int, size: int,
           gap_s: float) -> dict[str, float]:
-    """One run of ``transport``: CPU us per frame by thread kind, both processes."""
+    """``frames`` round trips over ``transport``, ``gap_s`` apart, between ``ask``'s and
+    ``answer``'s threads: CPU us per frame by thread kind, every thread of both processes."""
     address = answer.call(_M + "side_listen", transport=transport)
     try:
         ask.call(_M + "side_connect", transport=transport, address=address, size=size)
@@ -261,7 +262,7 @@ def measure(frames: int = 400, rounds: int = 3, size: int = 128, gap_s: float = 
     try:
         for r in range(rounds):
             for t in transports:
-                runs[t].append(_once(workers[0], workers[1], t, frames, size, gap_s))
+                runs[t].append(round_trips(workers[0], workers[1], t, frames, size, gap_s))
                 bar.step(f"round {r + 1} {t}")
     finally:
         bar.finish()

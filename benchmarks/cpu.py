@@ -3,9 +3,15 @@ costs in latency.
 
 * **Idle pair** -- a Producer and a Consumer, each in its own process, connected (heartbeats
   flowing), nothing to transfer: CPU (utime + stime of both processes, all threads, from
-  ``/proc/PID/stat``) over a window, as % of one core. Then the same for a pair of raw NIXL
-  agents with NIXL's default configuration (progress thread on, polling without pause) that
-  know each other, and (full mode) a raw pair configured the way kvpush configures NIXL.
+  ``/proc/PID/stat``) over a window, as % of one core, and how often their loop threads
+  woke. Beside it the floor of any liveness check: the same two processes exchanging a
+  ping and its answer over ZeroMQ every ``heartbeat_s`` and doing nothing else
+  (:func:`benchmarks.control_frames.round_trips`). What a wake-up costs depends on the
+  host: where a thread's memory goes cold while it sleeps, its first work after a long
+  sleep costs several times its hot CPU, and both kvpush and the floor pay that. Then the
+  same for a pair of raw NIXL agents with NIXL's default configuration (progress thread on,
+  polling without pause) that know each other, and (full mode) a raw pair configured the
+  way kvpush configures NIXL.
 * **CPU-seconds per GiB** -- both processes, while requests of 4 MiB (64 scattered 64 KiB
   blocks) move at a moderate fixed rate: kvpush push (the consumer registers each request,
   the producer calls ``prefill_done`` 2 ms later) vs raw NIXL with the default config (the
@@ -29,6 +35,7 @@ import numpy as np
 
 from ._common import KIB, Progress, RawAgent, block_ids, descriptor_table, pct, sorted_pairs
 from ._procs import Worker, stop_all
+from .control_frames import round_trips
 
 __all__ = ["run"]
 
@@ -37,6 +44,10 @@ DESCRIPTION = ("CPU: an idle pair, CPU-seconds per GiB moved against raw NIXL, a
                "of each ProgressPolicy")
 SUMMARY_KEYS: dict[str, str] = {
     "idle_cpu_pct_pair": "a connected, idle Producer + Consumer pair, % of one core",
+    "idle_wakeups_per_s_pair": "the idle pair's loop-thread wake-ups per second, both",
+    "idle_cpu_pct_pair_floor": "two processes exchanging a ping and its answer every "
+                               "heartbeat_s over ZeroMQ, nothing else, % of one core",
+    "idle_cpu_pct_pair_over_floor": "the idle pair's CPU over that floor's",
     "idle_cpu_pct_pair_raw_nixl_default":
         "an idle raw NIXL pair in NIXL's default configuration, % of one core",
     "cpu_seconds_per_gib":
@@ -113,6 +124,12 @@ def side_consumer(state: dict[str, Any], conn: mpc.Connection, block_bytes: int,
     name = consumer.connect(address, timeout=30)
     state.setdefault("consumers", {})[tag] = (consumer, name, ready)
     return name
+
+
+def side_wakeups(state: dict[str, Any], conn: mpc.Connection) -> int:
+    """How often this process's endpoints' loop threads have come back from a wait."""
+    return sum(int(entry[0].stats()["loop_wakeups"])
+               for key in ("producers", "consumers") for entry in state.get(key, {}).values())
 
 
 def side_close_endpoints(state: dict[str, Any], conn: mpc.Connection) -> None:
@@ -246,6 +263,13 @@ def side_push_one(state: dict[str, Any], conn: mpc.Connection, tag: str, rid: st
 # =========================================================================================
 # Orchestration
 # =========================================================================================
+def kvpush_heartbeat_s() -> float:
+    """How often an idle Consumer checks that its producer is alive (its default)."""
+    import kvpush
+
+    return float(kvpush.ConsumerConfig().heartbeat_s)
+
+
 def _cpu_window(workers: list[Worker], seconds: float) -> float:
     """% of one core used by ``workers`` together over ``seconds``."""
     before = [w.cpu_seconds() for w in workers]
@@ -280,7 +304,7 @@ def run(quick: bool, progress: bool = True, idle_s: float | None = None,
     raw_idle_s = raw_idle_s if raw_idle_s is not None else (3.0 if quick else 10.0)
     stream_s = stream_s if stream_s is not None else (3.0 if quick else 10.0)
     latency_reps = latency_reps or (15 if quick else 60)
-    bar = Progress("cpu", 8 + (0 if quick else 1), progress)
+    bar = Progress("cpu", 9 + (0 if quick else 1), progress)
     a, b = Worker("cpu-A"), Worker("cpu-B")
     out: dict[str, Any] = {"rate_rps": rate, "request_bytes": STREAM_BLOCK * STREAM_BLOCKS}
     try:
@@ -292,9 +316,13 @@ def run(quick: bool, progress: bool = True, idle_s: float | None = None,
         b.call(_M + "side_consumer", block_bytes=STREAM_BLOCK, address=address)
         time.sleep(1.0)  # let the handshake's traffic settle
         bar.show(f"idle kvpush pair ({idle_s:.0f} s)")
+        woke = [w.call(_M + "side_wakeups") for w in (a, b)]
         out["idle_cpu_pct_pair"] = _cpu_window([a, b], idle_s)
         out["idle_window_s"] = idle_s
-        bar.step(f"idle kvpush pair: {out['idle_cpu_pct_pair']:.2f} %")
+        out["idle_wakeups_per_s_pair"] = sum(
+            w.call(_M + "side_wakeups") - n for w, n in zip((a, b), woke, strict=True)) / idle_s
+        bar.step(f"idle kvpush pair: {out['idle_cpu_pct_pair']:.2f} %, "
+                 f"{out['idle_wakeups_per_s_pair']:.1f} wake-ups/s")
         # -- CPU per GiB: kvpush ----------------------------------------------------------
         nb = STREAM_BUFFER // STREAM_BLOCK
         src, dst = block_ids("scattered", STREAM_BLOCKS, nb, nb, seed=5)
@@ -326,9 +354,18 @@ def run(quick: bool, progress: bool = True, idle_s: float | None = None,
         out["cpu_seconds_kvpush"] = cpu_kv
         out["cpu_seconds_per_gib"] = cpu_kv / gib
         bar.step(f"kvpush stream: {cpu_kv / gib:.3f} CPU-s/GiB")
-        # -- handover latency per policy -----------------------------------------------------
         a.call(_M + "side_close_endpoints")
         b.call(_M + "side_close_endpoints")
+        # -- the idle floor: a ping and its answer every heartbeat_s, nothing else ----------
+        heartbeat_s = min(kvpush_heartbeat_s(), idle_s)
+        pings = max(1, round(idle_s / heartbeat_s))
+        bar.show(f"idle floor: {pings} pings {heartbeat_s:g} s apart")
+        per_frame = round_trips(b, a, "zmq_tcp", frames=pings, size=64, gap_s=heartbeat_s)
+        out["idle_cpu_pct_pair_floor"] = 100.0 * 2 * per_frame["total_us"] / 1e6 / heartbeat_s
+        out["idle_cpu_pct_pair_over_floor"] = (out["idle_cpu_pct_pair"]
+                                               / out["idle_cpu_pct_pair_floor"])
+        bar.step(f"idle floor: {out['idle_cpu_pct_pair_floor']:.2f} %")
+        # -- handover latency per policy -----------------------------------------------------
         for pol in policies:
             address = a.call(_M + "side_producer", block_bytes=STREAM_BLOCK, policy=pol,
                              tag=pol)
@@ -390,7 +427,9 @@ def run(quick: bool, progress: bool = True, idle_s: float | None = None,
         stop_all([b, a])
         bar.finish()
     summary_keys = [
-        "idle_cpu_pct_pair", "idle_cpu_pct_pair_raw_nixl_default", "cpu_seconds_per_gib",
+        "idle_cpu_pct_pair", "idle_wakeups_per_s_pair", "idle_cpu_pct_pair_floor",
+        "idle_cpu_pct_pair_over_floor", "idle_cpu_pct_pair_raw_nixl_default",
+        "cpu_seconds_per_gib",
         "cpu_seconds_per_gib_raw_nixl_default", "cpu_seconds_per_gib_vs_raw_nixl_default",
         "cpu_seconds_per_gib_raw_nixl_kvpush_config",
         "handover_latency_default_over_latency_first",
