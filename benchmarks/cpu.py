@@ -8,7 +8,8 @@ costs in latency.
   ping and its answer over ZeroMQ every ``heartbeat_s`` and doing nothing else
   (:func:`benchmarks.control_frames.round_trips`). What a wake-up costs depends on the
   host: where a thread's memory goes cold while it sleeps, its first work after a long
-  sleep costs several times its hot CPU, and both kvpush and the floor pay that. Then the
+  sleep costs several times its hot CPU (``host_cold_work_x`` measures it), and both
+  kvpush and the floor pay that. Then the
   same for a pair of raw NIXL agents with NIXL's default configuration (progress thread on,
   polling without pause) that know each other, and (full mode) a raw pair configured the
   way kvpush configures NIXL.
@@ -48,6 +49,8 @@ SUMMARY_KEYS: dict[str, str] = {
     "idle_cpu_pct_pair_floor": "two processes exchanging a ping and its answer every "
                                "heartbeat_s over ZeroMQ, nothing else, % of one core",
     "idle_cpu_pct_pair_over_floor": "the idle pair's CPU over that floor's",
+    "host_cold_work_x": "this host: a thread's CPU for a small Python job after 0.5 s asleep, "
+                        "over the same job's back-to-back",
     "idle_cpu_pct_pair_raw_nixl_default":
         "an idle raw NIXL pair in NIXL's default configuration, % of one core",
     "cpu_seconds_per_gib":
@@ -130,6 +133,31 @@ def side_wakeups(state: dict[str, Any], conn: mpc.Connection) -> int:
     """How often this process's endpoints' loop threads have come back from a wait."""
     return sum(int(entry[0].stats()["loop_wakeups"])
                for key in ("producers", "consumers") for entry in state.get(key, {}).values())
+
+
+def _cold_job() -> int:
+    """A small Python job that allocates: 2,000 dictionary inserts (~0.3 ms hot here)."""
+    d = {str(i): i for i in range(2000)}
+    return len(d)
+
+
+def side_cold_work(state: dict[str, Any], conn: mpc.Connection, sleeps: int,
+                   sleep_s: float) -> float:
+    """The host's cost of a wake-up: this thread's CPU for :func:`_cold_job` after each of
+    ``sleeps`` sleeps of ``sleep_s``, over its CPU for the same job back-to-back."""
+    def cpu_ns(before_each: float, times: int) -> int:
+        total = 0
+        for _ in range(times):
+            if before_each:
+                time.sleep(before_each)
+            t0 = time.thread_time_ns()
+            _cold_job()
+            total += time.thread_time_ns() - t0
+        return total
+
+    cpu_ns(0.0, 20)   # warm
+    hot = cpu_ns(0.0, 20) / 20
+    return cpu_ns(sleep_s, sleeps) / sleeps / hot
 
 
 def side_close_endpoints(state: dict[str, Any], conn: mpc.Connection) -> None:
@@ -364,7 +392,9 @@ def run(quick: bool, progress: bool = True, idle_s: float | None = None,
         out["idle_cpu_pct_pair_floor"] = 100.0 * 2 * per_frame["total_us"] / 1e6 / heartbeat_s
         out["idle_cpu_pct_pair_over_floor"] = (out["idle_cpu_pct_pair"]
                                                / out["idle_cpu_pct_pair_floor"])
-        bar.step(f"idle floor: {out['idle_cpu_pct_pair_floor']:.2f} %")
+        out["host_cold_work_x"] = a.call(_M + "side_cold_work", sleeps=4, sleep_s=0.5)
+        bar.step(f"idle floor: {out['idle_cpu_pct_pair_floor']:.2f} %, a job after 0.5 s "
+                 f"asleep: {out['host_cold_work_x']:.1f}x its hot CPU")
         # -- handover latency per policy -----------------------------------------------------
         for pol in policies:
             address = a.call(_M + "side_producer", block_bytes=STREAM_BLOCK, policy=pol,
@@ -428,7 +458,7 @@ def run(quick: bool, progress: bool = True, idle_s: float | None = None,
         bar.finish()
     summary_keys = [
         "idle_cpu_pct_pair", "idle_wakeups_per_s_pair", "idle_cpu_pct_pair_floor",
-        "idle_cpu_pct_pair_over_floor", "idle_cpu_pct_pair_raw_nixl_default",
+        "idle_cpu_pct_pair_over_floor", "host_cold_work_x", "idle_cpu_pct_pair_raw_nixl_default",
         "cpu_seconds_per_gib",
         "cpu_seconds_per_gib_raw_nixl_default", "cpu_seconds_per_gib_vs_raw_nixl_default",
         "cpu_seconds_per_gib_raw_nixl_kvpush_config",

@@ -247,7 +247,8 @@ def test_cpu(results: dict[str, dict[str, object]]) -> None:
     r = cpu.run(quick=True, progress=False, idle_s=0.5, raw_idle_s=0.3, stream_s=0.25,
                 latency_reps=1, policies=("default", "latency_first"), raw_floor=False)
     _finite(r["summary"], "idle_cpu_pct_pair", "idle_wakeups_per_s_pair",
-            "idle_cpu_pct_pair_floor", "idle_cpu_pct_pair_over_floor", "cpu_seconds_per_gib",
+            "idle_cpu_pct_pair_floor", "idle_cpu_pct_pair_over_floor", "host_cold_work_x",
+            "cpu_seconds_per_gib",
             "cpu_seconds_per_gib_vs_raw_nixl_default",
             "handover_latency_default_over_latency_first")
     # NIXL's default progress threads poll without pause: far above an idle kvpush pair.
