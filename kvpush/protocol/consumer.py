@@ -352,6 +352,9 @@ class ConsumerCore:
         # class: PullBegin.inline_s.
         self._inline = PostTimes()
         self._posting: dict[str, _Request] = {}     # push parts announced and not landed
+        # Claims given up whose producer has not acknowledged our Abort yet, by (producer,
+        # request id, xid): the timer that says it again.
+        self._unacked: dict[tuple[str, str, int], Timer] = {}
 
     # -- outputs -----------------------------------------------------------------------
     def drain(self) -> list[Effect]:
@@ -435,6 +438,8 @@ class ConsumerCore:
         self._peers.discard(peer)
         self._layouts.pop(peer, None)
         self._inline.forget(peer)
+        for key in [k for k in self._unacked if k[0] == peer]:  # its sessions end them
+            self._unacked.pop(key).cancel()
         for claim in [c for c in self._claims.values() if peer in c.sids]:
             self._event(now, claim, Event.PEER_LOST, why=f"producer {peer} lost: {why}")
         for req in list(self._requests.values()):
@@ -681,6 +686,9 @@ class ConsumerCore:
         are abandoned; what may still land makes it ``blocks_safe=False``."""
         for claim in list(self._claims.values()):
             self._event(now, claim, Event.CLOSE, why="consumer closed", tell=False)
+        for timer in self._unacked.values():  # the Bye ends every claim
+            timer.cancel()
+        self._unacked.clear()
         for req in list(self._requests.values()):
             self._event(now, req, Event.CLOSE)
 
@@ -699,6 +707,10 @@ class ConsumerCore:
                 self._request_event(now, peer, msg.request_id, msg.xid, Event.FAILED,
                                     msg=msg)
         elif isinstance(msg, m.AbortAck):
+            unacked = self._unacked.pop((peer, msg.request_id, msg.xid), None)
+            if unacked is not None:  # a claim given up here: nothing else to do
+                unacked.cancel()
+                return
             self._request_event(now, peer, msg.request_id, msg.xid, Event.ABORT_ACK, msg=msg)
         elif isinstance(msg, m.PullHeld):
             self._request_event(now, peer, msg.request_id, msg.xid, Event.PULL_HELD, msg=msg)
@@ -840,7 +852,25 @@ class ConsumerCore:
         if sent and tell:
             for name in req.sids:
                 if name != by and name in self._peers:
-                    self._out.append(Send(name, m.Abort(req.rid, req.xid, why)))
+                    self._say_claim_gone(now, (name, req.rid, req.xid), why)
+
+    def _say_claim_gone(self, now: float, key: tuple[str, str, int], why: str) -> None:
+        """Tell a producer a claim is given up, and again every ``abort_grace_s`` until it
+        acknowledges: the Abort can be lost with a TCP connection ZeroMQ replaces at once
+        (neither side sees a peer loss), and the producer would hold its source for the
+        claim up to ``max_wait_s``. Its AbortAck, its loss or this side's close ends it."""
+        peer, rid, xid = key
+        self._out.append(Send(peer, m.Abort(rid, xid, why)))
+        old = self._unacked.pop(key, None)
+        if old is not None:
+            old.cancel()
+        self._unacked[key] = self._timers.add(now + self.config.abort_grace_s,
+                                              self._claim_unacked, (key, why))
+
+    def _claim_unacked(self, entry: tuple[tuple[str, str, int], str], now: float) -> None:
+        key, why = entry
+        if self._unacked.pop(key, None) is not None and key[0] in self._peers:
+            self._say_claim_gone(now, key, why)
 
     def _refuse(self, req: _Request, event: Event, why: str) -> None:
         self.stats.events_refused += 1
@@ -1114,6 +1144,11 @@ class ConsumerCore:
         self._requests[req.rid] = req
         LIVE.add("requests_pending", 1)
         self._arm(req, req.deadline, "deadline")
+        if self._unacked:
+            # A use under a given-up claim's xid (the engine continued the claim before it
+            # heard it was gone): an Abort said again after its Register would end it.
+            for key in [k for k in self._unacked if k[1:] == (req.rid, req.xid)]:
+                self._unacked.pop(key).cancel()
 
     def _arm(self, req: _Request, when: float, kind: str) -> None:
         """Arm ``req``'s one timer (its earlier one is cancelled): at a high request rate

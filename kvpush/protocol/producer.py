@@ -327,6 +327,7 @@ class _Owner:
     errored: list[int] = field(default_factory=list)
     unfenced: bool = False
     acked: bool = False      # the consumer's Abort came: it trusts nothing more of this use
+    resend: _Timer | None = None  # fencing: when its Failed(unfenced) is said again
     # Its consumer was lost while a WRITE was in flight: "silent" (it may only be cut off)
     # or "dead" (peer_lost(abandon=True)). No Failed reaches it and no Abort will come.
     lost: str = ""
@@ -586,6 +587,7 @@ class ProducerCore:
                 req.unsafe |= owner.state in _READING
                 _cancel(owner.wait)
                 _cancel(owner.hold)
+                _cancel(owner.resend)
                 for w in owner.writes.values():
                     w.deadline.cancel()
                 owner.writes.clear()
@@ -1338,6 +1340,27 @@ class ProducerCore:
             # may come first or not): it gave up, whichever arrives first.
             self._owner_gone(req, owner, ReleaseReason.ABORTED, "registration expired")
 
+    def _resend_later(self, rid: str, owner: _Owner) -> None:
+        """Say a fencing owner's Failed(unfenced) again in ``peer_timeout_s / 4``: the
+        Abort that ends the fence can be lost with a TCP connection ZeroMQ replaces at
+        once, so no peer loss ends it either; a consumer that gave the use up answers
+        every such Failed with an Abort (and one still deciding takes it as a
+        duplicate), so the fence ends at the next answer, not after ``max_wait_s``."""
+        who = (owner.peer, owner.xid)
+        owner.resend = self._after(self.config.peer_timeout_s / 4,
+                                   lambda now: self._resend_fenced(rid, who))
+
+    def _resend_fenced(self, rid: str, who: tuple[str, int]) -> None:
+        req = self._requests.get(rid)
+        owner = req.owners.get(who) if req is not None else None
+        if req is None or owner is None or owner.state is not OwnerState.FENCING \
+                or owner.end is None:
+            return
+        message, _, detail = owner.end
+        self._send(owner.peer, m.Failed(rid, owner.xid, message, detail, owner.errored,
+                                        owner.unfenced))
+        self._resend_later(rid, owner)
+
     def _fence_expired(self, rid: str, who: tuple[str, int]) -> None:
         req = self._requests.get(rid)
         owner = req.owners.get(who) if req is not None else None
@@ -1497,6 +1520,7 @@ class ProducerCore:
                 who = (owner.peer, owner.xid)
                 owner.wait = self._after(self.config.max_wait_s,
                                          lambda now: self._fence_expired(req.rid, who))
+                self._resend_later(req.rid, owner)
                 return
         self._owner_gone(req, owner, reason, detail)
 
@@ -1504,6 +1528,7 @@ class ProducerCore:
                     detail: str) -> None:
         _cancel(owner.wait)
         _cancel(owner.hold)
+        _cancel(owner.resend)
         self._to(owner, OwnerState.GONE)
         owner.reason, owner.detail = reason, detail
 
@@ -1583,6 +1608,7 @@ class ProducerCore:
         for owner in req.owners.values():
             _cancel(owner.wait)
             _cancel(owner.hold)
+            _cancel(owner.resend)
             self._to(owner, OwnerState.GONE, Event.RELEASE)
         self.stats.blocks_released += len(source.ids)
         self.gauges["sources_held"] -= 1

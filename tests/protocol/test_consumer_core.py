@@ -613,6 +613,49 @@ def test_a_claim_given_up_here_is_given_up_at_each_producer_it_went_to() -> None
     assert Emit(ClaimGone("closing", 61)) in effects and _aborts(effects) == []
 
 
+def test_a_claim_given_up_is_said_again_until_the_producer_acknowledges() -> None:
+    """The Abort that gives a claim up can be lost with a TCP connection ZeroMQ replaces at
+    once (no peer loss on either side): the producer would hold its source for the claim
+    up to ``max_wait_s``. It is said again every ``abort_grace_s`` until that producer's
+    AbortAck, and no more once the producer is lost (its sessions end every claim)."""
+    c = core(grace=1.0)
+    c.claim_push(0.0, "r", [P, Q], 2, 21)
+    c.drain()
+    c.abort_claim(0.1, "r", 21, "no blocks")
+    first = [(P, m.Abort("r", 21, "no blocks")), (Q, m.Abort("r", 21, "no blocks"))]
+    assert _aborts(c.drain()) == first
+    c.on_message(0.2, Q, m.AbortAck("r", 21))   # P's Abort was lost
+    c.tick(1.05)
+    assert _aborts(c.drain()) == []
+    c.tick(1.15)
+    assert _aborts(c.drain()) == [(P, m.Abort("r", 21, "no blocks"))]
+    c.tick(2.2)
+    assert _aborts(c.drain()) == [(P, m.Abort("r", 21, "no blocks"))]
+    c.on_message(2.3, P, m.AbortAck("r", 21))
+    c.tick(10.0)
+    assert _aborts(c.drain()) == []
+    assert c.next_deadline() is None
+    # a producer lost meanwhile is not asked again
+    c.claim_push(11.0, "s", [P], 2, 31)
+    c.drain()
+    c.abort_claim(11.1, "s", 31, "no blocks")
+    assert _aborts(c.drain()) == [(P, m.Abort("s", 31, "no blocks"))]
+    c.peer_lost(11.5, P, "silent")
+    c.tick(20.0)
+    assert _aborts(c.drain()) == [] and c.next_deadline() is None
+    # the engine continues the claim before it hears it is gone: that use's Register goes
+    # out under the claim's xid, and an Abort said again after it would end it
+    c.peer_up(21.0, P)
+    c.claim_push(21.0, "t", [P], 2, 41)
+    c.drain()
+    c.abort_claim(21.1, "t", 41, "no blocks")
+    assert _aborts(c.drain()) == [(P, m.Abort("t", 41, "no blocks"))]
+    c.expect(21.2, "t", np.array([1, 2]), [P], 5.0, xid=41)
+    assert [type(x) for x in sends(c.drain())] == [m.Register]
+    c.tick(23.0)
+    assert _aborts(c.drain()) == []
+
+
 R = "prod-r"   # a producer this consumer is not connected to
 
 

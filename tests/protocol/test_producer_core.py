@@ -320,6 +320,29 @@ def test_an_abandoned_write_holds_its_source_until_the_consumer_acknowledges() -
     assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(ReleaseReason.FAILED, True)]
 
 
+def test_an_unfenced_failed_is_sent_again_until_the_consumer_acknowledges() -> None:
+    """The consumer's Abort that ends a fence can be lost with a TCP connection that
+    ZeroMQ replaces at once (neither side sees a peer loss): a consumer that has given the
+    use up answers each Failed(unfenced) of it with an Abort, so the producer says it
+    again every peer_timeout_s / 4 while it fences, and the source goes at the next
+    answer instead of after max_wait_s (found by the simulator: seed 251, a `reset`
+    between the two)."""
+    h = Harness(transfer_timeout_s=2.0, peer_timeout_s=4.0, max_wait_s=600.0)
+    abandon_write(h)
+    h.advance(0.99)
+    assert len(h.sent(m.Failed)) == 1
+    h.advance(0.02)
+    first, again = h.sent(m.Failed)
+    assert again == first and again.unfenced
+    h.advance(1.0)
+    assert len(h.sent(m.Failed)) == 3 and h.releases() == []
+    h.core.on_message(h.now, "A", m.Abort("r", 1, "unfenced write acknowledged"))
+    h.run()
+    assert [(r.reason, r.blocks_safe) for r in h.releases()] == [(ReleaseReason.FAILED, True)]
+    h.advance(5.0)
+    assert len(h.sent(m.Failed)) == 3   # nothing more once acknowledged
+
+
 def test_an_abandoned_write_never_acknowledged_is_released_unsafe() -> None:
     h = Harness(transfer_timeout_s=2.0)
     abandon_write(h)
