@@ -225,7 +225,7 @@ _M = "benchmarks.control_frames:"
 
 
 def round_trips(ask: Worker, answer: Worker, transport: str, frames: int, size: int,
-          gap_s: float) -> dict[str, float]:
+                gap_s: float) -> dict[str, float]:
     """``frames`` round trips over ``transport``, ``gap_s`` apart, between ``ask``'s and
     ``answer``'s threads: CPU us per frame by thread kind, every thread of both processes."""
     address = answer.call(_M + "side_listen", transport=transport)

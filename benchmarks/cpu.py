@@ -9,10 +9,9 @@ costs in latency.
   (:func:`benchmarks.control_frames.round_trips`). What a wake-up costs depends on the
   host: where a thread's memory goes cold while it sleeps, its first work after a long
   sleep costs several times its hot CPU (``host_cold_work_x`` measures it), and both
-  kvpush and the floor pay that. Then the
-  same for a pair of raw NIXL agents with NIXL's default configuration (progress thread on,
-  polling without pause) that know each other, and (full mode) a raw pair configured the
-  way kvpush configures NIXL.
+  kvpush and the floor pay that. Then the same for a pair of raw NIXL agents with NIXL's
+  default configuration (progress thread on, polling without pause) that know each other,
+  and (full mode) a raw pair configured the way kvpush configures NIXL.
 * **CPU-seconds per GiB** -- both processes, while requests of 4 MiB (64 scattered 64 KiB
   blocks) move at a moderate fixed rate: kvpush push (the consumer registers each request,
   the producer calls ``prefill_done`` 2 ms later) vs raw NIXL with the default config (the
@@ -459,9 +458,8 @@ def run(quick: bool, progress: bool = True, idle_s: float | None = None,
     summary_keys = [
         "idle_cpu_pct_pair", "idle_wakeups_per_s_pair", "idle_cpu_pct_pair_floor",
         "idle_cpu_pct_pair_over_floor", "host_cold_work_x", "idle_cpu_pct_pair_raw_nixl_default",
-        "cpu_seconds_per_gib",
-        "cpu_seconds_per_gib_raw_nixl_default", "cpu_seconds_per_gib_vs_raw_nixl_default",
-        "cpu_seconds_per_gib_raw_nixl_kvpush_config",
+        "cpu_seconds_per_gib", "cpu_seconds_per_gib_raw_nixl_default",
+        "cpu_seconds_per_gib_vs_raw_nixl_default", "cpu_seconds_per_gib_raw_nixl_kvpush_config",
         "handover_latency_default_over_latency_first",
         "handover_latency_cpu_first_over_latency_first",
         "handover_latency_default_over_latency_first_large",

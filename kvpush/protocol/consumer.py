@@ -861,15 +861,14 @@ class ConsumerCore:
         claim up to ``max_wait_s``. Its AbortAck, its loss or this side's close ends it."""
         peer, rid, xid = key
         self._out.append(Send(peer, m.Abort(rid, xid, why)))
-        old = self._unacked.pop(key, None)
-        if old is not None:
-            old.cancel()
         self._unacked[key] = self._timers.add(now + self.config.abort_grace_s,
                                               self._claim_unacked, (key, why))
 
     def _claim_unacked(self, entry: tuple[tuple[str, str, int], str], now: float) -> None:
+        """No AbortAck yet (an acknowledged claim, or one whose producer was lost, has no
+        entry: its timer was cancelled)."""
         key, why = entry
-        if self._unacked.pop(key, None) is not None and key[0] in self._peers:
+        if self._unacked.pop(key, None) is not None:
             self._say_claim_gone(now, key, why)
 
     def _refuse(self, req: _Request, event: Event, why: str) -> None:

@@ -1340,26 +1340,23 @@ class ProducerCore:
             # may come first or not): it gave up, whichever arrives first.
             self._owner_gone(req, owner, ReleaseReason.ABORTED, "registration expired")
 
-    def _resend_later(self, rid: str, owner: _Owner) -> None:
-        """Say a fencing owner's Failed(unfenced) again in ``peer_timeout_s / 4``: the
+    def _resend_later(self, owner: _Owner, failed: m.Failed) -> None:
+        """Say a fencing owner's ``failed`` (unfenced) again in ``peer_timeout_s / 4``: the
         Abort that ends the fence can be lost with a TCP connection ZeroMQ replaces at
         once, so no peer loss ends it either; a consumer that gave the use up answers
         every such Failed with an Abort (and one still deciding takes it as a
         duplicate), so the fence ends at the next answer, not after ``max_wait_s``."""
         who = (owner.peer, owner.xid)
         owner.resend = self._after(self.config.peer_timeout_s / 4,
-                                   lambda now: self._resend_fenced(rid, who))
+                                   lambda now: self._resend_fenced(who, failed))
 
-    def _resend_fenced(self, rid: str, who: tuple[str, int]) -> None:
-        req = self._requests.get(rid)
+    def _resend_fenced(self, who: tuple[str, int], failed: m.Failed) -> None:
+        req = self._requests.get(failed.request_id)
         owner = req.owners.get(who) if req is not None else None
-        if req is None or owner is None or owner.state is not OwnerState.FENCING \
-                or owner.end is None:
+        if owner is None or owner.state is not OwnerState.FENCING:
             return
-        message, _, detail = owner.end
-        self._send(owner.peer, m.Failed(rid, owner.xid, message, detail, owner.errored,
-                                        owner.unfenced))
-        self._resend_later(rid, owner)
+        self._send(owner.peer, failed)
+        self._resend_later(owner, failed)
 
     def _fence_expired(self, rid: str, who: tuple[str, int]) -> None:
         req = self._requests.get(rid)
@@ -1509,8 +1506,9 @@ class ProducerCore:
             self._send(owner.peer, m.AbortAck(req.rid, owner.xid, owner.errored,
                                               owner.unfenced))
         elif message:
-            self._send(owner.peer, m.Failed(req.rid, owner.xid, message, detail,
-                                            owner.errored, owner.unfenced))
+            failed = m.Failed(req.rid, owner.xid, message, detail, owner.errored,
+                              owner.unfenced)
+            self._send(owner.peer, failed)
             if owner.unfenced and not owner.acked:
                 # The consumer has not given this use up: until it has read this Failed
                 # (its Abort says so), a Landed of the abandoned WRITE could reach it first
@@ -1520,7 +1518,7 @@ class ProducerCore:
                 who = (owner.peer, owner.xid)
                 owner.wait = self._after(self.config.max_wait_s,
                                          lambda now: self._fence_expired(req.rid, who))
-                self._resend_later(req.rid, owner)
+                self._resend_later(owner, failed)
                 return
         self._owner_gone(req, owner, reason, detail)
 

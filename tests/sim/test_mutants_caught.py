@@ -155,7 +155,7 @@ def test_the_ci_run_over_four_producer_ranks_catches_claims_dropped_untold(
 def fence_said_once(mp: pytest.MonkeyPatch) -> None:
     """A fencing owner's Failed(unfenced) is never said again: an Abort lost with its
     connection leaves the source held until ``max_wait_s``."""
-    mp.setattr(P, "_resend_later", lambda self, rid, owner: None)
+    mp.setattr(P, "_resend_later", lambda self, owner, failed: None)
 
 
 def claim_abort_said_once(mp: pytest.MonkeyPatch) -> None:
