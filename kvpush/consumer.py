@@ -31,7 +31,7 @@ from .auth import check_key
 from .endpoint import Endpoint, check_durations, check_timeout, queue_result, sharer_counts
 from .errors import (
     ClosedError,
-    InvalidBlockIds,
+    InvalidRequest,
     KvpushError,
     PeerUnavailable,
     RequestAborted,
@@ -402,7 +402,7 @@ class Consumer(Endpoint):
         a closed Consumer keeps no record."""
         with self._claims_lock:
             if rid in self._claims:
-                raise InvalidBlockIds(f"request {rid!r} is already claimed")
+                raise InvalidRequest(f"request {rid!r} is already claimed")
             self._claims[rid] = claim
         try:
             self._driver.submit(feed)

@@ -10,6 +10,7 @@ __all__ = [
     "AuthenticationError",
     "ClosedError",
     "InvalidBlockIds",
+    "InvalidRequest",
     "KvpushError",
     "LayoutMismatch",
     "OutOfBlocks",
@@ -25,7 +26,15 @@ class KvpushError(Exception):
     """Base class of every kvpush error."""
 
 
-class InvalidBlockIds(KvpushError, ValueError):
+class InvalidRequest(KvpushError, ValueError):
+    """A request the caller asked for that cannot be taken as given: a request id that is not
+    a non-empty str of at most 1,024 UTF-8 bytes, a request id already pending or already
+    claimed on this endpoint, pull tickets that do not belong together. Raised (or put in
+    the result) before anything is posted; :class:`InvalidBlockIds` is the kind for block
+    ids."""
+
+
+class InvalidBlockIds(InvalidRequest):
     """Block ids that cannot be transferred: wrong dtype or shape, out of range, duplicated,
     or local and remote arrays of different lengths. Raised before anything is posted."""
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from .errors import InvalidBlockIds
+from .errors import InvalidBlockIds, InvalidRequest
 from .layout import KVLayout, MemoryKind
 
 __all__ = ["as_block_ids", "block_checksums", "check_request_id", "plan_split_transfer",
@@ -60,13 +60,13 @@ def check_request_id(request_id: Any) -> str:
     """A request id is a non-empty str that UTF-8 can encode (it travels on the wire), of
     at most :data:`MAX_REQUEST_ID_BYTES` bytes."""
     if not isinstance(request_id, str) or not request_id:
-        raise InvalidBlockIds("request_id must be a non-empty str")
+        raise InvalidRequest("request_id must be a non-empty str")
     try:
         size = len(request_id.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise InvalidBlockIds(f"request_id must be valid UTF-8: {exc}") from None
+        raise InvalidRequest(f"request_id must be valid UTF-8: {exc}") from None
     if size > MAX_REQUEST_ID_BYTES:
-        raise InvalidBlockIds(f"request_id is {size} bytes; at most {MAX_REQUEST_ID_BYTES}")
+        raise InvalidRequest(f"request_id is {size} bytes; at most {MAX_REQUEST_ID_BYTES}")
     return request_id
 
 

@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from . import messages as m
-from .errors import AuthenticationError, InvalidBlockIds
+from .errors import AuthenticationError, InvalidBlockIds, InvalidRequest
 from .plan import check_request_id
 
 __all__ = ["Tickets", "lease_left", "parse_tickets", "source_ids"]
@@ -39,9 +39,9 @@ def parse_tickets(tickets: Tickets, what: str, key: bytes | None) -> tuple[str, 
                                   "auth_key to open it")
     rid = check_request_id(parsed[0].request_id)
     if any(t.request_id != rid for t in parsed):
-        raise InvalidBlockIds(f"all tickets of one {what} must be for the same request")
+        raise InvalidRequest(f"all tickets of one {what} must be for the same request")
     if len({t.producer for t in parsed}) != len(parsed):
-        raise InvalidBlockIds(f"two tickets of one {what} name the same producer")
+        raise InvalidRequest(f"two tickets of one {what} name the same producer")
     return rid, parsed
 
 

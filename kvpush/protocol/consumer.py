@@ -32,6 +32,7 @@ from .._enum import IdentityEnum
 from ..errors import (
     ClosedError,
     InvalidBlockIds,
+    InvalidRequest,
     KvpushError,
     PeerUnavailable,
     RequestAborted,
@@ -469,7 +470,7 @@ class ConsumerCore:
         if rid in self._requests:
             # Its own result, its own xid and blocks: never taken for the live use's.
             self._emit(now, rid, xid, TransferMode.PUSH, ids, RequestState.FAILED,
-                       InvalidBlockIds(f"request {rid!r} is already pending"), now)
+                       InvalidRequest(f"request {rid!r} is already pending"), now)
             return xid
         missing = [n for n in names if n not in self._peers]
         if missing:
@@ -524,7 +525,7 @@ class ConsumerCore:
         state = RequestState.FAILED
         plans: list[Any] = []
         if rid in self._requests:
-            error = InvalidBlockIds(f"request {rid!r} is already pending")
+            error = InvalidRequest(f"request {rid!r} is already pending")
         elif budget <= 0:
             state, error = RequestState.TIMED_OUT, TransferTimeout(
                 f"the pull ticket's lease for {rid!r} has run out")

@@ -294,7 +294,7 @@ def test_status_names_the_use_its_parts_and_deadline() -> None:
         assert [(o.xid, o.mode, o.state) for o in ps.owners] == \
             [(h.xid, TransferMode.PUSH, "registered")]
         assert ps.owners[0].peer == c.name
-        with pytest.raises(kvpush.InvalidBlockIds):
+        with pytest.raises(kvpush.InvalidRequest):
             c.status("")
         ticket = p.prefill_done("q", [7, 8], TransferMode.PULL)
         assert ticket is not None

@@ -71,6 +71,40 @@ def test_bad_block_ids_raise_before_posting(pair: tuple, ids: object, message: s
     assert p.pending == 0 and c.pending == 0
 
 
+def test_a_bad_request_raises_invalid_request_and_not_the_block_ids_error(pair: tuple) -> None:
+    """An error in the request rather than its blocks -- its id, an id already pending or
+    claimed, tickets that do not belong together -- is an InvalidRequest (a ValueError), not
+    an InvalidBlockIds: a caller that frees or re-allocates blocks on InvalidBlockIds must not
+    do so for these. Block-id errors are InvalidRequests too."""
+    p, c, _src, _dst, name = pair
+
+    def refused(call: object, match: str) -> None:
+        with pytest.raises(kvpush.InvalidRequest, match=match) as caught:
+            call()  # type: ignore[operator]
+        assert not isinstance(caught.value, kvpush.InvalidBlockIds), caught.value
+        assert isinstance(caught.value, ValueError)
+
+    refused(lambda: c.expect("", [0], name), "non-empty str")
+    refused(lambda: p.prefill_done("x" * 1025, [0]), "at most 1024")
+    refused(lambda: c.status(b"rid"), "non-empty str")
+    t1 = p.prefill_done("t1", [1], TransferMode.PULL)
+    t2 = p.prefill_done("t2", [2], TransferMode.PULL)
+    refused(lambda: c.pull([t1, t2], [3]), "same request")
+    refused(lambda: c.pull([t1, t1], [3]), "same producer")
+    c.claim(t1)
+    refused(lambda: c.claim(t1), "already claimed")
+    first = c.expect("twice", [5], name)
+    again = c.expect("twice", [6], name).wait(10)
+    assert isinstance(again.error, kvpush.InvalidRequest), again
+    assert not isinstance(again.error, kvpush.InvalidBlockIds), again
+    assert "already pending" in str(again.error)
+    p.prefill_done("twice", [7])
+    assert first.wait(10).ok
+    assert issubclass(kvpush.InvalidBlockIds, kvpush.InvalidRequest)
+    with pytest.raises(kvpush.InvalidRequest, match="out of range"):
+        c.expect("range", [99], name)
+
+
 def test_mismatched_lengths_in_pull(pair: tuple) -> None:
     p, c, *_ = pair
     ticket = p.prefill_done("len", np.array([1, 2, 3]), mode=TransferMode.PULL)

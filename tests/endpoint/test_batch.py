@@ -55,7 +55,8 @@ def test_batches_move_the_good_items_and_refuse_the_bad_one_by_one(
         assert isinstance(handles[1], kvpush.InvalidBlockIds)
         assert isinstance(handles[2], kvpush.TransferHandle)
         assert isinstance(handles[3], ValueError) and "at least one producer" in str(handles[3])
-        assert isinstance(handles[4], kvpush.InvalidBlockIds)   # empty request id
+        assert isinstance(handles[4], kvpush.InvalidRequest)    # empty request id
+        assert not isinstance(handles[4], kvpush.InvalidBlockIds)
         assert isinstance(handles[5], ValueError)
         out = p.prefill_done_many([
             ("a", np.array([10, 11])),

@@ -24,7 +24,7 @@ import kvpush
 from kvpush import messages as m
 from kvpush.agent import Agent
 from kvpush.auth import Opener, Sealer, decrypt, encrypt, new_nonce, session_key
-from kvpush.errors import AuthenticationError, InvalidBlockIds
+from kvpush.errors import AuthenticationError, InvalidRequest
 from tests.support.harness import check_blocks, fill, make_cache
 
 KEY = b"k" * 32
@@ -278,7 +278,7 @@ def test_a_claim_keeps_its_xid_into_the_pull_and_abort_gives_it_up(
     xid = consumer.claim(ticket, sharers=2)
     claim = prod.recv()
     assert isinstance(claim, m.Claim) and (claim.xid, claim.sid, claim.sharers) == (xid, 55, 2)
-    with pytest.raises(InvalidBlockIds, match="claimed"):
+    with pytest.raises(InvalidRequest, match="claimed"):
         consumer.claim(ticket)
     time.sleep(0.6)  # past the ticket's lease: a claimed source is held past it
     handle = consumer.pull(ticket, np.array([8, 9]), timeout=10, sharers=2)
@@ -462,7 +462,7 @@ def test_a_claim_on_a_closed_consumer_keeps_no_record(
         pair: tuple[ScriptedProducer, kvpush.Consumer, Any]) -> None:
     """claim() recorded the claim before queueing it: on a closed Consumer the queueing
     raised ClosedError and the record stayed, so the next claim of the same tickets said
-    'already claimed' (InvalidBlockIds) instead of 'closed'."""
+    'already claimed' (InvalidRequest) instead of 'closed'."""
     prod, consumer, _ = pair
     ticket = prod.ticket("gone", [1], sid=75)
     consumer.close()

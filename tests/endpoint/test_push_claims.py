@@ -30,7 +30,7 @@ def test_a_claimed_push_outlives_the_lease_and_an_unclaimed_one_does_not() -> No
             kvpush.Consumer(dst.layout, kvpush.ConsumerConfig(heartbeat_s=0.2)) as c:
         name = c.connect(p.address, timeout=10)
         xid = c.claim_push("claimed", name)
-        with pytest.raises(kvpush.InvalidBlockIds, match="already claimed"):
+        with pytest.raises(kvpush.InvalidRequest, match="already claimed"):
             c.claim_push("claimed", name)
         p.prefill_done("claimed", np.array([3, 4]))
         p.prefill_done("unclaimed", np.array([5, 6]))     # the control

@@ -16,7 +16,7 @@ import zmq
 import kvpush
 from kvpush import messages as m
 from kvpush.auth import Opener, Sealer, decrypt, encrypt
-from kvpush.errors import AuthenticationError, InvalidBlockIds, ProtocolError
+from kvpush.errors import AuthenticationError, InvalidRequest, ProtocolError
 from tests.support.harness import fill, make_cache
 
 KEY = b"s" * 32
@@ -240,7 +240,7 @@ def test_a_hello_with_another_agents_metadata_is_refused() -> None:
 
 
 def test_oversized_inputs_are_refused_before_allocation() -> None:
-    with pytest.raises(InvalidBlockIds, match="at most 1024"):
+    with pytest.raises(InvalidRequest, match="at most 1024"):
         kvpush.plan.check_request_id("x" * 1025)
     with pytest.raises(ProtocolError, match="exceeds"):
         m.decode_ids(bytes(8 * (m.MAX_FRAME_BYTES // 8)))
