@@ -24,7 +24,19 @@ Per size, six variants take turns in rounds, so a slow phase of the host hits th
   landed, as kvpush's consumer learns of a push's post from its ``Posted`` hint);
 * ``push_c`` / ``pull_c`` -- ``push`` and ``pull`` between a second pair of endpoints in the
   same processes whose agents reach NIXL through its C API (``TransportConfig(nixl_api=
-  "c")``, every NIXL call without the GIL) instead of its Python binding.
+  "c")``, every NIXL call without the GIL) instead of its Python binding;
+* ``floor_push`` / ``floor_pull`` -- the shape of an engine integration with no kvpush in
+  it (:class:`_FloorLoop`): in each process a loop thread asleep in a ``zmq.Poller`` on a
+  ZeroMQ socket and an eventfd, handed each engine call through a queue and the eventfd,
+  as kvpush's is. Push: the decode loop sends a 64-byte registration; the prefill loop,
+  handed ``prefill_done``, posts the raw WRITE with a notification, polls it to its end,
+  sends a 64-byte hint and marks the request released; the decode loop, woken by the hint,
+  reads the notification (it is there: the hint left after the WRITE's end) and marks the
+  result. Pull: the decode loop, handed ``pull``, posts the raw READ, polls it to its end,
+  marks the result and sends a 64-byte frame; the prefill loop, woken by it, marks the
+  release. The same thread wake-ups, control frames and NIXL work as kvpush's request
+  with none of kvpush's own work (no protocol, encoding, timers or progress policy): what
+  any design of this shape pays on this host, and so what kvpush can be held to.
 
 Each pair's loop thread counts as ``loop`` in its own variants and not at all in the
 others' (it idles there: ``cpu_us_per_idle_s`` says what that costs).
@@ -55,10 +67,13 @@ beside it (``gil_rq_us``).
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing.connection as mpc
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,6 +84,8 @@ from .critical_path import _make_cache
 from .hot_path import SHAPES
 
 __all__ = ["run", "table"]
+
+log = logging.getLogger("benchmarks")
 
 NAME = "cpu_per_request"
 DESCRIPTION = ("CPU time per request of kvpush push and pull against raw NIXL on the same "
@@ -93,6 +110,14 @@ SUMMARY_KEYS: dict[str, str] = {
         "thread inside kvpush calls, both processes), less, over NIXL's C API (push_c, "
         "pull_c), their CPU inside NIXL without the GIL: the GIL held, us (bare: 1 MiB; "
         "_{size}: that size)",
+    "floor_cpu_us_per_request_{mode}_{size}":
+        "the shape of an engine integration with no kvpush in it (floor_push, floor_pull: "
+        "the same thread hand-offs, control frames and NIXL work), CPU us per request",
+    "cpu_per_request_{mode}_over_floor_{size}":
+        "kvpush's CPU per request over that floor's, same run: kvpush's own work",
+    "floor_over_raw_nixl_{mode}_{size}":
+        "the floor's CPU per request over raw NIXL's without a notification: above 2, no "
+        "design of this shape meets a 2x-raw target here",
     "cpu_us_per_idle_s": "both processes, endpoints connected and idle, CPU us per second",
     "nixl_c_over_binding_cpu_{mode}_{size}":
         "kvpush's CPU per request with its agents on NIXL's C API over the same with NIXL's "
@@ -103,9 +128,11 @@ _M = "benchmarks.cpu_per_request:"
 SHAPE = SHAPES["layers"]
 SIZES = {"64kib": 1, "1mib": 16, "16mib": 256}            # blocks per request
 VARIANTS = ("push", "pull", "raw_write", "raw_read", "raw_write_notif", "raw_read_notif",
-            "push_c", "pull_c")
+            "push_c", "pull_c", "floor_push", "floor_pull")
 #: The NIXL interface each endpoint pair's agents use (``TransportConfig.nixl_api``).
 APIS = ("python", "c")
+#: The loop thread that counts as "loop" in the floor variants.
+FLOOR = "floor"
 KINDS = ("engine", "loop", "zmq", "other")   # "idle": the other pair's loop, not counted
 #: The endpoints' progress policies: the default and :class:`kvpush.ProgressPolicy`'s presets.
 POLICIES = ("default", "latency_first", "cpu_first")
@@ -155,6 +182,11 @@ def side_setup(state: dict[str, Any], conn: mpc.Connection, role: str,
         state["pairs"][api] = pair
         out["loop_tids"][api] = pair["endpoint"]._driver.thread.native_id
     state.update(state["pairs"]["python"])
+    floor = _FloorLoop(state, role, (address or {}).get(FLOOR, ""))
+    state["floor"] = floor
+    state["cleanup"].append(floor.close)
+    out["address"][FLOOR] = floor.address
+    out["loop_tids"][FLOOR] = floor.tid
     from kvpush import _nixlc  # the "c" pair's agents loaded it
     _nixlc.count_released(True)
     return out
@@ -189,34 +221,49 @@ def _wait_all(state: dict[str, Any], rids: list[str]) -> None:
             raise TimeoutError(f"{rid}: not finished in {WAIT_S} s")
 
 
+def _engine_calls(state: dict[str, Any], items: list[Any], t0: float, period: float,
+                  call: Callable[[Any], object], rids: list[str]) -> float:
+    """The engine's thread: ``call(item)`` for each item at its instant (``t0 + i *
+    period``), then wait for every request of ``rids``; returns the CPU seconds this thread
+    spent inside the calls."""
+    inside = 0.0
+    for i, item in enumerate(items):
+        _sleep_until(t0 + i * period)
+        c0 = time.thread_time()
+        call(item)
+        inside += time.thread_time() - c0
+    _wait_all(state, rids)
+    return inside
+
+
 def side_expect(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
                 ids: np.ndarray, t0: float, period: float, api: str = "python") -> float:
     """Push, decode side: ``expect`` each request at its instant; waits for all; returns
     the CPU seconds this thread spent inside the calls."""
+    if api == FLOOR:
+        floor: _FloorLoop = state["floor"]
+        return _engine_calls(state, rids, t0, period, floor.expect, rids)
     pair = state["pairs"][api]
-    consumer = pair["endpoint"]
-    inside = 0.0
-    for i, rid in enumerate(rids):
-        _sleep_until(t0 + i * period)
-        c0 = time.thread_time()
-        consumer.expect(rid, ids, pair["producer"], timeout=WAIT_S)
-        inside += time.thread_time() - c0
-    _wait_all(state, rids)
-    return inside
+    return _engine_calls(state, rids, t0, period, lambda rid: pair["endpoint"].expect(
+        rid, ids, pair["producer"], timeout=WAIT_S), rids)
 
 
 def side_prefill_done(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
-                      ids: np.ndarray, t0: float, period: float, api: str = "python") -> float:
-    """Push, prefill side: ``prefill_done`` each request ``LAG_S`` after its instant."""
+                      ids: np.ndarray, t0: float, period: float, api: str = "python",
+                      local: np.ndarray | None = None, remote: np.ndarray | None = None
+                      ) -> float:
+    """Push, prefill side: ``prefill_done`` each request ``LAG_S`` after its instant (the
+    floor: the raw WRITE of descriptor indices ``local`` -> ``remote``)."""
+    if api == FLOOR:
+        if local is None or remote is None:
+            raise ValueError("the floor's prefill_done needs the WRITE's descriptor indices")
+        floor: _FloorLoop = state["floor"]
+        src, dst = local, remote
+        return _engine_calls(state, rids, t0 + LAG_S, period,
+                             lambda rid: floor.prefill_done(rid, src, dst), rids)
     producer = state["pairs"][api]["endpoint"]
-    inside = 0.0
-    for i, rid in enumerate(rids):
-        _sleep_until(t0 + i * period + LAG_S)
-        c0 = time.thread_time()
-        producer.prefill_done(rid, ids)
-        inside += time.thread_time() - c0
-    _wait_all(state, rids)
-    return inside
+    return _engine_calls(state, rids, t0 + LAG_S, period,
+                         lambda rid: producer.prefill_done(rid, ids), rids)
 
 
 def side_tickets(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
@@ -241,14 +288,16 @@ def side_pull(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
               api: str = "python") -> float:
     """Pull, decode side: ``pull`` each ticket at its instant; waits for all."""
     consumer = state["pairs"][api]["endpoint"]
-    inside = 0.0
-    for i, ticket in enumerate(tickets):
-        _sleep_until(t0 + i * period)
-        c0 = time.thread_time()
-        consumer.pull(ticket, ids, timeout=WAIT_S)
-        inside += time.thread_time() - c0
-    _wait_all(state, rids)
-    return inside
+    return _engine_calls(state, tickets, t0, period,
+                         lambda ticket: consumer.pull(ticket, ids, timeout=WAIT_S), rids)
+
+
+def side_floor_pull(state: dict[str, Any], conn: mpc.Connection, rids: list[str],
+                    local: np.ndarray, remote: np.ndarray, t0: float, period: float) -> float:
+    """Pull, decode side of the floor: hand each READ to the floor's loop at its instant."""
+    floor: _FloorLoop = state["floor"]
+    return _engine_calls(state, rids, t0, period,
+                         lambda rid: floor.pull(rid, local, remote), rids)
 
 
 def side_raw_post(state: dict[str, Any], conn: mpc.Connection, op: str, local: np.ndarray,
@@ -279,6 +328,146 @@ def side_raw_listen(state: dict[str, Any], conn: mpc.Connection, t0: float, peri
             if time.monotonic() > deadline:
                 raise TimeoutError(f"raw notifications: {got} of {n}")
     return 0.0
+
+
+class _FloorLoop:
+    """The floor variants' loop thread (see the module doc): asleep in a ``zmq.Poller`` on
+    one ZeroMQ socket (a ROUTER on the prefill side, a DEALER on the decode side, kvpush's
+    socket types) and an eventfd; engine calls reach it through a queue and the eventfd.
+    Requests end by setting the worker's per-request event, as the endpoints' callbacks
+    do. A request it cannot finish (no notification within ``WAIT_S``) is logged and left
+    unset, so the batch's wait times out naming it."""
+
+    DECODE = b"floor-decode"
+
+    def __init__(self, state: dict[str, Any], role: str, address: str = "") -> None:
+        import zmq
+
+        self._state = state
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER if role == "prefill" else zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if role == "prefill":
+            self._sock.bind("tcp://127.0.0.1:*")
+            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self._sock.setsockopt(zmq.IDENTITY, self.DECODE)
+            self._sock.connect(address)
+            self.address = address
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK)
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake, zmq.POLLIN)
+        self._registered: set[str] = set()
+        self._waiting: dict[str, Callable[[], None]] = {}   # prefill_done before its Register
+        self._notes: set[bytes] = set()                      # notifications read, not yet used
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="floor-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def tid(self) -> int:
+        return int(self._thread.native_id or 0)
+
+    # -- the engine's calls (its thread) ------------------------------------------------
+    def _call(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+        os.eventfd_write(self._wake, 1)
+
+    def expect(self, rid: str) -> None:
+        self._call(lambda: self._send(None, b"R" + rid.encode()))
+
+    def prefill_done(self, rid: str, local: np.ndarray, remote: np.ndarray) -> None:
+        self._call(lambda: self._write_when_registered(rid, local, remote))
+
+    def pull(self, rid: str, local: np.ndarray, remote: np.ndarray) -> None:
+        def read() -> None:
+            self._xfer("READ", local, remote, b"")
+            self._state["event"](rid).set()
+            self._send(None, b"D" + rid.encode())
+        self._call(read)
+
+    # -- the loop thread -----------------------------------------------------------------
+    def _send(self, identity: bytes | None, frame: bytes) -> None:
+        frame = frame.ljust(64, b"\0")   # the size of a small control frame
+        if identity is None:
+            self._sock.send(frame)
+        else:
+            self._sock.send_multipart([identity, frame])
+
+    def _xfer(self, op: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> None:
+        raw: RawAgent = self._state["raw"]
+        raw.xfer(op, self._state["raw_local"], local, self._state["raw_remote"], remote,
+                 notif=notif)
+
+    def _write_when_registered(self, rid: str, local: np.ndarray, remote: np.ndarray) -> None:
+        def write() -> None:
+            self._registered.discard(rid)
+            self._xfer("WRITE", local, remote, rid.encode())
+            self._send(self.DECODE, b"H" + rid.encode())
+            self._state["event"](rid).set()
+        if rid in self._registered:
+            write()
+        else:
+            self._waiting[rid] = write
+
+    def _landed(self, rid: str) -> None:
+        note, deadline = rid.encode(), time.monotonic() + WAIT_S
+        while note not in self._notes:
+            for notes in self._state["raw"].agent.get_new_notifs().values():
+                self._notes.update(notes)
+            if time.monotonic() > deadline:
+                log.error("floor: no notification for %s in %s s", rid, WAIT_S)
+                return
+        self._notes.discard(note)
+        self._state["event"](rid).set()
+
+    def _on_frame(self, frame: bytes) -> None:
+        kind, rid = frame[:1], frame[1:].rstrip(b"\0").decode()
+        if kind == b"R":
+            self._registered.add(rid)
+            if rid in self._waiting:
+                self._waiting.pop(rid)()
+        elif kind == b"H":
+            self._landed(rid)
+        elif kind == b"D":
+            self._state["event"](rid).set()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop:
+            events = dict(self._poller.poll())
+            if events.get(self._wake):
+                os.eventfd_read(self._wake)
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    job()
+                except Exception:  # its request stays unfinished: the batch names it
+                    log.exception("floor: a job failed")
+            if events.get(self._sock):
+                while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    frame = self._sock.recv_multipart()[-1]
+                    try:
+                        self._on_frame(frame)
+                    except Exception:
+                        log.exception("floor: a frame's handling failed")
+
+    def close(self) -> None:
+        def stop() -> None:
+            self._stop = True
+        self._call(stop)
+        self._thread.join(5.0)
+        if self._thread.is_alive():
+            raise RuntimeError("floor loop thread did not stop")
+        self._sock.close()
+        self._ctx.term()
+        os.close(self._wake)
 
 
 #: kvpush's NIXL wrapper (:class:`kvpush.agent.Agent`): the methods whose CPU the
@@ -405,12 +594,24 @@ def _batch(variant: str, prefill: _Side, decode: _Side, rids: list[str], src: np
     mode, _, c = variant.partition("_")
     api = "c" if c == "c" else "python"
     prefill.active = decode.active = api if mode in ("push", "pull") else ""
+    if mode == FLOOR:
+        prefill.active = decode.active = api = FLOOR
     # Only the C API's pair counts: the other pair's idle wake-ups do not belong to a batch.
     released = -_released_ns(p, d) if api == "c" else 0
     before = (prefill.snapshot(), decode.snapshot())
     t0 = time.monotonic() + 0.1
     timeout = n * period + WAIT_S + 30
-    if mode == "push":
+    if variant == "floor_push":
+        local, remote = _raw_indices("WRITE", src, dst)
+        d.send_call(_M + "side_expect", rids=rids, ids=dst, t0=t0, period=period, api=api)
+        p.send_call(_M + "side_prefill_done", rids=rids, ids=src, t0=t0, period=period,
+                    api=api, local=local, remote=remote)
+    elif variant == "floor_pull":
+        local, remote = _raw_indices("READ", src, dst)
+        d.send_call(_M + "side_floor_pull", rids=rids, local=local, remote=remote, t0=t0,
+                    period=period)
+        p.send_call(_M + "side_wait", rids=rids)
+    elif mode == "push":
         d.send_call(_M + "side_expect", rids=rids, ids=dst, t0=t0, period=period, api=api)
         p.send_call(_M + "side_prefill_done", rids=rids, ids=src, t0=t0, period=period,
                     api=api)
@@ -580,6 +781,17 @@ def _summary(rows: list[dict[str, Any]], idle: float) -> dict[str, float]:
     for (variant, size), row in by.items():
         if variant in raw_names:
             summary[f"{raw_names[variant]}_cpu_us_per_request_{size}"] = row["cpu_us"]
+            continue
+        if variant.startswith(FLOOR):
+            mode = variant.partition("_")[2]
+            summary[f"floor_cpu_us_per_request_{mode}_{size}"] = row["cpu_us"]
+            raw = by.get(("raw_write" if mode == "push" else "raw_read", size))
+            if raw is not None:
+                summary[f"floor_over_raw_nixl_{mode}_{size}"] = row["cpu_us"] / raw["cpu_us"]
+            kvpush_row = by.get((mode, size))
+            if kvpush_row is not None:
+                summary[f"cpu_per_request_{mode}_over_floor_{size}"] = (kvpush_row["cpu_us"]
+                                                                        / row["cpu_us"])
             continue
         mode = variant.partition("_")[0]
         summary[f"cpu_us_per_request_{variant}_{size}"] = row["cpu_us"]

@@ -265,12 +265,19 @@ def test_cpu_per_request(results: dict[str, dict[str, object]]) -> None:
     _finite(r["summary"], "cpu_us_per_request_push_64kib", "cpu_us_per_request_pull_64kib",
             "raw_nixl_cpu_us_per_request_64kib", "raw_nixl_read_notif_cpu_us_per_request_64kib",
             "cpu_per_request_pull_over_raw_nixl_64kib", "gil_us_per_request_push_64kib",
-            "cpu_us_per_idle_s")
+            "cpu_us_per_idle_s", "floor_cpu_us_per_request_push_64kib",
+            "floor_cpu_us_per_request_pull_64kib", "cpu_per_request_push_over_floor_64kib",
+            "floor_over_raw_nixl_pull_64kib")
     rows = {row["variant"]: row for row in r["rows"]}
     assert set(rows) == set(cpu_per_request.VARIANTS)
     # the initiator's thread does a raw transfer's work; kvpush's work runs on its loops
     assert rows["raw_write"]["p_engine_us"] > 0 and rows["raw_read"]["d_engine_us"] > 0
     assert rows["push"]["p_loop_us"] > 0 and rows["pull"]["d_loop_us"] > 0
+    # the floor's loop threads did its transfers (the WRITE on the prefill side, the READ on
+    # the decode side) and count as its loops, not as another thread kind
+    assert rows["floor_push"]["p_loop_us"] > 0 and rows["floor_push"]["d_loop_us"] > 0
+    assert rows["floor_pull"]["d_loop_us"] > 0 and rows["floor_pull"]["p_loop_us"] > 0
+    assert "gil_us" not in rows["floor_push"]
     # the attribution pass saw the NIXL calls of each side's loop, then unwrapped them
     split = {row["variant"]: row for row in r["split_rows"]}
     assert split["push"]["p_nixl_calls"] >= 1 and split["pull"]["d_nixl_calls"] >= 1
