@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ._common import Progress, geomean, open_endpoint, pct
-from ._procs import Worker, stop_all, thread_cpu_seconds
+from ._procs import Worker, stop_all
 
 __all__ = ["run"]
 
@@ -111,12 +111,13 @@ def side_round(state: dict[str, Any], conn: mpc.Connection, mode: str, rids: lis
         import torch
 
         torch.set_num_threads(1)  # OpenMP's thread count is per calling thread
-        tid = threading.get_native_id()
         steps: list[float] = []
         queue: list[Any] = list(rids) if mode == "push" and role == "prefill" else \
             list(tickets or []) if mode == "pull" and role == "decode" else []
         done, total = 0, len(queue)
-        cpu0, thread0 = time.process_time(), thread_cpu_seconds(tid)
+        # Both clocks count to the nanosecond (a tick-counted thread time would put up to
+        # 10 ms of error into a window's "other" CPU).
+        cpu0, thread0 = time.process_time(), time.thread_time()
         end = time.perf_counter() + seconds
         i = 0
         while time.perf_counter() < end:
@@ -134,7 +135,7 @@ def side_round(state: dict[str, Any], conn: mpc.Connection, mode: str, rids: lis
                 done += len(ep.get_finished())
             steps.append(time.perf_counter() - t)
             i += 1
-        other = (time.process_time() - cpu0) - (thread_cpu_seconds(tid) - thread0)
+        other = (time.process_time() - cpu0) - (time.thread_time() - thread0)
         issued = total - len(queue)
         for item in queue:  # what the round had no time for goes now, untimed
             if role == "prefill":
