@@ -4,12 +4,12 @@ costs in latency.
 * **Idle pair** -- a Producer and a Consumer, each in its own process, connected (heartbeats
   flowing), nothing to transfer: CPU (both processes, all threads, to the nanosecond:
   :func:`benchmarks._procs.cpu_seconds`) over a window, as % of one core, and how often
-  their loop threads woke. Beside it the floor of any liveness check: the same two processes exchanging a
-  ping and its answer over ZeroMQ every ``heartbeat_s`` and doing nothing else
-  (:func:`benchmarks.control_frames.round_trips`). What a wake-up costs depends on the
-  host: where a thread's memory goes cold while it sleeps, its first work after a long
-  sleep costs several times its hot CPU (``host_cold_work_x`` measures it), and both
-  kvpush and the floor pay that. Then the same for a pair of raw NIXL agents with NIXL's
+  their loop threads woke. Beside it the floor of any liveness check: the same two
+  processes exchanging a ping and its answer over ZeroMQ every ``heartbeat_s`` and doing
+  nothing else (:func:`benchmarks.control_frames.round_trips`). What a wake-up costs
+  depends on the host: where a thread's memory goes cold while it sleeps, its first work
+  after a long sleep costs several times its hot CPU (``host_cold_work_x`` measures it),
+  and both kvpush and the floor pay that. Then the same for a pair of raw NIXL agents with NIXL's
   default configuration (progress thread on, polling without pause) that know each other,
   and (full mode) a raw pair configured the way kvpush configures NIXL.
 * **CPU-seconds per GiB** -- both processes, while requests of 4 MiB (64 scattered 64 KiB
