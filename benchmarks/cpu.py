@@ -23,9 +23,11 @@ costs in latency.
   producer), ``prefill_done`` -> the consumer reports READY, with both endpoints under
   ``ProgressPolicy()`` (default), ``latency_first()`` and ``cpu_first()``, interleaved.
   On this 2-core host the handover is bimodal under default and latency_first alike
-  (one-block pushes: a third or more of them 200-300 us slower; the cause is not pinned
-  down), so the p50s are taken over 61 requests (quick) or 121: over 15, a median fell in
-  the upper mode now and then, and the default's ratio read 1.2-1.4 with nothing changed.
+  (one-block pushes: up to a third of them 200-300 us slower; ``benchmarks.hot_path``'s
+  stages show such a request slower from its first stage on, the engine's call and the
+  loop's wake-up included: the host's, not one part of kvpush's), so the p50s are taken
+  over 61 requests (quick) or 121: over 15, a median fell in the upper mode now and then,
+  and the default's ratio read 1.2-1.4 with nothing changed.
 """
 
 from __future__ import annotations
