@@ -785,6 +785,12 @@ class ConsumerCore:
     # claims
     def _claim(self, now: float, rid: str, xid: int, mode: TransferMode,
                sids: dict[str, int], sharers: dict[str, int]) -> _Request:
+        old = self._claims.get(rid)
+        if old is not None and old.xid != xid:
+            # One claim per request id here: a new one gives the earlier up, at its
+            # producers too. Replaced silently, the earlier claim would hold their sources
+            # up to max_wait_s with nothing here left to end it.
+            self._end_claim(now, old, "superseded by a new claim of the request")
         claim = _Request(rid, xid, mode, Phase.CLAIMED, np.empty(0, dtype=np.int64),
                          list(sids), now, math.inf, sids=sids, sharers=sharers)
         self._claims[rid] = claim

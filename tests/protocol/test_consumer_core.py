@@ -656,6 +656,38 @@ def test_a_claim_given_up_is_said_again_until_the_producer_acknowledges() -> Non
     assert _aborts(c.drain()) == []
 
 
+def test_a_second_claim_of_an_id_gives_the_first_up_at_its_producers() -> None:
+    """A consumer keeps one claim per request id. An engine that claims the id again
+    (another use of it) gives the earlier claim up: its producers are sent the Abort (and
+    again until they acknowledge) and the facade hears ClaimGone. Replaced silently, the
+    earlier claim held its producers' sources up to ``max_wait_s`` with nothing left here to
+    end it (the simulator: a push claim's Claim queued at one producer behind the use it
+    held, the engine claiming the next use before it gave the first claim up)."""
+    c = core(grace=1.0)
+    c.claim_push(0.0, "r", [P, Q], 2, 21)
+    c.drain()
+    c.claim_push(0.5, "r", [P], 2, 22)
+    out = c.drain()
+    assert _aborts(out) == [(P, m.Abort("r", 21, "superseded by a new claim of the request")),
+                            (Q, m.Abort("r", 21, "superseded by a new claim of the request"))]
+    assert [e.item for e in out if isinstance(e, Emit)] == [ClaimGone("r", 21)]
+    assert [(x.peer, x.msg.xid) for x in out
+            if isinstance(x, Send) and isinstance(x.msg, m.Claim)] == [(P, 22)]
+    c.on_message(0.6, P, m.AbortAck("r", 21))
+    c.tick(1.6)                                   # Q's Abort was lost: said again
+    assert _aborts(c.drain()) == [(Q, m.Abort("r", 21,
+                                              "superseded by a new claim of the request"))]
+    c.abort_claim(2.0, "r", 21, "no blocks")      # the first claim is gone: nothing
+    assert _aborts(c.drain()) == []
+    c.abort_claim(2.1, "r", 22, "no blocks")      # the second is the live one
+    assert _aborts(c.drain()) == [(P, m.Abort("r", 22, "no blocks"))]
+    # the same xid claimed again is the same claim, not a second one
+    c.claim_push(3.0, "s", [P], 2, 31)
+    c.drain()
+    c.claim_push(3.1, "s", [P], 2, 31)
+    assert _aborts(c.drain()) == []
+
+
 R = "prod-r"   # a producer this consumer is not connected to
 
 
