@@ -644,9 +644,14 @@ class Endpoint:
             self.sim.checker.trace(f"{self.name} < {peer} {_brief(msg)}")
             if isinstance(msg, (m.Register, m.Claim)):
                 self.sim.producer_wait_started(msg.request_id)
-            if isinstance(msg, m.Claim):     # it may hold the source up to max_wait_s
-                self.engine.took_claim(now, peer, msg)
-            elif isinstance(msg, (m.Register, m.PullBegin)):   # a claim of it continues
+            if isinstance(msg, m.Claim):     # it may hold a source up to max_wait_s
+                taken = on_message(now, peer, msg, *rest)
+                # Which use the core gave it to, if any: a push claim that comes while a
+                # use is held waits for that use's release and joins the next one (the
+                # core takes it again then, before the engine hears of the release).
+                self.engine.took_claim(now, peer, msg, self.core.snapshot(msg.request_id))
+                return taken
+            if isinstance(msg, (m.Register, m.PullBegin)):   # a claim of it continues
                 self.engine.claim_gone(now, peer, msg.request_id, msg.xid)
             return on_message(now, peer, msg, *rest)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import messages as m
-from ..request import Release, RequestState, TransferMode, TransferResult
+from ..request import Release, RequestState, RequestStatus, TransferMode, TransferResult
 
 if TYPE_CHECKING:
     from .driver import Endpoint
@@ -244,16 +244,27 @@ class PrefillEngine:
         self.sources.clear()
         self.pending_claims.clear()
 
-    def took_claim(self, now: float, consumer: str, msg: m.Claim) -> None:
-        """The producer core took ``msg`` from ``consumer`` just now: the source it holds
-        for the claim is the current one (a pull claim: the one its ``sid`` names), or,
-        for a push claim with none live, the next one."""
+    def took_claim(self, now: float, consumer: str, msg: m.Claim,
+                   status: RequestStatus) -> None:
+        """The producer core was handed ``msg`` from ``consumer`` just now and is at
+        ``status`` for its request since. A pull claim holds the live source its ``sid``
+        names. A push claim the core made an owner of holds the live source, unless the
+        core is waiting for a prefill_done while that source was already handed to it:
+        the core released that use (the engine hears of it after this) and took the claim
+        again for the next use, which holds it. A push claim the core did not make an
+        owner (refused, or waiting for the held use's release) holds nothing yet."""
         src = self.sources.get(msg.request_id)
         key = (consumer, msg.xid)
-        if src is not None and not src.released:
-            if msg.push or msg.sid == src.sid:
+        if not msg.push:
+            if src is not None and not src.released and msg.sid == src.sid:
                 src.claims[key] = [now, -1.0]
-        elif msg.push:
+            return
+        if not any((o.peer, o.xid) == key for o in status.owners):
+            return
+        if src is not None and not src.released \
+                and (status.phase != "waiting" or not src.handed):
+            src.claims[key] = [now, -1.0]
+        else:
             self.pending_claims.setdefault(msg.request_id, {})[key] = [now, -1.0]
 
     def claim_gone(self, now: float, consumer: str, rid: str, xid: int) -> None:

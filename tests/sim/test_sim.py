@@ -135,6 +135,23 @@ def test_a_cut_counts_toward_both_ends_once_however_it_is_lengthened() -> None:
     assert net.held_for_s("z") == 0.0
 
 
+def test_a_push_claim_taken_again_at_a_release_holds_the_next_use(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A push claim that reaches a producer while it holds the request's current use waits
+    for that use's release, and the core takes it again then, for the next use, before the
+    engine hears of the release. The checker counted such a claim for the use being
+    released, and bounded the next use as if nothing claimed it: `never_released` for a
+    source the claim held (its claimant's Register lost in a reset; the claimant's Abort
+    ended it). This seed reported it; the claim now holds the use the core gave it to."""
+    rc = main(["--requests", "4000", "--seed", "360", "--faults",
+               "claim,reuse,double,sharers,inuse,pabort,abort,reset", "--fault-rate", "250",
+               "--timings", "library", "--tp", "2", "--producers", "2", "--consumers", "4",
+               "--stop-after", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-4000:]
+    assert out.strip().splitlines()[-1].endswith("violations=0")
+
+
 def test_a_stall_or_cut_moves_a_release_bound_once() -> None:
     """A release bound checked while the producer's loop is stalled, or one of its links
     cut, moves by what is left of the stall or cut, and the recheck counts from what was
