@@ -78,6 +78,7 @@ class Source:
     handed: bool = False          # given to kvpush (layer_done or prefill_done)
     engine_done: bool = False     # the engine writes no more into them (done or aborted)
     released_by: Endpoint | None = None
+    released_at: float = -1.0     # when the engine took the release (-1: not yet)
     quarantine_until: float = 0.0   # Release.blocks_safe False: unchanged until then
     #: the Claims the producer core took of it, by (consumer, xid): [when it took it, when
     #: the consumer gave the claim up or continued it (-1: neither yet)]
@@ -203,6 +204,7 @@ class PrefillEngine:
                          f"under its PullHeld promise (until t={until:.6f})")
         src.released = True
         src.released_by = self.ep
+        src.released_at = now
         self.sim.checker.trace(f"{self.ep.name} release {rel.request_id} {rel.reason.value}")
         if not safe:
             # "a transfer may still read these blocks": they stay unchanged for the

@@ -590,7 +590,7 @@ class Simulation:
                     self.source_ended(src)
             self._maybe_finished(req)
             return
-        if req.p_aborted and req.order:
+        if req.p_aborted and req.order and not self._took_release_long_ago(src):
             # The engine's prefill_done for the use it aborted, made before it took the
             # release from its queue: kvpush releases the blocks exactly once (a layer-wise
             # use's, held since layer_done, by the abort already: this call changes
@@ -706,6 +706,13 @@ class Simulation:
     def _delaying_s(self, pe: Endpoint) -> float:
         """What is left of a stall of ``pe``'s loop or a cut of its links going on now."""
         return max(0.0, pe.stalled_until - self.sched.now) + self.net.held_for_s(pe.name)
+
+    def _took_release_long_ago(self, src: Source) -> bool:
+        """Whether the engine took the release of an aborted use so long ago that a
+        prefill_done for it cannot have been made before: the core keeps the aborted use's
+        record ``tombstone_s`` from its release, and takes a prefill_done after that for a
+        new use, as documented. Half of it leaves room for the release's way to the engine."""
+        return src.released and self.sched.now - src.released_at > self.timings.tombstone_s / 2
 
     def _producer_abort(self, req: Request, src: Source) -> None:
         pe = self._producer_now(src)
