@@ -1394,6 +1394,13 @@ class ProducerCore:
         for owner in list(req.owners.values()):
             if owner.mode is not TransferMode.PUSH or owner.end is not None:
                 continue
+            wait = owner.wait
+            if wait is not None and not wait.cancelled and wait.deadline <= self._now:
+                # Its wait ran out before this event came (the loop was busy or stalled
+                # past it), and its timer fires after the event. The consumer has given
+                # the request up by then, and may reuse the blocks: a WRITE posted now
+                # could land in another request's KV. The timer ends this owner.
+                continue
             if owner.state is OwnerState.REGISTERED:
                 if owner.groups == 1 and not source.complete:
                     continue  # whole-request push: wait for prefill_done

@@ -63,6 +63,32 @@ def test_push_releases_once_after_the_write() -> None:
     assert h.core.held() == 0 and h.core.in_flight() == 0
 
 
+def test_no_write_for_a_registration_whose_wait_ran_out_before_its_prefill_done() -> None:
+    """A loop stalled past a registration's ``wait_s`` takes the engine's prefill_done
+    before its timers: the consumer has given the request up (and, its Abort unanswered
+    for ``abort_grace_s``, may reuse the blocks), so a WRITE posted then lands in another
+    request's KV. The core posts nothing for it; the wait's timer ends it as a timeout."""
+    h = Harness()
+    h.register("A", "r", 11, [1, 2], wait_s=1.5)
+    h.now += 2.0                                     # stalled: the wait ran out at 1.5
+    h.prefill("r", [5, 6])
+    assert h.posts() == [] and h.sent(m.Posted) == []
+    h.advance(0.0)                                   # the same iteration's timers
+    assert [f.code for f in h.sent(m.Failed)] == ["timeout"]
+    assert h.posts() == []
+    (release,) = h.releases()                        # its only owner gave up
+    assert release.reason is ReleaseReason.ABORTED and release.blocks_safe
+
+
+def test_a_prefill_done_within_the_wait_still_posts_at_once() -> None:
+    """The control: the same prefill_done just inside the wait is served."""
+    h = Harness()
+    h.register("A", "r", 11, [1, 2], wait_s=1.5)
+    h.now += 1.4
+    h.prefill("r", [5, 6])
+    assert len(h.posts()) == 1 and h.sent(m.Failed) == []
+
+
 def test_a_tombstone_expires_and_the_id_is_usable_again() -> None:
     """A use of the id after its tombstone expired has its prefill_done taken (its blocks
     released) and its registration served: tombstones are not honoured forever."""

@@ -152,6 +152,57 @@ def test_a_push_claim_taken_again_at_a_release_holds_the_next_use(
     assert out.strip().splitlines()[-1].endswith("violations=0")
 
 
+def _sim(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """Run the simulator with ``args``: its exit code and what it printed."""
+    rc = main(list(args))
+    out = capsys.readouterr().out
+    return rc, out
+
+
+def test_a_stalled_producer_posts_no_write_for_a_wait_that_ran_out(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A producer loop stalled past a registration's ``wait_s`` took the engine's
+    prefill_done before its timers and posted the WRITE; the consumer had timed out and
+    given the blocks up unsafe (its Abort in flight), and a slow WRITE landed in them
+    after the engine's quarantine (``landed_after_safe``). The core now posts nothing for
+    an owner whose wait ran out."""
+    rc, out = _sim(
+        capsys, "--requests", "3000", "--seed", "758", "--faults",
+        "pabort,order,stall,cut,slow", "--timings", "drawn", "--rate", "3000", "--kv-apart")
+    assert rc == 0, out[-4000:]
+    assert out.strip().splitlines()[-1].endswith("violations=0")
+
+
+def test_an_aborted_use_s_late_prefill_done_comes_within_its_tombstone(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine model's ``order`` fault (a prefill_done for a use the engine aborted,
+    made before it took the release from its queue) made the call 1.27 s after the
+    release, past a drawn ``tombstone_s`` of 0.33 s; the core, as documented, took it for
+    a new use and released that at its lease: a second release of blocks the engine freed
+    (``release_not_held``). The engine makes the call only soon after the release."""
+    rc, out = _sim(
+        capsys, "--requests", "20000", "--seed", "504", "--faults", "all", "--timings",
+        "drawn", "--rate", "3000", "--kv-apart", "--verify")
+    assert rc == 0, out[-4000:]
+    assert out.strip().splitlines()[-1].endswith("violations=0")
+
+
+@pytest.mark.xfail(strict=True, reason="docs/RELIABILITY.md, a producer frozen past its "
+                   "consumers' peer_timeout_s: the registrations waiting in its socket are "
+                   "served when it wakes, after the consumer failed them blocks_safe=False")
+def test_a_producer_frozen_past_peer_timeout_posts_no_write_for_a_failed_request(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The producer's loop froze 2.37 s (peer_timeout_s 1.27); its consumer gave it up
+    and failed the request unsafe; the Register waiting in the producer's socket was
+    served when the loop woke, and the slow WRITE landed 10.6 s after the failure, past
+    the engine model's quarantine. The contract allows it (bytes of an unsafe result may
+    land at any later time); the library does not yet bound it."""
+    rc, out = _sim(
+        capsys, "--requests", "3000", "--seed", "709", "--faults",
+        "pabort,order,stall,cut,slow", "--timings", "drawn", "--rate", "3000", "--kv-apart")
+    assert rc == 0, out[-4000:]
+
+
 def test_a_stall_or_cut_moves_a_release_bound_once() -> None:
     """A release bound checked while the producer's loop is stalled, or one of its links
     cut, moves by what is left of the stall or cut, and the recheck counts from what was
