@@ -492,7 +492,11 @@ class Simulation:
         now = self.sched.now
         prefill = rng.uniform(0, t.prefill_max_s)
         if f.on("late") and rng.random() < f.late_p:
-            prefill = rng.uniform(t.lease_s, t.request_timeout_s * 1.5)   # prefill very late
+            # prefill very late, but within the time a use released early (layer-wise)
+            # waits for its prefill_done (tombstone_s, then max_wait_s): a later one starts
+            # a new use, as documented, which an engine does not make of the same blocks
+            late = min(t.request_timeout_s * 1.5, t.tombstone_s + t.max_wait_s - t.slack_s)
+            prefill = rng.uniform(min(t.lease_s, late), late)
             self._fault("late")
         layerwise = mode is TransferMode.PUSH and rng.random() < t.layerwise_p
         if layerwise:
