@@ -179,6 +179,14 @@ class Sessions(Protocol):
     def unreachable(self, peer: str, why: str) -> None:
         """NIXL says ``peer`` is disconnected (a post failed with PeerUnavailable)."""
 
+    def doubt(self, peer: str, now: float) -> str:
+        """Why ``peer`` may have given this side up by ``now`` ("": it cannot have; a WRITE
+        to it may go)."""
+
+    def distrust(self, peer: str, why: str) -> None:
+        """Drop ``peer``'s session for ``why`` (:meth:`doubt`): it is told to connect
+        again."""
+
     def undeliverable(self, sock: zmq.Socket[Any], identity: bytes | None, why: str) -> None:
         """Frames for a peer could not be delivered (its outbox overflowed)."""
 
@@ -472,8 +480,11 @@ class Driver:
             _trace.stamp("post")
         now = self.clock()
         known, sealer, _ = self.sessions.keys(effect.peer)
-        if not known:
+        doubt = self.sessions.doubt(effect.peer, now) if known else ""
+        if not known or doubt:
             self.core.transfer_ended(now, effect.key, XferEnd.LOST)
+            if doubt:   # it may have failed the request and reused the blocks
+                self.sessions.distrust(effect.peer, doubt)
             return
         try:
             handle = self.agent.post(effect.op, effect.peer, effect.local, effect.remote,

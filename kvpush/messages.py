@@ -62,7 +62,7 @@ __all__ = [
 # Every frame and ticket starts with it; a peer of another version is refused whole (its
 # frames at the first byte, its Hello with them), never half understood: messages refuse
 # fields they do not know (forbid_unknown_fields), so a new field is a new version.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 _PLAIN = bytes([PROTOCOL_VERSION, 0])
 _SEALED = bytes([PROTOCOL_VERSION, 1])
 
@@ -122,6 +122,11 @@ class Hello(_Msg, tag="hello", frozen=True):
     sent_at: float = 0.0      # wall clock, with authentication
     to: str = ""              # the address the consumer dialed (the producer checks it)
     challenge: bytes = b""    # the nonce of the Challenge it answers (required)
+    # How the consumer judges the producer's silence: a Heartbeat every heartbeat_s, the
+    # producer given up once one goes unanswered peer_timeout_s. The producer reads its
+    # frames' delays against them (0: not said; its delays are not judged).
+    heartbeat_s: float = 0.0
+    peer_timeout_s: float = 0.0
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):
@@ -161,6 +166,7 @@ class Register(_Msg, tag="register", frozen=True):
     # it (the router relays it, as in a pull ticket); 0: the use the producer holds or
     # starts next. A named registration never attaches to another use.
     sid: Id = 0
+    sent: float = 0.0         # the consumer's monotonic clock when it sent this (0: unsaid)
 
 
 class Posted(_Msg, tag="posted", frozen=True):
@@ -269,6 +275,7 @@ class Heartbeat(_Msg, tag="hb", frozen=True):
     """Consumer -> producer: still here (answered by HeartbeatAck)."""
 
     seq: int
+    sent: float = 0.0         # the consumer's monotonic clock when it sent this (0: unsaid)
 
 
 class HeartbeatAck(_Msg, tag="hb_ack", frozen=True):

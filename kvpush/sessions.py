@@ -121,6 +121,16 @@ class Accepting:
     def dial(self, address: str, timeout: float) -> None:
         raise RuntimeError("a producer dials no one (its core asks for no Dial)")
 
+    def doubt(self, peer: str, now: float) -> str:
+        """Why consumer ``peer`` may have given this producer up by ``now`` (see
+        :meth:`kvpush.protocol.session.Acceptor.doubt`)."""
+        return self.machine.doubt(peer, now)
+
+    def distrust(self, peer: str, why: str) -> None:
+        consumer = self.machine.connected(peer)
+        if consumer is not None:
+            self._carry_out(self.machine.drop(consumer, why, rejoin=True))
+
     def unreachable(self, peer: str, why: str) -> None:
         consumer = self.machine.by_agent.get(peer)
         if consumer is not None:
@@ -243,7 +253,8 @@ class Dialing:
         agent = driver.agent
         self.machine = Dialers(DialConfig(driver.name, driver.layout, driver.key,
                                           peer_timeout_s, wall=driver.wall,
-                                          nonce=driver.nonce, wire=lambda: agent.layout))
+                                          nonce=driver.nonce, wire=lambda: agent.layout,
+                                          heartbeat_s=heartbeat_s))
         # each session's socket and the connect() calls waiting on it, by its own address
         self.conns: dict[str, zmq.Socket[Any]] = {}
         self._waiters: dict[str, list[Waiter]] = {}
@@ -329,6 +340,14 @@ class Dialing:
 
     def forget(self, peer: str, why: str) -> None:
         """Never asked: this side drops a producer itself (:meth:`_lose`)."""
+
+    def doubt(self, peer: str, now: float) -> str:
+        """Never: a consumer's READ takes bytes from the producer, whose blocks are its own
+        to keep (its PullHeld promise)."""
+        return ""
+
+    def distrust(self, peer: str, why: str) -> None:
+        """Never asked (:meth:`doubt` finds none)."""
 
     def dial(self, address: str, timeout: float) -> None:
         """The core's Dial: connect, and tell the core how the handshake ended."""

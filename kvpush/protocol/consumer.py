@@ -485,7 +485,7 @@ class ConsumerCore:
         verify = self.config.verify and req.parts == 1
         for index, (name, share, sid) in enumerate(zip(names, shares, uses, strict=True)):
             self._out.append(Send(name, m.Register(rid, xid, payload, index, timeout, verify,
-                                                   groups, tail, share, sid)))
+                                                   groups, tail, share, sid, now)))
         return xid
 
     def pull(self, now: float, tickets: Sequence[m.PullTicket], sources: Sequence[np.ndarray],

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -212,6 +213,7 @@ class DialConfig:
     # the layout the Hello carries: the agent's (a data-plane child registers the memory
     # itself, with its own addresses); default ``layout``
     wire: Callable[[], KVLayout] | None = None
+    heartbeat_s: float = 0.0    # told to the producer in the Hello, with peer_timeout_s
 
 
 class Dialer:
@@ -365,7 +367,8 @@ class Dialer:
                 wire = self.cfg.wire() if self.cfg.wire else self.cfg.layout
                 self.hello = m.Hello(self.cfg.me, metadata, wire.to_wire(),
                                      self.nonce, self.cfg.wall(), self.address,
-                                     self.challenge.nonce)
+                                     self.challenge.nonce, self.cfg.heartbeat_s,
+                                     self.cfg.peer_timeout_s)
             self._send(self.hello, hs)
         self.retry_at = min(self.deadline, now + self.delay)
         self.delay = min(self.delay * 2, self.cfg.retry_max_s)
@@ -443,7 +446,7 @@ class Dialer:
         self.hb_seq += 1
         if asked is None:
             self.unanswered = (self.hb_seq, now)
-        self._out.append(_tx(self.address, m.Heartbeat(self.hb_seq), self.sealer))
+        self._out.append(_tx(self.address, m.Heartbeat(self.hb_seq, now), self.sealer))
 
     def _on_heartbeat_ack(self, msg: m.HeartbeatAck) -> None:
         if self.unanswered is not None and msg.seq >= self.unanswered[0]:
@@ -628,6 +631,22 @@ LINK_TABLE: Table[Link, LinkEvent] = Table("Accepted", {
 }, initial=(_L.ADMITTING,), final=(_L.DEPARTED,))
 
 
+#: How fast the offset between a consumer's clock and this side's may grow, in seconds per
+#: second (clocks of two hosts run at rates a few parts per million apart).
+CLOCK_CREEP = 1e-3
+
+
+def _delay(peer: Accepted, now: float, sent: float) -> float:
+    """How much longer than the quickest of ``peer``'s frames one it sent at ``sent`` (its
+    monotonic clock) took to be read here at ``now``. The offset between the clocks is the
+    least (read here - sent there) seen so far, let grow by :data:`CLOCK_CREEP` so that
+    clocks running at slightly different rates stay matched."""
+    seen = now - sent
+    offset = min(seen, peer.offset + CLOCK_CREEP * (now - peer.offset_at))
+    peer.offset, peer.offset_at = offset, now
+    return seen - offset
+
+
 @dataclass
 class Accepted:
     """A producer's session with one consumer connection."""
@@ -647,6 +666,14 @@ class Accepted:
     digest: bytes = b""             # of the opened NIXL metadata: the incarnation
     ack_frame: bytes = b""
     rejoin: bool = False         # dropped by a data-plane restart: told to connect again
+    # How the consumer judges this producer's silence (its Hello; 0: not said, not judged)
+    heartbeat_s: float = 0.0
+    peer_timeout_s: float = 0.0
+    # The clocks' offset as its frames show it (see :func:`_delay`), and since when the
+    # consumer may have given this producer up if no later Heartbeat of it is read in time
+    offset: float = math.inf
+    offset_at: float = 0.0
+    trusted_until: float = math.inf
     out: list[SessionEffect] = field(default_factory=list)
     # set by the handler of the event being run
     why: str = ""
@@ -756,6 +783,36 @@ class Acceptor:
         if peer is not None and not live:
             del self.by_agent[name]
         return not live
+
+    def _read_late(self, peer: Accepted, now: float, msg: m.Heartbeat | m.Register) -> str:
+        """Why ``peer`` may have given this producer up, judged by a frame read now (""
+        if it cannot have). The consumer gives a producer up once one of its Heartbeats
+        goes unanswered ``peer_timeout_s``; a frame of it read that much later than its
+        quickest ones waited in this side's socket (a stalled loop, a frozen process) or
+        on the way (a cut), and so did the Heartbeats sent beside it. Serving it then --
+        a Register's WRITE -- could write blocks the consumer has failed and reused. One
+        heartbeat period of the timeout is kept for the answer's way back."""
+        delay = _delay(peer, now, msg.sent)
+        if delay > peer.peer_timeout_s - peer.heartbeat_s:
+            return (f"read its {type(msg).__name__} {delay:.2f} s late: it gives a producer "
+                    f"up after {peer.peer_timeout_s} s without an answer, and may have")
+        if isinstance(msg, m.Heartbeat):
+            # answered in time; its next one is due heartbeat_s after it, and must be
+            # answered within the same bound
+            peer.trusted_until = msg.sent + peer.offset + peer.peer_timeout_s
+        return ""
+
+    def doubt(self, name: str, now: float) -> str:
+        """Why connected consumer ``name`` may have given this producer up by ``now`` (""
+        if it cannot have): no Heartbeat of it read in time since the last one answered,
+        whose successor is due (this loop may not have read it yet). A WRITE to it now
+        could land in blocks it has failed and reused."""
+        peer = self.connected(name)
+        if peer is None or now <= peer.trusted_until:
+            return ""
+        return (f"no Heartbeat of it read for {now - peer.trusted_until + peer.peer_timeout_s:.2f}"
+                f" s: it gives a producer up after {peer.peer_timeout_s} s without an "
+                f"answer, and may have")
 
     def check(self, now: float) -> list[SessionEffect]:
         """Drop every consumer silent for ``peer_timeout_s`` (the caller reads what
@@ -878,6 +935,11 @@ class Acceptor:
                 return [_tx(identity, m.Bye(self.cfg.me, rejoin=rejoin), sealer,
                             best_effort=True)], None
             return [], None
+        if isinstance(msg, (m.Heartbeat, m.Register)) and peer.peer_timeout_s \
+                and msg.sent and math.isfinite(msg.sent):
+            late = self._read_late(peer, now, msg)
+            if late:
+                return self.drop(peer, late, rejoin=True), None
         if isinstance(msg, m.Heartbeat):
             return self._run(peer, LinkEvent.HEARTBEAT, msg.seq), (peer.name, msg)
         if isinstance(msg, m.Bye):
@@ -997,8 +1059,13 @@ class Acceptor:
             # incarnation whose predecessor was forgotten: that one's READs died with it.
             out.append(PeerDown(msg.name, "consumer restarted" if restarted
                                 else "consumer reconnected", abandon=True))
+        # Its frames' delays are judged only against a heartbeat period and a timeout that
+        # make sense together (a Hello that says none, or nonsense, is not judged).
+        judged = 0 < msg.heartbeat_s < msg.peer_timeout_s < math.inf
         peer = Accepted(identity, msg.name, remote, now, hello_nonce=msg.nonce,
-                        hello_metadata=msg.agent_metadata, digest=digest)
+                        hello_metadata=msg.agent_metadata, digest=digest,
+                        heartbeat_s=msg.heartbeat_s if judged else 0.0,
+                        peer_timeout_s=msg.peer_timeout_s if judged else 0.0)
         self.consumers[identity] = peer
         self.departed.pop(identity, None)
         out.append(Admit(identity, msg.name, metadata, remote))

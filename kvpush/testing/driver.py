@@ -602,7 +602,10 @@ class Endpoint:
                 del self._attack[id(obj)]
             result = receive(now, peer, frame)
             effects = result[0]
-            self._check_restart(effects, peer.address if self.role == "consumer" else "")
+            if self.role == "consumer":
+                self._check_restart(effects, peer.address)
+            else:
+                self._check_restart(effects, own=peer)
             self._check_effects(effects)
             got = result[1]
             if self._attacked and got is not None:
@@ -743,14 +746,19 @@ class Endpoint:
                                       f"{other.address} is {other.state.value}")
                 return
 
-    def _check_restart(self, effects: list[SessionEffect], address: str = "") -> None:
+    def _check_restart(self, effects: list[SessionEffect], address: str = "",
+                       own: bytes = b"") -> None:
         """A frame makes a session end a peer's other session (a producer: the consumer
         says Hello anew; a consumer: the producer answers at ``address`` under a name
         connected elsewhere) only when that peer restarted, or dials again after losing
-        its session: never because a second spelling of an address was dialled."""
+        its session: never because a second spelling of an address was dialled. (A
+        producer also ends the session of connection ``own``, the frame's, when the frame
+        came so late that the consumer may have given it up: no restart.)"""
         sim = self.sim
         for eff in effects:
             if not isinstance(eff, PeerDown) or not eff.conn or eff.conn == address:
+                continue
+            if own and eff.conn == own and not eff.abandon:
                 continue
             if self.role == "consumer":   # the producer taken for restarted
                 ep = sim.endpoints.get(eff.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from kvpush import messages as m
@@ -193,6 +194,104 @@ def test_a_loss_says_when_the_producer_was_last_heard() -> None:
     dials.receive(0.9, d, m.encode(m.Posted("r", 1, 0)))   # a frame, not an answer
     (down,) = [e for e in dials.heartbeat(1.1) if isinstance(e, s.PeerDown)]
     assert down.why.endswith("(2 heartbeats unanswered; last frame from it 0.20 s ago)")
+
+
+def _judged_pair() -> tuple[s.Acceptor, s.Dialer]:
+    """A session whose consumer said how it judges silence: a Heartbeat every 0.25 s, the
+    producer given up after 1.0 s unanswered."""
+    layout = FakeMemory(2, 16).layout
+    acc = s.Acceptor(s.AcceptConfig("p0", layout, None, 1.0, "tcp://p0:1",
+                                    "tcp://0.0.0.0:1", lambda: 1000.0, _nonces(1)),
+                     lambda: b"pmeta")
+    dials = s.Dialers(s.DialConfig("c0", layout, None, 1.0, 0.05, 0.5, lambda: 1000.0,
+                                   _nonces(2), heartbeat_s=0.25))
+    d, _ = _connect(dials, acc)
+    return acc, d
+
+
+def _register(sent: float) -> bytes:
+    return m.encode(m.Register("r", 11, m.encode_ids(np.array([1])), 0, 30.0, sent=sent))
+
+
+def _dropped(effects: list[s.SessionEffect]) -> str:
+    downs = [e for e in effects if isinstance(e, s.PeerDown)]
+    byes = [tx.msg for tx in _frames(effects) if isinstance(tx.msg, m.Bye)]
+    assert len(downs) == len(byes) <= 1 and all(b.rejoin for b in byes)  # type: ignore[union-attr]
+    return downs[0].why if downs else ""
+
+
+@pytest.mark.parametrize("clock", [0.0, 5000.0, -70.0])
+def test_a_register_read_later_than_the_consumer_waits_drops_its_session(clock: float) -> None:
+    """The producer's loop froze past the consumer's peer timeout: the consumer has given
+    it up and failed its requests (blocks_safe=False), and may reuse their blocks. The
+    Register waiting in the socket is not served (its WRITE could land in them); the
+    session goes and the consumer is told to connect again. The consumer's clock is its
+    own: only the frames' delays count."""
+    acc, _ = _judged_pair()
+    acc.receive(10.001, b"id-c0", m.encode(m.Heartbeat(5, clock + 10.0)))
+    got, msg = acc.receive(10.2, b"id-c0", _register(clock + 10.19))    # in time
+    assert msg is not None and not _dropped(got)
+    got, msg = acc.receive(12.0, b"id-c0", _register(clock + 10.3))     # 1.7 s late
+    assert msg is None
+    assert "read its Register 1.70 s late" in _dropped(got)
+    assert acc.connected("c0") is None
+
+
+def test_a_heartbeat_read_late_drops_its_session() -> None:
+    """Late by more than the timeout less one heartbeat period (kept for the answer's way
+    back): 0.75 s here."""
+    acc, _ = _judged_pair()
+    acc.receive(10.001, b"id-c0", m.encode(m.Heartbeat(5, 10.0)))
+    got, msg = acc.receive(10.8, b"id-c0", m.encode(m.Heartbeat(6, 10.1)))  # 0.70 s: kept
+    assert msg is not None and not _dropped(got)
+    got, msg = acc.receive(11.2, b"id-c0", m.encode(m.Heartbeat(7, 10.35)))  # 0.85 s
+    assert msg is None and "read its Heartbeat 0.85 s late" in _dropped(got)
+
+
+def test_a_consumer_that_stalled_itself_is_kept() -> None:
+    """The consumer's own loop stalled 3 s (no Heartbeats sent): its next one, read at
+    once, is on time, and it judges no producer across its own stall."""
+    acc, _ = _judged_pair()
+    acc.receive(10.001, b"id-c0", m.encode(m.Heartbeat(5, 10.0)))
+    got, msg = acc.receive(13.001, b"id-c0", m.encode(m.Heartbeat(6, 13.0)))
+    assert msg is not None and not _dropped(got) and acc.connected("c0") is not None
+
+
+def test_clocks_running_at_different_rates_stay_matched() -> None:
+    """A consumer whose clock runs 200 parts per million slow, its frames read at once
+    for three hours: no frame is read late, and a late one still is."""
+    acc, _ = _judged_pair()
+    t = 10.0
+    while t < 10_800.0:
+        got, msg = acc.receive(t + 0.001, b"id-c0", m.encode(m.Heartbeat(int(t), t * 0.9998)))
+        assert msg is not None and not _dropped(got), t
+        t += 0.25
+    got, _ = acc.receive(t + 1.0, b"id-c0", m.encode(m.Heartbeat(1, t * 0.9998)))
+    assert "read its Heartbeat 1.00 s late" in _dropped(got)
+
+
+def test_a_consumer_whose_next_heartbeat_is_not_read_in_time_is_in_doubt() -> None:
+    """What a WRITE must not outrun: the consumer's next Heartbeat is due 0.25 s after its
+    last, and it gives the producer up if that goes unanswered 1.0 s. Until a Heartbeat
+    sent at 10.0 (read at 10.001), nothing is in doubt; from 11.001 a WRITE could reach a
+    consumer that failed its request (this loop may not have read its Heartbeats yet)."""
+    acc, _ = _judged_pair()
+    acc.receive(10.001, b"id-c0", m.encode(m.Heartbeat(5, 10.0)))
+    assert acc.doubt("c0", 11.0) == ""
+    assert "no Heartbeat of it read for 1.00 s" in acc.doubt("c0", 11.002)
+    acc.receive(11.003, b"id-c0", m.encode(m.Heartbeat(6, 11.0)))
+    assert acc.doubt("c0", 11.5) == "" and acc.doubt("nobody", 99.0) == ""
+
+
+def test_a_consumer_that_said_nothing_of_its_timeouts_is_not_judged() -> None:
+    """A Hello that says no heartbeat period (or none that makes sense with its timeout):
+    the consumer's frames' delays are not judged (the producer's own silence check still
+    drops it)."""
+    dials, acc = _pair(None)
+    _connect(dials, acc)
+    acc.receive(10.001, b"id-c0", m.encode(m.Heartbeat(5, 10.0)))
+    got, msg = acc.receive(20.0, b"id-c0", _register(10.1))
+    assert msg is not None and not _dropped(got) and acc.doubt("c0", 30.0) == ""
 
 
 def test_a_helloack_before_the_hello_is_refused_and_changes_nothing() -> None:

@@ -1,7 +1,8 @@
 """The simulator runs the production loop (kvpush.driver.Driver) and the sessions over their
 sockets (kvpush.sessions), not a copy of them: a bug planted in either is reported by a run
-shaped as `.ci/run-sim`'s first one (seed 1, every fault, a key; fewer requests), and the
-same run without a plant reports none (tests/sim/test_session_planted.py)."""
+shaped as `.ci/run-sim`'s first one (seed 1, every fault, a key; 6,000 of its 16,000
+requests, stopped at the first violation), and the same run without a plant reports none
+(tests/sim/test_session_planted.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvpush.protocol.effects import XferEnd
 from kvpush.testing import Faults, Simulation
 
 
-def _run(requests: int = 3000) -> Simulation:
+def _run(requests: int = 6000) -> Simulation:
     sim = Simulation(1, requests=requests, faults=Faults.parse("all"), out=io.StringIO(),
                      stop_after=1)
     sim.run()
