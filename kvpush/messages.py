@@ -286,7 +286,8 @@ class HeartbeatAck(_Msg, tag="hb_ack", frozen=True):
 
 class Bye(_Msg, tag="bye", frozen=True):
     """Either direction: the sender is closing; drop its state. ``rejoin`` (producer to
-    consumer): the producer's data plane restarted (new NIXL metadata): connect again."""
+    consumer): connect again -- the producer's data plane restarted (new NIXL metadata), or
+    the producer was silent so long that the consumer may have given it up."""
 
     name: str
     rejoin: bool = False

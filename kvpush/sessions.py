@@ -514,7 +514,8 @@ class Dialing:
 
     def _lose(self, down: PeerDown) -> None:
         """A session that was up ended: its requests and claims fail, NIXL forgets the
-        producer, and one that asked to be dialled again (its data plane restarted) is."""
+        producer, and one that asked to be dialled again (its data plane restarted, or it
+        was silent so long that this side may have given it up) is."""
         sock = self.conns.get(str(down.conn))
         unsent = " (control frames to it were still waiting to go out)" \
             if sock is not None and self._driver.queued(sock) else ""

@@ -307,7 +307,9 @@ class Dialer:
         if isinstance(msg, m.HeartbeatAck):
             return self._run(DialEvent.HEARTBEAT_ACK, now, msg), None
         if isinstance(msg, m.Bye):
-            why = "producer's data plane restarted" if msg.rejoin else "producer closed"
+            why = ("producer asked to be dialled again (its data plane restarted, or it was "
+                   "silent long enough that this side may have given it up)") if msg.rejoin \
+                else "producer closed"
             return self._run(DialEvent.BYE, now, why, False, msg.rejoin), None
         return [], msg
 
