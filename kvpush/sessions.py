@@ -127,6 +127,8 @@ class Accepting:
         return self.machine.doubt(peer, now)
 
     def distrust(self, peer: str, why: str) -> None:
+        """Drop consumer ``peer``'s session for ``why`` (:meth:`doubt`), telling it to
+        connect again."""
         consumer = self.machine.connected(peer)
         if consumer is not None:
             self._carry_out(self.machine.drop(consumer, why, rejoin=True))

@@ -135,6 +135,14 @@ def test_a_cut_counts_toward_both_ends_once_however_it_is_lengthened() -> None:
     assert net.held_for_s("z") == 0.0
 
 
+def _runs_clean(capsys: pytest.CaptureFixture[str], *args: str) -> None:
+    """The simulator run with ``args`` exits 0 and reports no violation."""
+    rc = main(list(args))
+    out = capsys.readouterr().out
+    assert rc == 0, out[-4000:]
+    assert out.strip().splitlines()[-1].endswith("violations=0")
+
+
 def test_a_push_claim_taken_again_at_a_release_holds_the_next_use(
         capsys: pytest.CaptureFixture[str]) -> None:
     """A push claim that reaches a producer while it holds the request's current use waits
@@ -143,20 +151,12 @@ def test_a_push_claim_taken_again_at_a_release_holds_the_next_use(
     released, and bounded the next use as if nothing claimed it: `never_released` for a
     source the claim held (its claimant's Register lost in a reset; the claimant's Abort
     ended it). This seed reported it; the claim now holds the use the core gave it to."""
-    rc = main(["--requests", "4000", "--seed", "360", "--faults",
-               "claim,reuse,double,sharers,inuse,pabort,abort,reset", "--fault-rate", "250",
-               "--timings", "library", "--tp", "2", "--producers", "2", "--consumers", "4",
-               "--stop-after", "1"])
-    out = capsys.readouterr().out
-    assert rc == 0, out[-4000:]
-    assert out.strip().splitlines()[-1].endswith("violations=0")
+    _runs_clean(capsys, "--requests", "4000", "--seed", "360", "--faults",
+                "claim,reuse,double,sharers,inuse,pabort,abort,reset", "--fault-rate", "250",
+                "--timings", "library", "--tp", "2", "--producers", "2", "--consumers", "4",
+                "--stop-after", "1")
 
 
-def _sim(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """Run the simulator with ``args``: its exit code and what it printed."""
-    rc = main(list(args))
-    out = capsys.readouterr().out
-    return rc, out
 
 
 def test_a_stalled_producer_posts_no_write_for_a_wait_that_ran_out(
@@ -166,11 +166,9 @@ def test_a_stalled_producer_posts_no_write_for_a_wait_that_ran_out(
     given the blocks up unsafe (its Abort in flight), and a slow WRITE landed in them
     after the engine's quarantine (``landed_after_safe``). The core now posts nothing for
     an owner whose wait ran out."""
-    rc, out = _sim(
+    _runs_clean(
         capsys, "--requests", "3000", "--seed", "758", "--faults",
         "pabort,order,stall,cut,slow", "--timings", "drawn", "--rate", "3000", "--kv-apart")
-    assert rc == 0, out[-4000:]
-    assert out.strip().splitlines()[-1].endswith("violations=0")
 
 
 def test_a_late_layerwise_prefill_ends_within_the_window_of_its_early_release(
@@ -182,11 +180,9 @@ def test_a_late_layerwise_prefill_ends_within_the_window_of_its_early_release(
     (``release_not_held``). Late prefills now end within that window. (This command first
     showed the model's ``order`` fault making an aborted use's ``prefill_done`` past its
     tombstone; the producer's session changes moved the run past that case.)"""
-    rc, out = _sim(
+    _runs_clean(
         capsys, "--requests", "20000", "--seed", "504", "--faults", "all", "--timings",
         "drawn", "--rate", "3000", "--kv-apart", "--verify")
-    assert rc == 0, out[-4000:]
-    assert out.strip().splitlines()[-1].endswith("violations=0")
 
 
 @pytest.mark.parametrize("seed", [709, 784])
@@ -198,11 +194,9 @@ def test_a_producer_frozen_past_peer_timeout_posts_no_write_for_a_failed_request
     landed 10.6 s after the failure, in blocks the engine had reused. The producer now
     reads how late a consumer's frames come, and drops the session of one that may have
     given it up instead of serving it."""
-    rc, out = _sim(
+    _runs_clean(
         capsys, "--requests", "3000", "--seed", str(seed), "--faults",
         "pabort,order,stall,cut,slow", "--timings", "drawn", "--rate", "3000", "--kv-apart")
-    assert rc == 0, out[-4000:]
-    assert out.strip().splitlines()[-1].endswith("violations=0")
 
 
 def test_a_stall_or_cut_moves_a_release_bound_once() -> None:
